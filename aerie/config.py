@@ -1,0 +1,161 @@
+"""Configuration: one frozen dataclass per concern, composed into `AerieConfig`.
+
+The command line is generated from these dataclasses (`build_arg_parser`, `config_from_args`)
+so every default and help text is written once. Flag names follow SGLang: the field
+`chunked_prefill_size` is the flag `--chunked-prefill-size`. Values spelled "auto" or None are
+resolved once, by `aerie.resolve.resolve_config`, into a new object; nothing mutates a config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: bool = False):
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str | None = _opt(
+        None, "HF model directory (safetensors). Default: SmolLM2-135M-Instruct, converted once."
+    )
+    tokenizer_path: str | None = _opt(None, "Tokenizer directory. Default: the model directory.")
+    device: str = _opt("auto", "Device to run the model on.", ("auto", "cpu", "cuda"))
+    dtype: str = _opt(
+        "auto", "Weight and activation dtype.", ("auto", "float32", "bfloat16", "float16")
+    )
+    load_format: str = _opt(
+        "auto",
+        "dummy: random weights from config.json (for benchmarks).",
+        ("auto", "safetensors", "dummy"),
+    )
+    context_length: int | None = _opt(None, "Max tokens of prompt + output per request.")
+    random_seed: int = _opt(0, "Seed for dummy weights and unseeded sampling.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = _opt(1, "Tokens per KV page.")
+    max_total_tokens: int | None = _opt(None, "KV cache capacity in tokens (default: by memory).")
+    mem_fraction_static: float | None = _opt(
+        None, "Fraction of device memory for weights + KV cache (default 0.85 on CUDA)."
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int | None = _opt(None, "Max requests decoding at once.")
+    chunked_prefill_size: int = _opt(8192, "Max prompt tokens run in one prefill step.")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    attention_backend: str = _opt(
+        "torch_native", "Attention implementation.", ("torch_native", "triton")
+    )
+    disable_cuda_graph: bool = _opt(False, "Run every forward eagerly.", flag=True)
+    cuda_graph_max_bs: int | None = _opt(None, "Largest batch size captured in a CUDA graph.")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_algorithm: str | None = _opt(
+        None, "Speculative decoding algorithm.", ("EAGLE", "EAGLE3", "MTP")
+    )
+    speculative_draft_model_path: str | None = _opt(None, "Draft model directory.")
+    speculative_num_steps: int | None = _opt(None, "Draft depth S.")
+    speculative_eagle_topk: int | None = _opt(None, "Branches per draft step.")
+    speculative_num_draft_tokens: int | None = _opt(None, "Tree nodes verified per step (ND).")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "HTTP host.")
+    port: int = _opt(30000, "HTTP port.")
+    zmq_port: int | None = _opt(None, "TCP port of the ZMQ client frontend (default: port + 1).")
+    log_level: str = _opt("info", "Log level.", ("debug", "info", "warning", "error"))
+    startup_timeout_s: float = _opt(600.0, "Seconds to wait for every process to be ready.")
+    drain_timeout_s: float = _opt(30.0, "Seconds running requests get to finish on SIGTERM.")
+
+
+@dataclass(frozen=True)
+class AerieConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    # Set by resolution: the per-launch directory holding the ipc:// sockets.
+    runtime_dir: str = ""
+
+    def replace(self, **sections: Any) -> AerieConfig:
+        """A new config with whole sections or single fields replaced.
+
+        `cfg.replace(cache={"max_total_tokens": 100})` replaces one field of a section.
+        """
+        updates: dict[str, Any] = {}
+        for name, value in sections.items():
+            if isinstance(value, dict):
+                updates[name] = dataclasses.replace(getattr(self, name), **value)
+            else:
+                updates[name] = value
+        return dataclasses.replace(self, **updates)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """Every field by its flag name (underscored), for /server_info and logs."""
+        flat: dict[str, Any] = {}
+        for section in _SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, section)))
+        flat["runtime_dir"] = self.runtime_dir
+        return flat
+
+
+_SECTIONS = ("model", "cache", "scheduler", "runner", "speculative", "server")
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(AerieConfig)
+    return {name: hints[name] for name in _SECTIONS}
+
+
+def _scalar_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch.py", description="Aerie: an LLM server built around EAGLE speculation."
+    )
+    for section, cls in _section_types().items():
+        group = parser.add_argument_group(section)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = f.metadata
+            if meta.get("flag"):
+                group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+                continue
+            group.add_argument(
+                flag,
+                dest=f.name,
+                type=_scalar_type(hints[f.name]),
+                default=f.default,
+                choices=meta.get("choices"),
+                help=f"{meta['help']} (default: {f.default})",
+            )
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> AerieConfig:
+    args = vars(build_arg_parser().parse_args(argv))
+    sections = {}
+    for section, cls in _section_types().items():
+        sections[section] = cls(**{f.name: args[f.name] for f in dataclasses.fields(cls)})
+    return AerieConfig(**sections)

@@ -1,0 +1,274 @@
+"""Every message that crosses a socket, grouped by edge. Definitions only, no logic.
+
+Each message is a frozen dataclass. Token arrays travel as raw little-endian int32 bytes
+(`aerie.codec.pack_ids` / `unpack_ids`), log-probabilities as little-endian float32 bytes
+(`pack_floats` / `unpack_floats`). `MESSAGE_TYPES` at the bottom is the codec's registry: a
+type that is not listed there cannot be sent.
+
+Edges (see DESIGN §1):
+    tokenizer   -> scheduler    TokenizedRequest, AbortRequest
+    scheduler   -> gpu worker   ForwardPlan
+    gpu worker  -> scheduler    StepResult
+    scheduler   -> detokenizer  TokenDeltas
+    scheduler   -> tokenizer    SchedulerStats
+    detokenizer -> tokenizer    TextDeltas
+    launcher   <-> every child  ProcessReady, ProcessFailed, Shutdown, EngineReady,
+                                BeginDrain, DrainDone
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# --------------------------------------------------------------------------------------------
+# Shared value types
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping parameters, already validated by the tokenizer."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended. type: "stop" | "length" | "abort".
+
+    matched: the stop token id or stop string that ended it (None for EOS-less finishes);
+    message: a human-readable reason for aborts (e.g. "prompt does not fit in the KV cache").
+    """
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer -> scheduler
+
+
+@dataclass(frozen=True)
+class TokenizedRequest:
+    rid: str
+    input_ids: bytes  # int32 LE [prompt_len]
+    sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler -> gpu worker
+
+
+@dataclass(frozen=True)
+class RequestStart:
+    """Sent the first time a request runs on a request row (and again after a retraction).
+
+    The worker keeps it per row until the row is started again by another request.
+    prompt_ids: int32 LE, the request's full fill (prompt + outputs so far after a retraction),
+    so the worker can build penalty state; output_len: how many of those are outputs.
+    """
+
+    sampling: SamplingParams
+    return_logprob: bool
+    prompt_ids: bytes
+    output_len: int = 0
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One request's share of a forward step.
+
+    input_ids: int32 LE, the tokens run this step (an extend chunk, or the last token for a
+        decode). Their positions are prefix_len, prefix_len + 1, ...
+    out_slots: int32 LE, KV slot ids for positions [prefix_len, prefix_len + len(out_slots)).
+        For decode with speculation this holds the reserved headroom, longer than input_ids.
+    sample: whether this step produces new tokens for the request (False for a non-final
+        prefill chunk).
+    """
+
+    rid: str
+    req_pool_idx: int
+    prefix_len: int
+    input_ids: bytes
+    out_slots: bytes
+    sample: bool
+    start: RequestStart | None = None
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """One scheduler step. mode: "extend" (prefill chunks) or "decode"."""
+
+    plan_id: int
+    mode: str
+    requests: list[PlanRequest]
+
+
+# --------------------------------------------------------------------------------------------
+# gpu worker -> scheduler
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Tokens produced by one ForwardPlan, in the plan's request order.
+
+    num_tokens: int32 LE [num_requests], new tokens per request (0 for a non-final chunk,
+        1 for a plain decode, the accept length with speculation).
+    token_ids: int32 LE [sum(num_tokens)].
+    logprobs: float32 LE [sum(num_tokens)] when any request asked for them, else empty.
+    num_verify: int32 LE [num_requests] verify forwards per request this step (0 without
+        speculation), for spec_verify_ct.
+    """
+
+    plan_id: int
+    num_tokens: bytes
+    token_ids: bytes
+    logprobs: bytes = b""
+    num_verify: bytes = b""
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler -> detokenizer
+
+
+@dataclass(frozen=True)
+class DetokenizeStart:
+    """What the detokenizer needs to know about a request, sent with its first delta."""
+
+    skip_special_tokens: bool
+    stop: list[str]
+    stream: bool
+    prompt_tail_ids: bytes  # int32 LE, a few last prompt tokens as decoding context
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    rid: str
+    token_ids: bytes  # int32 LE, new output tokens (already truncated at a stop)
+    logprobs: bytes = b""
+    finish: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec_verify_ct: int = 0
+    start: DetokenizeStart | None = None
+
+
+@dataclass(frozen=True)
+class TokenDeltas:
+    deltas: list[RequestDelta]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    avg_accept_length: float
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# detokenizer -> tokenizer
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    rid: str
+    text: str
+    token_ids: bytes
+    logprobs: bytes = b""
+    finish: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec_verify_ct: int = 0
+
+
+@dataclass(frozen=True)
+class TextDeltas:
+    deltas: list[TextDelta]
+
+
+# --------------------------------------------------------------------------------------------
+# launcher <-> children
+
+
+@dataclass(frozen=True)
+class ProcessReady:
+    name: str
+    pid: int
+    info: dict[str, int | float | str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProcessFailed:
+    name: str
+    pid: int
+    error: str  # formatted traceback
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """launcher -> tokenizer: every process is up; server_info is the resolved config."""
+
+    server_info: dict[str, int | float | str | bool | None]
+
+
+@dataclass(frozen=True)
+class BeginDrain:
+    """launcher -> tokenizer: refuse new requests with 503, report DrainDone when idle."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class DrainDone:
+    num_unfinished: int
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    SamplingParams,
+    FinishReason,
+    TokenizedRequest,
+    AbortRequest,
+    RequestStart,
+    PlanRequest,
+    ForwardPlan,
+    StepResult,
+    DetokenizeStart,
+    RequestDelta,
+    TokenDeltas,
+    SchedulerStats,
+    TextDelta,
+    TextDeltas,
+    ProcessReady,
+    ProcessFailed,
+    Shutdown,
+    EngineReady,
+    BeginDrain,
+    DrainDone,
+)

@@ -1,0 +1,87 @@
+"""The one transport: typed `Sender` / `Receiver` over ZMQ PUSH/PULL, encoded by `aerie.codec`.
+
+A Receiver binds its address (each process owns one inbox); Senders connect. `AsyncReceiver` /
+`AsyncSender` are the same API for the asyncio frontend (the tokenizer process) only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from aerie import codec
+
+
+def _configure(socket: zmq.Socket) -> None:
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+
+
+class Sender:
+    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+        self._socket = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        _configure(self._socket)
+        self._socket.connect(address)
+        self.address = address
+
+    def send(self, message: Any) -> None:
+        self._socket.send(codec.encode(message), copy=False)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class Receiver:
+    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+        self._socket = (context or zmq.Context.instance()).socket(zmq.PULL)
+        _configure(self._socket)
+        self._socket.bind(address)
+        self.address = address
+
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        """The next message, or None if none came within timeout_s (None waits forever)."""
+        if timeout_s is not None and not self._socket.poll(int(timeout_s * 1000)):
+            return None
+        return codec.decode(self._socket.recv(copy=True))
+
+    def drain(self) -> list[Any]:
+        """Every message available now, without waiting."""
+        messages = []
+        while True:
+            try:
+                data = self._socket.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            messages.append(codec.decode(data))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class AsyncSender:
+    def __init__(self, address: str, context: zmq.asyncio.Context | None = None) -> None:
+        self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.PUSH)
+        _configure(self._socket)
+        self._socket.connect(address)
+
+    async def send(self, message: Any) -> None:
+        await self._socket.send(codec.encode(message))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class AsyncReceiver:
+    def __init__(self, address: str, context: zmq.asyncio.Context | None = None) -> None:
+        self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.PULL)
+        _configure(self._socket)
+        self._socket.bind(address)
+
+    async def recv(self) -> Any:
+        return codec.decode(await self._socket.recv())
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
