@@ -1,0 +1,215 @@
+"""Start an Aerie server: spawn the four processes, wait until they are ready, supervise, drain.
+
+    python launch.py [--model-path DIR] [--port 30000] ...     (python launch.py --help)
+
+Start order: the GPU worker first (it loads weights and measures how much KV fits), then the
+scheduler, detokenizer and tokenizer with the worker's KV capacity filled into the config.
+If any child fails or dies, every child is stopped and the launcher exits non-zero. SIGTERM or
+SIGINT drains: the tokenizer answers new requests with 503, running requests finish (bounded
+by --drain-timeout-s), then children stop in order. Under systemd (Type=notify) it reports
+READY=1 and STOPPING=1 through $NOTIFY_SOCKET.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+from aerie import endpoints
+from aerie.config import AerieConfig, config_from_args
+from aerie.logging import setup_logging
+from aerie.messages import (
+    BeginDrain,
+    DrainDone,
+    EngineReady,
+    ProcessFailed,
+    ProcessReady,
+    Shutdown,
+)
+from aerie.model_info import ModelDirError
+from aerie.resolve import ConfigError, resolve_config
+from aerie.transport import Receiver, Sender
+
+log = logging.getLogger("launcher")
+
+STOP_ORDER = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
+_POLL_S = 0.2
+
+
+class LaunchError(RuntimeError):
+    """A child failed to start or died; the message names it."""
+
+
+def _entry_point(name: str) -> Callable[[AerieConfig], None]:
+    if name == "tokenizer":
+        from tokenizer_proc.process import run_tokenizer_process
+
+        return run_tokenizer_process
+    if name == "scheduler":
+        from scheduler_proc.process import run_scheduler_process
+
+        return run_scheduler_process
+    if name == "gpu_worker":
+        from gpu_worker.process import run_gpu_worker_process
+
+        return run_gpu_worker_process
+    from detokenizer_proc.process import run_detokenizer_process
+
+    return run_detokenizer_process
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd our state (no-op unless started by systemd with Type=notify)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(state.encode(), address)
+
+
+class Launcher:
+    def __init__(self, config: AerieConfig) -> None:
+        self.config = config
+        self.inbox = Receiver(endpoints.inbox(config, "launcher"))
+        self.procs: dict[str, mp.Process] = {}
+        self.stop_signal: int | None = None
+        self._mp = mp.get_context("spawn")
+
+    # ---------------------------------------------------------------------------- start-up
+
+    def spawn(self, name: str, config: AerieConfig) -> None:
+        proc = self._mp.Process(target=_entry_point(name), args=(config,), name=f"aerie-{name}")
+        proc.start()
+        self.procs[name] = proc
+
+    def wait_ready(self, names: tuple[str, ...]) -> dict[str, ProcessReady]:
+        """Block until every named child reported ProcessReady; raise LaunchError otherwise."""
+        pending, ready = set(names), {}
+        deadline = time.monotonic() + self.config.server.startup_timeout_s
+        while pending:
+            if self.stop_signal is not None:
+                raise LaunchError(f"interrupted while starting ({', '.join(sorted(pending))})")
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the {', '.join(sorted(pending))} process(es) did not become ready within "
+                    f"{self.config.server.startup_timeout_s:.0f} s (--startup-timeout-s)"
+                )
+            message = self.inbox.recv(timeout_s=_POLL_S)
+            if isinstance(message, ProcessFailed):
+                raise LaunchError(f"the {message.name} process failed to start:\n{message.error}")
+            if isinstance(message, ProcessReady) and message.name in pending:
+                pending.discard(message.name)
+                ready[message.name] = message
+            self.raise_if_dead()
+        return ready
+
+    def start(self) -> AerieConfig:
+        """Start all children; returns the config with the worker's KV capacity filled in."""
+        self.spawn("gpu_worker", self.config)
+        info = self.wait_ready(("gpu_worker",))["gpu_worker"].info
+        config = self.config.replace(
+            cache={"max_total_tokens": int(info["max_total_tokens"])},
+            scheduler={"max_running_requests": int(info["max_running_requests"])},
+        )
+        for name in ("scheduler", "detokenizer", "tokenizer"):
+            self.spawn(name, config)
+        self.wait_ready(("scheduler", "detokenizer", "tokenizer"))
+        server_info = {**config.to_flat_dict(), **info, "version": "0.1.0"}
+        Sender(endpoints.inbox(config, "tokenizer")).send(EngineReady(server_info=server_info))
+        return config
+
+    # ---------------------------------------------------------------------------- supervision
+
+    def raise_if_dead(self) -> None:
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                raise LaunchError(f"the {name} process exited unexpectedly (code {proc.exitcode})")
+
+    def supervise(self) -> None:
+        """Return when a stop signal arrives; raise LaunchError when a child dies or fails."""
+        while self.stop_signal is None:
+            message = self.inbox.recv(timeout_s=_POLL_S)
+            if isinstance(message, ProcessFailed):
+                raise LaunchError(f"the {message.name} process failed:\n{message.error}")
+            self.raise_if_dead()
+
+    def drain(self) -> None:
+        """Let running requests finish (bounded), with new requests refused by the tokenizer."""
+        timeout = self.config.server.drain_timeout_s
+        log.info("draining: new requests get 503, running requests get up to %.0f s", timeout)
+        Sender(endpoints.inbox(self.config, "tokenizer")).send(BeginDrain(timeout_s=timeout))
+        deadline = time.monotonic() + timeout + 5
+        while time.monotonic() < deadline:
+            message = self.inbox.recv(timeout_s=_POLL_S)
+            if isinstance(message, DrainDone):
+                if message.num_unfinished:
+                    log.warning("drain timed out with %d unfinished requests", message.num_unfinished)
+                return
+            if any(not p.is_alive() for p in self.procs.values()):
+                return
+
+    def stop_children(self, reason: str) -> None:
+        """Send Shutdown in order, wait briefly, then kill whatever is left. Never leaves orphans."""
+        for name in STOP_ORDER:
+            proc = self.procs.get(name)
+            if proc is None or not proc.is_alive():
+                continue
+            Sender(endpoints.inbox(self.config, name)).send(Shutdown(reason=reason))
+            proc.join(timeout=3)
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=2)
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        if self.stop_signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = resolve_config(config_from_args(argv))
+    except (ConfigError, ModelDirError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging("launcher", config.server.log_level)
+    launcher = Launcher(config)
+    signal.signal(signal.SIGTERM, launcher.on_signal)
+    signal.signal(signal.SIGINT, launcher.on_signal)
+    code = 0
+    try:
+        served = launcher.start()
+        log.info(
+            "Aerie is ready: http://%s:%d (ZMQ %s), model %s on %s/%s",
+            served.server.host, served.server.port, endpoints.client_address(served),
+            served.model.model_path, served.model.device, served.model.dtype,
+        )
+        sd_notify("READY=1")
+        launcher.supervise()
+        sd_notify("STOPPING=1")
+        launcher.drain()
+        launcher.stop_children("signal")
+    except LaunchError as e:
+        log.error("%s", e)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        launcher.stop_children("launcher exiting")
+        shutil.rmtree(config.runtime_dir, ignore_errors=True)
+    log.info("stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from aerie import codec
+from aerie.messages import (
+    MESSAGE_TYPES,
+    FinishReason,
+    ForwardPlan,
+    PlanRequest,
+    RequestStart,
+    SamplingParams,
+    StepResult,
+)
+
+
+def test_nested_message_round_trips():
+    start = RequestStart(SamplingParams(stop=["\n\n"], seed=7), True, codec.pack_ids([5, 6]), 1)
+    plan = ForwardPlan(
+        plan_id=9,
+        mode="extend",
+        requests=[PlanRequest("r1", 3, 0, codec.pack_ids([1, 2]), codec.pack_ids([8, 9]), True, start)],
+    )
+    decoded = codec.decode(codec.encode(plan))
+    assert decoded == plan
+    assert codec.unpack_ids(decoded.requests[0].input_ids) == [1, 2]
+    assert decoded.requests[0].start.sampling.stop == ["\n\n"]
+
+
+def test_every_registered_type_round_trips_with_defaults():
+    for cls in MESSAGE_TYPES:
+        required = {
+            f.name: _sample_value(f.type)
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        message = cls(**required)
+        assert codec.decode(codec.encode(message)) == message
+
+
+def _sample_value(type_name: str):
+    samples = {"str": "x", "int": 1, "bytes": b"\x01\x00\x00\x00", "float": 0.5, "bool": True}
+    if type_name in samples:
+        return samples[type_name]
+    if type_name.startswith("list["):
+        return []
+    if type_name.startswith("dict["):
+        return {"k": 1}
+    if type_name == "SamplingParams":
+        return SamplingParams()
+    raise AssertionError(f"add a sample for {type_name}")
+
+
+def test_token_arrays_are_little_endian_int32():
+    assert codec.pack_ids([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    result = StepResult(plan_id=1, num_tokens=codec.pack_ids([2]), token_ids=codec.pack_ids([7, 8]))
+    assert codec.unpack_ids(codec.decode(codec.encode(result)).token_ids) == [7, 8]
+    assert codec.unpack_floats(codec.pack_floats([0.5, -1.0])) == [0.5, -1.0]
+
+
+def test_unregistered_objects_are_refused():
+    with pytest.raises(codec.CodecError):
+        codec.encode({"type": "ForwardPlan"})
+
+    @dataclasses.dataclass(frozen=True)
+    class FinishReason2:  # same shape, not registered
+        type: str
+
+    with pytest.raises(codec.CodecError):
+        codec.encode(FinishReason2("stop"))
+
+
+def test_unknown_type_tag_and_garbage_are_loud():
+    forged = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["Evil", 1])))
+    with pytest.raises(codec.CodecError, match="unknown message type"):
+        codec.decode(forged)
+    with pytest.raises(codec.CodecError):
+        codec.decode(b"\xc1garbage")
+    with pytest.raises(codec.CodecError, match="not a message"):
+        codec.decode(msgpack.packb([1, 2]))
+
+
+def test_field_count_mismatch_is_loud():
+    forged = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["FinishReason", "stop"])))
+    with pytest.raises(codec.CodecError, match="expected 3 fields"):
+        codec.decode(forged)
+    assert codec.decode(codec.encode(FinishReason("stop", 2))).matched == 2
+
+
+def test_registry_rejects_mutable_and_duplicate_types():
+    @dataclasses.dataclass
+    class Mutable:
+        x: int
+
+    with pytest.raises(TypeError, match="frozen"):
+        codec._build_registry([Mutable])
+    with pytest.raises(TypeError, match="duplicate"):
+        codec._build_registry([FinishReason, FinishReason])

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from aerie.config import AerieConfig, build_arg_parser, config_from_args
+from aerie.resolve import ConfigError, resolve_config
+
+
+def test_every_design_flag_exists():
+    flags = {a for action in build_arg_parser()._actions for a in action.option_strings}
+    design = (
+        "--model-path --tokenizer-path --host --port --zmq-port --device --dtype --load-format "
+        "--context-length --page-size --max-running-requests --max-total-tokens "
+        "--mem-fraction-static --chunked-prefill-size --attention-backend --disable-cuda-graph "
+        "--cuda-graph-max-bs --speculative-algorithm --speculative-draft-model-path "
+        "--speculative-num-steps --speculative-eagle-topk --speculative-num-draft-tokens "
+        "--random-seed --log-level"
+    ).split()
+    assert set(design) <= flags
+
+
+def test_flags_land_in_their_sections():
+    cfg = config_from_args(["--page-size", "4", "--chunked-prefill-size", "16", "--disable-cuda-graph"])
+    assert cfg.cache.page_size == 4
+    assert cfg.scheduler.chunked_prefill_size == 16
+    assert cfg.runner.disable_cuda_graph is True
+    assert config_from_args([]) == AerieConfig()
+
+
+def test_bad_choice_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(["--device", "tpu"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def _model_dir(tmp_path, with_weights=True):
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100,
+        "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "max_position_embeddings": 64, "eos_token_id": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if with_weights:
+        (tmp_path / "model.safetensors").write_bytes(b"")
+    return str(tmp_path)
+
+
+def test_resolve_fills_auto_values(tmp_path):
+    path = _model_dir(tmp_path)
+    cfg = resolve_config(config_from_args(["--model-path", path, "--device", "cpu", "--port", "9"]))
+    assert cfg.model.device == "cpu" and cfg.model.dtype == "float32"
+    assert cfg.model.load_format == "safetensors"
+    assert cfg.model.context_length == 64
+    assert cfg.model.tokenizer_path == path
+    assert cfg.server.zmq_port == 10
+    assert cfg.scheduler.max_running_requests > 0
+    assert os.path.isdir(cfg.runtime_dir)
+    os.rmdir(cfg.runtime_dir)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--context-length", "65"], "max_position_embeddings"),
+        (["--page-size", "0"], "--page-size must be positive"),
+        (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
+    ],
+)
+def test_resolve_refuses_impossible_values(tmp_path, argv, message):
+    path = _model_dir(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(config_from_args(["--model-path", path, "--device", "cpu", *argv]))
+
+
+def test_missing_weights_suggest_dummy(tmp_path):
+    path = _model_dir(tmp_path, with_weights=False)
+    with pytest.raises(ConfigError, match="--load-format dummy"):
+        resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
+    cfg = resolve_config(config_from_args(["--model-path", path, "--load-format", "dummy"]))
+    assert cfg.model.load_format == "dummy"
+    os.rmdir(cfg.runtime_dir)
