@@ -185,6 +185,7 @@ class SchedulerStats:
     kv_total_tokens: int
     avg_accept_length: float
     accepted_per_position: list[int] = field(default_factory=list)
+    num_retractions: int = 0  # requests retracted since start (KV ran out)
 
 
 # --------------------------------------------------------------------------------------------

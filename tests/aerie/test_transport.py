@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import asyncio
+
+from aerie.messages import AbortRequest, Shutdown
+from aerie.transport import AsyncReceiver, AsyncSender, Receiver, Sender
+
+
+def test_push_pull_round_trip_and_drain(tmp_path):
+    address = f"ipc://{tmp_path}/inbox.sock"
+    inbox = Receiver(address)
+    out = Sender(address)
+    assert inbox.recv(timeout_s=0.01) is None
+    out.send(AbortRequest("a"))
+    out.send(Shutdown("bye"))
+    assert inbox.recv(timeout_s=2) == AbortRequest("a")
+    assert inbox.recv(timeout_s=2) == Shutdown("bye")
+    for i in range(5):
+        out.send(AbortRequest(str(i)))
+    received = []
+    while len(received) < 5:
+        received += inbox.drain()
+    assert [m.rid for m in received] == ["0", "1", "2", "3", "4"]
+    out.close()
+    inbox.close()
+
+
+def test_async_pair(tmp_path):
+    address = f"ipc://{tmp_path}/async.sock"
+
+    async def main():
+        inbox = AsyncReceiver(address)
+        out = AsyncSender(address)
+        await out.send(AbortRequest("x"))
+        got = await asyncio.wait_for(inbox.recv(), 2)
+        out.close()
+        inbox.close()
+        return got
+
+    assert asyncio.run(main()) == AbortRequest("x")
