@@ -1,0 +1,133 @@
+"""Logical KV allocation: request rows and KV pages, as free lists. CPU only (numpy, no torch).
+
+Rows are 1..max_running_requests; row 0 is a reserved dummy (CUDA-graph padding). Pages are
+1..num_pages of `page_size` slots each; the slot of position `p` of a row is
+`pages[p // page_size] * page_size + p % page_size`, so page 0 (and with it slot 0) is never
+handed out and the worker's KV pools need `(num_pages + 1) * page_size` slots.
+
+Per row the allocator keeps its page list and `allocated_len`, the number of positions that
+have slots. `grow` extends it (all or nothing), `shrink` gives back whole pages beyond a
+length (speculative headroom that was not accepted), `free` releases everything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVAllocator:
+    """Free lists of request rows and KV pages. Every method is O(pages touched)."""
+
+    def __init__(self, num_pages: int, page_size: int, max_running_requests: int) -> None:
+        if num_pages < 1 or page_size < 1 or max_running_requests < 1:
+            raise ValueError("num_pages, page_size and max_running_requests must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_running_requests = max_running_requests
+        # Stacks popped from the end: low ids are handed out first.
+        self._free_pages: list[int] = list(range(num_pages, 0, -1))
+        self._free_rows: list[int] = list(range(max_running_requests, 0, -1))
+        self._pages: dict[int, list[int]] = {}  # row -> its pages, in position order
+        self._lens: dict[int, int] = {}  # row -> allocated_len
+
+    # ---------------------------------------------------------------- rows
+
+    def alloc_row(self) -> int | None:
+        """A free row (>= 1) with no pages, or None when every row is taken."""
+        if not self._free_rows:
+            return None
+        row = self._free_rows.pop()
+        self._pages[row] = []
+        self._lens[row] = 0
+        return row
+
+    def free(self, row: int) -> None:
+        """Release the row and all of its pages."""
+        self._free_pages.extend(reversed(self._pages.pop(row)))
+        del self._lens[row]
+        self._free_rows.append(row)
+
+    # ---------------------------------------------------------------- pages
+
+    def allocated_len(self, row: int) -> int:
+        return self._lens[row]
+
+    def num_held_pages(self, row: int) -> int:
+        return len(self._pages[row])
+
+    def pages_needed(self, row: int | None, new_len: int) -> int:
+        """Pages `grow(row, new_len)` would take (row None: a row not allocated yet)."""
+        held = 0 if row is None else len(self._pages[row])
+        return max(0, ceil_div(new_len, self.page_size) - held)
+
+    def grow(self, row: int, new_len: int) -> np.ndarray | None:
+        """Slots for positions [allocated_len, new_len), int32 [new_len - allocated_len].
+
+        Allocates pages as needed. Returns None, allocating nothing, when there are not
+        enough free pages. new_len below allocated_len is an error (use `shrink`).
+        """
+        old_len = self._lens[row]
+        if new_len < old_len:
+            raise ValueError(f"grow to {new_len} below allocated length {old_len}")
+        num_new = self.pages_needed(row, new_len)
+        if num_new > len(self._free_pages):
+            return None
+        pages = self._pages[row]
+        if num_new:
+            pages.extend(self._free_pages[-num_new:][::-1])
+            del self._free_pages[-num_new:]
+        self._lens[row] = new_len
+        return self.slots(row, old_len, new_len)
+
+    def shrink(self, row: int, keep_len: int) -> None:
+        """Keep positions [0, keep_len); free whole pages beyond them. keep_len <= allocated."""
+        if keep_len > self._lens[row]:
+            raise ValueError(f"shrink to {keep_len} above allocated length {self._lens[row]}")
+        pages = self._pages[row]
+        num_keep = ceil_div(keep_len, self.page_size)
+        self._free_pages.extend(reversed(pages[num_keep:]))
+        del pages[num_keep:]
+        self._lens[row] = keep_len
+
+    def slots(self, row: int, start: int, end: int) -> np.ndarray:
+        """Slot ids of positions [start, end) of an allocated row, int32 [end - start]."""
+        if not 0 <= start <= end <= self._lens[row]:
+            raise ValueError(f"positions [{start}, {end}) outside [0, {self._lens[row]})")
+        positions = np.arange(start, end, dtype=np.int64)  # [end - start]
+        pages = np.asarray(self._pages[row], dtype=np.int64)
+        page_size = self.page_size
+        return (pages[positions // page_size] * page_size + positions % page_size).astype(np.int32)
+
+    # ---------------------------------------------------------------- totals
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    @property
+    def num_total_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_used_tokens(self) -> int:
+        return self.num_total_tokens - self.num_free_tokens
+
+    def is_whole(self) -> bool:
+        """Every page and row is free, each exactly once (tests check this after a run)."""
+        return (
+            not self._pages
+            and sorted(self._free_pages) == list(range(1, self.num_pages + 1))
+            and sorted(self._free_rows) == list(range(1, self.max_running_requests + 1))
+        )

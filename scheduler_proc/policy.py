@@ -1,0 +1,164 @@
+"""Scheduling decisions: what runs next step. Pure: reads requests and the allocator, mutates
+nothing (the `Scheduler` applies the decision).
+
+- Prefill is preferred (new requests get their first token soon), but when both prefill and
+  decode work are pending the modes alternate, so decode never starves.
+- An extend step continues mid-prefill requests first, then admits waiting requests FCFS
+  while a row, the token budget (`chunked_prefill_size`) and free KV allow; a long prompt is
+  split over steps. Admission keeps back the pages running decoders need for their next step.
+- A decode step runs every decoding request with `decode_alloc_len` positions of headroom;
+  when KV runs short the newest running requests are retracted until it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from aerie.config import AerieConfig
+from scheduler_proc.kv_allocator import KVAllocator, ceil_div
+from scheduler_proc.request import Request
+
+
+def decode_alloc_len_for(config: AerieConfig) -> int:
+    """Positions reserved per request per decode step: 1, or the speculative headroom.
+
+    With speculation the step writes the draft tree and the verify nodes from position
+    `kv_len`: max(num_draft_tokens, num_steps * topk) positions (the larger of the verify
+    and draft-scratch footprints); with page_size > 1 and topk > 1 each branch owns whole
+    pages holding a copy of the partial prefix page.
+    """
+    spec = config.speculative
+    if not spec.speculative_algorithm:
+        return 1
+    steps = spec.speculative_num_steps or 1
+    topk = spec.speculative_eagle_topk or 1
+    num_draft = spec.speculative_num_draft_tokens or steps + 1
+    page_size = config.cache.page_size
+    if page_size > 1 and topk > 1:
+        return max(ceil_div(page_size - 1 + steps, page_size) * page_size * topk, num_draft)
+    return max(steps * topk, num_draft)
+
+
+@dataclass
+class ExtendDecision:
+    """Prefill chunks for this step: (request, chunk_len); `admitted` are new to the batch."""
+
+    chunks: list[tuple[Request, int]] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class DecodeDecision:
+    batch: list[Request] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)  # newest first
+
+
+class SchedulePolicy:
+    """Step decisions under a token budget, a row limit and free KV pages."""
+
+    def __init__(
+        self,
+        chunked_prefill_size: int,
+        decode_alloc_len: int,
+        max_running_requests: int,
+    ) -> None:
+        self.chunked_prefill_size = chunked_prefill_size
+        self.decode_alloc_len = decode_alloc_len
+        self.max_running_requests = max_running_requests
+
+    def max_positions(self, req: Request) -> int:
+        """The most positions the request can ever hold: its last decode plus headroom."""
+        max_new = max(req.sampling.max_new_tokens, 1)
+        return len(req.prompt_ids) + max_new - 1 + self.decode_alloc_len
+
+    def never_fits(self, req: Request, allocator: KVAllocator) -> bool:
+        return ceil_div(self.max_positions(req), allocator.page_size) > allocator.num_pages
+
+    def choose_extend_first(self, has_prefill: bool, has_decode: bool, last_mode: str) -> bool:
+        """Prefer prefill, but after an extend step run decode if anyone is decoding."""
+        return has_prefill and (not has_decode or last_mode != "extend")
+
+    def decode_pages_needed(self, decoding: Sequence[Request], allocator: KVAllocator) -> int:
+        return sum(
+            allocator.pages_needed(r.req_pool_idx, r.kv_len + self.decode_alloc_len)
+            for r in decoding
+        )
+
+    def plan_extend(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        allocator: KVAllocator,
+    ) -> ExtendDecision:
+        """Chunks for mid-prefill running requests, then FCFS admissions from `waiting`."""
+        decision = ExtendDecision()
+        budget = self.chunked_prefill_size
+        decoding = [r for r in running if not r.is_prefilling]
+        free_pages = allocator.num_free_pages - self.decode_pages_needed(decoding, allocator)
+        for req in running:
+            if not req.is_prefilling or budget == 0:
+                continue
+            wanted = min(req.num_remaining_fill, budget)
+            chunk_len = self._fit_chunk(req, wanted, free_pages, allocator)
+            if chunk_len == 0:
+                continue
+            free_pages -= allocator.pages_needed(req.req_pool_idx, req.kv_len + chunk_len)
+            decision.chunks.append((req, chunk_len))
+            budget -= chunk_len
+        num_rows = min(allocator.num_free_rows, self.max_running_requests - len(running))
+        for req in waiting:
+            if budget == 0 or len(decision.admitted) >= num_rows:
+                break
+            chunk_len = min(len(req.fill_ids), budget)
+            pages = ceil_div(chunk_len, allocator.page_size)
+            if chunk_len == len(req.fill_ids):  # it decodes next step: keep its headroom too
+                pages = ceil_div(chunk_len + self.decode_alloc_len, allocator.page_size)
+            if pages > free_pages:
+                break  # FCFS: nobody overtakes the head of the queue
+            free_pages -= pages
+            decision.chunks.append((req, chunk_len))
+            decision.admitted.append(req)
+            budget -= chunk_len
+        return decision
+
+    def _fit_chunk(
+        self, req: Request, chunk_len: int, free_pages: int, allocator: KVAllocator
+    ) -> int:
+        """The longest chunk <= chunk_len whose pages fit in free_pages."""
+        row, page_size = req.req_pool_idx, allocator.page_size
+        if allocator.pages_needed(row, req.kv_len + chunk_len) <= free_pages:
+            return chunk_len
+        capacity = (allocator.num_held_pages(row) + max(free_pages, 0)) * page_size
+        return max(0, min(chunk_len, capacity - req.kv_len))
+
+    def plan_decode(self, running: Sequence[Request], allocator: KVAllocator) -> DecodeDecision:
+        """Every decoding request, after retracting the newest running ones until KV fits.
+
+        `running` is in admission order. At least one decoding request always stays (a
+        request that fits alone was checked at admission by `never_fits`).
+        """
+        decoding = [r for r in running if not r.is_prefilling]
+        need = self.decode_pages_needed(decoding, allocator)
+        free_pages = allocator.num_free_pages
+        kept = list(running)
+        retracted: list[Request] = []
+        while need > free_pages:
+            req = self._pick_victim(kept)
+            if req is None:
+                break
+            kept.remove(req)
+            if not req.is_prefilling:
+                need -= allocator.pages_needed(req.req_pool_idx, req.kv_len + self.decode_alloc_len)
+            free_pages += allocator.num_held_pages(req.req_pool_idx)
+            retracted.append(req)
+        batch = [r for r in kept if not r.is_prefilling]
+        return DecodeDecision(batch=batch, retracted=retracted)
+
+    def _pick_victim(self, kept: Sequence[Request]) -> Request | None:
+        """The newest request, unless it is the last decoding one (then the newest prefill)."""
+        num_decoding = sum(not r.is_prefilling for r in kept)
+        for req in reversed(kept):
+            if req.is_prefilling or num_decoding > 1:
+                return req
+        return None

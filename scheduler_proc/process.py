@@ -1,0 +1,156 @@
+"""The scheduler process: moves messages between the sockets and the `Scheduler` core.
+
+Inbox: TokenizedRequest / AbortRequest (tokenizer), StepResult (GPU worker), Shutdown
+(launcher). Out: ForwardPlan -> gpu_worker, TokenDeltas -> detokenizer, SchedulerStats ->
+tokenizer. One plan is in flight at a time; the loop blocks on its inbox while idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aerie import endpoints
+from aerie.config import AerieConfig
+from aerie.messages import (
+    AbortRequest,
+    ForwardPlan,
+    SchedulerStats,
+    Shutdown,
+    StepResult,
+    TokenDeltas,
+    TokenizedRequest,
+)
+from aerie.model_info import read_model_info
+from aerie.process import run_process
+from aerie.transport import Receiver, Sender
+from scheduler_proc.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 1.0
+
+
+def make_lazy_decoder(tokenizer_path: str) -> Callable[[list[int]], str]:
+    """ids -> text with the model's tokenizer, loaded on first use (only stop strings need it)."""
+    tokenizer: Any = None
+
+    def decode_tokens(ids: list[int]) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    return decode_tokens
+
+
+class SchedulerLoop:
+    """The event loop around one `Scheduler`; handlers are dispatched by message type."""
+
+    def __init__(self, config: AerieConfig) -> None:
+        model_path = config.model.model_path
+        assert model_path is not None and config.cache.max_total_tokens is not None
+        self.core = Scheduler(
+            config,
+            eos_token_ids=read_model_info(model_path).eos_token_ids,
+            max_total_tokens=config.cache.max_total_tokens,
+            decode_tokens=make_lazy_decoder(config.model.tokenizer_path or model_path),
+        )
+        self.inbox = Receiver(endpoints.inbox(config, "scheduler"))
+        self.to_worker = Sender(endpoints.inbox(config, "gpu_worker"))
+        self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
+        self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
+        self.in_flight: ForwardPlan | None = None
+        self.running = True
+        self.stalled = False  # has work, but no plan could be made
+        self._last_stats: SchedulerStats | None = None
+        self._last_stats_time = 0.0
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            TokenizedRequest: self.core.add_request,
+            AbortRequest: lambda msg: self.core.abort(msg.rid),
+            StepResult: self.handle_result,
+            Shutdown: self.handle_shutdown,
+        }
+
+    def handle_result(self, result: StepResult) -> None:
+        if self.in_flight is None:
+            raise RuntimeError(f"StepResult {result.plan_id} arrived with no plan in flight")
+        plan, self.in_flight = self.in_flight, None
+        self.send_deltas(self.core.apply_result(plan, result))
+
+    def handle_shutdown(self, msg: Shutdown) -> None:
+        logger.info("shutting down (%s)", msg.reason or "no reason given")
+        self.running = False
+
+    def dispatch(self, message: Any) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            raise TypeError(f"scheduler cannot handle {type(message).__name__}")
+        handler(message)
+
+    def run(self) -> None:
+        while self.running:
+            idle = self.in_flight is not None or not self.core.has_work() or self.stalled
+            first = self.inbox.recv(timeout_s=STATS_INTERVAL_S) if idle else None
+            messages = ([first] if first is not None else []) + self.inbox.drain()
+            self.stalled = self.stalled and not messages
+            for message in messages:
+                self.dispatch(message)
+                if not self.running:
+                    return
+            self.step()
+
+    def step(self) -> None:
+        """Send the next plan if none is in flight, then queued deltas, then stats when due."""
+        if self.in_flight is None and self.core.has_work():
+            self.in_flight = self.core.next_plan()
+            if self.in_flight is not None:
+                self.to_worker.send(self.in_flight)
+            self.stalled = self.in_flight is None  # wait for a message before trying again
+        self.send_deltas(self.core.take_deltas())
+        self.send_stats()
+
+    def send_deltas(self, deltas: TokenDeltas | None) -> None:
+        if deltas is not None:
+            self.to_detokenizer.send(deltas)
+
+    def send_stats(self) -> None:
+        stats = self.core.stats()
+        now = time.monotonic()
+        last = self._last_stats
+        changed = last is None or (last.num_running, last.num_waiting) != (
+            stats.num_running,
+            stats.num_waiting,
+        )
+        if changed or (now - self._last_stats_time >= STATS_INTERVAL_S and stats != last):
+            self.to_tokenizer.send(stats)
+            self._last_stats, self._last_stats_time = stats, now
+
+    def close(self) -> None:
+        for socket in (self.inbox, self.to_worker, self.to_detokenizer, self.to_tokenizer):
+            socket.close()
+
+
+def run_loop(loop: SchedulerLoop) -> None:
+    try:
+        loop.run()
+    finally:
+        loop.close()
+
+
+def run_scheduler_process(config: AerieConfig) -> None:
+    """Entry point of the scheduler child process (see `aerie.process.run_process`)."""
+    run_process(
+        "scheduler",
+        config,
+        build=SchedulerLoop,
+        loop=run_loop,
+        ready_info=lambda loop: {
+            "max_total_tokens": loop.core.allocator.num_total_tokens,
+            "decode_alloc_len": loop.core.policy.decode_alloc_len,
+        },
+    )

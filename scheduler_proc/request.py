@@ -1,0 +1,72 @@
+"""The scheduler's view of one request and its state machine.
+
+    WAITING --admit--> RUNNING (prefill in chunks, then decode) --finish/abort--> FINISHED
+       ^                  |
+       +----retract-------+   (back to the front of the queue, outputs kept)
+
+A RUNNING request holds a request row (`req_pool_idx`) and KV for positions [0, kv_len).
+`fill_ids` is what prefill runs: the prompt, or prompt + outputs so far after a retraction.
+While `kv_len < len(fill_ids)` it is prefilling; afterwards it decodes, and then
+`kv_len == len(prompt_ids) + len(output_ids) - 1`: every token but the newest has KV.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from aerie.messages import FinishReason, SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable per-request state, owned by the `Scheduler`. Ids are plain int lists (CPU)."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # aligned with output_ids
+    state: ReqState = ReqState.WAITING
+    req_pool_idx: int = 0  # 0: holds no row
+    kv_len: int = 0  # positions [0, kv_len) have KV written
+    fill_ids: list[int] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    finish: FinishReason | None = None
+    num_sent: int = 0  # output tokens already sent to the detokenizer
+    needs_start: bool = True  # next plan entry carries a RequestStart (new row)
+    detok_started: bool = False  # a delta with DetokenizeStart was sent
+    abort_pending: bool = False  # aborted while in a plan in flight; finish on its result
+
+    def __post_init__(self) -> None:
+        if not self.fill_ids:
+            self.fill_ids = list(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.kv_len < len(self.fill_ids)
+
+    @property
+    def num_remaining_fill(self) -> int:
+        return len(self.fill_ids) - self.kv_len
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus outputs so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def reset_for_retract(self) -> None:
+        """Back to WAITING without a row or KV; the next prefill recomputes prompt + outputs."""
+        self.state = ReqState.WAITING
+        self.req_pool_idx = 0
+        self.kv_len = 0
+        self.fill_ids = self.prompt_ids + self.output_ids
+        self.needs_start = True

@@ -1,0 +1,85 @@
+"""Finish checks for a run of new tokens (one, or several with speculation). Pure.
+
+A run is cut at its first finishing token: EOS (unless ignore_eos), a `stop_token_ids` entry,
+the `max_new_tokens` / context limit, or the token that completes a stop string. The finishing
+token itself is kept (like SGLang; the detokenizer hides stop tokens and trims stop strings);
+tokens after it are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from aerie.messages import FinishReason
+from scheduler_proc.request import Request
+
+# Stop-string window: this many tokens more than the longest stop string has characters.
+_STOP_WINDOW_SLACK = 4
+
+
+class FinishChecker:
+    def __init__(
+        self,
+        eos_token_ids: tuple[int, ...] | list[int],
+        decode_tokens: Callable[[list[int]], str] | None = None,
+        context_length: int | None = None,
+    ) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.decode_tokens = decode_tokens
+        self.context_length = context_length
+
+    def check(self, req: Request, new_ids: np.ndarray) -> tuple[int, FinishReason | None]:
+        """How many of `new_ids` (int [n]) to keep, and the finish reason if the run ends it.
+
+        Does not mutate `req`; `req.output_ids` must not yet contain `new_ids`.
+        """
+        sampling = req.sampling
+        limit = min(len(new_ids), max(sampling.max_new_tokens - len(req.output_ids), 0))
+        if self.context_length is not None:
+            limit = min(limit, max(self.context_length - req.seq_len, 0))
+        num_keep, finish = limit, None
+        stop_ids = list(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.extend(self.eos_token_ids)
+        if stop_ids and limit:
+            hits = np.flatnonzero(np.isin(new_ids[:limit], stop_ids))
+            if hits.size:
+                num_keep = int(hits[0]) + 1
+                finish = FinishReason("stop", matched=int(new_ids[hits[0]]))
+        if sampling.stop and self.decode_tokens is not None and num_keep:
+            found = self._find_stop_string(req, new_ids[:num_keep].tolist())
+            if found is not None:
+                num_keep, finish = found[0], FinishReason("stop", matched=found[1])
+        if finish is None and len(req.output_ids) + num_keep >= sampling.max_new_tokens:
+            finish = FinishReason("length")
+        context_full = (
+            self.context_length is not None and req.seq_len + num_keep >= self.context_length
+        )
+        if finish is None and context_full:
+            finish = FinishReason("length")
+        return num_keep, finish
+
+    def _find_stop_string(self, req: Request, new_ids: list[int]) -> tuple[int, str] | None:
+        """(tokens to keep, matched string) for the first new token completing a stop string."""
+        assert self.decode_tokens is not None
+        stops = req.sampling.stop
+        window = max(len(s) for s in stops) + _STOP_WINDOW_SLACK
+        prev_ids = req.output_ids[-window:] if window else []
+        prev_text = self.decode_tokens(prev_ids) if prev_ids else ""
+
+        def match(num_new: int) -> str | None:
+            text = self.decode_tokens(prev_ids + new_ids[:num_new])
+            for stop in stops:
+                if stop and text.find(stop, max(0, len(prev_text) - len(stop) + 1)) != -1:
+                    return stop
+            return None
+
+        if match(len(new_ids)) is None:
+            return None
+        for num_new in range(1, len(new_ids) + 1):
+            stop = match(num_new)
+            if stop is not None:
+                return num_new, stop
+        return None

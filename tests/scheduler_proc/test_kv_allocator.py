@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from scheduler_proc.kv_allocator import KVAllocator
+
+
+def check_layout(alloc: KVAllocator, row: int, length: int) -> None:
+    """Slots of positions in one page share the page; offsets follow positions; no page 0."""
+    slots = alloc.slots(row, 0, length)
+    pages = slots // alloc.page_size
+    assert (pages >= 1).all() and (pages <= alloc.num_pages).all()
+    assert (slots % alloc.page_size == np.arange(length) % alloc.page_size).all()
+    for p in range(0, length, alloc.page_size):
+        assert len(set(pages[p : p + alloc.page_size].tolist())) == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_grow_continues_the_last_page(page_size):
+    alloc = KVAllocator(num_pages=12, page_size=page_size, max_running_requests=2)
+    row = alloc.alloc_row()
+    first = alloc.grow(row, 6)
+    second = alloc.grow(row, 9)
+    assert len(first) == 6 and len(second) == 3
+    assert np.array_equal(np.concatenate([first, second]), alloc.slots(row, 0, 9))
+    check_layout(alloc, row, 9)
+    assert 0 not in alloc.slots(row, 0, 9)
+    assert alloc.num_free_pages == 12 - -(-9 // page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_failed_grow_allocates_nothing(page_size):
+    alloc = KVAllocator(num_pages=3, page_size=page_size, max_running_requests=2)
+    row = alloc.alloc_row()
+    assert alloc.grow(row, 2) is not None
+    free_before = alloc.num_free_pages
+    assert alloc.grow(row, 3 * page_size + 1) is None
+    assert alloc.num_free_pages == free_before
+    assert alloc.allocated_len(row) == 2
+    alloc.free(row)
+    assert alloc.is_whole()
+
+
+def test_shrink_frees_whole_pages_only():
+    alloc = KVAllocator(num_pages=10, page_size=4, max_running_requests=1)
+    row = alloc.alloc_row()
+    alloc.grow(row, 13)  # 4 pages
+    kept = alloc.slots(row, 0, 5).copy()
+    alloc.shrink(row, 5)  # positions 0..4 -> 2 pages
+    assert alloc.num_held_pages(row) == 2 and alloc.num_free_pages == 8
+    assert np.array_equal(alloc.slots(row, 0, 5), kept)
+    regrown = alloc.grow(row, 8)  # positions 5..7 stay in the kept second page
+    assert (regrown // 4 == kept[4] // 4).all()
+    with pytest.raises(ValueError):
+        alloc.shrink(row, 9)
+
+
+def test_rows_exclude_zero_and_run_out():
+    alloc = KVAllocator(num_pages=4, page_size=1, max_running_requests=3)
+    rows = [alloc.alloc_row() for _ in range(3)]
+    assert sorted(rows) == [1, 2, 3]
+    assert alloc.alloc_row() is None
+    alloc.free(rows[1])
+    assert alloc.alloc_row() == rows[1]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_grow_shrink_free_keeps_slots_disjoint_and_ends_whole(page_size):
+    rng = random.Random(page_size)
+    alloc = KVAllocator(num_pages=40, page_size=page_size, max_running_requests=6)
+    lens: dict[int, int] = {}
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.2 and alloc.num_free_rows:
+            lens[alloc.alloc_row()] = 0
+        elif lens and op < 0.7:
+            row = rng.choice(list(lens))
+            new_len = lens[row] + rng.randint(0, 9)
+            if alloc.grow(row, new_len) is not None:
+                lens[row] = new_len
+            else:
+                assert alloc.allocated_len(row) == lens[row]
+        elif lens and op < 0.9:
+            row = rng.choice(list(lens))
+            lens[row] = rng.randint(0, lens[row])
+            alloc.shrink(row, lens[row])
+        elif lens:
+            alloc.free(lens.popitem()[0])
+        live = np.concatenate([alloc.slots(r, 0, n) for r, n in lens.items()] + [np.zeros(0)])
+        assert len(set(live.tolist())) == len(live) and 0 not in live
+        held = sum(alloc.num_held_pages(r) for r in lens)
+        assert held + alloc.num_free_pages == alloc.num_pages
+    for row in list(lens):
+        alloc.free(row)
+    assert alloc.is_whole()

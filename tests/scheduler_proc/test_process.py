@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from aerie import endpoints
+from aerie.codec import unpack_ids
+from aerie.messages import AbortRequest, ForwardPlan, SchedulerStats, Shutdown, TokenDeltas
+from aerie.transport import Receiver, Sender
+from scheduler_proc.process import SchedulerLoop
+from tests.scheduler_proc.fake_worker import (
+    FakeWorker,
+    make_config,
+    make_request,
+    reference_output,
+)
+
+TIMEOUT_S = 5.0
+
+
+def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": 50,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+                "eos_token_id": 49,
+            }
+        )
+    )
+    config = make_config().replace(
+        model={"model_path": str(model_dir)},
+        cache={"max_total_tokens": 64},
+        runtime_dir=str(tmp_path),
+    )
+    worker_inbox = Receiver(endpoints.inbox(config, "gpu_worker"))
+    detok_inbox = Receiver(endpoints.inbox(config, "detokenizer"))
+    tokenizer_inbox = Receiver(endpoints.inbox(config, "tokenizer"))
+    loop = SchedulerLoop(config)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    to_scheduler = Sender(endpoints.inbox(config, "scheduler"))
+    try:
+        prompt = [1, 2, 3, 4]
+        to_scheduler.send(make_request("a", prompt, max_new_tokens=5, ignore_eos=True))
+        to_scheduler.send(make_request("b", [7, 7], max_new_tokens=40, ignore_eos=True))
+        worker, outputs, finishes = FakeWorker(), {"a": [], "b": []}, {}
+        for _ in range(6):  # prefill + 4 decodes finish "a"
+            plan = worker_inbox.recv(timeout_s=TIMEOUT_S)
+            assert isinstance(plan, ForwardPlan)
+            to_scheduler.send(worker.run(plan))
+        to_scheduler.send(AbortRequest(rid="b"))
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(finishes) < 2 and time.monotonic() < deadline:
+            plan = worker_inbox.recv(timeout_s=0.05)  # b's plan in flight, if any
+            if plan is not None:
+                to_scheduler.send(worker.run(plan))
+            for deltas in detok_inbox.drain():
+                assert isinstance(deltas, TokenDeltas)
+                for d in deltas.deltas:
+                    outputs[d.rid] += unpack_ids(d.token_ids)
+                    if d.finish is not None:
+                        finishes[d.rid] = d.finish.type
+        assert finishes == {"a": "length", "b": "abort"}, (finishes, outputs)
+        assert outputs["a"] == reference_output(prompt, 5)
+        assert finishes == {"a": "length", "b": "abort"}
+        stats = tokenizer_inbox.recv(timeout_s=TIMEOUT_S)
+        assert isinstance(stats, SchedulerStats) and stats.kv_total_tokens == 64
+        to_scheduler.send(Shutdown(reason="test"))
+        thread.join(TIMEOUT_S)
+        assert not thread.is_alive()
+        assert loop.core.allocator.is_whole()
+    finally:
+        for socket in (to_scheduler, worker_inbox, detok_inbox, tokenizer_inbox):
+            socket.close()
+        loop.close()

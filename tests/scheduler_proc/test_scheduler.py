@@ -1,0 +1,283 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from aerie.codec import unpack_ids
+from scheduler_proc.scheduler import Scheduler
+from tests.scheduler_proc.fake_worker import (
+    VOCAB,
+    Collector,
+    FakeWorker,
+    make_config,
+    make_request,
+    next_token,
+    reference_output,
+    run_to_end,
+)
+
+
+def make_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(length)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chunked_prefill_splits_prompt_into_budget_chunks(page_size):
+    sched = Scheduler(make_config(page_size=page_size, chunk=4), (), max_total_tokens=64)
+    prompt = list(range(1, 11))
+    sched.add_request(make_request("a", prompt, max_new_tokens=3, ignore_eos=True))
+    collector, worker = Collector(), FakeWorker()
+    plans = run_to_end(sched, worker, collector)
+    extends = [p.requests[0] for p in plans if p.mode == "extend"]
+    assert [len(unpack_ids(e.input_ids)) for e in extends] == [4, 4, 2]
+    assert [e.prefix_len for e in extends] == [0, 4, 8]
+    assert [e.sample for e in extends] == [False, False, True]
+    assert [e.start is not None for e in extends] == [True, False, False]
+    assert sum((unpack_ids(e.input_ids) for e in extends), []) == prompt
+    slots = sum((unpack_ids(e.out_slots) for e in extends), [])
+    for pos, slot in enumerate(slots):  # contiguous within pages of the request
+        assert slot % page_size == pos % page_size
+        assert slot // page_size == slots[pos - pos % page_size] // page_size
+    assert collector.outputs["a"] == reference_output(prompt, 3)
+    assert sched.allocator.is_whole()
+
+
+def test_continuous_batching_admits_while_others_decode():
+    sched = Scheduler(make_config(), (), max_total_tokens=256)
+    rng = random.Random(0)
+    prompts = {f"r{i}": make_prompt(rng, 5 + i) for i in range(4)}
+    sched.add_request(make_request("r0", prompts["r0"], max_new_tokens=12, ignore_eos=True))
+
+    def add_more(step, plan):
+        if step in (3, 5, 6):
+            rid = f"r{[3, 5, 6].index(step) + 1}"
+            sched.add_request(make_request(rid, prompts[rid], max_new_tokens=6, ignore_eos=True))
+
+    collector = Collector()
+    plans = run_to_end(sched, FakeWorker(), collector, on_step=add_more)
+    modes = [p.mode for p in plans]
+    assert modes[:3] == ["extend", "decode", "decode"]
+    assert "extend" in modes[3:]
+    assert max(len(p.requests) for p in plans if p.mode == "decode") >= 3
+    for rid, prompt in prompts.items():
+        max_new = 12 if rid == "r0" else 6
+        assert collector.outputs[rid] == reference_output(prompt, max_new)
+    assert sched.allocator.is_whole()
+
+
+@pytest.mark.parametrize(
+    "page_size,alloc_len,chunk,max_prompt",
+    [(1, 1, 32, 12), (4, 1, 32, 12), (1, 4, 32, 12), (4, 3, 32, 12), (4, 2, 8, 40)],
+)
+def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, max_prompt):
+    sched = Scheduler(
+        make_config(page_size=page_size, max_running=6, chunk=chunk),
+        (),
+        max_total_tokens=96,
+        decode_alloc_len=alloc_len,
+    )
+    rng = random.Random(page_size * 10 + alloc_len)
+    prompts = {f"r{i}": make_prompt(rng, rng.randint(4, max_prompt)) for i in range(8)}
+    for rid, prompt in prompts.items():
+        sched.add_request(make_request(rid, prompt, max_new_tokens=24, ignore_eos=True))
+    worker = FakeWorker(accept=lambda step, rid: 1 + (step + len(rid)) % alloc_len)
+    collector = Collector()
+    run_to_end(sched, worker, collector)
+    restarts = [rid for rid, output_len in worker.starts if output_len > 0]
+    assert restarts, "the cache was meant to be too small for all requests at once"
+    for rid, prompt in prompts.items():
+        assert collector.outputs[rid] == reference_output(prompt, 24)
+        assert collector.finish[rid].type == "length"
+        assert collector.num_starts[rid] == 1
+        assert collector.logprobs[rid] == [-float(t) for t in collector.outputs[rid]]
+    assert sched.allocator.is_whole()
+
+
+def test_eos_and_stop_token_ids_finish_and_keep_the_stop_token():
+    prompt = [3, 1, 4]
+    full = reference_output(prompt, 20)
+    eos, stop_id = full[5], full[2]
+    sched = Scheduler(make_config(), (eos,), max_total_tokens=128)
+    sched.add_request(make_request("eos", prompt, max_new_tokens=20))
+    sched.add_request(make_request("stopid", prompt, max_new_tokens=20, stop_token_ids=[stop_id]))
+    sched.add_request(make_request("ignore", prompt, max_new_tokens=20, ignore_eos=True))
+    collector = Collector()
+    run_to_end(sched, FakeWorker(), collector)
+    assert collector.outputs["eos"] == reference_output(prompt, 20, (eos,))
+    assert collector.finish["eos"].type == "stop" and collector.finish["eos"].matched == eos
+    assert collector.outputs["stopid"] == reference_output(prompt, 20, (stop_id,))
+    assert collector.finish["stopid"].matched == stop_id
+    assert collector.outputs["ignore"] == full
+    assert collector.finish["ignore"].type == "length"
+    assert sched.allocator.is_whole()
+
+
+def test_stop_inside_a_multi_token_run_truncates_and_frees_kv():
+    prompt = [2, 7]
+    full = reference_output(prompt, 30)
+    stop_id = full[6]
+    assert stop_id not in full[:6]
+    sched = Scheduler(make_config(page_size=4), (), max_total_tokens=64, decode_alloc_len=5)
+    sched.add_request(make_request("a", prompt, max_new_tokens=30, stop_token_ids=[stop_id]))
+    collector = Collector()
+    run_to_end(sched, FakeWorker(accept=lambda step, rid: 5), collector)
+    # Runs of 5 after the first token: tokens 1..5, then 6..10 holds the stop at index 6.
+    assert collector.outputs["a"] == full[:7]
+    assert collector.finish["a"].matched == stop_id
+    assert sched.allocator.is_whole()
+
+
+def test_stop_string_finishes_at_the_completing_token():
+    prompt = [1, 2, 3]
+    full = reference_output(prompt, 30)
+
+    def decode(ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    end = next(j for j in range(8, 30) if decode(full[j - 2 : j]) not in decode(full[: j - 1]))
+    stop = decode(full[end - 2 : end])
+    sched = Scheduler(
+        make_config(), (), max_total_tokens=64, decode_tokens=decode, decode_alloc_len=4
+    )
+    sched.add_request(make_request("a", prompt, max_new_tokens=30, stop=[stop]))
+    collector = Collector()
+    run_to_end(sched, FakeWorker(accept=lambda step, rid: 4), collector)
+    assert collector.outputs["a"] == full[:end]
+    assert collector.finish["a"].type == "stop" and collector.finish["a"].matched == stop
+    assert sched.allocator.is_whole()
+
+
+def test_max_new_tokens_truncates_a_multi_token_run():
+    prompt = [5, 5, 5]
+    sched = Scheduler(make_config(), (), max_total_tokens=64, decode_alloc_len=4)
+    sched.add_request(make_request("a", prompt, max_new_tokens=6, ignore_eos=True))
+    collector = Collector()
+    run_to_end(sched, FakeWorker(accept=lambda step, rid: 4), collector)
+    assert collector.outputs["a"] == reference_output(prompt, 6)
+    assert collector.finish["a"].type == "length"
+    assert sched.allocator.is_whole()
+
+
+def test_abort_waiting_and_running_requests():
+    sched = Scheduler(make_config(max_running=1), (), max_total_tokens=64)
+    sched.add_request(make_request("run", [1, 2, 3], max_new_tokens=50, ignore_eos=True))
+    sched.add_request(make_request("wait", [4, 5], max_new_tokens=50, ignore_eos=True))
+    worker, collector = FakeWorker(), Collector()
+    for _ in range(3):
+        plan = sched.next_plan()
+        collector.add(sched.apply_result(plan, worker.run(plan)))
+    assert [r.rid for r in sched.waiting] == ["wait"]
+    sched.abort("wait")
+    plan = sched.next_plan()
+    sched.abort("run")  # in flight: finishes when the result arrives, its tokens dropped
+    assert sched.running
+    collector.add(sched.apply_result(plan, worker.run(plan)))
+    collector.add(sched.take_deltas())
+    assert collector.finish["wait"].type == "abort" and collector.outputs["wait"] == []
+    assert collector.finish["run"].type == "abort"
+    assert len(collector.outputs["run"]) == 3
+    assert not sched.has_work() and sched.allocator.is_whole()
+    sched.abort("run")  # unknown rid: ignored
+    assert sched.take_deltas() is None
+
+
+def test_request_that_can_never_fit_is_aborted_at_once():
+    sched = Scheduler(make_config(page_size=4), (), max_total_tokens=32)
+    sched.add_request(make_request("big", list(range(20)), max_new_tokens=20))
+    sched.add_request(make_request("ok", list(range(20)), max_new_tokens=12, ignore_eos=True))
+    collector = Collector()
+    run_to_end(sched, FakeWorker(), collector)
+    assert collector.finish["big"].type == "abort"
+    assert "does not fit" in collector.finish["big"].message
+    assert collector.outputs["ok"] == reference_output(list(range(20)), 12)
+
+
+def test_many_requests_with_aborts_leave_the_allocator_whole():
+    rng = random.Random(7)
+    sched = Scheduler(
+        make_config(page_size=4, max_running=5, chunk=16),
+        (),
+        max_total_tokens=128,
+        decode_alloc_len=3,
+    )
+    rids = [f"r{i}" for i in range(30)]
+    prompts = {rid: make_prompt(rng, rng.randint(1, 30)) for rid in rids}
+    pending = list(rids)
+
+    def churn(step, plan):
+        if pending and step % 2:
+            rid = pending.pop(0)
+            sched.add_request(make_request(rid, prompts[rid], max_new_tokens=rng.randint(1, 20)))
+        if step % 5 == 0:
+            sched.abort(rng.choice(rids))
+
+    collector = Collector()
+    run_to_end(sched, FakeWorker(accept=lambda s, rid: 1 + s % 3), collector, on_step=churn)
+    while pending:
+        rid = pending.pop(0)
+        sched.add_request(make_request(rid, prompts[rid], max_new_tokens=5))
+        run_to_end(sched, FakeWorker(), collector)
+    assert set(collector.finish) == set(rids)
+    for rid in rids:
+        if collector.finish[rid].type != "abort":
+            expected = reference_output(prompts[rid], len(collector.outputs[rid]))
+            assert collector.outputs[rid] == expected
+    assert sched.allocator.is_whole()
+    assert sched.stats().num_running == 0 and sched.stats().kv_used_tokens == 0
+
+
+def test_decode_headroom_is_reserved_then_shrunk():
+    sched = Scheduler(make_config(page_size=2), (), max_total_tokens=64, decode_alloc_len=5)
+    prompt = [1, 2, 3]
+    sched.add_request(make_request("a", prompt, max_new_tokens=40, ignore_eos=True))
+    worker, collector = FakeWorker(accept=lambda step, rid: 2), Collector()
+    plan = sched.next_plan()  # prefill
+    collector.add(sched.apply_result(plan, worker.run(plan)))
+    req = sched.running[0]
+    assert req.kv_len == 3 and sched.allocator.allocated_len(req.req_pool_idx) == 3
+    plan = sched.next_plan()
+    entry = plan.requests[0]
+    assert plan.mode == "decode" and entry.prefix_len == 3
+    assert unpack_ids(entry.input_ids) == collector.outputs["a"][-1:]
+    assert len(unpack_ids(entry.out_slots)) == 5
+    assert sched.allocator.allocated_len(req.req_pool_idx) == 8
+    assert sched.allocator.num_held_pages(req.req_pool_idx) == 4
+    collector.add(sched.apply_result(plan, worker.run(plan)))
+    assert req.kv_len == 5 and sched.allocator.allocated_len(req.req_pool_idx) == 5
+    assert sched.allocator.num_held_pages(req.req_pool_idx) == 3
+    assert collector.outputs["a"] == reference_output(prompt, 3)
+    stats = sched.stats()
+    assert stats.avg_accept_length == 2.0 and stats.accepted_per_position == [1, 1]
+
+
+def test_decode_is_not_starved_by_a_stream_of_new_requests():
+    sched = Scheduler(make_config(max_running=64), (), max_total_tokens=4096)
+    rng = random.Random(3)
+    sched.add_request(make_request("first", [1, 2], max_new_tokens=10, ignore_eos=True))
+
+    def add_one(step, plan):
+        if step < 40:
+            sched.add_request(make_request(f"n{step}", make_prompt(rng, 3), max_new_tokens=30))
+
+    plans = run_to_end(sched, FakeWorker(), Collector(), on_step=add_one)
+    modes = [p.mode for p in plans]
+    assert all(a != "extend" or b != "extend" for a, b in zip(modes, modes[1:], strict=False))
+    last_first = max(i for i, p in enumerate(plans) if "first" in {r.rid for r in p.requests})
+    assert last_first <= 1 + 2 * 9  # prefill, then 9 decodes each behind at most one extend
+
+
+def test_context_length_ends_a_request():
+    sched = Scheduler(make_config(context_length=10), (), max_total_tokens=64)
+    prompt = [9, 8, 7, 6]
+    sched.add_request(make_request("a", prompt, max_new_tokens=20, ignore_eos=True))
+    collector = Collector()
+    run_to_end(sched, FakeWorker(accept=lambda step, rid: 4), collector)
+    assert collector.outputs["a"] == reference_output(prompt, 6)
+    assert collector.finish["a"].type == "length"
+
+
+def test_next_token_depends_on_the_whole_sequence():
+    # The fake model must notice a wrong or missing KV entry for the tests above to mean much.
+    assert next_token([1, 2, 3]) != next_token([1, 2, 4])
+    assert next_token([1, 2, 3]) != next_token([2, 3])
