@@ -74,6 +74,7 @@ class Scheduler:
         self._num_decode_tokens = 0  # tokens from decode entries with verify counts
         self._num_verify = 0
         self._accepted_per_position: list[int] = []
+        self._num_retractions = 0
 
     # ------------------------------------------------------------------ requests in
 
@@ -177,6 +178,7 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         """Free its row and KV and put it at the front of the queue; outputs are kept."""
         logger.info("retracting %s (%d tokens) to free KV", req.rid, req.seq_len)
+        self._num_retractions += 1
         self.allocator.free(req.req_pool_idx)
         self.running.remove(req)
         req.reset_for_retract()
@@ -323,4 +325,5 @@ class Scheduler:
             kv_total_tokens=self.allocator.num_total_tokens,
             avg_accept_length=avg,
             accepted_per_position=list(self._accepted_per_position),
+            num_retractions=self._num_retractions,
         )

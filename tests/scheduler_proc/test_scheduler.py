@@ -86,6 +86,7 @@ def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, ma
     run_to_end(sched, worker, collector)
     restarts = [rid for rid, output_len in worker.starts if output_len > 0]
     assert restarts, "the cache was meant to be too small for all requests at once"
+    assert sched.stats().num_retractions >= len(set(restarts))
     for rid, prompt in prompts.items():
         assert collector.outputs[rid] == reference_output(prompt, 24)
         assert collector.finish[rid].type == "length"
