@@ -1,0 +1,96 @@
+"""`torch_native`: obviously correct paged attention with torch ops, one request at a time.
+
+The reference every other backend is tested against; runs on CPU and CUDA. Per request it
+gathers K/V through the request's req_to_token row and calls scaled_dot_product_attention with
+GQA and an explicit boolean mask (causal, or the request's slice of `batch.custom_mask`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention.base import AttentionBackend, AttentionLayer, register_backend
+from gpu_worker.forward_batch import ForwardBatch
+
+
+@dataclass
+class RequestView:
+    """One request's share of the batch: its tokens, its KV slots and its mask."""
+
+    token_start: int
+    extend_len: int
+    slots: torch.Tensor  # [seq_len] int64
+    mask: torch.Tensor  # [extend_len, seq_len] bool, True = may attend
+
+
+def build_causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
+    """[extend_len, prefix_len + extend_len] bool: query j sees keys 0..prefix_len + j."""
+    keys = torch.arange(prefix_len + extend_len, device=device)
+    queries = torch.arange(extend_len, device=device) + prefix_len
+    return keys[None, :] <= queries[:, None]
+
+
+@register_backend
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        req_to_token = self.req_to_token_pool.req_to_token
+        device = req_to_token.device
+        rows = batch.req_pool_indices.tolist()
+        views = []
+        token_start = mask_start = 0
+        for row, seq_len, extend_len in zip(
+            rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, strict=True
+        ):
+            prefix_len = seq_len - extend_len
+            if batch.custom_mask is None:
+                mask = build_causal_mask(prefix_len, extend_len, device)
+            else:
+                mask_len = extend_len * seq_len
+                mask = batch.custom_mask[mask_start : mask_start + mask_len]
+                mask = mask.view(extend_len, seq_len)
+                mask_start += mask_len
+            slots = req_to_token[row, :seq_len].long()
+            views.append(RequestView(token_start, extend_len, slots, mask))
+            token_start += extend_len
+        batch.attn_metadata = views
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+        v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+        self.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
+        q = q.view(num_tokens, layer.num_heads, layer.head_dim)
+        o = torch.empty_like(q)
+        for view in batch.attn_metadata:
+            end = view.token_start + view.extend_len
+            o[view.token_start : end] = attend(
+                q[view.token_start : end],
+                k_buffer[view.slots],
+                v_buffer[view.slots],
+                view.mask,
+                layer.scaling,
+            )
+        return o.view(num_tokens, layer.num_heads * layer.head_dim)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """q [extend_len, heads, d], k/v [seq_len, kv_heads, d], mask [extend_len, seq_len]
+    -> [extend_len, heads, d]. Grouped-query: each kv head serves heads // kv_heads heads."""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return o.transpose(0, 1)  # [extend_len, heads, d]

@@ -1,0 +1,128 @@
+"""The explicit forward context: `ForwardMode` and `ForwardBatch`, passed into `model.forward`.
+
+There is no global forward context. A runner fills `ForwardBatch.attn_backend` and asks the
+backend to build its metadata (`attn_metadata`) before running the model.
+
+Layout of one batch of `bs` requests, request i running `extend_seq_lens[i]` new tokens after
+`extend_prefix_lens[i]` tokens already in its KV: tokens are concatenated request by request
+(`[num_tokens]` tensors), and `seq_lens[i] = extend_prefix_lens[i] + extend_seq_lens[i]` is the
+KV length after this forward. DECODE is the special case of one new token per request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = enum.auto()  # prefill (a chunk of) prompts
+    DECODE = enum.auto()  # one token per request
+    TARGET_VERIFY = enum.auto()  # a draft tree per request, attention through custom_mask
+    DRAFT_EXTEND = enum.auto()  # draft model over accepted tokens
+    DRAFT_DECODE = enum.auto()  # draft model, one step of the draft loop
+    IDLE = enum.auto()  # no requests (keeps collective ranks in step)
+
+    def is_extend(self) -> bool:
+        """Modes whose requests may run several tokens each (variable extend lengths)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
+
+    def samples_every_token(self) -> bool:
+        """Modes that need logits for every token, not only each request's last one."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one model forward reads. Tensors live on the runner's device.
+
+    custom_mask: for TARGET_VERIFY (tree attention), a flat bool tensor concatenating, per
+        request, a row-major `[extend_seq_lens[i], seq_lens[i]]` mask (True = may attend) that
+        replaces the causal mask. None means causal.
+    spec_info: speculative-decoding state for the modes that need it (opaque here).
+    attn_backend / attn_metadata: set by the runner; the backend owns the metadata's type.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int32, KV length after this forward
+    extend_prefix_lens: torch.Tensor  # [bs] int32
+    extend_seq_lens: torch.Tensor  # [bs] int32
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    custom_mask: torch.Tensor | None = None
+    spec_info: object | None = None
+    attn_backend: Any = None
+    attn_metadata: Any = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def sample_indices(self) -> torch.Tensor:
+        """Token indices whose logits are wanted: every token, or each request's last one."""
+        if self.mode.samples_every_token():
+            return torch.arange(self.num_tokens, device=self.input_ids.device)
+        return torch.cumsum(self.extend_seq_lens, 0) - 1  # [bs]
+
+
+def build_forward_batch(
+    mode: ForwardMode,
+    input_ids: Sequence[Sequence[int]],
+    prefix_lens: Sequence[int],
+    out_slots: Sequence[Sequence[int]],
+    req_pool_indices: Sequence[int],
+    device: torch.device | str,
+    positions: Sequence[Sequence[int]] | None = None,
+    custom_masks: Sequence[torch.Tensor] | None = None,
+) -> ForwardBatch:
+    """Build a ForwardBatch from per-request host lists (one H2D copy per field).
+
+    input_ids[i] / out_slots[i]: request i's new tokens and their KV slots (same length).
+    positions: defaults to prefix_lens[i] + arange(len(input_ids[i])) (trees pass depths).
+    custom_masks: per request a bool `[extend_len, prefix_len + extend_len]` mask.
+    """
+    extend_lens = [len(ids) for ids in input_ids]
+    for ids, slots in zip(input_ids, out_slots, strict=True):
+        if len(slots) != len(ids):
+            raise ValueError(f"{len(ids)} input ids but {len(slots)} out slots")
+    if positions is None:
+        positions = [range(p, p + n) for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    mask = None
+    if custom_masks is not None:
+        mask = torch.cat([m.reshape(-1) for m in custom_masks]).to(device, torch.bool)
+
+    def flat(lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        values = [v for row in lists for v in row]
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    def small(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        mode=mode,
+        input_ids=flat(input_ids),
+        positions=flat(positions),
+        out_cache_loc=flat(out_slots),
+        req_pool_indices=small(req_pool_indices, torch.int64),
+        seq_lens=small(seq_lens, torch.int32),
+        extend_prefix_lens=small(prefix_lens, torch.int32),
+        extend_seq_lens=small(extend_lens, torch.int32),
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=list(prefix_lens),
+        extend_seq_lens_cpu=extend_lens,
+        custom_mask=mask,
+    )

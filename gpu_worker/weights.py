@@ -1,0 +1,103 @@
+"""Weights: load HF safetensors checkpoints (single file or sharded) into a model by parameter
+name, or fill a model with seeded random "dummy" weights (`--load-format dummy`).
+
+Name mapping goes through `model.map_weight_name(name)` (None skips a tensor, e.g. a tied
+`lm_head.weight`). Every parameter must be loaded exactly once and every tensor must map to a
+parameter; otherwise a `WeightLoadError` names the offenders.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+_MAX_NAMES_SHOWN = 10
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint does not match the model (missing, unexpected or mis-shaped tensors)."""
+
+
+def list_weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of a checkpoint: those named by model.safetensors.index.json if
+    present, else every *.safetensors in the directory."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        return [os.path.join(model_dir, name) for name in files]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise WeightLoadError(
+            f"no *.safetensors files in {model_dir!r} (use --load-format dummy for random weights)"
+        )
+    return files
+
+
+def iterate_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor in the files, one tensor in memory at a time."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _describe(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    more = len(names) - _MAX_NAMES_SHOWN
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Copy every checkpoint tensor into the parameter of the same (mapped) name, casting to the
+    parameter's dtype and device. Mutates the model's parameters in place."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in iterate_tensors(list_weight_files(model_dir)):
+        target = model.map_weight_name(name)
+        if target is None:
+            continue
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if param.shape != tensor.shape:
+            raise WeightLoadError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"parameter {target!r} expects {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {_describe(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {_describe(sorted(unexpected))}")
+        raise WeightLoadError(
+            f"checkpoint {model_dir!r} does not match the model; " + "; ".join(problems)
+        )
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights like HF's init: matrices ~ N(0, std), biases 0, norm weights 1.
+    Generated on the parameters' device (fast for large models). Mutates in place."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0 if "norm" in name else 0.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        param.normal_(0.0, std, generator=generators[param.device])

@@ -1,0 +1,70 @@
+"""Helpers that drive a ModelRunner the way the worker does: shuffled pages, chunked extends."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from gpu_worker.forward_batch import ForwardMode, build_forward_batch
+from gpu_worker.model_runner import ModelRunner
+
+
+def shuffled_slots(runner: ModelRunner, num_requests: int, seq_len: int, seed: int = 0):
+    """Per request, KV slots for positions 0..seq_len: whole pages taken from a shuffled list
+    of the pool's pages (page 0 is never used), so slots are non-contiguous across pages."""
+    page_size = runner.page_size
+    pages = list(range(1, runner.max_total_tokens // page_size + 1))
+    random.Random(seed).shuffle(pages)
+    pages_per_request = -(-seq_len // page_size)
+    assert pages_per_request * num_requests <= len(pages), "pool too small for the test"
+    slots = []
+    for i in range(num_requests):
+        own = pages[i * pages_per_request : (i + 1) * pages_per_request]
+        slots.append([p * page_size + j for p in own for j in range(page_size)][:seq_len])
+    return slots
+
+
+def run_step(
+    runner: ModelRunner,
+    mode: ForwardMode,
+    rows: list[int],
+    prefix_lens: list[int],
+    input_ids: list[list[int]],
+    all_slots: list[list[int]],
+    custom_masks=None,
+    positions=None,
+):
+    """Write each request's new slots into req_to_token, run one forward, return LogitsOutput."""
+    new_slots = [
+        s[p : p + len(ids)] for s, p, ids in zip(all_slots, prefix_lens, input_ids, strict=True)
+    ]
+    device = runner.device
+    runner.req_to_token_pool.write(
+        torch.tensor(rows, device=device),
+        torch.tensor(prefix_lens, device=device),
+        torch.tensor([x for s in new_slots for x in s], device=device),
+        torch.tensor([len(s) for s in new_slots], device=device),
+    )
+    batch = build_forward_batch(
+        mode,
+        input_ids,
+        prefix_lens,
+        new_slots,
+        rows,
+        device,
+        positions=positions,
+        custom_masks=custom_masks,
+    )
+    return runner.forward(batch)
+
+
+def prefill_in_chunks(runner, row: int, ids: list[int], slots: list[int], chunk: int):
+    """Run ids through the runner in chunks; returns logits [len(ids), V] of every position
+    (each chunk's last-token logits only are produced by EXTEND, so run them one by one)."""
+    rows_logits = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        out = run_step(runner, ForwardMode.EXTEND, [row], [start], [piece], [slots])
+        rows_logits.append(out.next_token_logits[0])
+    return torch.stack(rows_logits)

@@ -1,0 +1,64 @@
+"""The same runner on CUDA: matches HF (float32) and stays close in bfloat16; a
+Llama-3.1-8B-shaped dummy model sizes its KV pool from free memory. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_worker.forward_batch import ForwardMode
+from gpu_worker.model_runner import ModelRunner
+from tests.gpu_worker.checkpoints import reference_logits
+from tests.gpu_worker.models.test_config import LLAMA_31_8B
+from tests.gpu_worker.runner_utils import run_step, shuffled_slots
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def decode_after_prefill(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Prefill ids[:-1] in chunks of 3, decode the last one; logits of the last [V]."""
+    slots = shuffled_slots(runner, 1, len(ids))
+    for start in range(0, len(ids) - 1, 3):
+        piece = ids[start : min(start + 3, len(ids) - 1)]
+        run_step(runner, ForwardMode.EXTEND, [1], [start], [piece], slots)
+    out = run_step(runner, ForwardMode.DECODE, [1], [len(ids) - 1], [ids[-1:]], slots)
+    return out.next_token_logits[0].cpu()
+
+
+@pytest.mark.parametrize("name", ["llama31", "qwen3"])
+def test_cuda_matches_hf(tiny_dirs, reference_models, name):
+    ids = list(range(3, 50, 2))
+    expected = reference_logits(reference_models(name), ids)[-1]
+    options = dict(page_size=4, max_total_tokens=256, max_running_requests=2, context_length=64)
+    fp32 = ModelRunner(tiny_dirs[name], "cuda", torch.float32, **options)
+    torch.testing.assert_close(decode_after_prefill(fp32, ids), expected, atol=1e-3, rtol=0)
+    bf16 = ModelRunner(tiny_dirs[name], "cuda", torch.bfloat16, **options)
+    assert bf16.kv_pool.k_buffers[0].dtype == torch.bfloat16
+    torch.testing.assert_close(decode_after_prefill(bf16, ids), expected, atol=0.1, rtol=0)
+
+
+@pytest.mark.slow
+def test_llama31_8b_dummy_sizes_kv_from_free_memory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    runner = ModelRunner(
+        str(tmp_path),
+        "cuda",
+        torch.bfloat16,
+        load_format="dummy",
+        page_size=16,
+        max_running_requests=8,
+        context_length=4096,
+    )
+    total = torch.cuda.mem_get_info()[1]
+    kv_bytes = runner.max_total_tokens * runner.kv_pool.bytes_per_token()
+    assert runner.max_total_tokens % 16 == 0 and kv_bytes > 0
+    assert torch.cuda.memory_allocated() < 0.86 * total
+    ids = list(range(100, 140))
+    logits = decode_after_prefill(runner, ids)
+    assert logits.shape == (128256,) and torch.isfinite(logits).all()
+    print(f"KV pool: {runner.max_total_tokens} tokens, {kv_bytes / 2**30:.1f} GiB")

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.forward_batch import ForwardMode, build_forward_batch
+
+
+def test_build_forward_batch_lays_out_requests_in_order():
+    batch = build_forward_batch(
+        ForwardMode.EXTEND,
+        input_ids=[[7, 8, 9], [4]],
+        prefix_lens=[2, 5],
+        out_slots=[[30, 31, 12], [40]],
+        req_pool_indices=[3, 1],
+        device="cpu",
+    )
+    assert batch.input_ids.tolist() == [7, 8, 9, 4]
+    assert batch.positions.tolist() == [2, 3, 4, 5]
+    assert batch.out_cache_loc.tolist() == [30, 31, 12, 40]
+    assert batch.req_pool_indices.tolist() == [3, 1]
+    assert batch.seq_lens.tolist() == batch.seq_lens_cpu == [5, 6]
+    assert batch.extend_seq_lens_cpu == [3, 1] and batch.extend_prefix_lens_cpu == [2, 5]
+    assert batch.sample_indices().tolist() == [2, 3]  # last token of each request
+    assert batch.batch_size == 2 and batch.num_tokens == 4
+
+
+def test_sample_indices_and_custom_mask_for_verify():
+    masks = [torch.ones(2, 3, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool)]
+    batch = build_forward_batch(
+        ForwardMode.TARGET_VERIFY,
+        [[1, 2], [3]],
+        [1, 3],
+        [[5, 6], [7]],
+        [1, 2],
+        "cpu",
+        positions=[[1, 1], [3]],
+        custom_masks=masks,
+    )
+    assert batch.sample_indices().tolist() == [0, 1, 2]
+    assert batch.positions.tolist() == [1, 1, 3]
+    assert batch.custom_mask.tolist() == [True] * 6 + [False] * 4
+
+
+def test_slot_count_must_match_input_count():
+    try:
+        build_forward_batch(ForwardMode.DECODE, [[1]], [0], [[1, 2]], [1], "cpu")
+    except ValueError as e:
+        assert "out slots" in str(e)
+    else:
+        raise AssertionError("mismatched slots accepted")

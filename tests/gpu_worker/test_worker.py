@@ -1,0 +1,139 @@
+"""GPUWorker.execute on ForwardPlans: chunked prefill + decode for two requests reproduces HF
+greedy tokens (and logprobs); the process loop answers plans over real sockets."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from aerie import codec
+from aerie.config import AerieConfig
+from aerie.messages import (
+    ForwardPlan,
+    PlanRequest,
+    RequestStart,
+    SamplingParams,
+    Shutdown,
+    StepResult,
+)
+from aerie.transport import Receiver, Sender
+from gpu_worker.process import WorkerLoop
+from gpu_worker.worker import GPUWorker
+from tests.gpu_worker.checkpoints import reference_logits
+
+PAGE_SIZE = 4
+
+
+def make_config(model_dir: str, runtime_dir: str = "") -> AerieConfig:
+    return AerieConfig(runtime_dir=runtime_dir).replace(
+        model={"model_path": model_dir, "device": "cpu", "dtype": "float32"},
+        cache={"max_total_tokens": 64, "page_size": PAGE_SIZE},
+        scheduler={"max_running_requests": 4},
+    )
+
+
+class FakeScheduler:
+    """Just enough scheduling for the test: one row and a list of pages per request."""
+
+    def __init__(self, pages: list[int]) -> None:
+        self.free_pages = pages
+        self.slots: dict[str, list[int]] = {}
+
+    def slots_for(self, rid: str, start: int, n: int) -> list[int]:
+        slots = self.slots.setdefault(rid, [])
+        while len(slots) < start + n:
+            page = self.free_pages.pop()
+            slots.extend(range(page * PAGE_SIZE, (page + 1) * PAGE_SIZE))
+        return slots[start : start + n]
+
+    def request(self, rid, row, prefix_len, ids, sample, start=None) -> PlanRequest:
+        return PlanRequest(
+            rid=rid,
+            req_pool_idx=row,
+            prefix_len=prefix_len,
+            input_ids=codec.pack_ids(ids),
+            out_slots=codec.pack_ids(self.slots_for(rid, prefix_len, len(ids))),
+            sample=sample,
+            start=start,
+        )
+
+
+def greedy_start(ids: list[int], return_logprob: bool = False) -> RequestStart:
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    return RequestStart(params, return_logprob, codec.pack_ids(ids))
+
+
+def hf_greedy(reference, ids: list[int], num_new: int) -> tuple[list[int], list[float]]:
+    seq, logprobs = list(ids), []
+    for _ in range(num_new):
+        logits = reference_logits(reference, seq)[-1]
+        token = int(logits.argmax())
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        seq.append(token)
+    return seq[len(ids) :], logprobs
+
+
+def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference_models):
+    worker = GPUWorker(make_config(tiny_dirs["llama"]))
+    assert worker.info()["max_total_tokens"] == 64
+    sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
+    a, b = [5, 17, 99, 3, 42, 7, 8], [200, 1, 64]
+    # Step 1: a's first chunk (no token) and all of b.
+    plan = ForwardPlan(
+        1,
+        "extend",
+        [
+            sched.request("a", 2, 0, a[:4], False, greedy_start(a, return_logprob=True)),
+            sched.request("b", 3, 0, b, True, greedy_start(b)),
+        ],
+    )
+    result = worker.execute(plan)
+    assert codec.unpack_ids(result.num_tokens) == [0, 1]
+    out = {"a": [], "b": codec.unpack_ids(result.token_ids)}
+    assert result.logprobs == b""  # only a (not sampled this step) asked for logprobs
+    # Step 2: a's last chunk.
+    result = worker.execute(ForwardPlan(2, "extend", [sched.request("a", 2, 4, a[4:], True)]))
+    out["a"] += codec.unpack_ids(result.token_ids)
+    logprobs_a = codec.unpack_floats(result.logprobs)
+    # Steps 3..6: decode both.
+    for step in range(4):
+        reqs = [
+            sched.request(rid, row, len(p) + len(out[rid]) - 1, out[rid][-1:], True)
+            for rid, row, p in (("a", 2, a), ("b", 3, b))
+        ]
+        result = worker.execute(ForwardPlan(3 + step, "decode", reqs))
+        assert codec.unpack_ids(result.num_tokens) == [1, 1]
+        token_a, token_b = codec.unpack_ids(result.token_ids)
+        out["a"].append(token_a)
+        out["b"].append(token_b)
+        logprobs_a.append(codec.unpack_floats(result.logprobs)[0])
+    reference = reference_models("llama")
+    expected_a, expected_logprobs_a = hf_greedy(reference, a, 5)
+    assert out["a"] == expected_a
+    assert out["b"] == hf_greedy(reference, b, 5)[0]
+    torch.testing.assert_close(
+        torch.tensor(logprobs_a), torch.tensor(expected_logprobs_a), atol=1e-4, rtol=0
+    )
+
+
+def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, reference_models):
+    config = make_config(tiny_dirs["qwen2"], runtime_dir=str(tmp_path))
+    scheduler_inbox = Receiver(f"ipc://{tmp_path}/scheduler.sock")
+    loop = WorkerLoop(config)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    to_worker = Sender(f"ipc://{tmp_path}/gpu_worker.sock")
+    ids = [3, 1, 4, 1, 5]
+    sched = FakeScheduler(pages=[4, 9])
+    to_worker.send(
+        ForwardPlan(7, "extend", [sched.request("r", 1, 0, ids, True, greedy_start(ids))])
+    )
+    result = scheduler_inbox.recv(timeout_s=30)
+    assert isinstance(result, StepResult) and result.plan_id == 7
+    assert codec.unpack_ids(result.token_ids) == hf_greedy(reference_models("qwen2"), ids, 1)[0]
+    to_worker.send(Shutdown())
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    to_worker.close()
+    scheduler_inbox.close()
