@@ -80,6 +80,9 @@ class Launcher:
     def __init__(self, config: AerieConfig) -> None:
         self.config = config
         self.inbox = Receiver(endpoints.inbox(config, "launcher"))
+        # One long-lived sender per child inbox: a sender dropped right after send() may lose
+        # the message before ZMQ has connected.
+        self.to = {name: Sender(endpoints.inbox(config, name)) for name in STOP_ORDER}
         self.procs: dict[str, mp.Process] = {}
         self.stop_signal: int | None = None
         self._mp = mp.get_context("spawn")
@@ -124,7 +127,7 @@ class Launcher:
             self.spawn(name, config)
         self.wait_ready(("scheduler", "detokenizer", "tokenizer"))
         server_info = {**config.to_flat_dict(), **info, "version": "0.1.0"}
-        Sender(endpoints.inbox(config, "tokenizer")).send(EngineReady(server_info=server_info))
+        self.to["tokenizer"].send(EngineReady(server_info=server_info))
         return config
 
     # ---------------------------------------------------------------------------- supervision
@@ -146,7 +149,7 @@ class Launcher:
         """Let running requests finish (bounded), with new requests refused by the tokenizer."""
         timeout = self.config.server.drain_timeout_s
         log.info("draining: new requests get 503, running requests get up to %.0f s", timeout)
-        Sender(endpoints.inbox(self.config, "tokenizer")).send(BeginDrain(timeout_s=timeout))
+        self.to["tokenizer"].send(BeginDrain(timeout_s=timeout))
         deadline = time.monotonic() + timeout + 5
         while time.monotonic() < deadline:
             message = self.inbox.recv(timeout_s=_POLL_S)
@@ -163,7 +166,7 @@ class Launcher:
             proc = self.procs.get(name)
             if proc is None or not proc.is_alive():
                 continue
-            Sender(endpoints.inbox(self.config, name)).send(Shutdown(reason=reason))
+            self.to[name].send(Shutdown(reason=reason))
             proc.join(timeout=3)
         for proc in self.procs.values():
             if proc.is_alive():

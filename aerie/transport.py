@@ -15,7 +15,9 @@ from aerie import codec
 
 
 def _configure(socket: zmq.Socket) -> None:
-    socket.setsockopt(zmq.LINGER, 0)
+    # NOTE: a short linger lets a message sent just before close (ProcessFailed, Shutdown)
+    # still reach its peer, without ever blocking a process's exit for long.
+    socket.setsockopt(zmq.LINGER, 1000)
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
 
@@ -31,7 +33,7 @@ class Sender:
         self._socket.send(codec.encode(message), copy=False)
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        self._socket.close()
 
 
 class Receiver:
@@ -71,7 +73,7 @@ class AsyncSender:
         await self._socket.send(codec.encode(message))
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        self._socket.close()
 
 
 class AsyncReceiver:

@@ -1,0 +1,377 @@
+"""Sampling: per-row parameters, penalties, filters and seeded noise, on the worker's device.
+
+`SamplingState` keeps each request row's sampling parameters and penalty state (output token
+counts and a prompt mask) in tensors indexed by `req_pool_idx`, and samples one token per batch
+row without a Python loop over rows. The pure functions below are shared with speculative
+decoding, which needs the same processed distribution for the target and the same noise:
+
+- `apply_penalties`: repetition (HF), frequency and presence (OpenAI) penalties.
+- `process_logits` / `processed_probs`: temperature, top-k, top-p, min-p.
+- `uniform_noise` / `sample_with_noise`: counter-based randomness. A draw depends only on
+  (seed, position, vocab index, stream), so a request gets the same token whatever the batch
+  composition or order, and again after a retraction and recompute.
+
+Greedy rows (temperature below `GREEDY_EPS` or top_k == 1) take the argmax of the penalised
+logits, which is exactly the argmax of the raw logits when the row has no penalties.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from aerie.messages import SamplingParams
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy
+
+# Noise streams: independent randomness for the same (seed, position).
+STREAM_TOKEN = 0  # the sampled token
+STREAM_SPEC_COIN = 1  # speculative acceptance coins
+STREAM_SPEC_BONUS = 2  # speculative residual / bonus token
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2^31: a 32-bit value times one stays below 2^63 (no int64 overflow).
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x5BD1E995
+_SALT = 0x27D4EB2D
+
+
+# --------------------------------------------------------------------------------------------
+# Counter-based noise
+
+
+def hash32(x: Tensor) -> Tensor:
+    """Mix int64 values in [0, 2^32) into well-spread values in [0, 2^32). Shape-preserving."""
+    x = (x ^ (x >> 16)) * _MUL_A & _MASK32
+    x = (x ^ (x >> 15)) * _MUL_B & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: Tensor, positions: Tensor, stream: int) -> Tensor:
+    """[bs] int64 keys in [0, 2^32) from (seed, position, stream), on the inputs' device.
+
+    seeds may be any int64; positions below 2^32.
+    """
+    seeds = seeds.long()
+    stream_salt = (_SALT + stream * _MUL_B) & _MASK32
+    key = hash32((seeds & _MASK32) ^ stream_salt)
+    key = hash32(key ^ ((seeds >> 32) & _MASK32))
+    return hash32(key ^ (positions.long() & _MASK32))
+
+
+@functools.lru_cache(maxsize=16)
+def _index_hashes(num: int, device: torch.device) -> Tensor:
+    """hash32(arange(num)): [num] int64, cached per size and device (never mutate it)."""
+    return hash32(torch.arange(num, device=device, dtype=torch.int64) ^ _SALT)
+
+
+def uniform_from_keys(keys: Tensor, num: int) -> Tensor:
+    """Uniforms in (0, 1): [bs, num] float32 on the device of keys [bs] (from `row_keys`).
+
+    Element (b, i) depends only on (keys[b], i). Values are odd multiples of 2^-24, so never
+    0 or 1 exactly and exactly representable in float32.
+    """
+    index = _index_hashes(num, keys.device)  # [num]
+    bits = hash32(keys[:, None] ^ index[None, :])  # [bs, num]
+    return ((bits >> 9) * 2 + 1).float() * (2.0**-24)
+
+
+def uniform_noise(seeds: Tensor, positions: Tensor, stream: int, num: int) -> Tensor:
+    """Uniforms in (0, 1) for each row: [bs, num] float32 on the device of `seeds`.
+
+    Element (b, i) depends only on (seeds[b], positions[b], stream, i): the same draw in any
+    batch, on any device.
+    """
+    return uniform_from_keys(row_keys(seeds, positions, stream), num)
+
+
+def sample_with_noise(
+    logits: Tensor, seeds: Tensor, positions: Tensor, stream: int = STREAM_TOKEN
+) -> Tensor:
+    """Draw one token per row from softmax(logits) by an exponential race: [bs] int64.
+
+    argmax(logits - log(E)) with E = -log(u) exponential is an exact sample of softmax(logits)
+    (the Gumbel-max trick). logits [bs, V] float32 may hold -inf for filtered tokens. seeds and
+    positions [bs] live on one device (keys move to the logits' device).
+    """
+    keys = row_keys(seeds, positions, stream).to(logits.device)  # [bs]
+    u = uniform_from_keys(keys, logits.shape[-1])  # [bs, V]
+    return torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-batch-row parameters
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Sampling parameters gathered for one batch: each tensor [bs] on the device.
+
+    top_k is resolved: a value in [1, V] (V when off). The `use_*` flags are host booleans that
+    are False only when no row needs that stage, so it can be skipped without a device sync.
+    """
+
+    temperature: Tensor  # float32
+    top_k: Tensor  # int64
+    top_p: Tensor  # float32
+    min_p: Tensor  # float32
+    repetition: Tensor  # float32
+    frequency: Tensor  # float32
+    presence: Tensor  # float32
+    seed: Tensor  # int64
+    use_penalty: bool = True
+    use_sampling: bool = True
+    use_top_k: bool = True
+    use_top_p: bool = True
+    use_min_p: bool = True
+
+    @property
+    def greedy(self) -> Tensor:
+        """[bs] bool: rows that take the argmax."""
+        return (self.temperature < GREEDY_EPS) | (self.top_k == 1)
+
+    def repeat_interleave(self, n: int) -> SamplingRows:
+        """Each row repeated n times ([bs] -> [bs * n]), e.g. for the nodes of a verify tree."""
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            values[f.name] = v.repeat_interleave(n) if isinstance(v, Tensor) else v
+        return SamplingRows(**values)
+
+
+# --------------------------------------------------------------------------------------------
+# Pure logit processing
+
+
+def apply_penalties(
+    logits: Tensor, counts: Tensor, prompt_mask: Tensor, rows: SamplingRows
+) -> Tensor:
+    """Penalised copy of logits [bs, V] (the input is not mutated).
+
+    counts [bs, V] int32: each token's occurrences among the outputs; prompt_mask [bs, V] bool:
+    tokens in the prompt. First the repetition penalty (HF) over tokens seen in prompt or
+    outputs (positive logits divided, others multiplied), then OpenAI's frequency
+    (minus penalty * count) and presence (minus penalty if count > 0) penalties. Identity
+    parameters (1, 0, 0) leave a row bit-for-bit unchanged.
+    """
+    in_output = counts > 0  # [bs, V]
+    seen = prompt_mask | in_output
+    rep = rows.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - rows.frequency[:, None] * counts.to(logits.dtype)
+    return logits - rows.presence[:, None] * in_output.to(logits.dtype)
+
+
+def _keep_top_k_top_p(probs: Tensor, rows: SamplingRows) -> Tensor:
+    """[bs, V] bool mask of tokens inside top-k, then inside top-p of the renormalised rest."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [bs, V]
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    keep_sorted = rank[None, :] < rows.top_k[:, None]  # [bs, V]
+    if rows.use_top_p:
+        kept = sorted_probs * keep_sorted
+        cum = torch.cumsum(kept, dim=-1)
+        mass = cum[:, -1:]  # top-k mass, the renormaliser
+        # NOTE: keep a token while the mass strictly before it is below top_p; rank 0 always
+        # stays. Rows with top_p >= 1 skip the test so rounding in cumsum cannot drop tokens.
+        in_nucleus = (cum - kept) < rows.top_p[:, None] * mass
+        keep_sorted &= in_nucleus | (rows.top_p[:, None] >= 1.0)
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def process_logits(logits: Tensor, rows: SamplingRows) -> Tensor:
+    """Processed logits [bs, V] float32: temperature applied, filtered tokens at -inf.
+
+    softmax of the result is the distribution a sampled row draws from (top-k, top-p, min-p
+    applied and renormalised). Greedy rows come back unscaled and unfiltered (their softmax is
+    the raw distribution). Penalties are not applied here (see `apply_penalties`).
+    """
+    greedy = rows.greedy[:, None]  # [bs, 1]
+    temperature = torch.where(greedy, 1.0, rows.temperature[:, None])
+    scaled = logits.float() / temperature  # [bs, V]
+    if not (rows.use_top_k or rows.use_top_p or rows.use_min_p):
+        return scaled
+    probs = torch.softmax(scaled, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if rows.use_min_p:
+        keep &= probs >= probs.amax(dim=-1, keepdim=True) * rows.min_p[:, None]
+    if rows.use_top_k or rows.use_top_p:
+        keep &= _keep_top_k_top_p(probs, rows)
+    return torch.where(keep | greedy, scaled, float("-inf"))
+
+
+def processed_probs(logits: Tensor, rows: SamplingRows) -> Tensor:
+    """The distribution each row samples from: probs [bs, V] float32, rows sum to 1.
+
+    logits should already be penalised. Greedy rows are one-hot at their argmax, so exact
+    speculative acceptance against these probs reproduces greedy decoding.
+    """
+    probs = torch.softmax(process_logits(logits, rows), dim=-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(rows.greedy[:, None], one_hot, probs)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-row state
+
+# Columns of SamplingState._float_params (SamplingRows field, SamplingParams field) and
+# _int_params.
+_FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
+_FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+_INT_COLUMNS = ("top_k", "seed")
+# Columns of SamplingState._flags_cpu.
+_FLAG_COLUMNS = ("use_penalty", "use_sampling", "use_top_k", "use_top_p", "use_min_p")
+
+
+def _wrap_int64(value: int) -> int:
+    """Any Python int folded into the int64 range (two's complement)."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+class SamplingState:
+    """Per-request-row sampling parameters and penalty state, on the worker's device.
+
+    Rows are request pool rows 0..max_rows (row 0 is the padding dummy: greedy, no penalties).
+    Device tensors: float params [max_rows+1, 6], int params [max_rows+1, 2], output token
+    counts [max_rows+1, V] int32 and a prompt mask [max_rows+1, V] bool. Host flags per row say
+    which stages a row needs, so batches that need none skip them without a device sync.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str):
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        num_rows = max_rows + 1
+        self._float_params = torch.zeros(num_rows, len(_FLOAT_COLUMNS), device=self.device)
+        self._float_params[:, _FLOAT_COLUMNS.index("top_p")] = 1.0
+        self._float_params[:, _FLOAT_COLUMNS.index("repetition")] = 1.0
+        self._int_params = torch.zeros(
+            num_rows, len(_INT_COLUMNS), dtype=torch.int64, device=self.device
+        )
+        self._int_params[:, 0] = vocab_size
+        self.counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=self.device)
+        self._flags_cpu = torch.zeros(num_rows, len(_FLAG_COLUMNS), dtype=torch.bool)
+
+    def start(
+        self,
+        req_pool_idx: int,
+        params: SamplingParams,
+        prompt_ids: list[int] | Tensor,
+        output_len: int,
+        default_seed: int,
+    ) -> None:
+        """A request (re)starts on row `req_pool_idx`: set its parameters and penalty state.
+
+        prompt_ids: the full fill (prompt + outputs so far after a retraction); its last
+        `output_len` ids are outputs and are counted for frequency/presence penalties.
+        The repetition penalty covers every id in prompt_ids. seed: params.seed, else
+        default_seed. Penalty tensors are rebuilt only for rows that use penalties.
+        """
+        seed = params.seed if params.seed is not None else default_seed
+        top_k = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
+        floats = [float(getattr(params, name)) for name in _FLOAT_PARAMS]
+        self._float_params[req_pool_idx] = torch.tensor(floats)
+        self._int_params[req_pool_idx] = torch.tensor([top_k, _wrap_int64(seed)])
+        flags = _row_flags(params, top_k, self.vocab_size)
+        self._flags_cpu[req_pool_idx] = torch.tensor(flags)
+        if flags[0]:
+            self._reset_penalty_state(req_pool_idx, prompt_ids, output_len)
+
+    def release(self, req_pool_idx: int) -> None:
+        """Optional: the row is free, so its flags stop forcing stages onto other batches."""
+        self._flags_cpu[req_pool_idx] = False
+
+    def _reset_penalty_state(
+        self, row: int, prompt_ids: list[int] | Tensor, output_len: int
+    ) -> None:
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).to(self.device)  # [fill_len]
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row, ids] = True
+        self.counts[row].zero_()
+        if output_len > 0:
+            outputs = ids[ids.numel() - output_len :]
+            self.counts[row].index_put_(
+                (outputs,), torch.ones_like(outputs, dtype=torch.int32), accumulate=True
+            )
+
+    def observe(self, req_pool_indices: Tensor, token_ids: Tensor) -> None:
+        """Count new output tokens: [n] rows and [n] ids (a row may repeat, e.g. an accepted
+        speculative run). Mutates `counts`; a no-op when no row uses penalties."""
+        if not bool(self._flags_cpu[:, 0].any()):
+            return
+        rows = req_pool_indices.to(self.device, torch.int64)
+        ids = token_ids.to(self.device, torch.int64)
+        ones = torch.ones_like(ids, dtype=torch.int32)
+        self.counts.index_put_((rows, ids), ones, accumulate=True)
+
+    def gather(self, req_pool_indices: Tensor) -> SamplingRows:
+        """Parameters of a batch's rows. Indices on the CPU give exact per-batch stage flags;
+        on the device, flags cover every started row (no sync either way)."""
+        if req_pool_indices.device.type == "cpu":
+            flags = self._flags_cpu[req_pool_indices.long()].any(dim=0).tolist()
+        else:
+            flags = self._flags_cpu.any(dim=0).tolist()
+        rows = req_pool_indices.to(self.device, torch.int64)
+        floats = self._float_params[rows]  # [bs, 6]
+        ints = self._int_params[rows]  # [bs, 2]
+        values = {name: floats[:, i] for i, name in enumerate(_FLOAT_COLUMNS)}
+        values |= {name: ints[:, i] for i, name in enumerate(_INT_COLUMNS)}
+        values |= dict(zip(_FLAG_COLUMNS, flags, strict=True))
+        return SamplingRows(**values)
+
+    def penalize(self, logits: Tensor, req_pool_indices: Tensor, rows: SamplingRows) -> Tensor:
+        """logits [bs, V] with the rows' penalties applied (the same tensor when none apply)."""
+        if not rows.use_penalty:
+            return logits
+        index = req_pool_indices.to(self.device, torch.int64)
+        return apply_penalties(logits, self.counts[index], self.prompt_mask[index], rows)
+
+    def sample(
+        self, logits: Tensor, req_pool_indices: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Sample one token per row. logits [bs, V] float32 (not mutated); req_pool_indices
+        [bs]; positions [bs]: absolute position of the token being generated.
+
+        Returns token_ids [bs] int64 and logprobs [bs] float32, both on the device: the
+        log-softmax of the processed distribution the token was drawn from (temperature and
+        filters); for greedy rows the log-softmax of the (penalised) logits at temperature 1.
+        """
+        rows = self.gather(req_pool_indices)
+        logits = self.penalize(logits.float(), req_pool_indices, rows)  # [bs, V]
+        if not rows.use_sampling:
+            token_ids = logits.argmax(dim=-1)
+            return token_ids, _pick_logprobs(logits, token_ids)
+        processed = process_logits(logits, rows)  # [bs, V]
+        sampled = sample_with_noise(processed, rows.seed, positions.to(self.device))
+        token_ids = torch.where(rows.greedy, logits.argmax(dim=-1), sampled)
+        return token_ids, _pick_logprobs(processed, token_ids)
+
+
+def _row_flags(params: SamplingParams, top_k: int, vocab_size: int) -> list[bool]:
+    """Host flags in `_FLAG_COLUMNS` order for one request's parameters."""
+    sampling = params.temperature >= GREEDY_EPS and top_k != 1
+    return [
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0,
+        sampling,
+        sampling and top_k < vocab_size,
+        sampling and params.top_p < 1.0,
+        sampling and params.min_p > 0.0,
+    ]
+
+
+def _pick_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """log_softmax(logits)[b, token_ids[b]]: [bs] float32."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [bs, V]
+    return logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
