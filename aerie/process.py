@@ -23,13 +23,16 @@ from aerie.messages import ProcessFailed, ProcessReady
 from aerie.transport import Sender
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the launcher) dies."""
+def die_with_parent(name: str) -> None:
+    """Ask Linux to SIGKILL this process when its parent (the launcher) dies, and name it
+    `aerie-<name>` (first 15 bytes) so `ps`/`top` show which process is which."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NAME, f"aerie-{name}".encode()[:15])
     except OSError:
         pass
     if os.getppid() == 1:  # the parent already died before prctl took effect
@@ -44,7 +47,7 @@ def run_process(
     ready_info: Callable[[Any], dict] | None = None,
 ) -> None:
     """Build the core with `build(config)`, report ready, then `loop(core)` until Shutdown."""
-    die_with_parent()
+    die_with_parent(name)
     # The launcher handles SIGINT/SIGTERM for the whole tree and tells children to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log = setup_logging(name, config.server.log_level)

@@ -1,0 +1,151 @@
+"""Test harness: a fake engine that plays scheduler + detokenizer, and a live server thread.
+
+`FakeEngine` is the Frontend's backend: each submitted request gets
+`fake_output_ids(request)` back in deltas of `tokens_per_delta`, with text `fake_text(ids)`,
+logprob -0.5 per token, one verify per delta and finish "length". With `hold = True` a
+request gets one delta and never finishes (for disconnect and drain tests).
+`LiveServer` runs uvicorn and the ZMQ frontend on one asyncio loop in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+
+import zmq
+import zmq.asyncio
+
+from aerie.codec import pack_floats, pack_ids, unpack_ids
+from aerie.messages import FinishReason, TextDelta, TextDeltas, TokenizedRequest
+from tokenizer_proc.http_api import Frontend, create_app
+from tokenizer_proc.process import _Server
+from tokenizer_proc.tokenizer import Tokenizer
+from tokenizer_proc.validation import Limits
+from tokenizer_proc.zmq_frontend import ZmqFrontend
+
+CONTEXT_LENGTH = 64
+LOGPROB = -0.5
+
+
+def fake_output_ids(request: TokenizedRequest) -> list[int]:
+    prompt = unpack_ids(request.input_ids)
+    return [(prompt[-1] + 7 * k + 1) % 200 + 10 for k in range(request.sampling.max_new_tokens)]
+
+
+def fake_text(ids: list[int]) -> str:
+    return "".join(f" t{i}" for i in ids)
+
+
+class FakeEngine:
+    def __init__(self, tokens_per_delta: int = 2) -> None:
+        self.frontend: Frontend | None = None
+        self.tokens_per_delta = tokens_per_delta
+        self.hold = False
+        self.submitted: list[TokenizedRequest] = []
+        self.aborted: list[str] = []
+
+    async def submit(self, request: TokenizedRequest) -> None:
+        self.submitted.append(request)
+        asyncio.get_running_loop().create_task(self.play(request))
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+    async def play(self, request: TokenizedRequest) -> None:
+        ids = fake_output_ids(request)
+        prompt_len = len(unpack_ids(request.input_ids))
+        step = self.tokens_per_delta
+        for num_verify, start in enumerate(range(0, len(ids), step), start=1):
+            await asyncio.sleep(0)
+            chunk = ids[start : start + step]
+            done = start + step >= len(ids) and not self.hold
+            delta = TextDelta(
+                rid=request.rid,
+                text=fake_text(chunk),
+                token_ids=pack_ids(chunk),
+                logprobs=pack_floats([LOGPROB] * len(chunk)) if request.return_logprob else b"",
+                finish=FinishReason("length") if done else None,
+                prompt_tokens=prompt_len,
+                completion_tokens=start + len(chunk),
+                spec_verify_ct=num_verify,
+            )
+            self.frontend.tracker.feed(TextDeltas([delta]))
+            if self.hold:
+                return
+
+
+def make_frontend(tokenizer_dir: str, ready: bool = True) -> tuple[Frontend, FakeEngine]:
+    tokenizer = Tokenizer(tokenizer_dir)
+    engine = FakeEngine()
+    limits = Limits(vocab_size=tokenizer.vocab_size, context_length=CONTEXT_LENGTH)
+    frontend = Frontend(tokenizer, limits, engine, model_name="/models/tiny-model")
+    engine.frontend = frontend
+    if ready:
+        frontend.mark_ready({"page_size": 1, "max_total_tokens": 1000})
+    return frontend, engine
+
+
+class LiveServer:
+    """uvicorn on an ephemeral port + the ZMQ frontend, on one loop in a background thread."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.zmq_address = ""
+        self.zmq: ZmqFrontend | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._started = threading.Event()
+        self._server = _Server(_uvicorn_config(create_app(frontend)))
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self._thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("test server did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        context = zmq.asyncio.Context()
+        self.zmq = ZmqFrontend(self.frontend, "tcp://127.0.0.1:*", context)
+        self.zmq_address = self.zmq.address
+        http = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        frontend_task = asyncio.create_task(self.zmq.serve())
+        while not self._server.started and not http.done():
+            await asyncio.sleep(0.005)
+        self._started.set()
+        await http
+        frontend_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await frontend_task
+        self.zmq.close()
+        context.term()
+
+
+def _uvicorn_config(app):
+    import uvicorn
+
+    return uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
+                          timeout_graceful_shutdown=1)  # fmt: skip
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    """Poll predicate until true (for effects that cross threads); False on timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

@@ -1,0 +1,149 @@
+"""Native HTTP API against a live uvicorn with a fake engine behind the frontend."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from aerie.codec import unpack_ids
+from aerie.messages import SchedulerStats
+from tests.tokenizer_proc.harness import LOGPROB, fake_output_ids, fake_text, wait_until
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_generate_single(live):
+    server, frontend, engine = live
+    body = {"text": "Hello world", "sampling_params": {"max_new_tokens": 5, "top_k": 3}}
+    r = httpx.post(server.url + "/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    (request,) = engine.submitted
+    assert unpack_ids(request.input_ids) == frontend.tokenizer.encode("Hello world")
+    assert request.sampling.max_new_tokens == 5 and request.sampling.top_k == 3
+    expected = fake_output_ids(request)
+    assert out["output_ids"] == expected and out["text"] == fake_text(expected)
+    meta = out["meta_info"]
+    assert meta["id"] == request.rid and meta["finish_reason"]["type"] == "length"
+    assert meta["prompt_tokens"] == len(unpack_ids(request.input_ids))
+    assert meta["completion_tokens"] == 5 and meta["spec_verify_ct"] == 3
+    assert meta["spec_accept_length"] == pytest.approx(5 / 3)
+    assert meta["e2e_latency"] > 0 and "output_token_logprobs" not in meta
+
+
+def test_generate_batch_with_rids_and_logprobs(live):
+    server, _, engine = live
+    body = {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3},
+            "rid": ["r1", "r2"], "return_logprob": True}  # fmt: skip
+    out = httpx.post(server.url + "/generate", json=body).json()
+    assert [o["meta_info"]["id"] for o in out] == ["r1", "r2"]
+    by_rid = {r.rid: r for r in engine.submitted}
+    for o in out:
+        ids = fake_output_ids(by_rid[o["meta_info"]["id"]])
+        assert o["output_ids"] == ids
+        assert o["meta_info"]["output_token_logprobs"] == [[LOGPROB, i, None] for i in ids]
+    assert all(r.return_logprob for r in engine.submitted)
+
+
+def test_generate_stream_is_cumulative_and_ends_with_done(live):
+    server, _, engine = live
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 5}, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    dicts = [json.loads(e) for e in events[:-1]]
+    expected = fake_output_ids(engine.submitted[0])
+    assert dicts[-1]["output_ids"] == expected and dicts[-1]["text"] == fake_text(expected)
+    for earlier, later in zip(dicts, dicts[1:], strict=False):
+        assert later["text"].startswith(earlier["text"])
+        assert earlier["meta_info"]["finish_reason"] is None
+    assert dicts[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_batch_stream_events_carry_an_index(live):
+    server, _, _ = live
+    body = {"input_ids": [[5], [6]], "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body) as r:
+        events = [json.loads(e) for e in sse_events(r)[:-1]]
+    finals = {e["index"]: e for e in events if e["meta_info"]["finish_reason"]}
+    assert sorted(finals) == [0, 1] and all(len(e["output_ids"]) == 4 for e in finals.values())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"text": ""}, {"input_ids": [1, 10**9]}, {"input_ids": [1] * 64},
+     {"text": "hi", "sampling_params": {"top_p": 0}}, {"text": "hi", "rid": 5}],
+)  # fmt: skip
+def test_bad_input_is_a_400_and_nothing_is_submitted(live, body):
+    server, _, engine = live
+    r = httpx.post(server.url + "/generate", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    assert len(error["message"]) > 10
+    assert engine.submitted == []
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b"", b"{not json", b"[1, 2]", b"null"])
+def test_malformed_json_is_a_400(live, raw):
+    server, _, _ = live
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "message" in r.json()["error"], (path, r.text)
+
+
+def test_health_follows_readiness_and_drain(live):
+    server, frontend, _ = live
+    frontend.ready = False
+    assert httpx.get(server.url + "/health").status_code == 503
+    assert httpx.post(server.url + "/generate", json={"input_ids": [1]}).status_code == 503
+    frontend.mark_ready({"page_size": 1})
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health_generate").status_code == 200
+    frontend.begin_drain()
+    assert httpx.get(server.url + "/health").status_code == 503
+    r = httpx.post(server.url + "/generate", json={"input_ids": [1]})
+    assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+
+
+def test_server_info_and_metrics(live):
+    server, frontend, _ = live
+    httpx.post(server.url + "/generate", json={"input_ids": [5], "sampling_params": {
+        "max_new_tokens": 4}})  # fmt: skip
+    frontend.metrics.observe_stats(SchedulerStats(2, 1, 25, 100, 2.5))
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["model_path"] == frontend.model_name and info["max_total_tokens"] == 1000
+    assert info["num_running"] == 2 and info["num_waiting"] == 1
+    assert info["kv_usage"] == 0.25 and info["avg_accept_length"] == 2.5
+    text = httpx.get(server.url + "/metrics").text
+    assert 'aerie_requests_total{finish_type="length"} 1.0' in text
+    assert "aerie_prompt_tokens_total 1.0" in text
+    assert "aerie_generation_tokens_total 4.0" in text
+    assert "aerie_num_running_requests 2.0" in text and "aerie_num_queued_requests 1.0" in text
+    assert "aerie_kv_usage_ratio 0.25" in text
+    assert "aerie_time_to_first_token_seconds_count 1.0" in text
+    assert "aerie_e2e_request_latency_seconds_count 1.0" in text
+
+
+def test_stream_disconnect_aborts(live):
+    server, frontend, engine = live
+    engine.hold = True
+    body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 8}, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body) as r:
+        next(r.iter_lines())  # the first event arrived; now walk away
+    assert wait_until(lambda: engine.aborted == [engine.submitted[0].rid])
+    assert frontend.tracker.num_in_flight == 0
+
+
+def test_non_stream_disconnect_aborts(live):
+    server, frontend, engine = live
+    engine.hold = True
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json={"input_ids": [5]}, timeout=0.3)
+    assert wait_until(lambda: engine.aborted == [engine.submitted[0].rid])
+    assert frontend.tracker.num_in_flight == 0

@@ -1,0 +1,90 @@
+"""RequestTracker: deltas reach the right request, finish ends it, aborts and idleness."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aerie.codec import pack_floats, pack_ids
+from aerie.messages import FinishReason, TextDelta, TextDeltas
+from tokenizer_proc.request_tracker import RequestTracker
+
+
+def delta(rid: str, ids: list[int], finish: str | None = None, **kw) -> TextDelta:
+    return TextDelta(
+        rid=rid, text="".join(f"<{i}>" for i in ids), token_ids=pack_ids(ids),
+        logprobs=pack_floats([-1.0] * len(ids)), finish=FinishReason(finish) if finish else None,
+        completion_tokens=kw.get("completion_tokens", 0), prompt_tokens=3,
+        spec_verify_ct=kw.get("spec_verify_ct", 0),
+    )  # fmt: skip
+
+
+def test_deltas_accumulate_and_finish_removes_the_request():
+    async def run():
+        finished = []
+        tracker = RequestTracker(on_finish=finished.append)
+        a, b = tracker.add("a"), tracker.add("b")
+        tracker.feed(TextDeltas([delta("a", [1, 2]), delta("b", [9])]))
+        tracker.feed(TextDeltas([delta("a", [3], "length", completion_tokens=3, spec_verify_ct=2)]))
+        chunks = [c async for c in a.chunks()]
+        assert tracker.num_in_flight == 1 and "a" not in tracker and "b" in tracker
+        assert finished == [a]
+        return a, b, chunks
+
+    a, b, chunks = asyncio.run(run())
+    # both deltas were pending when the consumer looked: one coalesced chunk
+    assert len(chunks) == 1 and chunks[0].output_ids == [1, 2, 3]
+    assert chunks[0].finish == FinishReason("length") and chunks[0].ids_end == 3
+    assert a.text == "<1><2><3>" and a.output_ids == [1, 2, 3] and a.logprobs == [-1.0] * 3
+    assert a.completion_tokens == 3 and a.spec_verify_ct == 2 and a.prompt_tokens == 3
+    assert b.output_ids == [9] and not b.finished
+
+
+def test_consumer_sees_each_delta_when_it_keeps_up():
+    async def run():
+        tracker = RequestTracker()
+        state = tracker.add("r")
+        seen = []
+
+        async def consume():
+            async for chunk in state.chunks():
+                seen.append((chunk.output_ids, chunk.text_end, chunk.finish))
+
+        task = asyncio.create_task(consume())
+        for ids, finish in (([1], None), ([2, 3], None), ([4], "stop")):
+            await asyncio.sleep(0)
+            tracker.feed(TextDeltas([delta("r", ids, finish)]))
+        await task
+        return seen
+
+    seen = asyncio.run(run())
+    assert [s[0] for s in seen] == [[1], [2, 3], [4]]
+    assert [s[1] for s in seen] == [3, 9, 12]
+    assert [s[2] for s in seen] == [None, None, FinishReason("stop")]
+
+
+def test_unknown_rids_are_ignored_and_abort_finishes_locally():
+    async def run():
+        tracker = RequestTracker()
+        tracker.feed(TextDeltas([delta("ghost", [1], "stop")]))
+        state = tracker.add("r")
+        assert not await tracker.wait_idle(0.01)
+        assert tracker.abort("r") and not tracker.abort("r")
+        assert await tracker.wait_idle(1.0)
+        tracker.feed(TextDeltas([delta("r", [5], "stop")]))  # late delta after abort
+        chunks = [c async for c in state.chunks()]
+        return state, chunks
+
+    state, chunks = asyncio.run(run())
+    assert state.finish.type == "abort" and state.output_ids == []
+    assert [c.finish.type for c in chunks] == ["abort"]
+
+
+def test_duplicate_rid_is_refused():
+    tracker = RequestTracker()
+    tracker.add("r")
+    try:
+        tracker.add("r")
+    except ValueError as e:
+        assert "r" in str(e)
+    else:
+        raise AssertionError("duplicate rid accepted")

@@ -1,0 +1,123 @@
+"""Prometheus metrics and the live scheduler stats served by /metrics and /server_info.
+
+`Metrics` owns its own `CollectorRegistry` (several apps in one test process never collide).
+The request tracker calls `observe_first_output` / `observe_finish`; the process calls
+`observe_stats` for each `SchedulerStats`. Metric names are prefixed `aerie_`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from aerie.messages import SchedulerStats
+from tokenizer_proc.request_tracker import RequestState
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "aerie_requests", "Finished requests by finish type.", ["finish_type"], registry=r
+        )
+        self.prompt_tokens = Counter("aerie_prompt_tokens", "Prompt tokens.", registry=r)
+        self.generation_tokens = Counter("aerie_generation_tokens", "Generated tokens.", registry=r)
+        self.num_running = Gauge("aerie_num_running_requests", "Requests running.", registry=r)
+        self.num_queued = Gauge("aerie_num_queued_requests", "Requests waiting.", registry=r)
+        self.kv_usage = Gauge("aerie_kv_usage_ratio", "Used / total KV tokens.", registry=r)
+        self.accept_length = Gauge(
+            "aerie_avg_accept_length", "Average speculative accept length.", registry=r
+        )
+        self.ttft = Histogram(
+            "aerie_time_to_first_token_seconds",
+            "Time from arrival to the first output.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "aerie_e2e_request_latency_seconds",
+            "Time from arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.num_retractions = Gauge(
+            "aerie_num_retractions",
+            "Requests retracted (KV ran out) since start.",
+            registry=r,
+        )
+        self.last_stats: SchedulerStats | None = None
+
+    def observe_first_output(self, state: RequestState) -> None:
+        ttft = state.ttft()
+        if ttft is not None:
+            self.ttft.observe(ttft)
+
+    def observe_finish(self, state: RequestState) -> None:
+        finish_type = state.finish.type if state.finish else "abort"
+        self.requests.labels(finish_type=finish_type).inc()
+        self.prompt_tokens.inc(state.prompt_tokens)
+        self.generation_tokens.inc(state.completion_tokens)
+        self.e2e.observe(state.e2e_latency())
+
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        self.last_stats = stats
+        self.num_running.set(stats.num_running)
+        self.num_queued.set(stats.num_waiting)
+        self.kv_usage.set(kv_usage(stats))
+        self.accept_length.set(stats.avg_accept_length)
+        self.num_retractions.set(stats.num_retractions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def live_stats(self) -> dict[str, Any]:
+        """The last SchedulerStats as a dict for /server_info (zeros before the first)."""
+        s = self.last_stats
+        if s is None:
+            return {
+                "num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "avg_accept_length": None,
+                "num_retractions": 0,
+            }
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_used_tokens": s.kv_used_tokens,
+            "kv_total_tokens": s.kv_total_tokens,
+            "kv_usage": kv_usage(s),
+            "avg_accept_length": s.avg_accept_length,
+            "accepted_per_position": list(s.accepted_per_position),
+            "num_retractions": s.num_retractions,
+        }
+
+
+def kv_usage(stats: SchedulerStats) -> float:
+    return stats.kv_used_tokens / stats.kv_total_tokens if stats.kv_total_tokens else 0.0

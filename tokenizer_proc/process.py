@@ -1,0 +1,201 @@
+"""`run_tokenizer_process`: wire the frontend to its sockets and run everything on one uvloop.
+
+Build (before ProcessReady, so a taken port fails the launch with a clear error): load the
+tokenizer, bind the HTTP listening socket, the ZMQ client ROUTER and this process's inbox,
+connect senders to the scheduler and the launcher. Run: uvicorn (on the pre-bound socket),
+the ZMQ frontend and the inbox reader as tasks of one asyncio loop. Inbox messages dispatch
+through a table keyed by type: TextDeltas -> tracker, SchedulerStats -> metrics, EngineReady
+-> healthy, BeginDrain -> 503 for new requests then DrainDone when idle or at the timeout
+(unfinished requests are then aborted), Shutdown -> stop uvicorn and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+import uvloop
+
+from aerie import endpoints
+from aerie.config import AerieConfig
+from aerie.messages import (
+    AbortRequest,
+    BeginDrain,
+    DrainDone,
+    EngineReady,
+    SchedulerStats,
+    Shutdown,
+    TextDeltas,
+    TokenizedRequest,
+)
+from aerie.model_info import read_model_info
+from aerie.process import run_process
+from aerie.transport import AsyncReceiver, AsyncSender
+from tokenizer_proc.http_api import Frontend, create_app
+from tokenizer_proc.tokenizer import Tokenizer
+from tokenizer_proc.validation import Limits
+from tokenizer_proc.zmq_frontend import ZmqFrontend
+
+log = logging.getLogger(__name__)
+
+UVICORN_GRACEFUL_S = 3.0
+
+
+class SchedulerBackend:
+    """The Frontend's backend in the real process: sends to the scheduler's inbox."""
+
+    def __init__(self, sender: AsyncSender) -> None:
+        self._sender = sender
+
+    async def submit(self, request: TokenizedRequest) -> None:
+        await self._sender.send(request)
+
+    async def abort(self, rid: str) -> None:
+        await self._sender.send(AbortRequest(rid))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the launcher decides when we stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; a taken port raises a clear RuntimeError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on http://{host}:{port}: {e.strerror} "
+            f"(is another server using --port {port}?)"
+        ) from e
+    sock.listen(2048)
+    return sock
+
+
+def resolve_limits(config: AerieConfig, tokenizer: Tokenizer) -> Limits:
+    context_length = config.model.context_length
+    if context_length is None:
+        if not config.model.model_path:
+            raise ValueError("config.model.context_length and model_path are both unresolved")
+        context_length = read_model_info(config.model.model_path).max_position_embeddings
+    return Limits(vocab_size=tokenizer.vocab_size, context_length=context_length)
+
+
+class TokenizerProcess:
+    """Owns the sockets and the loop's tasks; `run()` returns after Shutdown."""
+
+    def __init__(self, config: AerieConfig) -> None:
+        self.config = config
+        tokenizer = Tokenizer.from_config(config)
+        self.scheduler = AsyncSender(endpoints.inbox(config, "scheduler"))
+        self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
+        model_name = config.model.model_path or tokenizer.path
+        self.frontend = Frontend(
+            tokenizer, resolve_limits(config, tokenizer), SchedulerBackend(self.scheduler),
+            model_name,
+        )  # fmt: skip
+        self.http_socket = bind_http_socket(config.server.host, config.server.port)
+        self.zmq = ZmqFrontend(self.frontend, endpoints.client_address(config, bind=True))
+        self.inbox = AsyncReceiver(endpoints.inbox(config, "tokenizer"))
+        uv_config = uvicorn.Config(
+            create_app(self.frontend),
+            log_config=None,
+            log_level=config.server.log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=UVICORN_GRACEFUL_S,
+        )
+        self.server = _Server(uv_config)
+        self._stop = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            TextDeltas: self.frontend.tracker.feed,
+            SchedulerStats: self.frontend.metrics.observe_stats,
+            EngineReady: self.on_engine_ready,
+            BeginDrain: self.on_begin_drain,
+            Shutdown: self.on_shutdown,
+        }
+
+    def ready_info(self) -> dict[str, int | float | str]:
+        host, port = self.http_socket.getsockname()[:2]
+        return {"http_url": f"http://{host}:{port}", "zmq_address": self.zmq.address}
+
+    async def run(self) -> None:
+        http = asyncio.create_task(self.server.serve(sockets=[self.http_socket]))
+        others = [asyncio.create_task(self.zmq.serve()), asyncio.create_task(self.read_inbox())]
+        stop = asyncio.create_task(self._stop.wait())
+        done, _ = await asyncio.wait([http, stop, *others], return_when=asyncio.FIRST_COMPLETED)
+        self.server.should_exit = True
+        await http
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        for task in done:
+            if task is not stop and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        if stop not in done:
+            raise RuntimeError("the HTTP server stopped before Shutdown")
+        self.close()
+
+    async def read_inbox(self) -> None:
+        while True:
+            message = await self.inbox.recv()
+            handler = self.handlers.get(type(message))
+            if handler is None:
+                raise TypeError(f"tokenizer cannot handle {type(message).__name__}")
+            handler(message)
+
+    def on_engine_ready(self, message: EngineReady) -> None:
+        self.frontend.mark_ready(message.server_info)
+        log.info("engine ready")
+
+    def on_begin_drain(self, message: BeginDrain) -> None:
+        self.frontend.begin_drain()
+        task = asyncio.get_running_loop().create_task(self.drain(message.timeout_s))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for in-flight requests; report DrainDone; abort what did not finish."""
+        tracker = self.frontend.tracker
+        await tracker.wait_idle(timeout_s)
+        num_unfinished = tracker.num_in_flight
+        for rid in tracker.rids():
+            self.frontend.abort(rid)
+        log.info("drained (%d unfinished)", num_unfinished)
+        await self.launcher.send(DrainDone(num_unfinished=num_unfinished))
+
+    def on_shutdown(self, message: Shutdown) -> None:
+        log.info("shutting down%s", f": {message.reason}" if message.reason else "")
+        self.frontend.begin_drain()
+        self._stop.set()
+
+    def close(self) -> None:
+        self.zmq.close()
+        self.inbox.close()
+        self.scheduler.close()
+        self.launcher.close()
+        self.http_socket.close()
+
+
+def run_tokenizer_process(config: AerieConfig) -> None:
+    """Entry point of the tokenizer process (see module docstring)."""
+    run_process(
+        "tokenizer",
+        config,
+        TokenizerProcess,
+        lambda proc: uvloop.run(proc.run()),
+        ready_info=lambda proc: proc.ready_info(),
+    )

@@ -1,0 +1,53 @@
+"""Text <-> token ids for the frontend: a thin wrapper over a Hugging Face tokenizer.
+
+`Tokenizer.encode` tokenizes a prompt (with the tokenizer's own special tokens, e.g. BOS);
+`encode_chat` renders the chat template with `add_generation_prompt=True` and tokenizes the
+result without adding special tokens again. `vocab_size` is the largest id range the model can
+take: max(len(tokenizer), the model config's vocab_size).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from aerie.config import AerieConfig
+from aerie.model_info import read_model_info
+
+
+class Tokenizer:
+    def __init__(self, path: str, model_vocab_size: int = 0) -> None:
+        self.path = path
+        self._tok = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = max(len(self._tok), model_vocab_size)
+
+    @classmethod
+    def from_config(cls, config: AerieConfig) -> Tokenizer:
+        """The tokenizer of config.model.tokenizer_path (default: the model directory)."""
+        path = config.model.tokenizer_path or config.model.model_path
+        if not path:
+            raise ValueError("config.model.model_path is not resolved")
+        model_vocab = 0
+        model_path = config.model.model_path
+        if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
+            model_vocab = read_model_info(model_path).vocab_size
+        return cls(path, model_vocab)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the chat template applied to messages, ready for generation."""
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError(f"the tokenizer at {self.path!r} has no chat template")
+        prompt = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self._tok.encode(prompt, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id decoded on its own (for OpenAI logprobs' `token` fields)."""
+        return [self._tok.decode([i]) for i in ids]

@@ -1,0 +1,305 @@
+"""Pure checks that turn request bodies into prompts and `SamplingParams`, or raise.
+
+Every problem raises `ValidationError(message, param)`; the HTTP layer turns it into a 400 with
+an OpenAI-style body (`error_body`). Nothing here touches sockets or the tokenizer: callers
+tokenize text prompts themselves and pass the ids to `check_prompt_ids` and
+`build_sampling_params`, which need the prompt length for the context-length check.
+
+Sampling keys use the native names (`max_new_tokens`, ...); the OpenAI parsers in
+`openai_api` map their names onto these before calling `build_sampling_params`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from aerie.messages import SamplingParams
+
+SAMPLING_KEYS = frozenset(
+    f
+    for f in SamplingParams.__dataclass_fields__  # type: ignore[attr-defined]
+)
+
+
+class ValidationError(ValueError):
+    """A bad request. status is the HTTP status (400 unless said otherwise)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def error_body(message: str, param: str | None, status: int) -> dict[str, Any]:
+    """OpenAI-style error JSON."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 503:
+        kind = "service_unavailable"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    context_length: int
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    """One request of a native /generate body. prompt: text or token ids (not yet checked)."""
+
+    prompt: str | list[int]
+    sampling: dict[str, Any]
+    rid: str | None
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    items: list[GenerateItem]
+    is_batch: bool
+    stream: bool
+    return_logprob: bool
+
+
+# --------------------------------------------------------------------------------------------
+# Typed field readers: None (or a missing key) means "use the default".
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; empty, malformed or non-object bodies raise."""
+    if not raw.strip():
+        raise ValidationError("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValidationError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ValidationError(f"the request body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
+
+
+def read_bool(body: dict, key: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValidationError(f"{param or key} must be a boolean, got {_kind(value)}", param or key)
+    return value
+
+
+def read_int(body: dict, key: str, default: int | None, param: str | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValidationError(
+            f"{param or key} must be an integer, got {_kind(value)}", param or key
+        )
+    return value
+
+
+def read_float(body: dict, key: str, default: float, param: str | None = None) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValidationError(f"{param or key} must be a number, got {_kind(value)}", param or key)
+    return float(value)
+
+
+def read_str(body: dict, key: str, param: str | None = None) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValidationError(f"{param or key} must be a string, got {_kind(value)}", param or key)
+    return value
+
+
+def is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts and sampling parameters
+
+
+def check_prompt_ids(ids: list[int], limits: Limits, param: str = "input_ids") -> None:
+    """Raise unless ids is a non-empty in-vocabulary prompt shorter than the context."""
+    if not ids:
+        raise ValidationError(f"{param} is empty; the prompt needs at least one token", param)
+    bad = [i for i in ids if i < 0 or i >= limits.vocab_size]
+    if bad:
+        raise ValidationError(
+            f"{param} holds token id {bad[0]}, outside the vocabulary [0, {limits.vocab_size})",
+            param,
+        )
+    if len(ids) >= limits.context_length:
+        raise ValidationError(
+            f"the prompt has {len(ids)} tokens; the context length is {limits.context_length} "
+            "(prompt + output must fit)",
+            param,
+        )
+
+
+def build_sampling_params(
+    raw: dict[str, Any], prompt_len: int, limits: Limits, prefix: str = "sampling_params."
+) -> SamplingParams:
+    """SamplingParams from native-named keys, checked against the prompt and the limits.
+
+    A missing max_new_tokens defaults to 128, clamped to what is left of the context; an
+    explicit one that does not fit is an error.
+    """
+    if not isinstance(raw, dict):
+        raise ValidationError(f"{prefix.rstrip('.')} must be an object", prefix.rstrip("."))
+    unknown = sorted(set(raw) - SAMPLING_KEYS)
+    if unknown:
+        raise ValidationError(f"unknown sampling parameter {unknown[0]!r}", prefix + unknown[0])
+    p = lambda key: prefix + key  # noqa: E731
+    room = limits.context_length - prompt_len
+    max_new_tokens = read_int(raw, "max_new_tokens", None, p("max_new_tokens"))
+    if max_new_tokens is None:
+        max_new_tokens = min(SamplingParams.max_new_tokens, room)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=read_float(raw, "temperature", 1.0, p("temperature")),
+        top_p=read_float(raw, "top_p", 1.0, p("top_p")),
+        top_k=read_int(raw, "top_k", -1, p("top_k")),  # type: ignore[arg-type]
+        min_p=read_float(raw, "min_p", 0.0, p("min_p")),
+        stop=_read_stop(raw, p("stop")),
+        stop_token_ids=_read_ids(raw, "stop_token_ids", p("stop_token_ids")),
+        ignore_eos=read_bool(raw, "ignore_eos", False, p("ignore_eos")),
+        skip_special_tokens=read_bool(raw, "skip_special_tokens", True, p("skip_special_tokens")),
+        seed=read_int(raw, "seed", None, p("seed")),
+        frequency_penalty=read_float(raw, "frequency_penalty", 0.0, p("frequency_penalty")),
+        presence_penalty=read_float(raw, "presence_penalty", 0.0, p("presence_penalty")),
+        repetition_penalty=read_float(raw, "repetition_penalty", 1.0, p("repetition_penalty")),
+    )
+    _check_ranges(params, prefix)
+    _check_vocab(params.stop_token_ids, limits, p("stop_token_ids"))
+    if params.max_new_tokens > room:
+        raise ValidationError(
+            f"the prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) is "
+            f"more than the context length ({limits.context_length}); lower max_new_tokens to "
+            f"at most {room}",
+            p("max_new_tokens"),
+        )
+    return params
+
+
+def _check_ranges(s: SamplingParams, prefix: str) -> None:
+    checks = [
+        ("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
+        ("temperature", s.temperature >= 0.0, "must be >= 0"),
+        ("top_p", 0.0 < s.top_p <= 1.0, "must be in (0, 1]"),
+        ("top_k", s.top_k == -1 or s.top_k >= 1, "must be -1 (disabled) or >= 1"),
+        ("min_p", 0.0 <= s.min_p <= 1.0, "must be in [0, 1]"),
+        ("frequency_penalty", -2.0 <= s.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+        ("presence_penalty", -2.0 <= s.presence_penalty <= 2.0, "must be in [-2, 2]"),
+        ("repetition_penalty", 0.0 < s.repetition_penalty <= 2.0, "must be in (0, 2]"),
+    ]
+    for key, ok, rule in checks:
+        if not ok:
+            raise ValidationError(f"{prefix}{key} {rule}, got {getattr(s, key)}", prefix + key)
+
+
+def _read_stop(raw: dict, param: str) -> list[str]:
+    value = raw.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValidationError(f"{param} must be a string or a list of strings", param)
+    if any(s == "" for s in stops):
+        raise ValidationError(f"{param} must not contain an empty string", param)
+    return stops
+
+
+def _read_ids(raw: dict, key: str, param: str) -> list[int]:
+    value = raw.get(key)
+    if value is None:
+        return []
+    if not is_id_list(value):
+        raise ValidationError(f"{param} must be a list of integers", param)
+    return value
+
+
+def _check_vocab(ids: list[int], limits: Limits, param: str) -> None:
+    bad = [i for i in ids if i < 0 or i >= limits.vocab_size]
+    if bad:
+        raise ValidationError(
+            f"{param} holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})", param
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Native /generate bodies
+
+
+def parse_generate_body(body: dict[str, Any]) -> GenerateBody:
+    """Split a /generate body into items (one per prompt); shapes and types are checked."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is not None and input_ids is not None:
+        raise ValidationError("send either text or input_ids, not both", "text")
+    if text is None and input_ids is None:
+        raise ValidationError("the body needs text or input_ids", "text")
+    prompts, is_batch = _read_prompts(text, input_ids)
+    sampling = body.get("sampling_params")
+    samplings = _per_item(sampling, len(prompts), is_batch, "sampling_params", dict)
+    rids = _per_item(body.get("rid"), len(prompts), is_batch, "rid", str)
+    stream = read_bool(body, "stream", False)
+    return_logprob = read_bool(body, "return_logprob", False)
+    rows = zip(prompts, samplings, rids, strict=True)
+    items = [GenerateItem(p, s or {}, r) for p, s, r in rows]
+    return GenerateBody(items, is_batch, stream, return_logprob)
+
+
+def _read_prompts(text: Any, input_ids: Any) -> tuple[list[str | list[int]], bool]:
+    if text is not None:
+        if isinstance(text, str):
+            return [_nonempty_text(text, "text")], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [_nonempty_text(t, f"text[{i}]") for i, t in enumerate(text)], True
+        raise ValidationError("text must be a non-empty string or a list of strings", "text")
+    if is_id_list(input_ids):
+        return [input_ids], False
+    if isinstance(input_ids, list) and input_ids and all(is_id_list(x) for x in input_ids):
+        return list(input_ids), True
+    raise ValidationError(
+        "input_ids must be a list of integers or a list of such lists", "input_ids"
+    )
+
+
+def _nonempty_text(text: str, param: str) -> str:
+    if not text:
+        raise ValidationError(f"{param} is empty; send a non-empty prompt", param)
+    return text
+
+
+def _per_item(value: Any, n: int, is_batch: bool, key: str, kind: type) -> list[Any]:
+    if value is None:
+        return [None] * n
+    if isinstance(value, kind):
+        if key == "rid" and is_batch:
+            raise ValidationError("rid must be a list with one rid per prompt in a batch", key)
+        return [value] * n
+    if is_batch and isinstance(value, list) and all(isinstance(v, kind) for v in value):
+        if len(value) != n:
+            raise ValidationError(f"{key} has {len(value)} entries for {n} prompts", key)
+        return list(value)
+    expected = "an object" if kind is dict else "a string"
+    raise ValidationError(f"{key} must be {expected} (or a list of them for a batch)", key)

@@ -1,0 +1,203 @@
+"""The external ZMQ frontend: a ROUTER socket that serves `aerie.client` (DEALER) peers.
+
+Wire protocol (plain msgpack maps, never pickle; one frame per message on the DEALER side):
+
+    client -> server  {"op": "generate", "req_id": <int|str>, "body": <a /generate body>}
+                      {"op": "abort", "req_id": <int|str>}
+    server -> client  {"req_id": ..., "event": "delta", "data": <delta dict>}   (stream only)
+                      {"req_id": ..., "event": "done",  "data": <the /generate response>}
+                      {"req_id": ..., "event": "error", "data": {"message", "param", "code"}}
+                      {"req_id": None, "event": "ping"}   (liveness probe; clients ignore it)
+
+A delta dict is INCREMENTAL: `text` / `output_ids` (and `meta_info.output_token_logprobs` with
+return_logprob) hold only what is new; `meta_info` is otherwise current, and the last delta's
+`meta_info.finish_reason` is set. A batch body adds `"index"` to each delta. `done` carries
+the same dict (or list, for a batch) as POST /generate. `code` is an HTTP-like status
+(400 bad request, 503 draining / not ready).
+
+req_ids are scoped per client connection. A client that disconnects has all its requests
+aborted. Detection: the ROUTER is ROUTER_MANDATORY, so a send to a peer whose connection is
+gone fails with EHOSTUNREACH; every `PROBE_INTERVAL_S` each client with requests in flight is
+sent a ping, so a silent non-streaming request is noticed too. ZMTP heartbeats close
+connections to peers that vanished without closing TCP. (ROUTER_NOTIFY would be neater but is
+a libzmq draft API, absent from the pyzmq wheels.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from tokenizer_proc.http_api import (
+    Frontend,
+    generate_response,
+    interleave,
+    logprob_triples,
+    meta_info,
+)
+from tokenizer_proc.request_tracker import Chunk, RequestState
+from tokenizer_proc.validation import ValidationError, parse_generate_body
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 0.5
+HEARTBEAT_IVL_MS = 5_000
+HEARTBEAT_TIMEOUT_MS = 15_000
+_PING = msgpack.packb({"req_id": None, "event": "ping"})
+
+
+class ZmqFrontend:
+    """Serves generate/abort ops from many DEALER clients; one task per request."""
+
+    def __init__(
+        self, frontend: Frontend, address: str, context: zmq.asyncio.Context | None = None
+    ) -> None:
+        self.frontend = frontend
+        self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.SNDHWM, 0),
+            (zmq.RCVHWM, 0),
+            (zmq.ROUTER_MANDATORY, 1),
+            (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+        ):
+            self._socket.setsockopt(option, value)
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as e:
+            self._socket.close()
+            raise RuntimeError(f"cannot bind the ZMQ frontend on {address}: {e} "
+                               "(is another server using --zmq-port?)") from e  # fmt: skip
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Sends go through a blocking shadow of the same socket so errors raise right here.
+        self._sender = zmq.Socket.shadow(self._socket.underlying)
+        self._tasks: dict[bytes, dict[Any, asyncio.Task]] = {}
+        self._ops = {"generate": self._on_generate, "abort": self._on_abort}
+
+    def num_requests(self, identity: bytes | None = None) -> int:
+        """Requests being served (for one client identity, or all)."""
+        if identity is not None:
+            return len(self._tasks.get(identity, {}))
+        return sum(len(t) for t in self._tasks.values())
+
+    async def serve(self) -> None:
+        """Receive and dispatch forever, probing clients' liveness (cancel the task to stop)."""
+        probe = asyncio.get_running_loop().create_task(self._probe_clients())
+        try:
+            while True:
+                frames = await self._socket.recv_multipart()
+                if len(frames) == 2 and frames[1]:
+                    self._dispatch(frames[0], frames[1])
+        finally:
+            probe.cancel()
+
+    async def _probe_clients(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for identity in list(self._tasks):
+                self._send_raw(identity, _PING)
+
+    def close(self) -> None:
+        for tasks in self._tasks.values():
+            for task in tasks.values():
+                task.cancel()
+        self._socket.close(linger=0)
+
+    def _dispatch(self, identity: bytes, payload: bytes) -> None:
+        try:
+            msg = msgpack.unpackb(payload, raw=False)
+        except Exception as e:  # noqa: BLE001 - any corrupt payload
+            self._send_error(identity, None, ValidationError(f"not a msgpack message: {e}"))
+            return
+        req_id = msg.get("req_id") if isinstance(msg, dict) else None
+        op = self._ops.get(msg.get("op")) if isinstance(msg, dict) else None
+        if op is None:
+            self._send_error(identity, req_id, ValidationError("unknown or missing op", "op"))
+            return
+        op(identity, req_id, msg)
+
+    def _on_generate(self, identity: bytes, req_id: Any, msg: dict) -> None:
+        tasks = self._tasks.setdefault(identity, {})
+        if req_id in tasks:
+            self._send_error(identity, req_id, ValidationError("req_id already in use", "req_id"))
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._run_generate(identity, req_id, msg.get("body"))
+        )
+        tasks[req_id] = task
+        task.add_done_callback(lambda _: self._forget(identity, req_id))
+
+    def _on_abort(self, identity: bytes, req_id: Any, msg: dict) -> None:
+        task = self._tasks.get(identity, {}).get(req_id)
+        if task is not None:
+            task.cancel()
+
+    def _on_disconnect(self, identity: bytes) -> None:
+        tasks = self._tasks.pop(identity, {})
+        if tasks:
+            log.info("ZMQ client went away; aborting %d request(s)", len(tasks))
+        for task in tasks.values():
+            task.cancel()
+
+    def _forget(self, identity: bytes, req_id: Any) -> None:
+        tasks = self._tasks.get(identity)
+        if tasks is not None:
+            tasks.pop(req_id, None)
+            if not tasks:
+                del self._tasks[identity]
+
+    async def _run_generate(self, identity: bytes, req_id: Any, body: Any) -> None:
+        fe = self.frontend
+        try:
+            if not isinstance(body, dict):
+                raise ValidationError("body must be a map with the /generate fields", "body")
+            gen = parse_generate_body(body)
+            fe.check_accepting()
+            states = await fe.submit(fe.prepare_generate(gen), gen.stream, gen.return_logprob)
+        except ValidationError as e:
+            self._send_error(identity, req_id, e)
+            return
+        try:
+            if gen.stream:
+                async for index, chunk in interleave(states):
+                    delta = delta_dict(states[index], chunk, gen.return_logprob)
+                    if gen.is_batch:
+                        delta["index"] = index
+                    self._send(identity, req_id, "delta", delta)
+            else:
+                await asyncio.gather(*(s.wait_finished() for s in states))
+            out = [generate_response(s, gen.return_logprob) for s in states]
+            self._send(identity, req_id, "done", out if gen.is_batch else out[0])
+        finally:
+            fe.abort_unfinished(states)
+
+    def _send(self, identity: bytes, req_id: Any, event: str, data: Any) -> None:
+        reply = msgpack.packb({"req_id": req_id, "event": event, "data": data}, use_bin_type=True)
+        self._send_raw(identity, reply)
+
+    def _send_raw(self, identity: bytes, payload: bytes) -> None:
+        # NOTE: with SNDHWM=0 a ROUTER send never blocks; an unknown peer raises EHOSTUNREACH.
+        try:
+            self._sender.send_multipart([identity, payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._on_disconnect(identity)
+
+    def _send_error(self, identity: bytes, req_id: Any, e: ValidationError) -> None:
+        data = {"message": e.message, "param": e.param, "code": e.status}
+        self._send(identity, req_id, "error", data)
+
+
+def delta_dict(state: RequestState, chunk: Chunk, return_logprob: bool) -> dict[str, Any]:
+    """An incremental stream event: the chunk's text/ids with the request's meta at that time."""
+    meta = meta_info(state, return_logprob=False, chunk=chunk)
+    if return_logprob:
+        meta["output_token_logprobs"] = logprob_triples(chunk.logprobs, chunk.output_ids)
+    return {"text": chunk.text, "output_ids": list(chunk.output_ids), "meta_info": meta}
