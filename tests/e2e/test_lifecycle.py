@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -42,23 +43,40 @@ def test_killing_a_child_stops_everything(tiny_model_dirs, victim):
 
 
 def test_sigterm_drains_running_requests(tiny_model_dirs):
-    with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "60") as server:
-        results = {}
+    """After SIGTERM: health turns 503, new requests get 503, running streams finish whole."""
+    num_streams, max_new = 8, 400
+    with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
+        started = threading.Barrier(num_streams + 1)
+        counts: list[int] = []
 
-        def long_request():
-            body = {"input_ids": [5, 6, 7], "sampling_params": {
-                "max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
-            results["long"] = httpx.post(server.url + "/generate", json=body, timeout=120)
+        def stream_one(i: int) -> None:
+            body = {"input_ids": [5 + i, 6, 7], "stream": True, "sampling_params": {
+                "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            last = None
+            with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                started.wait()
+                for line in lines:
+                    if line.startswith("data: {"):
+                        last = json.loads(line[len("data: "):])
+            counts.append(last["meta_info"]["completion_tokens"])
 
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(1.0)
+        threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(num_streams)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health").status_code == 200:
+            assert time.monotonic() < deadline, "health never turned 503 while draining"
+            time.sleep(0.02)
         late = httpx.post(server.url + "/generate", json={"input_ids": [5]}, timeout=30)
-        assert late.status_code == 503
-        thread.join(120)
-        assert results["long"].status_code == 200
-        assert results["long"].json()["meta_info"]["completion_tokens"] == 300
+        assert late.status_code == 503 and "error" in late.json()
+        for t in threads:
+            t.join(120)
+        assert counts == [max_new] * num_streams
         assert server.proc.wait(timeout=30) == 0
         assert not [p for p in server.children if pid_alive(p)]
