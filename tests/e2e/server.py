@@ -15,6 +15,13 @@ import httpx
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def device_args() -> list[str]:
+    """`--device cpu` by default; AERIE_E2E_DEVICE=cuda runs the same tests on a GPU in float32
+    (so greedy parity with the float32 transformers reference still holds)."""
+    device = os.environ.get("AERIE_E2E_DEVICE", "cpu")
+    return ["--device", device] + (["--dtype", "float32"] if device != "cpu" else [])
+
+
 def free_port_pair() -> int:
     """A port p such that p (HTTP) and p + 1 (ZMQ) are both free right now."""
     for _ in range(100):
@@ -56,7 +63,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.zmq_address = f"tcp://127.0.0.1:{self.port + 1}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="aerie-e2e-", suffix=".log", delete=False)
-        cmd = [sys.executable, "launch.py", "--port", str(self.port), "--device", "cpu", *args]
+        cmd = [sys.executable, "launch.py", "--port", str(self.port), *device_args(), *args]
         self.proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )

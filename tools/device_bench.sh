@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU measurements behind docs/performance.md, in two device calls (see
+# ../shared/device/README.md for the carried files). Results land in $OUT.
+#   call 1 (carry .device-carry/wheels .device-carry/model1): bash tools/device_bench.sh 1
+#   call 2 (carry .device-carry/model2 .device-carry/sharegpt_subset.json): bash tools/device_bench.sh 2
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+eval "$(bash .device-carry/on_device.sh | grep '^export')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [[ $1 == 1 ]]; then
+  python -m pytest tests/gpu_worker -q 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
+  AERIE_E2E_DEVICE=cuda python -m pytest tests/e2e/test_parity.py -q -k tiny 2>&1 | tail -3 \
+    | tee -a "$OUT/gpu_tests.txt"
+  python benchmarks/bench_decode.py --models llama3-8b --device cuda --dtype bfloat16 \
+    --output "$OUT/decode_llama8b.json" 2>&1 | tail -8
+  exit 0
+fi
+model=$HOME/smollm2
+[[ -d $model ]] || python tools/convert_gguf.py "$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf" "$model" >/dev/null
+python benchmarks/bench_decode.py --models "$model" --device cuda --dtype bfloat16 \
+  --output "$OUT/decode_smollm2.json" 2>&1 | tail -6
+python launch.py --model-path "$model" --port 30000 > "$OUT/server.log" 2>&1 &
+server=$!
+for _ in $(seq 120); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+curl -s localhost:30000/generate -H 'content-type: application/json' \
+  -d '{"text":"The capital of France is","sampling_params":{"max_new_tokens":16,"temperature":0}}'
+echo
+for conc in 1 16 64; do
+  python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts $((conc == 1 ? 32 : 200)) \
+    --max-concurrency $conc --request-rate inf --dataset-path .device-carry/sharegpt_subset.json \
+    --output "$OUT/serving_c$conc.json" 2>&1 | tail -16
+done
+kill -TERM $server; wait $server; echo "server exit $?"
