@@ -1,8 +1,10 @@
-"""`torch_native`: obviously correct paged attention with torch ops, one request at a time.
+"""`torch_native`: obviously correct paged attention with torch ops.
 
 The reference every other backend is tested against; runs on CPU and CUDA. Per request it
 gathers K/V through the request's req_to_token row and calls scaled_dot_product_attention with
 GQA and an explicit boolean mask (causal, or the request's slice of `batch.custom_mask`).
+A batch of one query per request (plain decode) takes one padded SDPA call for the whole batch
+instead: keys past a request's seq_len are masked out.
 """
 
 from __future__ import annotations
@@ -33,12 +35,31 @@ def build_causal_mask(prefix_len: int, extend_len: int, device: torch.device) ->
     return keys[None, :] <= queries[:, None]
 
 
+@dataclass
+class DecodeView:
+    """The whole batch at once when each request runs one query without a custom mask."""
+
+    slots: torch.Tensor  # [bs, max_seq_len] int64, padded past each seq_len
+    mask: torch.Tensor  # [bs, 1, 1, max_seq_len] bool, True = a real key
+
+
+def build_decode_view(batch: ForwardBatch, req_to_token: torch.Tensor) -> DecodeView:
+    max_seq_len = max(batch.seq_lens_cpu)
+    slots = req_to_token[batch.req_pool_indices, :max_seq_len].long()
+    keys = torch.arange(max_seq_len, device=slots.device)
+    mask = keys[None, :] < batch.seq_lens.to(slots.device)[:, None]
+    return DecodeView(slots, mask[:, None, None, :])
+
+
 @register_backend
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         req_to_token = self.req_to_token_pool.req_to_token
+        if batch.custom_mask is None and all(n == 1 for n in batch.extend_seq_lens_cpu):
+            batch.attn_metadata = build_decode_view(batch, req_to_token)
+            return
         device = req_to_token.device
         rows = batch.req_pool_indices.tolist()
         views = []
@@ -73,6 +94,8 @@ class TorchNativeBackend(AttentionBackend):
         self.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
+        if isinstance(batch.attn_metadata, DecodeView):
+            return attend_decode(q, k_buffer, v_buffer, batch.attn_metadata, layer.scaling)
         o = torch.empty_like(q)
         for view in batch.attn_metadata:
             end = view.token_start + view.extend_len
@@ -84,6 +107,22 @@ class TorchNativeBackend(AttentionBackend):
                 layer.scaling,
             )
         return o.view(num_tokens, layer.num_heads * layer.head_dim)
+
+
+def attend_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    view: DecodeView,
+    scaling: float,
+) -> torch.Tensor:
+    """q [bs, heads, d] (one query per request) -> o [bs, heads * d]."""
+    k = k_buffer[view.slots].transpose(1, 2).to(q.dtype)  # [bs, kv_heads, max_seq_len, d]
+    v = v_buffer[view.slots].transpose(1, 2).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=view.mask, scale=scaling, enable_gqa=True
+    )  # [bs, heads, 1, d]
+    return o.reshape(q.shape[0], -1)
 
 
 def attend(
