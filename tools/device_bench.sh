@@ -3,6 +3,8 @@
 # ../shared/device/README.md for the carried files). Results land in $OUT.
 #   call 1 (carry .device-carry/wheels .device-carry/model1): bash tools/device_bench.sh 1
 #   call 2 (carry .device-carry/model2 .device-carry/sharegpt_subset.json): bash tools/device_bench.sh 2
+#   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
+#   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 eval "$(bash .device-carry/on_device.sh | grep '^export')"
@@ -15,18 +17,23 @@ if [[ $1 == 1 ]]; then
     --output "$OUT/decode_llama8b.json" 2>&1 | tail -8
   exit 0
 fi
-model=$HOME/smollm2
-[[ -d $model ]] || python tools/convert_gguf.py "$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf" "$model" >/dev/null
-python benchmarks/bench_decode.py --models "$model" --device cuda --dtype bfloat16 \
-  --output "$OUT/decode_smollm2.json" 2>&1 | tail -6
-python launch.py --model-path "$model" --port 30000 > "$OUT/server.log" 2>&1 &
+if [[ $1 == serve-dummy ]]; then
+  model=.device-carry/smollm2-config; extra=(--load-format dummy)
+else
+  model=$HOME/smollm2; extra=()
+  [[ -d $model ]] || python tools/convert_gguf.py "$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf" "$model" >/dev/null
+  python benchmarks/bench_decode.py --models "$model" --device cuda --dtype bfloat16 \
+    --output "$OUT/decode_smollm2.json" 2>&1 | tail -6
+fi
+python launch.py --model-path "$model" "${extra[@]}" --port 30000 ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
 server=$!
 for _ in $(seq 120); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
 curl -s localhost:30000/generate -H 'content-type: application/json' \
   -d '{"text":"The capital of France is","sampling_params":{"max_new_tokens":16,"temperature":0}}'
 echo
-for conc in 1 16 64; do
-  python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts $((conc == 1 ? 32 : 200)) \
+for conc in ${CONCURRENCY:-1 16 64}; do
+  python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 \
+    --num-prompts $((conc == 1 ? 8 : conc * 3)) --max-output-len ${MAX_OUT:-128} \
     --max-concurrency $conc --request-rate inf --dataset-path .device-carry/sharegpt_subset.json \
     --output "$OUT/serving_c$conc.json" 2>&1 | tail -16
 done
