@@ -72,6 +72,28 @@ class SpeculativeConfig:
     speculative_eagle_topk: int | None = _opt(None, "Branches per draft step.")
     speculative_num_draft_tokens: int | None = _opt(None, "Tree nodes verified per step (ND).")
 
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def decode_alloc_len(self) -> int:
+        """KV positions reserved per request per decode step (resolved config only).
+
+        1 without speculation. With it, the step writes draft scratch at positions
+        seq + branch * S + step (draft pool) and the ND verify nodes at seq .. seq + ND - 1
+        (target pool), so it needs max(ND, topk * S) positions from seq.
+        """
+        if not self.enabled:
+            return 1
+        steps, topk = self.speculative_num_steps or 1, self.speculative_eagle_topk or 1
+        return draft_alloc_len(topk, steps, self.speculative_num_draft_tokens or steps + 1)
+
+
+def draft_alloc_len(topk: int, num_steps: int, num_draft_tokens: int) -> int:
+    """Positions past `seq` one speculative decode iteration touches: max(ND, topk * S)."""
+    return max(num_draft_tokens, topk * num_steps)
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -103,6 +103,8 @@ class PlanRequest:
         For decode with speculation this holds the reserved headroom, longer than input_ids.
     sample: whether this step produces new tokens for the request (False for a non-final
         prefill chunk).
+    next_input_id: for a non-final prefill chunk, the fill token right after the chunk (the
+        draft's prefill rotation needs it as the chunk's tail); -1 otherwise.
     """
 
     rid: str
@@ -112,6 +114,7 @@ class PlanRequest:
     out_slots: bytes
     sample: bool
     start: RequestStart | None = None
+    next_input_id: int = -1
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ report. Invalid combinations raise `ConfigError` with a message that says what t
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import tempfile
 
-from aerie.config import AerieConfig
+from aerie.config import AerieConfig, SpeculativeConfig
 from aerie.model_info import ModelInfo, read_model_info
 
 
@@ -79,16 +80,62 @@ def _validate(config: AerieConfig) -> None:
     fraction = config.cache.mem_fraction_static
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
-    if config.speculative.speculative_algorithm is not None:
+
+
+DRAFT_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
+DEFAULT_NUM_STEPS = 3
+
+
+def _resolve_speculative(spec: SpeculativeConfig) -> SpeculativeConfig:
+    """Defaults (S=3, topk=1, ND=S+1) and clear errors for impossible shapes."""
+    algorithm = spec.speculative_algorithm
+    if algorithm is None:
+        given = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ConfigError(f"{flags} need --speculative-algorithm (EAGLE or EAGLE3)")
+        return spec
+    if algorithm not in DRAFT_ARCHITECTURES:
+        raise ConfigError(f"--speculative-algorithm {algorithm} is not available yet; use EAGLE or EAGLE3")
+    steps = spec.speculative_num_steps or DEFAULT_NUM_STEPS
+    topk = spec.speculative_eagle_topk or 1
+    max_nodes = 1 + topk + (steps - 1) * topk * topk
+    num_draft = spec.speculative_num_draft_tokens or (steps + 1 if topk == 1 else min(max_nodes, 8))
+    if steps < 1 or topk < 1:
+        raise ConfigError("--speculative-num-steps and --speculative-eagle-topk must be >= 1")
+    if topk == 1 and num_draft != steps + 1:
         raise ConfigError(
-            "--speculative-algorithm is not available in this build yet; "
-            "run without it for plain decoding"
+            f"with --speculative-eagle-topk 1 the draft is a chain of S={steps} tokens, so "
+            f"--speculative-num-draft-tokens must be S+1={steps + 1} (got {num_draft})"
         )
+    if not 2 <= num_draft <= max_nodes:
+        raise ConfigError(
+            f"--speculative-num-draft-tokens {num_draft} is impossible for S={steps}, topk={topk}: "
+            f"the draft tree has at most 1 + topk + (S-1)*topk^2 = {max_nodes} nodes (and at least 2)"
+        )
+    path = spec.speculative_draft_model_path
+    if path is None:
+        raise ConfigError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
+    path = os.path.abspath(os.path.expanduser(path))
+    architecture = read_model_info(path).architecture
+    if architecture != DRAFT_ARCHITECTURES[algorithm]:
+        raise ConfigError(
+            f"the draft at {path} is a {architecture}; --speculative-algorithm {algorithm} needs a "
+            f"{DRAFT_ARCHITECTURES[algorithm]} checkpoint"
+        )
+    return dataclasses.replace(
+        spec,
+        speculative_draft_model_path=path,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=num_draft,
+    )
 
 
 def resolve_config(config: AerieConfig) -> AerieConfig:
     """A new config with every auto value resolved (see module docstring)."""
     _validate(config)
+    speculative = _resolve_speculative(config.speculative)
     model_path = _resolve_model_path(config.model.model_path)
     info = read_model_info(model_path)
     device = _resolve_device(config.model.device)
@@ -112,6 +159,7 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
         scheduler={
             "max_running_requests": config.scheduler.max_running_requests or default_rows,
         },
+        speculative=speculative,
         server={"zmq_port": server.zmq_port or server.port + 1},
         runtime_dir=config.runtime_dir or tempfile.mkdtemp(prefix="aerie-"),
     )

@@ -50,6 +50,7 @@ def build_extend_plan(plan_id: int, chunks: list[tuple[Request, int, np.ndarray]
                 out_slots=pack_ids(slots),
                 sample=end == len(req.fill_ids),
                 start=_take_start(req),
+                next_input_id=req.fill_ids[end] if end < len(req.fill_ids) else -1,
             )
         )
     return ForwardPlan(plan_id=plan_id, mode="extend", requests=requests)

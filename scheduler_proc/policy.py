@@ -21,23 +21,8 @@ from scheduler_proc.request import Request
 
 
 def decode_alloc_len_for(config: AerieConfig) -> int:
-    """Positions reserved per request per decode step: 1, or the speculative headroom.
-
-    With speculation the step writes the draft tree and the verify nodes from position
-    `kv_len`: max(num_draft_tokens, num_steps * topk) positions (the larger of the verify
-    and draft-scratch footprints); with page_size > 1 and topk > 1 each branch owns whole
-    pages holding a copy of the partial prefix page.
-    """
-    spec = config.speculative
-    if not spec.speculative_algorithm:
-        return 1
-    steps = spec.speculative_num_steps or 1
-    topk = spec.speculative_eagle_topk or 1
-    num_draft = spec.speculative_num_draft_tokens or steps + 1
-    page_size = config.cache.page_size
-    if page_size > 1 and topk > 1:
-        return max(ceil_div(page_size - 1 + steps, page_size) * page_size * topk, num_draft)
-    return max(steps * topk, num_draft)
+    """Positions reserved per request per decode step: 1, or the speculative headroom."""
+    return config.speculative.decode_alloc_len
 
 
 @dataclass

@@ -82,3 +82,50 @@ def test_missing_weights_suggest_dummy(tmp_path):
     cfg = resolve_config(config_from_args(["--model-path", path, "--load-format", "dummy"]))
     assert cfg.model.load_format == "dummy"
     os.rmdir(cfg.runtime_dir)
+
+
+def _draft_dir(tmp_path, architecture="LlamaForCausalLMEagle"):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    cfg = {"architectures": [architecture], "vocab_size": 100, "hidden_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2}
+    (draft / "config.json").write_text(json.dumps(cfg))
+    return str(draft)
+
+
+def test_speculative_defaults_are_a_chain(tmp_path):
+    path, draft = _model_dir(tmp_path), _draft_dir(tmp_path)
+    cfg = resolve_config(config_from_args([
+        "--model-path", path, "--device", "cpu", "--speculative-algorithm", "EAGLE",
+        "--speculative-draft-model-path", draft]))
+    spec = cfg.speculative
+    assert (spec.speculative_num_steps, spec.speculative_eagle_topk) == (3, 1)
+    assert spec.speculative_num_draft_tokens == 4
+    assert spec.decode_alloc_len == 4
+    tree = resolve_config(config_from_args([
+        "--model-path", path, "--device", "cpu", "--speculative-algorithm", "EAGLE",
+        "--speculative-draft-model-path", draft, "--speculative-eagle-topk", "4",
+        "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"]))
+    assert tree.speculative.decode_alloc_len == 12  # topk * S draft scratch > ND verify nodes
+    assert config_from_args([]).speculative.decode_alloc_len == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--speculative-num-steps", "3"], "need --speculative-algorithm"),
+        (["--speculative-algorithm", "EAGLE"], "needs --speculative-draft-model-path"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-num-draft-tokens", "3", "DRAFT"],
+         "must be S\\+1=4"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "2",
+          "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "8", "DRAFT"],
+         "at most 1 \\+ topk \\+ \\(S-1\\)\\*topk\\^2 = 7 nodes"),
+        (["--speculative-algorithm", "EAGLE3", "DRAFT"], "needs a LlamaForCausalLMEagle3"),
+    ],
+)
+def test_impossible_speculative_shapes_are_refused(tmp_path, argv, message):
+    path, draft = _model_dir(tmp_path), _draft_dir(tmp_path)
+    argv = [a for a in argv if a != "DRAFT"] + (
+        ["--speculative-draft-model-path", draft] if "DRAFT" in argv else [])
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(config_from_args(["--model-path", path, "--device", "cpu", *argv]))

@@ -34,6 +34,8 @@ def test_chunked_prefill_splits_prompt_into_budget_chunks(page_size):
     assert [e.prefix_len for e in extends] == [0, 4, 8]
     assert [e.sample for e in extends] == [False, False, True]
     assert [e.start is not None for e in extends] == [True, False, False]
+    # the draft's prefill rotation takes the next fill token as a non-final chunk's tail
+    assert [e.next_input_id for e in extends] == [5, 9, -1]
     assert sum((unpack_ids(e.input_ids) for e in extends), []) == prompt
     slots = sum((unpack_ids(e.out_slots) for e in extends), [])
     for pos, slot in enumerate(slots):  # contiguous within pages of the request
@@ -83,9 +85,14 @@ def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, ma
         sched.add_request(make_request(rid, prompt, max_new_tokens=24, ignore_eos=True))
     worker = FakeWorker(accept=lambda step, rid: 1 + (step + len(rid)) % alloc_len)
     collector = Collector()
-    run_to_end(sched, worker, collector)
+    plans = run_to_end(sched, worker, collector)
     restarts = [rid for rid, output_len in worker.starts if output_len > 0]
     assert restarts, "the cache was meant to be too small for all requests at once"
+    for plan in plans:
+        for r in plan.requests:  # after a retraction the fill is prompt + outputs so far
+            if plan.mode == "extend" and not r.sample:
+                fill = prompts[r.rid] + collector.outputs[r.rid]
+                assert r.next_input_id == fill[r.prefix_len + len(unpack_ids(r.input_ids))]
     assert sched.stats().num_retractions >= len(set(restarts))
     for rid, prompt in prompts.items():
         assert collector.outputs[rid] == reference_output(prompt, 24)

@@ -1,0 +1,77 @@
+"""Accepted-path compaction after verify (DESIGN §5 invariant 5, notes §3.11 B and §5.3).
+
+With topk > 1 the accepted nodes of a request are scattered over its verify block
+`seq .. seq+ND-1`; accepted node k must end up at position `seq + j` (j = its index along the
+path, which is also its depth). `compaction_moves` lists the target-pool KV copies that do
+that; `compact_rows` / `compact_to_front` reorder per-node rows (verify hidden states,
+predict) the same way. Moves and rows are sized by `bs*(S+1)` (the accept_index width), never
+`bs*ND`, and unused entries are zero (slot 0 -> slot 0 is a harmless dummy move).
+
+Applying the moves as one gather-then-scatter (`kv[dst] = kv[src]`) is always safe; an
+in-order copy is safe too because node_j >= j, so a destination is only ever the source of an
+earlier entry. topk == 1 needs none of this (node j == j: every move is an identity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.speculative.verify import VerifyResult
+
+
+def compaction_moves(
+    result: VerifyResult,
+    seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_draft_tokens: int,
+    num_steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV moves that put the accepted path at the front of each verify block.
+
+    seq_lens [bs] (pre-verify committed length), req_to_token [rows, max_context_len],
+    req_pool_indices [bs], all on one device -> (dst_slots, src_slots), each [bs*(S+1)] int64
+    with request b's entries at `b*(S+1) + j`: for j < accept_lens[b], dst = slot at position
+    `seq + j`, src = slot at `seq + (accept_index[b, j] - b*ND)`; 0 past the accept length.
+    Identity moves (node_j == j) are included. Reads only.
+    """
+    bs = seq_lens.shape[0]
+    device = seq_lens.device
+    width = num_steps + 1
+    step = torch.arange(width, device=device, dtype=torch.int64)  # [S+1]
+    valid = step[None, :] < result.accept_lens[:, None]  # [bs, S+1]
+    base = torch.arange(bs, device=device, dtype=torch.int64)[:, None] * num_draft_tokens
+    node = torch.where(valid, result.accept_index - base, 0)  # [bs, S+1] local node ids
+    seq = seq_lens.to(torch.int64)[:, None]
+    rows = req_pool_indices.to(torch.int64)[:, None]
+    max_pos = req_to_token.shape[1] - 1
+    dst = req_to_token[rows, (seq + step[None, :]).clamp(max=max_pos)].to(torch.int64)
+    src = req_to_token[rows, (seq + node).clamp(max=max_pos)].to(torch.int64)
+    zero = torch.zeros_like(dst)
+    return torch.where(valid, dst, zero).flatten(), torch.where(valid, src, zero).flatten()
+
+
+def compact_rows(x: torch.Tensor, result: VerifyResult) -> torch.Tensor:
+    """Rows of the accepted path in order: x [bs*ND, ...] -> [bs*(S+1), ...] (zero rows at -1).
+
+    E.g. verify hidden states or predict; row `b*(S+1) + j` = x[accept_index[b, j]].
+    """
+    index = result.accept_index.flatten()  # [bs*(S+1)]
+    rows = x[index.clamp(min=0)]
+    keep = (index >= 0).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(keep, rows, torch.zeros_like(rows))
+
+
+def compact_to_front(x: torch.Tensor, result: VerifyResult, num_draft_tokens: int) -> torch.Tensor:
+    """x [bs*ND, ...] with each request's accepted rows moved to the front of its ND block.
+
+    Returns a new tensor: row `b*ND + j` = x[accept_index[b, j]] for j < S+1 (zero rows at -1,
+    i.e. past the accept length); rows `b*ND + S+1 ..` keep x's values. For the full-width
+    draft extend, whose row `b*ND + accept_lens[b] - 1` is then the last accepted node.
+    """
+    bs, width = result.accept_index.shape
+    front = min(width, num_draft_tokens)  # a path never has more than ND nodes
+    out = x.clone()
+    view = out.view(bs, num_draft_tokens, *x.shape[1:])
+    view[:, :front] = compact_rows(x, result).view(bs, width, *x.shape[1:])[:, :front]
+    return out

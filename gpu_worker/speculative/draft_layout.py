@@ -1,0 +1,97 @@
+"""The multi-step draft cache layout: the single owner of where draft KV lives (DESIGN §5, inv. 4).
+
+Each request's draft scratch lives at LOGICAL positions of its `req_to_token` row, starting at
+`seq` (the committed KV length, i.e. the position of the bonus/root token). Branch `j` owns
+the `num_steps` positions `seq + j*num_steps + 0..num_steps-1` (branch-major, the
+`[bs*topk*S]` layout viewed as `[S, bs*topk]`), and draft step `i` of branch `j` writes its
+draft KV at `seq + j*num_steps + i`. The verify tree reuses `seq .. seq+ND-1` of the same row
+(draft KV goes to the draft pool, verify KV to the target pool), so the scheduler reserves
+`draft_alloc_len(...)` positions of headroom per request per decode step.
+
+Every user (draft loop, attention metadata, CUDA-graph and eager paths) goes through these
+functions; nothing else computes draft positions or slots. Rows are request-major,
+branch-minor: `row = b*topk + j`. All functions are pure and keep tensors on the input device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aerie.config import draft_alloc_len
+
+__all__ = ["draft_alloc_len"]  # owned by aerie.config so the torch-free scheduler shares it
+
+
+def draft_kv_len(seq_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+    """Keys attended in draft decode per request: `seq + topk*S` (prefix + every branch slot).
+
+    seq_lens [bs] (any int dtype, any device) -> [bs] int64 on the same device.
+    """
+    return seq_lens.to(torch.int64) + topk * num_steps
+
+
+def draft_run_positions(seq_lens: torch.Tensor, topk: int, step: int) -> torch.Tensor:
+    """Position every row is RUN at in draft decode step `step`: `seq + step` -> [bs*topk] int64.
+
+    Step 0 runs at `seq` (the bonus position; draft position = target position of the input
+    token - 1); positions advance only after each forward (SGLang PR #25015 put step 0 at seq+1).
+    """
+    return seq_lens.to(torch.int64).repeat_interleave(topk) + step
+
+
+def draft_step_positions(seq_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+    """Logical positions where each draft step writes its KV: [S, bs*topk] int64.
+
+    Entry `[i, b*topk + j]` = `seq_b + j*S + i`. seq_lens [bs] on any device; output on it too.
+    """
+    device = seq_lens.device
+    bs = seq_lens.shape[0]
+    branch_base = torch.arange(topk, device=device, dtype=torch.int64) * num_steps  # [topk]
+    row_base = seq_lens.to(torch.int64)[:, None] + branch_base[None, :]  # [bs, topk]
+    steps = torch.arange(num_steps, device=device, dtype=torch.int64)  # [S]
+    return row_base.view(1, bs * topk) + steps[:, None]  # [S, bs*topk]
+
+
+def draft_cache_locs(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+) -> torch.Tensor:
+    """KV slot ids the draft steps write: [S, bs*topk] int64 = req_to_token[row, position].
+
+    req_to_token [rows, max_context_len] (int32 or int64), req_pool_indices [bs], seq_lens
+    [bs], all on one device. Positions come from `draft_step_positions`. Reads only.
+    """
+    positions = draft_step_positions(seq_lens, topk, num_steps)  # [S, bs*topk]
+    rows = req_pool_indices.to(torch.int64).repeat_interleave(topk)  # [bs*topk]
+    return req_to_token[rows[None, :], positions].to(torch.int64)
+
+
+def draft_decode_mask(
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    step: int,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """Flat bool custom mask for draft decode step `step` (True = may attend).
+
+    Per request a row-major `[topk, seq_b + topk*S]` block over the logical positions
+    `0 .. seq_b + topk*S - 1` of its row; blocks concatenated in request order. Row `j` sees
+    the prefix (`< seq_b`) and its own branch's positions `seq_b + j*S + i'` for `i' <= step`
+    (row-local, as SGLang: a re-parented row still sees its own earlier draft KV).
+    `seq_lens_cpu` (host copy of seq_lens) avoids a device sync for the padded width; the
+    final variable-length packing syncs on CUDA (per-request shapes are host-known anyway).
+    """
+    device = seq_lens.device
+    max_seq = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max().item())
+    width = max_seq + topk * num_steps
+    cols = torch.arange(width, device=device, dtype=torch.int64)  # [width]
+    seq_rows = seq_lens.to(torch.int64).repeat_interleave(topk)  # [bs*topk]
+    mask = cols[None, :] < seq_rows[:, None]  # [bs*topk, width] prefix
+    own = draft_step_positions(seq_lens, topk, num_steps)[: step + 1]  # [step+1, bs*topk]
+    mask.scatter_(1, own.t(), True)
+    valid = cols[None, :] < draft_kv_len(seq_lens, topk, num_steps).repeat_interleave(topk)[:, None]
+    return mask[valid]  # row-major per request: rows of request b are contiguous

@@ -1,0 +1,243 @@
+"""Draft-loop bookkeeping and draft-tree construction (reference notes §3.3, §3.4).
+
+The draft loop runs `S = num_steps` levels over `bs*topk` rows (request-major, branch-minor:
+`row = b*topk + j`). Each level records its candidate path scores, tokens and the score-space
+ids of the rows it expands into a `DraftRecord`. `organize_draft` keeps the `ND-1` best
+candidates (ids sorted ascending, so the set is ancestor-closed and shallower levels come
+first) and `build_tree` turns them into a `DraftTree`: node 0 is the root (the bonus token,
+no KV yet), node k >= 1 the k-th selected candidate.
+
+Score-space ids per request: level 0 contributes ids `0..topk-1`; level i >= 1 contributes
+`topk + (i-1)*topk^2 + r*topk + c` (r = expanded row, c = child). All functions are pure,
+vectorised over the batch, and keep tensors on the input device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftRecord:
+    """What each draft level recorded (one entry per level, in level order).
+
+    scores[i]: [bs, 1, topk] (level 0) or [bs, topk, topk] (level i >= 1) path scores.
+    tokens[i]: [bs, topk] (level 0) or [bs, topk*topk] candidate token ids (int64).
+    parents[i]: [bs, topk+1] (level 0: [-1, 0..topk-1]) or [bs, topk] score ids of the rows
+        expanded at the next level.
+    """
+
+    scores: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    parents: list[torch.Tensor] = field(default_factory=list)
+
+
+def select_first_level(
+    topk_p: torch.Tensor, topk_index: torch.Tensor, hidden: torch.Tensor, record: DraftRecord
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Level 0: every request's topk first drafts become its topk rows. Appends to `record`.
+
+    topk_p [bs, topk] float, topk_index [bs, topk] int64, hidden [bs, H] ->
+    (input_ids [bs*topk], hidden [bs*topk, H], path_scores [bs, topk]).
+    """
+    bs, topk = topk_p.shape
+    parents = torch.arange(-1, topk, device=topk_p.device, dtype=torch.int64)  # [topk+1]
+    record.scores.append(topk_p.unsqueeze(1))  # [bs, 1, topk]
+    record.tokens.append(topk_index)
+    record.parents.append(parents.expand(bs, topk + 1))
+    return topk_index.flatten(), hidden.repeat_interleave(topk, dim=0), topk_p
+
+
+def select_next_level(
+    path_scores: torch.Tensor,
+    topk_p: torch.Tensor,
+    topk_index: torch.Tensor,
+    hidden: torch.Tensor,
+    step: int,
+    record: DraftRecord,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Level `step` >= 1: keep each request's topk best of its topk^2 children; appends to `record`.
+
+    path_scores [bs, topk] (path probability of each row), topk_p / topk_index [bs*topk, topk]
+    (the draft's topk after each row's forward), hidden [bs*topk, H] (the draft's output) ->
+    (input_ids [bs*topk], hidden [bs*topk, H] of each chosen child's parent row, path_scores
+    [bs, topk]). Parent rows are gathered with the per-request offset `c//topk + b*topk`
+    (SGLang bug #2730 forgot `b*topk`).
+    """
+    bs, topk = path_scores.shape
+    expand = path_scores[:, :, None] * topk_p.view(bs, topk, topk)  # [bs, topk, topk]
+    new_scores, choice = torch.topk(expand.flatten(1), topk, dim=1)  # [bs, topk]
+    tokens = topk_index.view(bs, topk * topk)  # [bs, topk*topk]
+    input_ids = tokens.gather(1, choice).flatten()  # [bs*topk]
+    offsets = torch.arange(bs, device=choice.device, dtype=torch.int64)[:, None] * topk
+    parent_rows = (choice // topk + offsets).flatten()  # [bs*topk]
+    record.scores.append(expand)
+    record.tokens.append(tokens)
+    record.parents.append(choice + topk * topk * (step - 1) + topk)
+    return input_ids, hidden[parent_rows], new_scores
+
+
+def organize_draft(
+    record: DraftRecord, num_draft_tokens: int, topk: int, num_steps: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick the ND-1 best candidates of each request.
+
+    -> (top_scores_index [bs, ND-1] int64 sorted ascending, draft_tokens [bs, ND-1] int64,
+    parent_list [bs, topk*(S-1)+1] int64 = levels 0..S-2's parents concatenated). Requires
+    `ND-1 <= topk + (S-1)*topk^2`. topk == 1 with ND == S+1 takes the chain fast path
+    (no topk over scores); its result is identical to the general path.
+    """
+    if topk == 1 and num_draft_tokens == num_steps + 1:
+        return organize_chain(record, num_steps)
+    scores = torch.cat([s.flatten(1) for s in record.scores], dim=1)  # [bs, topk+(S-1)*topk^2]
+    top = torch.topk(scores, num_draft_tokens - 1, dim=1).indices
+    top_scores_index = torch.sort(top, dim=1).values  # [bs, ND-1]
+    tokens = torch.cat(record.tokens, dim=1)  # [bs, topk+(S-1)*topk^2]
+    draft_tokens = tokens.gather(1, top_scores_index)
+    parent_list = torch.cat(record.parents[: max(num_steps - 1, 1)], dim=1)
+    parent_list = parent_list[:, : topk * (num_steps - 1) + 1]  # S == 1: just the root's [-1]
+    return top_scores_index, draft_tokens, parent_list
+
+
+def organize_chain(
+    record: DraftRecord, num_steps: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk == 1, ND == S+1: the tree is the chain of every level's single draft."""
+    draft_tokens = torch.cat(record.tokens, dim=1)  # [bs, S]
+    bs, device = draft_tokens.shape[0], draft_tokens.device
+    ids = torch.arange(num_steps, device=device, dtype=torch.int64)
+    top_scores_index = ids.expand(bs, num_steps)  # [bs, S]
+    parent_list = (ids - 1).expand(bs, num_steps)  # [bs, S]: [-1, 0, .., S-2]
+    return top_scores_index, draft_tokens, parent_list
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A batch of draft trees of `num_draft_tokens` (ND) nodes each, ready for verify.
+
+    tokens [bs*ND] int64 (node 0 = bonus/root); positions [bs*ND] int64 (= seq + depth);
+    custom_mask flat bool, per request a row-major [ND, seq_b + ND] block (prefix columns
+    True, node columns = self + ancestors), blocks concatenated in request order;
+    retrieve_index, next_token, next_sibling [bs, ND] int64 (-1 = none; retrieve_index[b, k]
+    = b*ND + k; child lists in ascending node order); depth [bs, ND] int64.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    custom_mask: torch.Tensor
+    retrieve_index: torch.Tensor
+    next_token: torch.Tensor
+    next_sibling: torch.Tensor
+    depth: torch.Tensor
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+
+
+def find_parents(
+    parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """Parent node of every node: [bs, ND] int64, -1 for the root.
+
+    Node k >= 1 has score id `top_scores_index[k-1]`; its parent slot is `id // topk`. Slot 0
+    means the root; otherwise `parent_list[slot]` is the parent's score id and the parent node
+    is 1 + its index in `top_scores_index`. A parent missing from the selection (an invalid
+    tree from ties/NaN) falls back to the root.
+    """
+    bs = top_scores_index.shape[0]
+    top_scores_index = top_scores_index.contiguous()
+    slot = top_scores_index // topk  # [bs, ND-1]
+    parent_id = parent_list.gather(1, slot.clamp(max=parent_list.shape[1] - 1))
+    found_at = torch.searchsorted(top_scores_index, parent_id)  # [bs, ND-1]
+    found_at = found_at.clamp(max=top_scores_index.shape[1] - 1)
+    found = top_scores_index.gather(1, found_at) == parent_id
+    parent = torch.where((slot > 0) & found, found_at + 1, 0)
+    root = torch.full((bs, 1), -1, device=parent.device, dtype=torch.int64)
+    return torch.cat([root, parent], dim=1)  # [bs, ND]
+
+
+def find_ancestors(parents: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self+ancestor matrix [bs, ND, ND] bool (row k, column a) and depth [bs, ND] int64."""
+    bs, nd = parents.shape
+    none = torch.full((bs, 1), nd, device=parents.device, dtype=torch.int64)
+    parent_ext = torch.cat([torch.where(parents < 0, nd, parents), none], dim=1)  # [bs, ND+1]
+    eye = torch.eye(nd, nd + 1, device=parents.device, dtype=torch.bool)
+    ancestors = eye.expand(bs, nd, nd + 1).clone()  # [bs, ND, ND+1], column ND = "none"
+    depth = torch.zeros(bs, nd, device=parents.device, dtype=torch.int64)
+    cur = parent_ext[:, :nd]  # [bs, ND]
+    for _ in range(num_steps):  # depth of any node <= S
+        ancestors.scatter_(2, cur[:, :, None], True)
+        depth += cur != nd
+        cur = parent_ext.gather(1, cur)
+    return ancestors[:, :, :nd], depth
+
+
+def link_children(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-child and next-sibling lists in ascending node order: two [bs, ND] int64 (-1 none)."""
+    nd = parents.shape[1]
+    node = torch.arange(nd, device=parents.device, dtype=torch.int64)
+    is_child = parents[:, None, :] == node[None, :, None]  # [bs, parent, child]
+    next_token = torch.where(is_child, node, nd).amin(dim=2)  # [bs, ND]
+    later_sibling = (parents[:, :, None] == parents[:, None, :]) & (node[None, :] > node[:, None])
+    next_sibling = torch.where(later_sibling, node, nd).amin(dim=2)  # [bs, ND]
+    next_token = torch.where(next_token < nd, next_token, -1)
+    return next_token, torch.where(next_sibling < nd, next_sibling, -1)
+
+
+def build_tree_mask(
+    ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int] | None
+) -> torch.Tensor:
+    """Flat bool verify mask: per request a row-major [ND, seq_b + ND] block, concatenated."""
+    bs, nd, _ = ancestors.shape
+    max_seq = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max().item())
+    cols = torch.arange(max_seq + nd, device=ancestors.device, dtype=torch.int64)
+    seq = seq_lens.to(torch.int64)[:, None]  # [bs, 1]
+    node_col = cols[None, :] - seq  # [bs, width]
+    in_tree = (node_col >= 0) & (node_col < nd)
+    index = node_col.clamp(0, nd - 1)[:, None, :].expand(bs, nd, -1)  # [bs, ND, width]
+    mask = (cols[None, :] < seq)[:, None, :] | (ancestors.gather(2, index) & in_tree[:, None, :])
+    valid = (node_col < nd)[:, None, :].expand(bs, nd, -1)
+    return mask[valid]
+
+
+def build_tree(
+    bonus_tokens: torch.Tensor,
+    parent_list: torch.Tensor,
+    top_scores_index: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+    seq_lens_cpu: list[int] | None = None,
+) -> DraftTree:
+    """Build the verify trees from `organize_draft`'s output (notes §3.4, FULL mask layout).
+
+    bonus_tokens [bs], seq_lens [bs] (committed KV length = root position), the rest as
+    returned by `organize_draft`; all on one device. `seq_lens_cpu` (host copy of seq_lens)
+    avoids a sync for the mask width; packing the variable-length mask syncs on CUDA.
+    """
+    bs, nd = seq_lens.shape[0], num_draft_tokens
+    device = seq_lens.device
+    parents = find_parents(parent_list, top_scores_index, topk)  # [bs, ND]
+    ancestors, depth = find_ancestors(parents, num_steps)
+    next_token, next_sibling = link_children(parents)
+    tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
+    node = torch.arange(nd, device=device, dtype=torch.int64)
+    retrieve_index = (
+        node[None, :] + torch.arange(bs, device=device, dtype=torch.int64)[:, None] * nd
+    )
+    return DraftTree(
+        tokens=tokens.flatten(),
+        positions=(seq_lens.to(torch.int64)[:, None] + depth).flatten(),
+        custom_mask=build_tree_mask(ancestors, seq_lens, seq_lens_cpu),
+        retrieve_index=retrieve_index,
+        next_token=next_token,
+        next_sibling=next_sibling,
+        depth=depth,
+        topk=topk,
+        num_steps=num_steps,
+        num_draft_tokens=nd,
+    )

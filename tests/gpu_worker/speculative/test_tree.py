@@ -1,0 +1,196 @@
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.speculative.compaction import compact_rows, compact_to_front, compaction_moves
+from gpu_worker.speculative.tree import (
+    DraftRecord,
+    build_tree,
+    organize_chain,
+    organize_draft,
+    select_first_level,
+    select_next_level,
+)
+from gpu_worker.speculative.verify import bonus_tokens, verify_greedy
+from tests.gpu_worker.speculative.trees import parents_of, run_draft_loop
+
+
+def mask_blocks(mask: torch.Tensor, seq_lens: list[int], nd: int) -> list[torch.Tensor]:
+    blocks, offset = [], 0
+    for seq in seq_lens:
+        blocks.append(mask[offset : offset + nd * (seq + nd)].view(nd, seq + nd))
+        offset += nd * (seq + nd)
+    assert offset == mask.numel()
+    return blocks
+
+
+def rows_of(bits: list[str]) -> torch.Tensor:
+    return torch.tensor([[c == "1" for c in row] for row in bits])
+
+
+def test_build_tree_golden():
+    # Notes §3.4 (SGLang test_build_eagle_tree.py): bs=2, topk=4, S=4, ND=8.
+    seq_lens = [5, 10]
+    top_scores_index = torch.tensor([[0, 1, 4, 8, 20, 24, 36], [0, 4, 5, 6, 7, 24, 36]])
+    parent_list = torch.tensor(
+        [
+            [-1, 0, 1, 2, 3, 4, 8, 9, 10, 20, 24, 21, 28],
+            [-1, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27],
+        ]
+    )
+    draft = torch.tensor(
+        [
+            [29896, 29906, 29889, 29974, 29946, 29896, 29946],
+            [13, 22550, 4136, 16492, 8439, 29871, 29941],
+        ]
+    )
+    tree = build_tree(
+        torch.tensor([29974, 13]),
+        parent_list,
+        top_scores_index,
+        draft,
+        torch.tensor(seq_lens),
+        4,
+        4,
+        8,
+    )
+    assert tree.positions.tolist() == [5, 6, 6, 7, 7, 8, 8, 9, 10, 11, 12, 12, 12, 12, 13, 14]
+    assert tree.retrieve_index.tolist() == [list(range(8)), list(range(8, 16))]
+    assert tree.next_token.tolist() == [[1, 3, 4, 5, 6, 7, -1, -1], [1, 2, -1, 6, -1, -1, 7, -1]]
+    assert tree.next_sibling.tolist() == [
+        [-1, 2, -1, -1, -1, -1, -1, -1],
+        [-1, -1, 3, 4, 5, -1, -1, -1],
+    ]
+    assert tree.tokens.tolist() == [
+        29974, 29896, 29906, 29889, 29974, 29946, 29896, 29946,
+        13, 13, 22550, 4136, 16492, 8439, 29871, 29941,
+    ]  # fmt: skip
+    qlen_rows = [
+        ["10000000", "11000000", "10100000", "11010000", "10101000", "11010100", "10101010",
+         "11010101"],
+        ["10000000", "11000000", "11100000", "11010000", "11001000", "11000100", "11010010",
+         "11010011"],
+    ]  # fmt: skip
+    for b, block in enumerate(mask_blocks(tree.custom_mask, seq_lens, 8)):
+        assert bool(block[:, : seq_lens[b]].all())
+        assert torch.equal(block[:, seq_lens[b] :], rows_of(qlen_rows[b]))
+
+
+def test_tree_example_B():
+    # Notes §3.11 B: topk=2, S=2, ND=4; a=10 (.6), b=11 (.3); a->c=12 (.36), a->d=13 (.12),
+    # b->e=14 (.24), b->f=15 (.03). The target prefers b after the root, then y=99.
+    record = DraftRecord()
+    hidden0 = torch.tensor([[1.0]])
+    _, hidden, scores = select_first_level(
+        torch.tensor([[0.6, 0.3]]), torch.tensor([[10, 11]]), hidden0, record
+    )
+    _, _, scores = select_next_level(
+        scores,
+        torch.tensor([[0.6, 0.2], [0.8, 0.1]]),
+        torch.tensor([[12, 13], [14, 15]]),
+        torch.tensor([[2.0], [3.0]]),
+        1,
+        record,
+    )
+    top, draft_tokens, parent_list = organize_draft(record, 4, 2, 2)
+    assert top.tolist() == [[0, 1, 2]] and parent_list.tolist() == [[-1, 0, 1]]
+    assert draft_tokens.tolist() == [[10, 11, 12]]
+    seq = 7
+    tree = build_tree(
+        torch.tensor([5]), parent_list, top, draft_tokens, torch.tensor([seq]), 2, 2, 4
+    )
+    assert tree.next_token.tolist() == [[1, 3, -1, -1]]
+    assert tree.next_sibling.tolist() == [[-1, 2, -1, -1]]
+    assert tree.positions.tolist() == [seq, seq + 1, seq + 1, seq + 2]
+
+    result = verify_greedy(tree, torch.tensor([11, 0, 99, 0]))
+    assert result.accept_index.tolist() == [[0, 2, -1]]
+    assert result.num_correct.tolist() == [1] and result.accept_lens.tolist() == [2]
+    assert result.predict.tolist() == [11, 0, 99, 0]
+    assert bonus_tokens(result, 2).tolist() == [99]
+
+    req_to_token = torch.arange(100, 140, dtype=torch.int32).view(2, 20)
+    dst, src = compaction_moves(result, torch.tensor([seq]), req_to_token, torch.tensor([1]), 4, 2)
+    slot = req_to_token[1]
+    assert dst.tolist() == [slot[seq], slot[seq + 1], 0]
+    assert src.tolist() == [slot[seq], slot[seq + 2], 0]
+    assert compact_rows(result.predict, result).tolist() == [11, 99, 0]
+    hidden = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # verify hidden per node
+    front = compact_to_front(hidden, result, 4)
+    # The draft extend selects row accept_lens - 1 = 1: node 2's hidden (b at position seq+1).
+    assert front[int(result.accept_lens[0]) - 1].tolist() == [2.0]
+
+
+def test_select_top_k_hidden_offsets():
+    bs, topk, hidden_size = 3, 2, 4
+    gen = torch.Generator().manual_seed(3)
+    record = DraftRecord()
+    hidden = torch.randn(bs, hidden_size, generator=gen)
+    topk_p = torch.softmax(torch.randn(bs, topk, generator=gen), -1)
+    ids, hidden_rows, scores = select_first_level(
+        topk_p, torch.arange(bs * topk).view(bs, topk), hidden, record
+    )
+    assert torch.equal(hidden_rows, hidden.repeat_interleave(topk, 0))
+    assert ids.tolist() == list(range(bs * topk))
+    # Make request 1 prefer its branch 1 and request 2 its branch 0 at the next level.
+    child_p = torch.tensor(
+        [[0.5, 0.4], [0.3, 0.2], [0.1, 0.05], [0.9, 0.8], [0.7, 0.6], [0.01, 0.02]]
+    )
+    child_ids = torch.arange(100, 100 + bs * topk * topk).view(bs * topk, topk)
+    draft_hidden = torch.randn(bs * topk, hidden_size, generator=gen)
+    ids, new_hidden, new_scores = select_next_level(
+        scores, child_p, child_ids, draft_hidden, 1, record
+    )
+    for b in range(bs):
+        expand = [
+            (float(scores[b, r] * child_p[b * topk + r, c]), r, c)
+            for r in range(topk)
+            for c in range(topk)
+        ]
+        best = sorted(expand, reverse=True)[:topk]
+        for j, (score, r, c) in enumerate(best):
+            row = b * topk + j
+            assert ids[row] == child_ids[b * topk + r, c]
+            assert torch.equal(new_hidden[row], draft_hidden[b * topk + r])  # per-request offset
+            assert abs(float(new_scores[b, j]) - score) < 1e-6
+            assert record.parents[1][b, j] == topk + r * topk + c
+
+
+def test_organize_selects_best_scores():
+    topk, steps, nd = 3, 3, 9
+    record = run_draft_loop(4, topk, steps, 40, seed=1)
+    top, draft_tokens, parent_list = organize_draft(record, nd, topk, steps)
+    assert parent_list.shape == (4, topk * (steps - 1) + 1)
+    for b in range(4):
+        flat = [float(x) for s in record.scores for x in s[b].flatten()]
+        tokens = [int(x) for t in record.tokens for x in t[b]]
+        best = sorted(range(len(flat)), key=lambda i: -flat[i])[: nd - 1]
+        assert top[b].tolist() == sorted(best)
+        assert draft_tokens[b].tolist() == [tokens[i] for i in sorted(best)]
+
+
+def test_chain_fast_path_matches_general():
+    steps = 4
+    record = run_draft_loop(3, 1, steps, 30, seed=2)
+    fast = organize_draft(record, steps + 1, 1, steps)
+    scores = torch.cat([s.flatten(1) for s in record.scores], 1)
+    general_top = torch.sort(torch.topk(scores, steps, dim=1).indices, dim=1).values
+    general_tokens = torch.cat(record.tokens, 1).gather(1, general_top)
+    general_parents = torch.cat(record.parents[: steps - 1], 1)
+    assert torch.equal(fast[0], general_top)
+    assert torch.equal(fast[1], general_tokens)
+    assert torch.equal(fast[2], general_parents)
+    assert torch.equal(fast[2], organize_chain(record, steps)[2])
+    tree = build_tree(
+        torch.tensor([1, 2, 3]),
+        fast[2],
+        fast[0],
+        fast[1],
+        torch.tensor([4, 5, 6]),
+        1,
+        steps,
+        steps + 1,
+    )
+    for b in range(3):
+        assert parents_of(tree, b) == [-1, 0, 1, 2, 3]
+        assert tree.depth[b].tolist() == list(range(steps + 1))
