@@ -37,13 +37,24 @@ class ForwardMode(enum.IntEnum):
 
 
 @dataclass
+class SpecInput:
+    """The minimal `ForwardBatch.spec_info` a draft model reads: the hidden state paired with
+    each input token, [num_tokens, H_in] in the model dtype. H_in is the target's hidden size
+    (EAGLE), the aux width num_aux * H (EAGLE-3 after a target forward) or the draft's own
+    hidden size (a draft's pass-back between draft steps)."""
+
+    hidden_states: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     """Everything one model forward reads. Tensors live on the runner's device.
 
     custom_mask: for TARGET_VERIFY (tree attention), a flat bool tensor concatenating, per
         request, a row-major `[extend_seq_lens[i], seq_lens[i]]` mask (True = may attend) that
         replaces the causal mask. None means causal.
-    spec_info: speculative-decoding state for the modes that need it (opaque here).
+    spec_info: speculative-decoding state for the modes that need it; draft models read its
+        `hidden_states` attribute (any object that has one, e.g. `SpecInput`).
     attn_backend / attn_metadata: set by the runner; the backend owns the metadata's type.
     """
 

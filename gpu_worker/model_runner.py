@@ -4,6 +4,11 @@ Speculative decoding builds several runners (target, draft, one per MTP layer) t
 ids but never storage, so a runner holds no global state. The scheduler decides which rows and
 slots a request uses; the caller writes them into `req_to_token_pool` and builds the
 `ForwardBatch`; `forward` runs the model and returns logits for the sampled positions.
+
+A draft runner (`draft_of=target_runner`) loads an EAGLE / EAGLE-3 draft: it has its own pools
+and backend sized like the target's (same max_total_tokens and page size, so the same slot ids
+address both pools), and its model shares the target's embedding / LM head Parameters. A target
+runner with `aux_hidden_layers` also returns the EAGLE-3 aux hidden states.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from gpu_worker.attention import create_attention_backend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.models import ArchConfig, build_model, read_arch_config
-from gpu_worker.weights import init_dummy_weights, load_weights
+from gpu_worker.models.registry import is_draft_architecture
+from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +35,16 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 @dataclass
 class LogitsOutput:
     """next_token_logits: [num_sampled, vocab] float32, one row per sampled position (each
-    request's last token for extend modes, every token for DECODE/TARGET_VERIFY).
-    hidden_states: [num_tokens, hidden] after the final norm, for every token run."""
+    request's last token for EXTEND/DRAFT_EXTEND, every token for DECODE/TARGET_VERIFY/
+    DRAFT_DECODE); an EAGLE-3 draft's vocab is its draft vocabulary (see `hot_token_id`).
+    hidden_states: [num_tokens, hidden] for every token run: after the final norm for a target,
+    the draft's pass-back hidden for a draft runner.
+    aux_hidden_states: [num_tokens, len(aux_hidden_layers) * hidden] for a target runner with
+    aux_hidden_layers (the residual stream entering those layers), else None."""
 
     next_token_logits: torch.Tensor
     hidden_states: torch.Tensor
+    aux_hidden_states: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -50,24 +61,39 @@ class ModelRunner:
         context_length: int | None = None,
         attention_backend: str = "torch_native",
         mem_fraction_static: float | None = None,
+        aux_hidden_layers: list[int] | None = None,
+        draft_of: ModelRunner | None = None,
+        req_to_token_extra: int = 0,
     ) -> None:
         """Load the model, then size and allocate the KV pool from what memory is left.
 
         max_total_tokens: usable KV slots (rounded down to page_size); None sizes it from
-        memory. context_length: width of a req_to_token row; None uses the model's
-        max_position_embeddings.
+        memory. context_length: the longest sequence; None uses the model's
+        max_position_embeddings. req_to_token rows are context_length + req_to_token_extra wide
+        (speculative headroom past the context). aux_hidden_layers: target layers whose input
+        stream `forward` also returns (EAGLE-3, see `eagle3_aux_layer_ids`). draft_of: the
+        target runner of this draft; page_size, max_total_tokens, max_running_requests and
+        context_length are then taken from it (those arguments are ignored) and
+        req_to_token_extra is at least the target's.
         """
+        if draft_of is not None:
+            page_size, max_total_tokens = draft_of.page_size, draft_of.max_total_tokens
+            max_running_requests = draft_of.max_running_requests
+            context_length = draft_of.context_length
+            req_to_token_extra = max(req_to_token_extra, draft_of.req_to_token_extra)
         self.model_dir = model.path if isinstance(model, ModelInfo) else model
         self.device = torch.device(device)
         self.dtype = dtype
         self.page_size = page_size
         self.config: ArchConfig = read_arch_config(self.model_dir)
         self.context_length = context_length or self.config.max_position_embeddings
+        self.req_to_token_extra = req_to_token_extra
         self.max_running_requests = max_running_requests
-        self.model = self._load_model(load_format, seed)
+        self.model = self._load_model(load_format, seed, draft_of)
+        self.aux_hidden_layers = self._check_aux_layers(aux_hidden_layers)
         self.max_total_tokens = self._size_kv_pool(max_total_tokens, mem_fraction_static)
         self.req_to_token_pool = ReqToTokenPool(
-            max_running_requests, self.context_length, self.device
+            max_running_requests, self.context_length + req_to_token_extra, self.device
         )
         self.kv_pool = KVPool(
             self.max_total_tokens,
@@ -93,15 +119,46 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def _load_model(self, load_format: str, seed: int) -> torch.nn.Module:
-        model = build_model(self.config, self.device, self.dtype)
+    @property
+    def hot_token_id(self) -> torch.Tensor | None:
+        """[draft_vocab] int64 target id of each draft-vocab id (EAGLE-3 with d2t), else None
+        (logit columns are target ids)."""
+        return getattr(self.model, "hot_token_id", None)
+
+    def _load_model(
+        self, load_format: str, seed: int, draft_of: ModelRunner | None
+    ) -> torch.nn.Module:
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"unknown load format {load_format!r} (auto, safetensors, dummy)")
+        is_draft = is_draft_architecture(self.config.architecture)
+        if is_draft != (draft_of is not None):
+            raise ValueError(
+                f"{self.config.architecture} "
+                + ("is a draft: pass draft_of" if is_draft else "is not a draft architecture")
+            )
+        options = {}
+        if is_draft:
+            dummy = load_format == "dummy"
+            options["tensor_names"] = None if dummy else list_tensor_names(self.model_dir)
+        model = build_model(self.config, self.device, self.dtype, **options)
         if load_format == "dummy":
             init_dummy_weights(model, seed)
-        elif load_format in ("auto", "safetensors"):
-            load_weights(model, self.model_dir)
         else:
-            raise ValueError(f"unknown load format {load_format!r} (auto, safetensors, dummy)")
+            load_weights(model, self.model_dir)
+        if draft_of is not None:
+            model.attach_target(draft_of.model)
         return model
+
+    def _check_aux_layers(self, layers: list[int] | None) -> list[int] | None:
+        if not layers:
+            return None
+        if not hasattr(self.model, "forward_with_aux"):
+            raise ValueError(f"{self.config.architecture} cannot capture aux hidden states")
+        if any(not 0 <= i <= self.config.num_layers for i in layers):
+            raise ValueError(
+                f"aux hidden layers {layers} out of range for {self.config.num_layers} layers"
+            )
+        return list(layers)
 
     def _size_kv_pool(self, max_total_tokens: int | None, mem_fraction: float | None) -> int:
         """Usable KV slots: as asked, or what the memory budget holds; a page_size multiple."""
@@ -132,9 +189,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
-        """Run the model on `batch` (writes the new tokens' KV into this runner's pool)."""
+        """Run the model on `batch` (writes the new tokens' KV into this runner's pool). A draft
+        reads `batch.spec_info.hidden_states` [num_tokens, H_in]."""
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch)  # [num_tokens, hidden]
+        aux = None
+        if self.aux_hidden_layers:
+            hidden, aux = self.model.forward_with_aux(batch, self.aux_hidden_layers)
+        else:
+            hidden = self.model(batch)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[batch.sample_indices()])  # [num_sampled, V]
-        return LogitsOutput(next_token_logits=logits, hidden_states=hidden)
+        return LogitsOutput(next_token_logits=logits, hidden_states=hidden, aux_hidden_states=aux)

@@ -1,5 +1,7 @@
 """Weights: load HF safetensors checkpoints (single file or sharded) into a model by parameter
 name, or fill a model with seeded random "dummy" weights (`--load-format dummy`).
+A directory without safetensors may hold `pytorch_model*.bin` files (as the public EAGLE drafts
+do); those are read with torch's weights-only unpickler, which refuses arbitrary objects.
 
 Name mapping goes through `model.map_weight_name(name)` (None skips a tensor, e.g. a tied
 `lm_head.weight`). Every parameter must be loaded exactly once and every tensor must map to a
@@ -18,6 +20,11 @@ from safetensors import safe_open
 from torch import nn
 
 _MAX_NAMES_SHOWN = 10
+# (index file, glob of weight files), in order of preference
+_WEIGHT_LAYOUTS = (
+    ("model.safetensors.index.json", "*.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+)
 
 
 class WeightLoadError(ValueError):
@@ -25,28 +32,50 @@ class WeightLoadError(ValueError):
 
 
 def list_weight_files(model_dir: str) -> list[str]:
-    """The safetensors files of a checkpoint: those named by model.safetensors.index.json if
-    present, else every *.safetensors in the directory."""
-    index_path = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-        return [os.path.join(model_dir, name) for name in files]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise WeightLoadError(
-            f"no *.safetensors files in {model_dir!r} (use --load-format dummy for random weights)"
-        )
-    return files
+    """The weight files of a checkpoint: those named by model.safetensors.index.json if present,
+    else every *.safetensors in the directory, else the pytorch_model*.bin files (by their
+    index if present)."""
+    for index_name, pattern in _WEIGHT_LAYOUTS:
+        index_path = os.path.join(model_dir, index_name)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+            return [os.path.join(model_dir, name) for name in files]
+        files = sorted(glob.glob(os.path.join(model_dir, pattern)))
+        if files:
+            return files
+    raise WeightLoadError(
+        f"no *.safetensors files in {model_dir!r} (use --load-format dummy for random weights)"
+    )
+
+
+def _load_bin(path: str) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def iterate_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor in the files, one tensor in memory at a time."""
+    """(name, CPU tensor) for every tensor in the files, one tensor in memory at a time
+    (.bin files are memory-mapped)."""
     for path in files:
+        if path.endswith(".bin"):
+            yield from _load_bin(path).items()
+            continue
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def list_tensor_names(model_dir: str) -> set[str]:
+    """Names of every tensor in a checkpoint (safetensors: from the headers, no tensor data)."""
+    names: set[str] = set()
+    for path in list_weight_files(model_dir):
+        if path.endswith(".bin"):
+            names.update(_load_bin(path))
+            continue
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
 
 
 def _describe(names: list[str]) -> str:

@@ -6,6 +6,8 @@ Parameter names follow HF (`model.layers.N.self_attn.q_proj.weight`, ...). With
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,14 +91,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> hidden [num_tokens, hidden] after the final norm."""
+    def forward(
+        self, batch: ForwardBatch, aux_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (hidden [num_tokens, hidden] after the final norm, aux or None).
+
+        aux_layers: capture the residual stream ENTERING each of these layers (id num_layers =
+        the stream after the last layer, before the final norm); aux is their concatenation
+        [num_tokens, len(aux_layers) * hidden] in the listed order (EAGLE-3 features).
+        """
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions)  # [num_tokens, head_dim]
-        # NOTE: EAGLE-3 aux hidden states are the stream entering chosen layers; capture here.
-        for layer in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                captured[i] = x
             x = layer(x, cos, sin, batch)
-        return self.norm(x)
+        captured[len(self.layers)] = x
+        aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return self.norm(x), aux
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,7 +135,16 @@ class LlamaForCausalLM(nn.Module):
         }
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+        return self.model(batch)[0]
+
+    def forward_with_aux(
+        self, batch: ForwardBatch, aux_layers: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [num_tokens, hidden], aux [num_tokens, len(aux_layers) * hidden]): aux is
+        the residual stream entering each listed layer (see `LlamaModel.forward`)."""
+        hidden, aux = self.model(batch, aux_layers)
+        assert aux is not None, "forward_with_aux needs at least one aux layer"
+        return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""

@@ -1,0 +1,113 @@
+"""EAGLE-1/2 Llama draft (`LlamaForCausalLMEagle`, the public format of e.g.
+yuhuili/EAGLE-LLaMA3-Instruct-8B), and what every draft model shares.
+
+A draft model reads, besides the batch's tokens, one hidden state per token from
+`batch.spec_info.hidden_states`. The EAGLE draft computes
+
+    h = fc(cat(embed(ids), hidden))        # fc: 2H -> H
+    h = decoder layers(h)                  # the first layer's input_layernorm is an identity
+    logits = target_lm_head(h)             # no final norm
+
+and passes `h` back to itself as the next draft step's hidden. Embedding and LM head are the
+TARGET's modules (the same Parameters), attached by `attach_target` after loading.
+
+Draft-model contract (also followed by `LlamaForCausalLMEagle3`):
+- `__init__(config, tensor_names)`: tensor_names = the checkpoint's tensor names (None for dummy
+  weights); decides which optional modules the draft owns, so nothing is allocated twice.
+- `forward(batch) -> [num_tokens, H]` pass-back hidden; `compute_logits(hidden) -> [n, V] f32`.
+- `attach_target(target)`: after weights are loaded, share the target's modules the format
+  leaves out and finish derived tensors. Until then the draft cannot run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.models.config import ArchConfig
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+# Tensors a draft checkpoint may hold that a draft model never loads.
+_ALWAYS_SKIPPED = ("rotary_emb.inv_freq",)
+
+
+def strip_model_prefix(name: str) -> str:
+    """Draft checkpoints name tensors with or without a `model.` prefix; use the bare name."""
+    return name.removeprefix("model.")
+
+
+def normalized_names(tensor_names: set[str] | None) -> set[str] | None:
+    return None if tensor_names is None else {strip_model_prefix(n) for n in tensor_names}
+
+
+def target_embed_and_head(target: nn.Module) -> tuple[nn.Embedding, nn.Linear]:
+    """The embedding and LM head modules of a target model (Llama/Qwen layout)."""
+    return target.model.embed_tokens, target.lm_head
+
+
+def read_spec_hidden(batch: ForwardBatch) -> torch.Tensor:
+    """batch.spec_info.hidden_states [num_tokens, H_in], checked against the batch."""
+    spec_info = batch.spec_info
+    if spec_info is None or getattr(spec_info, "hidden_states", None) is None:
+        raise ValueError("a draft forward needs batch.spec_info.hidden_states")
+    hidden = spec_info.hidden_states
+    if hidden.shape[0] != batch.num_tokens:
+        raise ValueError(f"{hidden.shape[0]} hidden states for {batch.num_tokens} tokens")
+    return hidden
+
+
+class LlamaForCausalLMEagle(nn.Module):
+    def __init__(self, config: ArchConfig, tensor_names: set[str] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        names = normalized_names(tensor_names)
+        h = config.hidden_size
+        has_bias = bool(config.raw.get("bias")) if names is None else "fc.bias" in names
+        self.fc = nn.Linear(2 * h, h, bias=has_bias)
+        attn_options = LlamaForCausalLM.attention_options(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, **attn_options) for i in range(config.num_layers)
+        )
+        # NOTE: EAGLE's first layer has no input norm: fc's output enters attention as is.
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.embed_tokens: nn.Embedding | None = None  # the target's, see attach_target
+        self.lm_head: nn.Linear | None = None
+
+    def tie_weights(self) -> None:
+        """Nothing is tied inside the draft (sharing with the target is `attach_target`)."""
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint name -> parameter name; the target-owned embedding/head and the identity
+        first input norm are skipped."""
+        name = strip_model_prefix(name)
+        skipped = ("embed_tokens.weight", "lm_head.weight", "layers.0.input_layernorm.weight")
+        if name in skipped or name.endswith(_ALWAYS_SKIPPED):
+            return None
+        return name
+
+    def attach_target(self, target: nn.Module) -> None:
+        """Use the target's embedding and LM head modules (shared Parameters, not copies)."""
+        embed, head = target_embed_and_head(target)
+        if embed.embedding_dim != self.config.hidden_size:
+            raise ValueError(
+                f"EAGLE draft hidden size {self.config.hidden_size} != target's "
+                f"{embed.embedding_dim}"
+            )
+        self.embed_tokens, self.lm_head = embed, head
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> pass-back hidden [num_tokens, H] (pre-LM-head, no final norm)."""
+        hidden_in = read_spec_hidden(batch)  # [num_tokens, H]
+        embeds = self.embed_tokens(batch.input_ids)  # [num_tokens, H]
+        x = self.fc(torch.cat((embeds, hidden_in.to(embeds.dtype)), dim=-1))  # [num_tokens, H]
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> logits [n, vocab] float32 through the target's LM head."""
+        return self.lm_head(hidden).float()
