@@ -1,27 +1,40 @@
 """`GPUWorker`: the socket-free core of the GPU worker process.
 
-It owns the target `ModelRunner` and the per-row `SamplingState`. `execute(plan)` applies the
-scheduler's slot assignments to the runner's req_to_token pool, runs one forward, samples the
-requests that asked for a token and returns a `StepResult`.
+It owns the target `ModelRunner`, with speculation the draft runner and the `EagleWorker`
+that drives them, and the per-row `SamplingState`. `execute(plan)` applies the scheduler's
+slot assignments to the req_to_token pool of every runner (all pools address KV by the same
+slot ids), runs the step and returns a `StepResult`:
+- extend: one target forward; requests on their last chunk sample a token; with speculation
+  the draft then runs on the rotated chunk.
+- decode: one target forward and a sample per request, or one speculative iteration (draft
+  tree, verify, accept, draft extend) that emits 1 .. S+1 tokens per request.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, PlanRequest, StepResult
+from aerie.model_info import read_model_info
 from gpu_worker.forward_batch import ForwardMode, build_forward_batch
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner
+from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
 from gpu_worker.sampling import SamplingState
+from gpu_worker.speculative.eagle_worker import EagleWorker
 
-DEFAULT_MAX_RUNNING_REQUESTS = 64
 PLAN_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# With a draft, the target leaves this share of its memory budget to the draft's weights and KV.
+DRAFT_MEMORY_SHARE = 0.1
 
 
 def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when present, else cpu (for tools that build runners without a config)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -33,34 +46,72 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def eagle3_aux_layers(config: AerieConfig) -> list[int] | None:
+    """Target layers whose input stream an EAGLE-3 draft reads (None for other algorithms)."""
+    spec = config.speculative
+    if spec.speculative_algorithm != "EAGLE3":
+        return None
+    with open(os.path.join(spec.speculative_draft_model_path or "", "config.json")) as f:
+        draft_config = json.load(f)
+    num_layers = read_model_info(config.model.model_path or "").num_layers
+    return eagle3_aux_layer_ids(draft_config, num_layers)
+
+
+def build_runners(config: AerieConfig) -> tuple[ModelRunner, ModelRunner | None]:
+    """The target runner and, with speculation, its draft runner (same slot ids, own pools)."""
+    model, spec = config.model, config.speculative
+    device = resolve_device(model.device)
+    dtype = resolve_dtype(model.dtype, device)
+    mem_fraction = config.cache.mem_fraction_static
+    if spec.enabled:
+        mem_fraction = (mem_fraction or DEFAULT_MEM_FRACTION_STATIC) * (1 - DRAFT_MEMORY_SHARE)
+    target = ModelRunner(
+        model.model_path or "",
+        device=device,
+        dtype=dtype,
+        load_format=model.load_format,
+        seed=model.random_seed,
+        page_size=config.cache.page_size,
+        max_total_tokens=config.cache.max_total_tokens,
+        max_running_requests=config.scheduler.max_running_requests or 64,
+        context_length=model.context_length,
+        attention_backend=config.runner.attention_backend,
+        mem_fraction_static=mem_fraction,
+        aux_hidden_layers=eagle3_aux_layers(config),
+        req_to_token_extra=spec.decode_alloc_len,
+    )
+    if not spec.enabled:
+        return target, None
+    draft = ModelRunner(
+        spec.speculative_draft_model_path or "",
+        device=device,
+        dtype=dtype,
+        seed=model.random_seed,
+        attention_backend=config.runner.attention_backend,
+        draft_of=target,
+    )
+    return target, draft
+
+
 class GPUWorker:
     def __init__(self, config: AerieConfig) -> None:
         """config: resolved (model_path a local directory; device and dtype concrete, though
-        "auto" is tolerated for tests)."""
+        "auto" is tolerated for tools and tests)."""
         if not config.model.model_path:
             raise ValueError("config.model.model_path is not resolved")
         self.config = config
-        self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self.max_running_requests = (
-            config.scheduler.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-        )
-        self.runner = ModelRunner(
-            config.model.model_path,
-            device=self.device,
-            dtype=self.dtype,
-            load_format=config.model.load_format,
-            seed=config.model.random_seed,
-            page_size=config.cache.page_size,
-            max_total_tokens=config.cache.max_total_tokens,
-            max_running_requests=self.max_running_requests,
-            context_length=config.model.context_length,
-            attention_backend=config.runner.attention_backend,
-            mem_fraction_static=config.cache.mem_fraction_static,
-        )
+        self.runner, self.draft_runner = build_runners(config)
+        self.runners = [r for r in (self.runner, self.draft_runner) if r is not None]
+        self.device = self.runner.device
+        self.max_running_requests = self.runner.max_running_requests
         self.sampling = SamplingState(
             self.max_running_requests, self.runner.vocab_size, self.device
         )
+        self.spec = None
+        if self.draft_runner is not None:
+            self.spec = EagleWorker(
+                config.speculative, self.runner, self.draft_runner, self.sampling
+            )
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = [False] * (self.max_running_requests + 1)
 
@@ -73,11 +124,11 @@ class GPUWorker:
             "context_length": self.runner.context_length,
             "page_size": self.runner.page_size,
             "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
         }
 
     def execute(self, plan: ForwardPlan) -> StepResult:
-        """Run one scheduler step; returns the sampled tokens in plan order."""
+        """Run one scheduler step; returns the new tokens in plan order."""
         if plan.mode not in PLAN_MODES:
             raise ValueError(f"unknown plan mode {plan.mode!r}")
         requests = plan.requests
@@ -90,6 +141,8 @@ class GPUWorker:
         out_slots = [codec.unpack_ids(r.out_slots) for r in requests]
         self._check_plan(plan, input_ids, out_slots)
         self._write_slots(requests, out_slots)
+        if plan.mode == "decode" and self.spec is not None:
+            return self._speculative_decode(plan, input_ids)
         batch = build_forward_batch(
             PLAN_MODES[plan.mode],
             input_ids,
@@ -98,8 +151,43 @@ class GPUWorker:
             [r.req_pool_idx for r in requests],
             self.device,
         )
-        logits = self.runner.forward(batch).next_token_logits  # [bs, V]: one row per request
-        return self._sample(plan, logits, batch.seq_lens_cpu)
+        out = self.runner.forward(batch)
+        token_ids, logprobs = self._sample(plan, out.next_token_logits, batch.seq_lens_cpu)
+        if self.spec is not None:
+            # The draft's tail: the next prompt token for a non-final chunk, else the sample.
+            next_ids = torch.tensor([r.next_input_id for r in requests], device=self.device)
+            self.spec.draft_prefill(batch, out, torch.where(next_ids >= 0, next_ids, token_ids))
+        num_tokens = [int(r.sample) for r in requests]
+        sampled = torch.tensor(num_tokens, dtype=torch.bool, device=self.device)
+        want = any(self.return_logprob[r.req_pool_idx] for r in requests if r.sample)
+        return StepResult(
+            plan_id=plan.plan_id,
+            num_tokens=codec.pack_ids(num_tokens),
+            token_ids=codec.pack_ids(token_ids[sampled].cpu()),
+            logprobs=codec.pack_floats(logprobs[sampled].cpu()) if want else b"",
+        )
+
+    def _speculative_decode(self, plan: ForwardPlan, input_ids: list[list[int]]) -> StepResult:
+        requests = plan.requests
+        rows = torch.tensor([r.req_pool_idx for r in requests], device=self.device)
+        bonus = torch.tensor([ids[0] for ids in input_ids], device=self.device)
+        want = any(self.return_logprob[r.req_pool_idx] for r in requests)
+        assert self.spec is not None
+        out = self.spec.decode(rows, [r.prefix_len for r in requests], bonus, want)
+        width = out.tokens.shape[1]
+        valid = torch.arange(width, device=self.device)[None, :] < out.accept_lens[:, None]
+        tokens = out.tokens[valid]  # [sum(accept_lens)], request by request
+        self.sampling.observe(rows.repeat_interleave(out.accept_lens), tokens)
+        logprobs = b""
+        if want and out.logprobs is not None:
+            logprobs = codec.pack_floats(out.logprobs[valid].cpu())
+        return StepResult(
+            plan_id=plan.plan_id,
+            num_tokens=codec.pack_ids(out.accept_lens.cpu()),
+            token_ids=codec.pack_ids(tokens.cpu()),
+            logprobs=logprobs,
+            num_verify=codec.pack_ids([1] * len(requests)),
+        )
 
     def _start_request(self, request: PlanRequest) -> None:
         start = request.start
@@ -125,30 +213,25 @@ class GPUWorker:
                 raise ValueError(f"{request.rid}: req_pool_idx {request.req_pool_idx} is invalid")
 
     def _write_slots(self, requests: list[PlanRequest], out_slots: list[list[int]]) -> None:
-        """Record every assigned slot (headroom included) in the runner's req_to_token rows."""
+        """Record every assigned slot (headroom included) in every runner's req_to_token rows."""
         device = self.device
-        self.runner.req_to_token_pool.write(
-            torch.tensor([r.req_pool_idx for r in requests]).to(device),
-            torch.tensor([r.prefix_len for r in requests]).to(device),
-            torch.tensor([s for slots in out_slots for s in slots], dtype=torch.int32).to(device),
-            torch.tensor([len(slots) for slots in out_slots]).to(device),
-        )
+        rows = torch.tensor([r.req_pool_idx for r in requests]).to(device)
+        starts = torch.tensor([r.prefix_len for r in requests]).to(device)
+        slots = torch.tensor([s for row in out_slots for s in row], dtype=torch.int32).to(device)
+        lens = torch.tensor([len(row) for row in out_slots]).to(device)
+        for runner in self.runners:
+            runner.req_to_token_pool.write(rows, starts, slots, lens)
 
-    def _sample(self, plan: ForwardPlan, logits: torch.Tensor, seq_lens: list[int]) -> StepResult:
-        """Sample the rows whose request asked for a token; the others get 0 tokens."""
+    def _sample(
+        self, plan: ForwardPlan, logits: torch.Tensor, seq_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A token (and its logprob) for every request of the batch, [bs] each on the device;
+        only requests that sample this step are observed for penalties."""
+        rows = torch.tensor([r.req_pool_idx for r in plan.requests])  # [bs] on host
+        positions = torch.tensor(seq_lens)  # position of the new token
+        token_ids, logprobs = self.sampling.sample(logits, rows, positions)
         sampled = [i for i, r in enumerate(plan.requests) if r.sample]
-        num_tokens = [int(r.sample) for r in plan.requests]
-        if not sampled:
-            return StepResult(plan.plan_id, codec.pack_ids(num_tokens), b"")
-        rows = torch.tensor([plan.requests[i].req_pool_idx for i in sampled])  # [n] on host
-        positions = torch.tensor([seq_lens[i] for i in sampled])  # position of the new token
-        index = torch.tensor(sampled, device=logits.device)
-        token_ids, logprobs = self.sampling.sample(logits[index], rows, positions)
-        self.sampling.observe(rows, token_ids)
-        want_logprobs = any(self.return_logprob[int(row)] for row in rows)
-        return StepResult(
-            plan_id=plan.plan_id,
-            num_tokens=codec.pack_ids(num_tokens),
-            token_ids=codec.pack_ids(token_ids.cpu()),
-            logprobs=codec.pack_floats(logprobs.cpu()) if want_logprobs else b"",
-        )
+        if sampled:
+            index = torch.tensor(sampled)
+            self.sampling.observe(rows[index], token_ids[index.to(token_ids.device)])
+        return token_ids, logprobs

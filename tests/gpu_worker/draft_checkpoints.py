@@ -222,14 +222,17 @@ def make_bigram_target(dir: str, arch: str = "llama", seed: int = 0, **overrides
     return str(dir)
 
 
-def make_agreeing_eagle_draft(dir: str, target_dir: str) -> str:
-    """An EAGLE draft whose argmax equals the bigram target's for every token: fc = [I | 0]
-    passes the token embedding through, o_proj and down_proj are zero, so the draft's logits
-    are lm_head(embed(t)), a positive multiple of the target's lm_head(norm(embed(t)))."""
+def make_agreeing_eagle_draft(dir: str, target_dir: str, confidence: float = 50.0) -> str:
+    """An EAGLE draft whose argmax equals the bigram target's for every token: fc = [c*I | 0]
+    passes the (scaled) token embedding through, o_proj and down_proj are zero, so the draft's
+    logits are c * lm_head(embed(t)), a positive multiple of the target's
+    lm_head(norm(embed(t))). The factor c makes the draft confident (a peaked softmax), so a
+    tree draft spends its nodes on the deep chain the target will accept."""
     config = draft_config(target_dir, "LlamaForCausalLMEagle", bias=False)
     h = config["hidden_size"]
     gen = torch.Generator().manual_seed(0)
-    tensors = {"fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)}
+    fc = torch.cat([confidence * torch.eye(h), torch.zeros(h, h)], dim=1)
+    tensors = {"fc.weight": fc}
     layer = layer_tensors(config, gen, h)
     layer["self_attn.o_proj.weight"].zero_()
     layer["mlp.down_proj.weight"].zero_()

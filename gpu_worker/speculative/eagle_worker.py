@@ -1,0 +1,316 @@
+"""`EagleWorker`: one EAGLE / EAGLE-3 decode iteration over a target and a draft runner.
+
+Stages (DESIGN §5), each a method:
+    draft_prefill  after a target extend: the draft runs on the rotated chunk (shift left, append
+                   the tail: the next prompt token for a non-final chunk, the sampled token for
+                   the last) and leaves, per request row, its first-level top-k for the next step.
+    draft          S levels of topk branches from that state -> a `DraftTree` of ND nodes.
+    verify         one target forward over all ND nodes with the tree mask.
+    accept         greedy or exact speculative sampling -> `VerifyResult`.
+    compact        (topk > 1) move the accepted path's target KV to the front of the block.
+    draft_extend   the draft over the accepted tokens; refreshes the per-row draft state.
+
+Memory layout: a request with committed KV length `seq` owns positions [seq, seq +
+decode_alloc_len) of its req_to_token rows for the step (reserved by the scheduler, the same
+slot ids in every runner's pool). Draft scratch KV goes to the draft pool at the positions of
+`draft_step_positions`; the verify nodes to the target pool at seq .. seq + ND - 1. After the
+step, positions seq .. seq + accept_len - 1 hold the target and draft KV of the root and the
+accepted drafts; the scheduler keeps exactly those (it advances by the accept length).
+
+Draft state per request row (kept between steps, like SGLang's FutureMap indexed by row):
+topk_p [rows, topk], topk_index [rows, topk] (target vocab ids), hidden [rows, H_draft].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from aerie.config import SpeculativeConfig
+from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput
+from gpu_worker.model_runner import LogitsOutput, ModelRunner
+from gpu_worker.sampling import (
+    STREAM_SPEC_BONUS,
+    STREAM_SPEC_COIN,
+    SamplingState,
+    processed_probs,
+    uniform_noise,
+)
+from gpu_worker.speculative.compaction import compact_rows, compaction_moves
+from gpu_worker.speculative.draft_layout import (
+    draft_cache_locs,
+    draft_decode_mask,
+    draft_kv_len,
+    draft_run_positions,
+)
+from gpu_worker.speculative.tree import (
+    DraftRecord,
+    DraftTree,
+    build_tree,
+    organize_draft,
+    select_first_level,
+    select_next_level,
+)
+from gpu_worker.speculative.verify import (
+    VerifyResult,
+    accepted_tokens,
+    verify_greedy,
+    verify_sampling,
+)
+
+
+def rotate_prefill_inputs(
+    input_ids: torch.Tensor, extend_seq_lens: torch.Tensor, tails: torch.Tensor
+) -> torch.Tensor:
+    """The draft's prefill input: each request's chunk shifted left by one, its tail appended.
+
+    input_ids [num_tokens] (requests' chunks back to back), extend_seq_lens [bs], tails [bs]
+    -> [num_tokens]. Draft position p thus pairs the target hidden at p with token p + 1.
+    """
+    rotated = torch.empty_like(input_ids)
+    rotated[:-1] = input_ids[1:]
+    rotated[torch.cumsum(extend_seq_lens.long(), 0) - 1] = tails.to(input_ids.dtype)
+    return rotated
+
+
+@dataclass(frozen=True)
+class SpecStepOutput:
+    """One decode iteration's result, per request in batch order."""
+
+    tokens: torch.Tensor  # [bs, S+1] accepted drafts then the bonus, valid up to accept_lens
+    accept_lens: torch.Tensor  # [bs] int64, tokens emitted (accepted drafts + 1)
+    logprobs: torch.Tensor | None  # [bs, S+1] float32, or None
+
+
+def make_batch(
+    mode: ForwardMode,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens_cpu: list[int],
+    extend_lens_cpu: list[int],
+    custom_mask: torch.Tensor | None = None,
+    spec_info: object | None = None,
+) -> ForwardBatch:
+    """A ForwardBatch from device tensors; kv_lens = KV length each request attends after it."""
+    device = input_ids.device
+    prefix_cpu = [kv - n for kv, n in zip(kv_lens_cpu, extend_lens_cpu, strict=True)]
+
+    def small(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        mode=mode,
+        input_ids=input_ids.long(),
+        positions=positions.long(),
+        out_cache_loc=out_cache_loc.long(),
+        req_pool_indices=req_pool_indices.long(),
+        seq_lens=small(kv_lens_cpu),
+        extend_prefix_lens=small(prefix_cpu),
+        extend_seq_lens=small(extend_lens_cpu),
+        seq_lens_cpu=kv_lens_cpu,
+        extend_prefix_lens_cpu=prefix_cpu,
+        extend_seq_lens_cpu=extend_lens_cpu,
+        custom_mask=custom_mask,
+        spec_info=spec_info,
+    )
+
+
+class EagleWorker:
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        target: ModelRunner,
+        draft: ModelRunner,
+        sampling: SamplingState,
+    ) -> None:
+        self.num_steps = spec.speculative_num_steps or 1
+        self.topk = spec.speculative_eagle_topk or 1
+        self.num_draft_tokens = spec.speculative_num_draft_tokens or self.num_steps + 1
+        self.target, self.draft, self.sampling = target, draft, sampling
+        self.use_aux = bool(target.aux_hidden_layers)
+        rows, device = target.max_running_requests + 1, target.device
+        self.topk_p = torch.zeros(rows, self.topk, dtype=torch.float32, device=device)
+        self.topk_index = torch.zeros(rows, self.topk, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(rows, draft.config.hidden_size, dtype=target.dtype, device=device)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def target_features(self, out: LogitsOutput) -> torch.Tensor:
+        """What the draft receives from the target: aux states (EAGLE-3) or the final hidden."""
+        return out.aux_hidden_states if self.use_aux else out.hidden_states
+
+    def draft_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [n, V_draft] -> (probs [n, topk] float32, token ids [n, topk] in target vocab)."""
+        topk_p, topk_index = torch.softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        if self.draft.hot_token_id is not None:
+            topk_index = self.draft.hot_token_id[topk_index]
+        return topk_p, topk_index
+
+    def store_draft_state(self, rows: torch.Tensor, out: LogitsOutput, last: torch.Tensor) -> None:
+        """Keep each row's first-level drafts and pass-back hidden (last: token index per row)."""
+        self.topk_p[rows], self.topk_index[rows] = self.draft_top_k(out.next_token_logits)
+        self.hidden[rows] = out.hidden_states[last]
+
+    # ------------------------------------------------------------------------------ stages
+
+    def draft_prefill(
+        self, batch: ForwardBatch, target_out: LogitsOutput, tails: torch.Tensor
+    ) -> None:
+        """After a target EXTEND: run the draft on the rotated chunks (same positions and slots).
+
+        tails [bs]: per request the token after its chunk (next prompt token, or sampled).
+        """
+        draft_batch = dataclasses.replace(
+            batch,
+            mode=ForwardMode.DRAFT_EXTEND,
+            input_ids=rotate_prefill_inputs(batch.input_ids, batch.extend_seq_lens, tails),
+            spec_info=SpecInput(self.target_features(target_out)),
+            attn_backend=None,
+            attn_metadata=None,
+        )
+        out = self.draft.forward(draft_batch)
+        last = torch.cumsum(batch.extend_seq_lens.long(), 0) - 1  # [bs]
+        self.store_draft_state(batch.req_pool_indices, out, last)
+
+    def draft_tree(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
+    ) -> DraftTree:
+        """S draft levels with topk branches from the rows' draft state -> the verify tree."""
+        topk, steps = self.topk, self.num_steps
+        record = DraftRecord()
+        input_ids, hidden, scores = select_first_level(
+            self.topk_p[rows], self.topk_index[rows], self.hidden[rows], record
+        )
+        cache_locs = draft_cache_locs(
+            self.draft.req_to_token_pool.req_to_token, rows, seq_lens, topk, steps
+        )  # [S, bs*topk]
+        kv_lens_cpu = draft_kv_len(torch.tensor(seq_cpu), topk, steps).tolist()  # host, no sync
+        for step in range(steps - 1):
+            batch = make_batch(
+                ForwardMode.DRAFT_DECODE,
+                input_ids,
+                draft_run_positions(seq_lens, topk, step),
+                cache_locs[step],
+                rows,
+                kv_lens_cpu,
+                [topk] * len(seq_cpu),
+                custom_mask=draft_decode_mask(seq_lens, topk, steps, step, seq_cpu),
+                spec_info=SpecInput(hidden),
+            )
+            out = self.draft.forward(batch)
+            topk_p, topk_index = self.draft_top_k(out.next_token_logits)  # [bs*topk, topk]
+            input_ids, hidden, scores = select_next_level(
+                scores, topk_p, topk_index, out.hidden_states, step + 1, record
+            )
+        top_scores_index, draft_tokens, parent_list = organize_draft(
+            record, self.num_draft_tokens, topk, steps
+        )
+        return build_tree(
+            bonus, parent_list, top_scores_index, draft_tokens, seq_lens, topk, steps,
+            self.num_draft_tokens, seq_cpu,
+        )
+
+    def verify(
+        self, tree: DraftTree, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int]
+    ) -> LogitsOutput:
+        """One target forward over all ND nodes of every tree (KV at seq .. seq + ND - 1)."""
+        nd = self.num_draft_tokens
+        offsets = torch.arange(nd, device=seq_lens.device)
+        positions = seq_lens.long()[:, None] + offsets  # [bs, ND]
+        req_to_token = self.target.req_to_token_pool.req_to_token
+        slots = req_to_token[rows.long()[:, None], positions]  # [bs, ND]
+        batch = make_batch(
+            ForwardMode.TARGET_VERIFY,
+            tree.tokens,
+            tree.positions,
+            slots.flatten(),
+            rows,
+            [s + nd for s in seq_cpu],
+            [nd] * len(seq_cpu),
+            custom_mask=tree.custom_mask,
+        )
+        return self.target.forward(batch)
+
+    def accept(
+        self, tree: DraftTree, logits: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[VerifyResult, torch.Tensor]:
+        """Greedy or exact sampling acceptance; also returns the processed verify logits."""
+        nd = self.num_draft_tokens
+        sampling = self.sampling.gather(rows.cpu())
+        node_rows = sampling.repeat_interleave(nd)
+        node_pool_rows = rows.repeat_interleave(nd)
+        logits = self.sampling.penalize(logits.float(), node_pool_rows, node_rows)  # [bs*ND, V]
+        if not sampling.use_sampling:
+            return verify_greedy(tree, logits.argmax(dim=-1)), logits
+        probs = processed_probs(logits, node_rows)  # [bs*ND, V]
+        root_positions = tree.positions.view(-1, nd)[:, 0]  # [bs]
+        coins = uniform_noise(sampling.seed, root_positions, STREAM_SPEC_COIN, nd)
+        final = uniform_noise(sampling.seed, root_positions, STREAM_SPEC_BONUS, 1)[:, 0]
+        return verify_sampling(tree, probs, coins, final), torch.log(probs.clamp_min(1e-30))
+
+    def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Move the accepted path's target KV to positions seq .. seq + accept_len - 1."""
+        if self.topk == 1:  # a chain: node k already sits at position seq + k
+            return
+        dst, src = compaction_moves(
+            result, seq_lens, self.target.req_to_token_pool.req_to_token, rows,
+            self.num_draft_tokens, self.num_steps,
+        )
+        self.target.kv_pool.move_kv(dst, src)
+
+    def draft_extend(
+        self,
+        result: VerifyResult,
+        tokens: torch.Tensor,
+        verify_out: LogitsOutput,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_cpu: list[int],
+    ) -> None:
+        """The draft over the accepted path: position seq + k pairs the target feature of
+        accepted node k with the token that follows it; refreshes the rows' draft state."""
+        accept_cpu = result.accept_lens.tolist()
+        width = self.num_steps + 1
+        valid = torch.arange(width, device=tokens.device)[None, :] < result.accept_lens[:, None]
+        flat_valid = valid.flatten()  # [bs*(S+1)]
+        features = compact_rows(self.target_features(verify_out), result)[flat_valid]
+        positions = (seq_lens.long()[:, None] + torch.arange(width, device=tokens.device))
+        positions = positions[valid]  # [sum(accept_lens)]
+        req_to_token = self.draft.req_to_token_pool.req_to_token
+        slots = req_to_token[rows.long().repeat_interleave(result.accept_lens), positions]
+        batch = make_batch(
+            ForwardMode.DRAFT_EXTEND,
+            tokens[valid],
+            positions,
+            slots,
+            rows,
+            [s + n for s, n in zip(seq_cpu, accept_cpu, strict=True)],
+            accept_cpu,
+            spec_info=SpecInput(features),
+        )
+        out = self.draft.forward(batch)
+        self.store_draft_state(rows, out, torch.cumsum(result.accept_lens, 0) - 1)
+
+    # ------------------------------------------------------------------------------ a step
+
+    def decode(
+        self, rows: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor, want_logprobs: bool
+    ) -> SpecStepOutput:
+        """One speculative decode iteration for requests on `rows` (device tensor [bs]) whose
+        committed KV lengths are seq_cpu and whose last emitted token (no KV yet) is `bonus`."""
+        seq_lens = torch.tensor(seq_cpu, dtype=torch.int64).to(rows.device)
+        tree = self.draft_tree(rows, seq_lens, seq_cpu, bonus)
+        verify_out = self.verify(tree, rows, seq_lens, seq_cpu)
+        result, scores = self.accept(tree, verify_out.next_token_logits, rows)
+        tokens = accepted_tokens(result, self.num_steps)  # [bs, S+1]
+        logprobs = None
+        if want_logprobs:
+            node_scores = compact_rows(torch.log_softmax(scores, dim=-1), result)
+            logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens).float()
+        self.compact(result, rows, seq_lens)
+        self.draft_extend(result, tokens, verify_out, rows, seq_lens, seq_cpu)
+        return SpecStepOutput(tokens=tokens, accept_lens=result.accept_lens, logprobs=logprobs)

@@ -1,0 +1,139 @@
+"""The speculative GPU worker driven by the real scheduler core, in process (no sockets).
+
+Greedy output with EAGLE / EAGLE-3 must equal the target's own greedy output token for token
+(DESIGN §5.6), for chains and trees, page sizes 1 and 4 and small prefill chunks; a draft that
+always agrees with its target is accepted in full (S+1 tokens per verify); the prefill rotation
+takes the next prompt token as a non-final chunk's tail (SGLang #26329).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from aerie.codec import pack_ids, unpack_ids
+from aerie.config import AerieConfig
+from aerie.messages import SamplingParams, TokenizedRequest
+from gpu_worker.speculative.eagle_worker import rotate_prefill_inputs
+from gpu_worker.worker import GPUWorker
+from scheduler_proc.scheduler import Scheduler
+from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+from tests.gpu_worker.draft_checkpoints import (
+    make_agreeing_eagle_draft,
+    make_bigram_target,
+    make_tiny_eagle3_draft,
+    make_tiny_eagle_draft,
+)
+
+VOCAB = 384
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("spec-models")
+    target = make_tiny_checkpoint(str(root / "target"), "llama", vocab_size=VOCAB,
+                                  max_position_embeddings=512)
+    bigram = make_bigram_target(str(root / "bigram"), vocab_size=VOCAB)
+    return {
+        "target": target,
+        "eagle": make_tiny_eagle_draft(str(root / "eagle"), target),
+        "eagle3": make_tiny_eagle3_draft(str(root / "eagle3"), target, draft_vocab_size=200),
+        "bigram": bigram,
+        "agreeing": make_agreeing_eagle_draft(str(root / "agreeing"), bigram),
+    }
+
+
+def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_draft=None,
+                page_size=1, chunk=64) -> AerieConfig:
+    return AerieConfig().replace(
+        model={"model_path": target, "tokenizer_path": target, "device": "cpu",
+               "dtype": "float32", "load_format": "safetensors", "context_length": 256},
+        cache={"page_size": page_size, "max_total_tokens": 4096},
+        scheduler={"max_running_requests": 8, "chunked_prefill_size": chunk},
+        speculative={"speculative_algorithm": algorithm, "speculative_draft_model_path": draft,
+                     "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                     "speculative_num_draft_tokens": num_draft},
+    )
+
+
+def run_engine(config: AerieConfig, prompts: list[list[int]], max_new: int):
+    """Serve `prompts` greedily to the end; returns (outputs, verify counts, decode results)."""
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+    verify_ct, decode_counts = {}, []
+    while sched.has_work():
+        plan = sched.next_plan()
+        result = worker.execute(plan)
+        if plan.mode == "decode":
+            decode_counts += unpack_ids(result.num_tokens)
+        deltas = sched.apply_result(plan, result)
+        for d in deltas.deltas if deltas else []:
+            outputs[d.rid] += unpack_ids(d.token_ids)
+            verify_ct[d.rid] = d.spec_verify_ct
+    assert sched.allocator.is_whole()
+    return outputs, verify_ct, decode_counts
+
+
+def random_prompts(seed: int, n: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "algorithm, steps, topk, num_draft, page_size, chunk",
+    [
+        ("EAGLE", 3, 1, 4, 1, 64),
+        ("EAGLE", 3, 2, 6, 4, 4),
+        ("EAGLE", 2, 4, 8, 1, 16),
+        ("EAGLE3", 3, 1, 4, 4, 4),
+        ("EAGLE3", 3, 2, 5, 1, 64),
+    ],
+)
+def test_greedy_speculative_output_equals_target_greedy(
+    models, algorithm, steps, topk, num_draft, page_size, chunk
+):
+    prompts = random_prompts(seed=steps * 10 + topk)
+    base, _, _ = run_engine(make_config(models["target"], page_size=page_size), prompts, 20)
+    draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
+    config = make_config(models["target"], algorithm, draft, steps, topk, num_draft,
+                         page_size, chunk)
+    spec, verify_ct, counts = run_engine(config, prompts, 20)
+    assert spec == base
+    assert all(1 <= n <= steps + 1 for n in counts)
+    assert all(v > 0 for v in verify_ct.values())
+
+
+@pytest.mark.parametrize("topk, num_draft", [(1, 4), (3, 7)])
+def test_agreeing_draft_is_accepted_in_full(models, topk, num_draft):
+    steps = 3
+    config = make_config(models["bigram"], "EAGLE", models["agreeing"], steps, topk, num_draft)
+    prompts = random_prompts(seed=5)
+    outputs, verify_ct, counts = run_engine(config, prompts, 1 + 4 * (steps + 1))
+    assert counts and all(n == steps + 1 for n in counts)
+    assert all(v == 4 for v in verify_ct.values())
+    base, _, _ = run_engine(make_config(models["bigram"]), prompts, 1 + 4 * (steps + 1))
+    assert outputs == base
+
+
+def test_verify_counts_do_not_depend_on_prefill_chunking(models):
+    """SGLang #26329: with a wrong tail at chunk boundaries the draft KV there is computed from
+    the wrong token, acceptance changes, and so do the per-request verify counts."""
+    prompts = random_prompts(seed=11)
+    runs = []
+    for chunk in (3, 64):
+        config = make_config(models["target"], "EAGLE", models["eagle"], 3, 1, 4, chunk=chunk)
+        runs.append(run_engine(config, prompts, 16)[:2])
+    assert runs[0] == runs[1]
+
+
+def test_rotation_chunked_prefill():
+    """Each chunk shifts left by one and ends with its tail (next prompt token or sampled)."""
+    ids = torch.tensor([10, 11, 12, 20, 21, 30])
+    rotated = rotate_prefill_inputs(ids, torch.tensor([3, 2, 1]), torch.tensor([13, 99, 31]))
+    assert rotated.tolist() == [11, 12, 13, 21, 99, 31]
