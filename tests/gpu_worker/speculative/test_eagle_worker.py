@@ -132,6 +132,33 @@ def test_verify_counts_do_not_depend_on_prefill_chunking(models):
     assert runs[0] == runs[1]
 
 
+def draft_kv_after_prefill(models, chunk: int, prompt: list[int]) -> torch.Tensor:
+    """The draft pool's layer-0 K at the prompt's positions after prefilling it (max_new 1)."""
+    config = make_config(models["target"], "EAGLE", models["eagle"], 3, 1, 4, chunk=chunk)
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
+    slots: list[int] = []
+    while sched.has_work():
+        plan = sched.next_plan()
+        slots += [s for r in plan.requests for s in unpack_ids(r.out_slots)]
+        sched.apply_result(plan, worker.execute(plan))
+    assert len(slots) == len(prompt)
+    k, _ = worker.draft_runner.kv_pool.get_kv(0)
+    return k[torch.tensor(slots)].clone()
+
+
+def test_chunk_boundary_tail_token(models):
+    """SGLang #26329: a non-final chunk's tail is the next prompt token, not the target's
+    (meaningless) sample at a mid-prompt position; chunked and one-shot prefill then give the
+    draft the same KV at every prompt position, chunk boundaries included."""
+    prompt = random_prompts(seed=3, n=1)[0] + [7, 8, 9, 10, 11, 12, 13]
+    one_shot = draft_kv_after_prefill(models, 64, prompt)
+    chunked = draft_kv_after_prefill(models, 3, prompt)
+    torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=1e-5)
+
+
 def test_rotation_chunked_prefill():
     """Each chunk shifts left by one and ends with its tail (next prompt token or sampled)."""
     ids = torch.tensor([10, 11, 12, 20, 21, 30])
