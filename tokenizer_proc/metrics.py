@@ -69,6 +69,14 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.accepted_per_position = Gauge(
+            "aerie_spec_accepted_tokens_per_position",
+            "Speculative verify steps (since start) that emitted more than `position` tokens: "
+            "position 0 counts every verify step, position k >= 1 those whose k-th draft was "
+            "accepted.",
+            ["position"],
+            registry=r,
+        )
         self.num_retractions = Gauge(
             "aerie_num_retractions",
             "Requests retracted (KV ran out) since start.",
@@ -95,6 +103,8 @@ class Metrics:
         self.kv_usage.set(kv_usage(stats))
         self.accept_length.set(stats.avg_accept_length)
         self.num_retractions.set(stats.num_retractions)
+        for position, count in enumerate(stats.accepted_per_position):
+            self.accepted_per_position.labels(position=str(position)).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import random
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -25,3 +28,42 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> lis
         do_sample=False, eos_token_id=None,
     )
     return out[0, len(prompt_ids):].tolist()
+
+
+NUM_REQUESTS = 16
+
+
+def _requests(vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 24))
+        for _ in range(NUM_REQUESTS)
+    ]
+
+
+def _generate_all(url: str, requests: list[tuple[list[int], int]]) -> list[dict]:
+    def one(req):
+        ids, max_new = req
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+        }
+        r = httpx.post(url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["meta_info"]["completion_tokens"] == max_new
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        return out
+
+    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        return list(pool.map(one, requests))
+
+
+def check_parity(model_dir: str, url: str, vocab: int, seed: int) -> list[dict]:
+    """Greedy outputs of NUM_REQUESTS concurrent requests equal transformers'; returns the
+    responses."""
+    requests = _requests(vocab, seed)
+    outputs = _generate_all(url, requests)
+    for (ids, max_new), got in zip(requests, outputs, strict=True):
+        assert got["output_ids"] == hf_greedy(model_dir, ids, max_new), f"prompt {ids}"
+    return outputs

@@ -62,7 +62,9 @@ class Server:
         self.port = free_port_pair()
         self.url = f"http://127.0.0.1:{self.port}"
         self.zmq_address = f"tcp://127.0.0.1:{self.port + 1}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="aerie-e2e-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="aerie-e2e-", suffix=".log", delete=False
+        )
         cmd = [sys.executable, "launch.py", "--port", str(self.port), *device_args(), *args]
         self.proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()

@@ -115,8 +115,9 @@ def test_server_info_and_metrics(live):
     server, frontend, _ = live
     httpx.post(server.url + "/generate", json={"input_ids": [5], "sampling_params": {
         "max_new_tokens": 4}})  # fmt: skip
-    frontend.metrics.observe_stats(SchedulerStats(2, 1, 25, 100, 2.5))
+    frontend.metrics.observe_stats(SchedulerStats(2, 1, 25, 100, 2.5, [10, 7, 3], 4))
     info = httpx.get(server.url + "/server_info").json()
+    assert info["accepted_per_position"] == [10, 7, 3] and info["num_retractions"] == 4
     assert info["model_path"] == frontend.model_name and info["max_total_tokens"] == 1000
     assert info["num_running"] == 2 and info["num_waiting"] == 1
     assert info["kv_usage"] == 0.25 and info["avg_accept_length"] == 2.5
@@ -126,6 +127,8 @@ def test_server_info_and_metrics(live):
     assert "aerie_generation_tokens_total 4.0" in text
     assert "aerie_num_running_requests 2.0" in text and "aerie_num_queued_requests 1.0" in text
     assert "aerie_kv_usage_ratio 0.25" in text
+    assert 'aerie_spec_accepted_tokens_per_position{position="1"} 7.0' in text
+    assert "aerie_num_retractions 4.0" in text
     assert "aerie_time_to_first_token_seconds_count 1.0" in text
     assert "aerie_e2e_request_latency_seconds_count 1.0" in text
 

@@ -1,0 +1,97 @@
+"""EAGLE and EAGLE-3 on a launched server: greedy output equals transformers' greedy output
+token for token (16 concurrent requests; chains and trees; page sizes 1 and 4; prefill chunks
+of 4 and 16), speculative metrics, full acceptance of a draft that always agrees with its
+target, and sampling at temperature > 0."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.reference import check_parity
+from tests.e2e.server import Server
+from tests.gpu_worker.draft_checkpoints import (
+    make_agreeing_eagle_draft,
+    make_bigram_target,
+    make_tiny_eagle3_draft,
+    make_tiny_eagle_draft,
+)
+from tests.tokenizer_fixture import make_tiny_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("drafts")
+    target = tiny_model_dirs["llama"]
+    bigram = make_bigram_target(str(root / "bigram"), max_position_embeddings=512)
+    make_tiny_tokenizer(bigram)
+    return {
+        "EAGLE": make_tiny_eagle_draft(str(root / "eagle"), target),
+        "EAGLE3": make_tiny_eagle3_draft(str(root / "eagle3"), target, draft_vocab_size=200),
+        "bigram": bigram,
+        "agreeing": make_agreeing_eagle_draft(str(root / "agreeing"), bigram),
+    }
+
+
+def spec_args(algorithm: str, draft: str, steps: int, topk: int, num_draft: int) -> list[str]:
+    return [
+        "--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft,
+        "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+        "--speculative-num-draft-tokens", str(num_draft),
+    ]
+
+
+@pytest.mark.parametrize(
+    "algorithm, steps, topk, num_draft, page, chunk",
+    [
+        ("EAGLE", 3, 1, 4, 1, 4),
+        ("EAGLE", 3, 3, 8, 4, 16),
+        ("EAGLE3", 3, 1, 4, 4, 16),
+        ("EAGLE3", 2, 2, 5, 1, 4),
+    ],
+)
+def test_speculative_greedy_matches_transformers(
+    tiny_model_dirs, drafts, algorithm, steps, topk, num_draft, page, chunk
+):
+    target = tiny_model_dirs["llama"]
+    args = ["--model-path", target, "--page-size", str(page), "--chunked-prefill-size", str(chunk),
+            *spec_args(algorithm, drafts[algorithm], steps, topk, num_draft)]
+    with Server(*args) as server:
+        outputs = check_parity(target, server.url, vocab=320, seed=steps * topk + page)
+        for out in outputs:
+            meta = out["meta_info"]
+            if meta["completion_tokens"] > 1:  # the first token comes from prefill
+                assert meta["spec_verify_ct"] >= 1
+                expected = meta["completion_tokens"] / meta["spec_verify_ct"]
+                assert meta["spec_accept_length"] == pytest.approx(expected)
+        info = httpx.get(server.url + "/server_info").json()
+        assert info["speculative_algorithm"] == algorithm
+        assert 1.0 <= info["avg_accept_length"] <= steps + 1
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'aerie_spec_accepted_tokens_per_position{position="0"}' in metrics
+
+
+def test_agreeing_draft_gives_accept_length_s_plus_1(drafts):
+    steps, num_verify = 3, 5
+    args = ["--model-path", drafts["bigram"],
+            *spec_args("EAGLE", drafts["agreeing"], steps, 2, 6)]
+    body = {"input_ids": [11, 12, 13], "sampling_params": {
+        "max_new_tokens": 1 + num_verify * (steps + 1), "temperature": 0, "ignore_eos": True}}
+    with Server(*args) as server:
+        meta = httpx.post(server.url + "/generate", json=body, timeout=120).json()["meta_info"]
+    assert meta["spec_verify_ct"] == num_verify  # every verify accepted all S drafts + bonus
+
+
+def test_sampling_with_speculation_is_seeded(tiny_model_dirs, drafts):
+    args = ["--model-path", tiny_model_dirs["llama"], *spec_args("EAGLE", drafts["EAGLE"], 3, 2, 6)]
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": True}}
+    with Server(*args) as server:
+        a = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+        b = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+        other = dict(body, sampling_params=dict(body["sampling_params"], seed=8))
+        c = httpx.post(server.url + "/generate", json=other, timeout=120).json()
+    assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 24
+    assert c["output_ids"] != a["output_ids"]
