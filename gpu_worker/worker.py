@@ -86,6 +86,8 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, ModelRunner | None]
         spec.speculative_draft_model_path or "",
         device=device,
         dtype=dtype,
+        # --load-format dummy (benchmarks) gives the draft random weights too.
+        load_format="dummy" if model.load_format == "dummy" else "auto",
         seed=model.random_seed,
         attention_backend=config.runner.attention_backend,
         draft_of=target,

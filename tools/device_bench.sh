@@ -3,6 +3,7 @@
 # ../shared/device/README.md for the carried files). Results land in $OUT.
 #   call 1 (carry .device-carry/wheels .device-carry/model1): bash tools/device_bench.sh 1
 #   call 2 (carry .device-carry/model2 .device-carry/sharegpt_subset.json): bash tools/device_bench.sh 2
+#   EAGLE: bash tools/device_bench.sh spec (see the branch below for what it carries)
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
 set -uo pipefail
@@ -15,6 +16,18 @@ if [[ $1 == 1 ]]; then
     | tee -a "$OUT/gpu_tests.txt"
   python benchmarks/bench_decode.py --models llama3-8b --device cuda --dtype bfloat16 \
     --output "$OUT/decode_llama8b.json" 2>&1 | tail -8
+  exit 0
+fi
+if [[ $1 == spec ]]; then
+  # EAGLE mechanics on the GPU: parity tests on CUDA, then batch-1 speed with/without a
+  # random-weight draft (carry wheels, smollm2-config, llama8b, mt_bench_questions.jsonl).
+  AERIE_E2E_DEVICE=cuda python -m pytest tests/e2e/test_speculative.py -q -k greedy 2>&1 | tail -2
+  for m in smollm2-config llama8b; do
+    python benchmarks/bench_speculative.py --model-path .device-carry/$m --load-format dummy \
+      --prompts .device-carry/mt_bench_questions.jsonl --num-prompts ${NUM_PROMPTS:-5} \
+      --max-new-tokens ${MAX_NEW:-64} --shapes "3,1,4 5,4,8" --output "$OUT/spec_$m.json" 2>&1 \
+      | grep -v INFO | tail -5
+  done
   exit 0
 fi
 if [[ $1 == serve-dummy ]]; then
