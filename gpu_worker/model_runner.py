@@ -64,6 +64,7 @@ class ModelRunner:
         aux_hidden_layers: list[int] | None = None,
         draft_of: ModelRunner | None = None,
         req_to_token_extra: int = 0,
+        shared_kv_bytes_per_token: int = 0,
     ) -> None:
         """Load the model, then size and allocate the KV pool from what memory is left.
 
@@ -74,7 +75,9 @@ class ModelRunner:
         stream `forward` also returns (EAGLE-3, see `eagle3_aux_layer_ids`). draft_of: the
         target runner of this draft; page_size, max_total_tokens, max_running_requests and
         context_length are then taken from it (those arguments are ignored) and
-        req_to_token_extra is at least the target's.
+        req_to_token_extra is at least the target's. shared_kv_bytes_per_token: KV bytes per
+        token of the runners that will share this runner's slot count (its drafts), so a
+        memory-sized pool leaves room for their pools too.
         """
         if draft_of is not None:
             page_size, max_total_tokens = draft_of.page_size, draft_of.max_total_tokens
@@ -91,7 +94,9 @@ class ModelRunner:
         self.max_running_requests = max_running_requests
         self.model = self._load_model(load_format, seed, draft_of)
         self.aux_hidden_layers = self._check_aux_layers(aux_hidden_layers)
-        self.max_total_tokens = self._size_kv_pool(max_total_tokens, mem_fraction_static)
+        self.max_total_tokens = self._size_kv_pool(
+            max_total_tokens, mem_fraction_static, shared_kv_bytes_per_token
+        )
         self.req_to_token_pool = ReqToTokenPool(
             max_running_requests, self.context_length + req_to_token_extra, self.device
         )
@@ -160,10 +165,13 @@ class ModelRunner:
             )
         return list(layers)
 
-    def _size_kv_pool(self, max_total_tokens: int | None, mem_fraction: float | None) -> int:
-        """Usable KV slots: as asked, or what the memory budget holds; a page_size multiple."""
+    def _size_kv_pool(
+        self, max_total_tokens: int | None, mem_fraction: float | None, shared_per_token: int
+    ) -> int:
+        """Usable KV slots: as asked, or what the memory budget holds for this runner's pool
+        and the pools sharing its slot count; a page_size multiple."""
         if max_total_tokens is None:
-            per_token = kv_bytes_per_token(
+            per_token = shared_per_token + kv_bytes_per_token(
                 self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
             )
             max_total_tokens = self._kv_budget_bytes(mem_fraction) // per_token

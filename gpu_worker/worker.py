@@ -22,15 +22,18 @@ from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, PlanRequest, StepResult
 from aerie.model_info import read_model_info
 from gpu_worker.forward_batch import ForwardMode, build_forward_batch
+from gpu_worker.kv_cache import kv_bytes_per_token
 from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner
+from gpu_worker.models import read_arch_config
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
 
 PLAN_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# With a draft, the target leaves this share of its memory budget to the draft's weights and KV.
-DRAFT_MEMORY_SHARE = 0.1
+# With a draft, the target leaves this share of its memory budget to the draft's weights and
+# activations (the draft's KV pool is budgeted exactly, through shared_kv_bytes_per_token).
+DRAFT_MEMORY_SHARE = 0.05
 
 
 def resolve_device(device: str) -> torch.device:
@@ -57,6 +60,14 @@ def eagle3_aux_layers(config: AerieConfig) -> list[int] | None:
     return eagle3_aux_layer_ids(draft_config, num_layers)
 
 
+def draft_kv_bytes_per_token(config: AerieConfig, dtype: torch.dtype) -> int:
+    """KV bytes per token of the draft's own pool (0 without speculation)."""
+    if not config.speculative.enabled:
+        return 0
+    draft = read_arch_config(config.speculative.speculative_draft_model_path or "")
+    return kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
+
+
 def build_runners(config: AerieConfig) -> tuple[ModelRunner, ModelRunner | None]:
     """The target runner and, with speculation, its draft runner (same slot ids, own pools)."""
     model, spec = config.model, config.speculative
@@ -79,6 +90,7 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, ModelRunner | None]
         mem_fraction_static=mem_fraction,
         aux_hidden_layers=eagle3_aux_layers(config),
         req_to_token_extra=spec.decode_alloc_len,
+        shared_kv_bytes_per_token=draft_kv_bytes_per_token(config, dtype),
     )
     if not spec.enabled:
         return target, None

@@ -164,3 +164,18 @@ def test_rotation_chunked_prefill():
     ids = torch.tensor([10, 11, 12, 20, 21, 30])
     rotated = rotate_prefill_inputs(ids, torch.tensor([3, 2, 1]), torch.tensor([13, 99, 31]))
     assert rotated.tolist() == [11, 12, 13, 21, 99, 31]
+
+
+def test_memory_sized_kv_pools_fit_the_budget_with_a_draft(models, monkeypatch):
+    """The draft's pool has the target's slot count, so a memory-sized target pool must leave
+    room for it (a shallow target with a one-layer draft needs 1.5x the target's KV alone)."""
+    import gpu_worker.model_runner as model_runner
+
+    budget = 1 << 20
+    monkeypatch.setattr(model_runner, "CPU_KV_BUDGET_BYTES", budget)
+    config = make_config(models["target"], "EAGLE", models["eagle"], 3, 1, 4)
+    worker = GPUWorker(config.replace(cache={"max_total_tokens": None}))
+    pools = [runner.kv_pool for runner in worker.runners]
+    used = sum(sum(t.numel() * t.element_size() for t in p.k_buffers + p.v_buffers) for p in pools)
+    assert used <= budget * 1.01  # + the reserved dummy page
+    assert worker.runner.max_total_tokens == worker.draft_runner.max_total_tokens > 0
