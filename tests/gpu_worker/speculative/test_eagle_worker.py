@@ -179,3 +179,99 @@ def test_memory_sized_kv_pools_fit_the_budget_with_a_draft(models, monkeypatch):
     used = sum(sum(t.numel() * t.element_size() for t in p.k_buffers + p.v_buffers) for p in pools)
     assert used <= budget * 1.01  # + the reserved dummy page
     assert worker.runner.max_total_tokens == worker.draft_runner.max_total_tokens > 0
+
+
+def test_draft_positions(models, monkeypatch):
+    """SGLang #25015: draft step i of a request with committed length seq runs at position
+    seq + i (step 0 at seq, not seq + 1), writes the slots `draft_cache_locs` gives for step i
+    (the one owner of the layout), and the loop leaves its inputs unmodified."""
+    from gpu_worker.speculative import draft_layout
+
+    config = make_config(models["target"], "EAGLE", models["eagle"], 4, 2, 8)
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    for i, prompt in enumerate(random_prompts(seed=2, n=3)):
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
+    seen = []
+    original_forward = worker.draft_runner.forward
+
+    def spy(batch):
+        if batch.mode.name == "DRAFT_DECODE":
+            seen.append((batch.positions.clone(), batch.out_cache_loc.clone()))
+        return original_forward(batch)
+
+    monkeypatch.setattr(worker.draft_runner, "forward", spy)
+    original_tree = worker.spec.draft_tree
+    checked = []
+
+    def tree_spy(rows, seq_lens, seq_cpu, bonus):
+        seen.clear()
+        before = seq_lens.clone()
+        tree = original_tree(rows, seq_lens, seq_cpu, bonus)
+        assert torch.equal(seq_lens, before)
+        locs = draft_layout.draft_cache_locs(
+            worker.draft_runner.req_to_token_pool.req_to_token, rows, seq_lens, 2, 4)
+        assert len(seen) == 3  # S - 1 forwards
+        for step, (positions, slots) in enumerate(seen):
+            assert positions.tolist() == (seq_lens.repeat_interleave(2) + step).tolist()
+            assert torch.equal(slots, locs[step])
+        checked.append(True)
+        return tree
+
+    monkeypatch.setattr(worker.spec, "draft_tree", tree_spy)
+    while sched.has_work():
+        plan = sched.next_plan()
+        sched.apply_result(plan, worker.execute(plan))
+    assert checked
+
+
+def test_stop_token_inside_an_accepted_run(models):
+    """A stop token accepted in the middle of a verified run ends the request there; the
+    tokens after it are dropped and every KV slot comes back."""
+    steps, prompt = 3, [21, 22, 23]
+    config = make_config(models["bigram"], "EAGLE", models["agreeing"], steps, 1, 4)
+    full, _, counts = run_engine(config, [prompt], 1 + 2 * (steps + 1))
+    assert counts[0] == steps + 1  # the first verify accepts a whole run
+    stop = full["r0"][2]  # inside the first verified run (token 0 comes from prefill)
+    assert stop not in full["r0"][:2]
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=[stop])
+    sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
+    out, finish = [], None
+    while sched.has_work():
+        plan = sched.next_plan()
+        deltas = sched.apply_result(plan, worker.execute(plan))
+        for d in deltas.deltas if deltas else []:
+            out += unpack_ids(d.token_ids)
+            finish = d.finish or finish
+    assert out == full["r0"][:3] and finish.type == "stop" and finish.matched == stop
+    assert sched.allocator.is_whole()
+
+
+def test_logprobs_with_speculation_equal_plain_decoding(models):
+    """Greedy logprobs of the emitted tokens come from the verify logits at accepted nodes and
+    equal plain decoding's."""
+    prompts = random_prompts(seed=8, n=3)
+
+    def logprobs_of(config):
+        worker = GPUWorker(config)
+        sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+            sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, True))
+        got = {f"r{i}": [] for i in range(len(prompts))}
+        while sched.has_work():
+            plan = sched.next_plan()
+            deltas = sched.apply_result(plan, worker.execute(plan))
+            for d in deltas.deltas if deltas else []:
+                got[d.rid] += list(memoryview(d.logprobs).cast("f"))
+        return got
+
+    plain = logprobs_of(make_config(models["target"]))
+    spec = logprobs_of(make_config(models["target"], "EAGLE", models["eagle"], 3, 2, 6))
+    for rid in plain:
+        assert len(spec[rid]) == len(plain[rid]) == 10
+        torch.testing.assert_close(torch.tensor(spec[rid]), torch.tensor(plain[rid]),
+                                   atol=1e-4, rtol=1e-4)
