@@ -155,13 +155,15 @@ class Launcher:
             message = self.inbox.recv(timeout_s=_POLL_S)
             if isinstance(message, DrainDone):
                 if message.num_unfinished:
-                    log.warning("drain timed out with %d unfinished requests", message.num_unfinished)
+                    log.warning(
+                        "drain timed out with %d unfinished requests", message.num_unfinished
+                    )
                 return
             if any(not p.is_alive() for p in self.procs.values()):
                 return
 
     def stop_children(self, reason: str) -> None:
-        """Send Shutdown in order, wait briefly, then kill whatever is left. Never leaves orphans."""
+        """Send Shutdown in order, wait briefly, then kill whatever is left (no orphans)."""
         for name in STOP_ORDER:
             proc = self.procs.get(name)
             if proc is None or not proc.is_alive():

@@ -96,7 +96,9 @@ def _resolve_speculative(spec: SpeculativeConfig) -> SpeculativeConfig:
             raise ConfigError(f"{flags} need --speculative-algorithm (EAGLE or EAGLE3)")
         return spec
     if algorithm not in DRAFT_ARCHITECTURES:
-        raise ConfigError(f"--speculative-algorithm {algorithm} is not available yet; use EAGLE or EAGLE3")
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm} is not available yet; use EAGLE or EAGLE3"
+        )
     steps = spec.speculative_num_steps or DEFAULT_NUM_STEPS
     topk = spec.speculative_eagle_topk or 1
     max_nodes = 1 + topk + (steps - 1) * topk * topk
@@ -111,11 +113,14 @@ def _resolve_speculative(spec: SpeculativeConfig) -> SpeculativeConfig:
     if not 2 <= num_draft <= max_nodes:
         raise ConfigError(
             f"--speculative-num-draft-tokens {num_draft} is impossible for S={steps}, topk={topk}: "
-            f"the draft tree has at most 1 + topk + (S-1)*topk^2 = {max_nodes} nodes (and at least 2)"
+            f"the draft tree has at most 1 + topk + (S-1)*topk^2 = {max_nodes} nodes "
+            "(and at least 2)"
         )
     path = spec.speculative_draft_model_path
     if path is None:
-        raise ConfigError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
+        raise ConfigError(
+            f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path"
+        )
     path = os.path.abspath(os.path.expanduser(path))
     architecture = read_model_info(path).architecture
     if architecture != DRAFT_ARCHITECTURES[algorithm]:

@@ -54,7 +54,9 @@ def load_prompts(path: str, tokenizer_dir: str, num: int) -> list[list[int]]:
         for line in f:
             turns = json.loads(line)["turns"]
             messages = [{"role": "user", "content": turns[0]}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
             if len(prompts) == num:
                 break
@@ -111,7 +113,9 @@ def measure(args, prompts, shape, draft_dir) -> dict:
     for prompt in prompts:
         t, s, v = run_one(worker, sched, prompt, args.max_new_tokens, args.device)
         tokens, seconds, verify = tokens + t, seconds + s, verify + v
-    name = "plain" if shape is None else f"{args.algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"
+    name = "plain"
+    if shape is not None:
+        name = f"{args.algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"
     return {"mode": name, "decode_tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "accept_length": tokens / verify if verify else None}
 

@@ -31,13 +31,7 @@ import torch
 from aerie.config import SpeculativeConfig
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
-from gpu_worker.sampling import (
-    STREAM_SPEC_BONUS,
-    STREAM_SPEC_COIN,
-    SamplingState,
-    processed_probs,
-    uniform_noise,
-)
+from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.compaction import compact_rows, compaction_moves
 from gpu_worker.speculative.draft_layout import (
     draft_cache_locs,
@@ -45,6 +39,7 @@ from gpu_worker.speculative.draft_layout import (
     draft_kv_len,
     draft_run_positions,
 )
+from gpu_worker.speculative.target_verify import accept_tree, make_batch, verify_tree
 from gpu_worker.speculative.tree import (
     DraftRecord,
     DraftTree,
@@ -53,12 +48,7 @@ from gpu_worker.speculative.tree import (
     select_first_level,
     select_next_level,
 )
-from gpu_worker.speculative.verify import (
-    VerifyResult,
-    accepted_tokens,
-    verify_greedy,
-    verify_sampling,
-)
+from gpu_worker.speculative.verify import VerifyResult, accepted_tokens
 
 
 def rotate_prefill_inputs(
@@ -82,41 +72,6 @@ class SpecStepOutput:
     tokens: torch.Tensor  # [bs, S+1] accepted drafts then the bonus, valid up to accept_lens
     accept_lens: torch.Tensor  # [bs] int64, tokens emitted (accepted drafts + 1)
     logprobs: torch.Tensor | None  # [bs, S+1] float32, or None
-
-
-def make_batch(
-    mode: ForwardMode,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_lens_cpu: list[int],
-    extend_lens_cpu: list[int],
-    custom_mask: torch.Tensor | None = None,
-    spec_info: object | None = None,
-) -> ForwardBatch:
-    """A ForwardBatch from device tensors; kv_lens = KV length each request attends after it."""
-    device = input_ids.device
-    prefix_cpu = [kv - n for kv, n in zip(kv_lens_cpu, extend_lens_cpu, strict=True)]
-
-    def small(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
-    return ForwardBatch(
-        mode=mode,
-        input_ids=input_ids.long(),
-        positions=positions.long(),
-        out_cache_loc=out_cache_loc.long(),
-        req_pool_indices=req_pool_indices.long(),
-        seq_lens=small(kv_lens_cpu),
-        extend_prefix_lens=small(prefix_cpu),
-        extend_seq_lens=small(extend_lens_cpu),
-        seq_lens_cpu=kv_lens_cpu,
-        extend_prefix_lens_cpu=prefix_cpu,
-        extend_seq_lens_cpu=extend_lens_cpu,
-        custom_mask=custom_mask,
-        spec_info=spec_info,
-    )
 
 
 class EagleWorker:
@@ -217,40 +172,12 @@ class EagleWorker:
     def verify(
         self, tree: DraftTree, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int]
     ) -> LogitsOutput:
-        """One target forward over all ND nodes of every tree (KV at seq .. seq + ND - 1)."""
-        nd = self.num_draft_tokens
-        offsets = torch.arange(nd, device=seq_lens.device)
-        positions = seq_lens.long()[:, None] + offsets  # [bs, ND]
-        req_to_token = self.target.req_to_token_pool.req_to_token
-        slots = req_to_token[rows.long()[:, None], positions]  # [bs, ND]
-        batch = make_batch(
-            ForwardMode.TARGET_VERIFY,
-            tree.tokens,
-            tree.positions,
-            slots.flatten(),
-            rows,
-            [s + nd for s in seq_cpu],
-            [nd] * len(seq_cpu),
-            custom_mask=tree.custom_mask,
-        )
-        return self.target.forward(batch)
+        return verify_tree(self.target, tree, rows, seq_lens, seq_cpu)
 
     def accept(
         self, tree: DraftTree, logits: torch.Tensor, rows: torch.Tensor
     ) -> tuple[VerifyResult, torch.Tensor]:
-        """Greedy or exact sampling acceptance; also returns the processed verify logits."""
-        nd = self.num_draft_tokens
-        sampling = self.sampling.gather(rows.cpu())
-        node_rows = sampling.repeat_interleave(nd)
-        node_pool_rows = rows.repeat_interleave(nd)
-        logits = self.sampling.penalize(logits.float(), node_pool_rows, node_rows)  # [bs*ND, V]
-        if not sampling.use_sampling:
-            return verify_greedy(tree, logits.argmax(dim=-1)), logits
-        probs = processed_probs(logits, node_rows)  # [bs*ND, V]
-        root_positions = tree.positions.view(-1, nd)[:, 0]  # [bs]
-        coins = uniform_noise(sampling.seed, root_positions, STREAM_SPEC_COIN, nd)
-        final = uniform_noise(sampling.seed, root_positions, STREAM_SPEC_BONUS, 1)[:, 0]
-        return verify_sampling(tree, probs, coins, final), torch.log(probs.clamp_min(1e-30))
+        return accept_tree(self.sampling, tree, logits, rows)
 
     def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Move the accepted path's target KV to positions seq .. seq + accept_len - 1."""

@@ -22,7 +22,9 @@ def test_nested_message_round_trips():
     plan = ForwardPlan(
         plan_id=9,
         mode="extend",
-        requests=[PlanRequest("r1", 3, 0, codec.pack_ids([1, 2]), codec.pack_ids([8, 9]), True, start)],
+        requests=[
+            PlanRequest("r1", 3, 0, codec.pack_ids([1, 2]), codec.pack_ids([8, 9]), True, start)
+        ],
     )
     decoded = codec.decode(codec.encode(plan))
     assert decoded == plan

@@ -23,7 +23,9 @@ def test_every_design_flag_exists():
 
 
 def test_flags_land_in_their_sections():
-    cfg = config_from_args(["--page-size", "4", "--chunked-prefill-size", "16", "--disable-cuda-graph"])
+    cfg = config_from_args(
+        ["--page-size", "4", "--chunked-prefill-size", "16", "--disable-cuda-graph"]
+    )
     assert cfg.cache.page_size == 4
     assert cfg.scheduler.chunked_prefill_size == 16
     assert cfg.runner.disable_cuda_graph is True
