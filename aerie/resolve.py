@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import tempfile
 
@@ -86,19 +87,61 @@ DRAFT_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCaus
 DEFAULT_NUM_STEPS = 3
 
 
-def _resolve_speculative(spec: SpeculativeConfig) -> SpeculativeConfig:
+def _num_mtp_layers(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return int(json.load(f).get("num_nextn_predict_layers") or 0)
+
+
+def _resolve_mtp(spec: SpeculativeConfig, model_path: str) -> SpeculativeConfig:
+    """MTP: a chain (topk 1, ND = S+1) of S <= the number of MTP layers, found in the draft
+    directory when given, else in the target checkpoint."""
+    where = spec.speculative_draft_model_path
+    if where is not None:
+        where = os.path.abspath(os.path.expanduser(where))
+        if not os.path.isfile(os.path.join(where, "config.json")):
+            raise ConfigError(f"--speculative-draft-model-path {where} has no config.json")
+    num_layers = _num_mtp_layers(where or model_path)
+    if num_layers == 0:
+        raise ConfigError(
+            f"{where or model_path} has no MTP layers (config.json num_nextn_predict_layers); "
+            "pass --speculative-draft-model-path with MiMo-layout MTP layers"
+        )
+    steps = spec.speculative_num_steps or min(DEFAULT_NUM_STEPS, num_layers)
+    if not 1 <= steps <= num_layers:
+        raise ConfigError(
+            f"--speculative-num-steps {steps} needs {steps} MTP layers, but there are "
+            f"{num_layers}; use at most {num_layers}"
+        )
+    if (spec.speculative_eagle_topk or 1) != 1:
+        raise ConfigError("MTP drafts a chain: --speculative-eagle-topk must be 1")
+    num_draft = spec.speculative_num_draft_tokens or steps + 1
+    if num_draft != steps + 1:
+        raise ConfigError(
+            f"MTP drafts a chain of S={steps} tokens: --speculative-num-draft-tokens must be "
+            f"S+1={steps + 1} (got {num_draft})"
+        )
+    return dataclasses.replace(
+        spec,
+        speculative_draft_model_path=where,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=num_draft,
+    )
+
+
+def _resolve_speculative(spec: SpeculativeConfig, model_path: str) -> SpeculativeConfig:
     """Defaults (S=3, topk=1, ND=S+1) and clear errors for impossible shapes."""
     algorithm = spec.speculative_algorithm
     if algorithm is None:
         given = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise ConfigError(f"{flags} need --speculative-algorithm (EAGLE or EAGLE3)")
+            raise ConfigError(f"{flags} need --speculative-algorithm (EAGLE, EAGLE3 or MTP)")
         return spec
+    if algorithm == "MTP":
+        return _resolve_mtp(spec, model_path)
     if algorithm not in DRAFT_ARCHITECTURES:
-        raise ConfigError(
-            f"--speculative-algorithm {algorithm} is not available yet; use EAGLE or EAGLE3"
-        )
+        raise ConfigError(f"unknown --speculative-algorithm {algorithm}: use EAGLE, EAGLE3 or MTP")
     steps = spec.speculative_num_steps or DEFAULT_NUM_STEPS
     topk = spec.speculative_eagle_topk or 1
     max_nodes = 1 + topk + (steps - 1) * topk * topk
@@ -140,8 +183,8 @@ def _resolve_speculative(spec: SpeculativeConfig) -> SpeculativeConfig:
 def resolve_config(config: AerieConfig) -> AerieConfig:
     """A new config with every auto value resolved (see module docstring)."""
     _validate(config)
-    speculative = _resolve_speculative(config.speculative)
     model_path = _resolve_model_path(config.model.model_path)
+    speculative = _resolve_speculative(config.speculative, model_path)
     info = read_model_info(model_path)
     device = _resolve_device(config.model.device)
     context_length = config.model.context_length or info.max_position_embeddings

@@ -7,8 +7,10 @@ slots a request uses; the caller writes them into `req_to_token_pool` and builds
 
 A draft runner (`draft_of=target_runner`) loads an EAGLE / EAGLE-3 draft: it has its own pools
 and backend sized like the target's (same max_total_tokens and page size, so the same slot ids
-address both pools), and its model shares the target's embedding / LM head Parameters. A target
-runner with `aux_hidden_layers` also returns the EAGLE-3 aux hidden states.
+address both pools), and its model shares the target's embedding / LM head Parameters. With
+`mtp_layer=i` the draft is MTP layer i in MiMo's layout (`models/mimo_mtp.py`), read from the
+target's checkpoint or a separate MTP directory, with a one-layer KV pool. A target runner with
+`aux_hidden_layers` also returns the EAGLE-3 aux hidden states.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gpu_worker.attention import create_attention_backend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.models import ArchConfig, build_model, read_arch_config
+from gpu_worker.models.mimo_mtp import load_mtp_weights, mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
@@ -65,6 +68,7 @@ class ModelRunner:
         draft_of: ModelRunner | None = None,
         req_to_token_extra: int = 0,
         shared_kv_bytes_per_token: int = 0,
+        mtp_layer: int | None = None,
     ) -> None:
         """Load the model, then size and allocate the KV pool from what memory is left.
 
@@ -77,8 +81,12 @@ class ModelRunner:
         context_length are then taken from it (those arguments are ignored) and
         req_to_token_extra is at least the target's. shared_kv_bytes_per_token: KV bytes per
         token of the runners that will share this runner's slot count (its drafts), so a
-        memory-sized pool leaves room for their pools too.
+        memory-sized pool leaves room for their pools too. mtp_layer: build MTP layer i of the
+        checkpoint in `model` (the target's directory or a separate MTP directory, see
+        `mimo_mtp.mtp_weights_dir`); needs draft_of.
         """
+        if mtp_layer is not None and draft_of is None:
+            raise ValueError("an MTP layer is a draft: pass draft_of")
         if draft_of is not None:
             page_size, max_total_tokens = draft_of.page_size, draft_of.max_total_tokens
             max_running_requests = draft_of.max_running_requests
@@ -89,6 +97,9 @@ class ModelRunner:
         self.dtype = dtype
         self.page_size = page_size
         self.config: ArchConfig = read_arch_config(self.model_dir)
+        self.mtp_layer = mtp_layer
+        if mtp_layer is not None:
+            self.config = mtp_arch_config(self.config, mtp_layer)
         self.context_length = context_length or self.config.max_position_embeddings
         self.req_to_token_extra = req_to_token_extra
         self.max_running_requests = max_running_requests
@@ -142,12 +153,16 @@ class ModelRunner:
                 + ("is a draft: pass draft_of" if is_draft else "is not a draft architecture")
             )
         options = {}
-        if is_draft:
+        if self.mtp_layer is not None:
+            options["mtp_layer"] = self.mtp_layer
+        elif is_draft:
             dummy = load_format == "dummy"
             options["tensor_names"] = None if dummy else list_tensor_names(self.model_dir)
         model = build_model(self.config, self.device, self.dtype, **options)
         if load_format == "dummy":
             init_dummy_weights(model, seed)
+        elif self.mtp_layer is not None:
+            load_mtp_weights(model, self.model_dir)
         else:
             load_weights(model, self.model_dir)
         if draft_of is not None:

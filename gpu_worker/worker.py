@@ -1,7 +1,8 @@
 """`GPUWorker`: the socket-free core of the GPU worker process.
 
-It owns the target `ModelRunner`, with speculation the draft runner and the `EagleWorker`
-that drives them, and the per-row `SamplingState`. `execute(plan)` applies the scheduler's
+It owns the target `ModelRunner`; with speculation the `draft_runner_list` (one EAGLE draft,
+or one runner per MTP layer) and the `EagleWorker` / `MTPWorker` that drives them; and the
+per-row `SamplingState`. `execute(plan)` applies the scheduler's
 slot assignments to the req_to_token pool of every runner (all pools address KV by the same
 slot ids), runs the step and returns a `StepResult`:
 - extend: one target forward; requests on their last chunk sample a token; with speculation
@@ -26,8 +27,10 @@ from gpu_worker.kv_cache import kv_bytes_per_token
 from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner
 from gpu_worker.models import read_arch_config
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
+from gpu_worker.models.mimo_mtp import mtp_weights_dir
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
+from gpu_worker.speculative.mtp_worker import MTPWorker
 
 PLAN_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,15 +64,22 @@ def eagle3_aux_layers(config: AerieConfig) -> list[int] | None:
 
 
 def draft_kv_bytes_per_token(config: AerieConfig, dtype: torch.dtype) -> int:
-    """KV bytes per token of the draft's own pool (0 without speculation)."""
-    if not config.speculative.enabled:
+    """KV bytes per token of all draft pools together (0 without speculation)."""
+    spec = config.speculative
+    if not spec.enabled:
         return 0
-    draft = read_arch_config(config.speculative.speculative_draft_model_path or "")
-    return kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
+    if spec.speculative_algorithm == "MTP":  # S one-layer runners shaped like the target
+        layer = read_arch_config(config.model.model_path or "")
+        num_layers = spec.speculative_num_steps or 1
+    else:
+        layer = read_arch_config(spec.speculative_draft_model_path or "")
+        num_layers = layer.num_layers
+    return kv_bytes_per_token(num_layers, layer.num_kv_heads, layer.head_dim, dtype)
 
 
-def build_runners(config: AerieConfig) -> tuple[ModelRunner, ModelRunner | None]:
-    """The target runner and, with speculation, its draft runner (same slot ids, own pools)."""
+def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
+    """The target runner and its draft runner list (same slot ids, each with its own pools):
+    empty without speculation, one EAGLE draft, or one runner per MTP layer."""
     model, spec = config.model, config.speculative
     device = resolve_device(model.device)
     dtype = resolve_dtype(model.dtype, device)
@@ -93,18 +103,28 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, ModelRunner | None]
         shared_kv_bytes_per_token=draft_kv_bytes_per_token(config, dtype),
     )
     if not spec.enabled:
-        return target, None
-    draft = ModelRunner(
-        spec.speculative_draft_model_path or "",
+        return target, []
+    # --load-format dummy (benchmarks) gives the drafts random weights too.
+    options = dict(
         device=device,
         dtype=dtype,
-        # --load-format dummy (benchmarks) gives the draft random weights too.
         load_format="dummy" if model.load_format == "dummy" else "auto",
         seed=model.random_seed,
         attention_backend=config.runner.attention_backend,
         draft_of=target,
     )
-    return target, draft
+    if spec.speculative_algorithm == "MTP":
+        target_dir, draft_dir = model.model_path or "", spec.speculative_draft_model_path
+        if model.load_format == "dummy":  # random weights: only a config is needed
+            where = draft_dir or target_dir
+        else:
+            where = mtp_weights_dir(target_dir, draft_dir)
+        steps = spec.speculative_num_steps or 1
+        return target, [
+            ModelRunner(where, mtp_layer=i, **{**options, "seed": model.random_seed + 1 + i})
+            for i in range(steps)
+        ]
+    return target, [ModelRunner(spec.speculative_draft_model_path or "", **options)]
 
 
 class GPUWorker:
@@ -114,17 +134,21 @@ class GPUWorker:
         if not config.model.model_path:
             raise ValueError("config.model.model_path is not resolved")
         self.config = config
-        self.runner, self.draft_runner = build_runners(config)
-        self.runners = [r for r in (self.runner, self.draft_runner) if r is not None]
+        self.runner, self.draft_runner_list = build_runners(config)
+        self.runners = [self.runner, *self.draft_runner_list]
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
         self.sampling = SamplingState(
             self.max_running_requests, self.runner.vocab_size, self.device
         )
-        self.spec = None
-        if self.draft_runner is not None:
+        self.spec: EagleWorker | MTPWorker | None = None
+        if config.speculative.speculative_algorithm == "MTP":
+            self.spec = MTPWorker(
+                config.speculative, self.runner, self.draft_runner_list, self.sampling
+            )
+        elif self.draft_runner_list:
             self.spec = EagleWorker(
-                config.speculative, self.runner, self.draft_runner, self.sampling
+                config.speculative, self.runner, self.draft_runner_list[0], self.sampling
             )
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = [False] * (self.max_running_requests + 1)

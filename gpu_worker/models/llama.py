@@ -151,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def map_weight_name(self, name: str) -> str | None:
-        """Checkpoint tensor name -> parameter name, or None to skip the tensor."""
-        if "rotary_emb.inv_freq" in name:
+        """Checkpoint tensor name -> parameter name, or None to skip the tensor (MTP layers,
+        `model.mtp_layers.*`, belong to the MTP draft runners)."""
+        if "rotary_emb.inv_freq" in name or name.startswith("model.mtp_layers."):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None

@@ -1,8 +1,9 @@
 """Architecture registry keyed by config.json's `architectures[0]`.
 
-Targets (`LlamaForCausalLM`, Qwen) run on their own; drafts (`DRAFT_ARCHITECTURES`) read hidden
-states from `batch.spec_info` and borrow modules from a target through `attach_target` (the
-contract is in `llama_eagle.py`).
+Targets (`LlamaForCausalLM`, Qwen, MiMo as a Qwen2) run on their own; drafts
+(`DRAFT_ARCHITECTURES`) read hidden states from `batch.spec_info` and borrow modules from a target
+through `attach_target` (the contract is in `llama_eagle.py`). An MTP layer (`mimo_mtp.py`) is
+a draft whose config the runner derives from the target's (`mtp_arch_config`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ from gpu_worker.models.config import ArchConfig
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.llama_eagle import LlamaForCausalLMEagle
 from gpu_worker.models.llama_eagle3 import LlamaForCausalLMEagle3
+from gpu_worker.models.mimo_mtp import MTP_ARCHITECTURE, MiMoMTPLayer
 from gpu_worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MiMoForCausalLM": Qwen2ForCausalLM,  # Qwen2 blocks (q/k/v bias) + MTP layers
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
+    MTP_ARCHITECTURE: MiMoMTPLayer,
 }
-DRAFT_ARCHITECTURES = frozenset({"LlamaForCausalLMEagle", "LlamaForCausalLMEagle3"})
+DRAFT_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLMEagle", "LlamaForCausalLMEagle3", MTP_ARCHITECTURE}
+)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
@@ -46,7 +52,7 @@ def build_model(
 ) -> nn.Module:
     """An uninitialised model of `config` on `device` in `dtype` (weights are garbage until
     loaded or dummy-initialised). Built on the meta device first, so nothing is initialised
-    twice. model_options go to the class (drafts take `tensor_names`)."""
+    twice. model_options go to the class (drafts take `tensor_names`, an MTP layer `mtp_layer`)."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config, **model_options)

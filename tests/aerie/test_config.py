@@ -116,6 +116,11 @@ def test_speculative_defaults_are_a_chain(tmp_path):
     "argv, message",
     [
         (["--speculative-num-steps", "3"], "need --speculative-algorithm"),
+        (["--speculative-algorithm", "MTP"], "has no MTP layers"),
+        (["--speculative-algorithm", "MTP", "MTPDIR", "--speculative-num-steps", "3"],
+         "needs 3 MTP layers, but there are 2"),
+        (["--speculative-algorithm", "MTP", "MTPDIR", "--speculative-eagle-topk", "2"],
+         "topk must be 1"),
         (["--speculative-algorithm", "EAGLE"], "needs --speculative-draft-model-path"),
         (["--speculative-algorithm", "EAGLE", "--speculative-num-draft-tokens", "3", "DRAFT"],
          "must be S\\+1=4"),
@@ -127,7 +132,21 @@ def test_speculative_defaults_are_a_chain(tmp_path):
 )
 def test_impossible_speculative_shapes_are_refused(tmp_path, argv, message):
     path, draft = _model_dir(tmp_path), _draft_dir(tmp_path)
-    argv = [a for a in argv if a != "DRAFT"] + (
-        ["--speculative-draft-model-path", draft] if "DRAFT" in argv else [])
+    mtp = tmp_path / "mtp"
+    mtp.mkdir()
+    (mtp / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 2}))
+    extra = {"DRAFT": ["--speculative-draft-model-path", draft],
+             "MTPDIR": ["--speculative-draft-model-path", str(mtp)]}
+    argv = [a for a in argv if a not in extra] + [x for a in argv if a in extra for x in extra[a]]
     with pytest.raises(ConfigError, match=message):
         resolve_config(config_from_args(["--model-path", path, "--device", "cpu", *argv]))
+
+
+def test_mtp_defaults_to_a_chain_over_the_available_layers(tmp_path):
+    path = _model_dir(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
+    spec = resolve_config(config_from_args(
+        ["--model-path", path, "--device", "cpu", "--speculative-algorithm", "MTP"])).speculative
+    assert (spec.speculative_num_steps, spec.speculative_eagle_topk) == (2, 1)
+    assert spec.speculative_num_draft_tokens == 3 and spec.speculative_draft_model_path is None

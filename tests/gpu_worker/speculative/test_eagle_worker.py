@@ -145,7 +145,7 @@ def draft_kv_after_prefill(models, chunk: int, prompt: list[int]) -> torch.Tenso
         slots += [s for r in plan.requests for s in unpack_ids(r.out_slots)]
         sched.apply_result(plan, worker.execute(plan))
     assert len(slots) == len(prompt)
-    k, _ = worker.draft_runner.kv_pool.get_kv(0)
+    k, _ = worker.draft_runner_list[0].kv_pool.get_kv(0)
     return k[torch.tensor(slots)].clone()
 
 
@@ -178,7 +178,7 @@ def test_memory_sized_kv_pools_fit_the_budget_with_a_draft(models, monkeypatch):
     pools = [runner.kv_pool for runner in worker.runners]
     used = sum(sum(t.numel() * t.element_size() for t in p.k_buffers + p.v_buffers) for p in pools)
     assert used <= budget * 1.01  # + the reserved dummy page
-    assert worker.runner.max_total_tokens == worker.draft_runner.max_total_tokens > 0
+    assert worker.runner.max_total_tokens == worker.draft_runner_list[0].max_total_tokens > 0
 
 
 def test_draft_positions(models, monkeypatch):
@@ -194,14 +194,14 @@ def test_draft_positions(models, monkeypatch):
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
     seen = []
-    original_forward = worker.draft_runner.forward
+    original_forward = worker.draft_runner_list[0].forward
 
     def spy(batch):
         if batch.mode.name == "DRAFT_DECODE":
             seen.append((batch.positions.clone(), batch.out_cache_loc.clone()))
         return original_forward(batch)
 
-    monkeypatch.setattr(worker.draft_runner, "forward", spy)
+    monkeypatch.setattr(worker.draft_runner_list[0], "forward", spy)
     original_tree = worker.spec.draft_tree
     checked = []
 
@@ -211,7 +211,7 @@ def test_draft_positions(models, monkeypatch):
         tree = original_tree(rows, seq_lens, seq_cpu, bonus)
         assert torch.equal(seq_lens, before)
         locs = draft_layout.draft_cache_locs(
-            worker.draft_runner.req_to_token_pool.req_to_token, rows, seq_lens, 2, 4)
+            worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, seq_lens, 2, 4)
         assert len(seen) == 3  # S - 1 forwards
         for step, (positions, slots) in enumerate(seen):
             assert positions.tolist() == (seq_lens.repeat_interleave(2) + step).tolist()
