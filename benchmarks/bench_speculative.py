@@ -8,7 +8,8 @@ one request at a time: first plain decoding, then each speculative shape given b
 (e.g. "3,1,4 5,4,8" = S,topk,ND). For each it reports decode tokens/s (tokens after the first,
 over the time after prefill), the accept length (tokens per verify step, bonus included) and
 the speedup over plain decoding in the same run. Without --draft-path a draft of the right
-architecture with random weights is used (mechanics only: its accept length is about 1).
+architecture with random weights is used (mechanics only: its accept length is about 1); for
+MTP the target's config gets `num_nextn_predict_layers` random layers.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ from scheduler_proc.scheduler import Scheduler  # noqa: E402
 DRAFT_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
 
 
-def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str) -> str:
-    """A one-layer draft config shaped after the target (weights come from --load-format dummy)."""
+def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str, layers: int) -> str:
+    """A draft config shaped after the target (weights come from --load-format dummy): one
+    EAGLE layer, or the target's config with `layers` MTP layers."""
     with open(os.path.join(target_dir, "config.json")) as f:
         config = json.load(f)
-    config.update(architectures=[DRAFT_ARCHITECTURES[algorithm]], num_hidden_layers=1,
-                  tie_word_embeddings=False)
+    if algorithm == "MTP":
+        config["num_nextn_predict_layers"] = layers
+    else:
+        config.update(architectures=[DRAFT_ARCHITECTURES[algorithm]], num_hidden_layers=1,
+                      tie_word_embeddings=False)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
-    parser.add_argument("--algorithm", default="EAGLE", choices=tuple(DRAFT_ARCHITECTURES))
+    parser.add_argument("--algorithm", default="EAGLE", choices=(*DRAFT_ARCHITECTURES, "MTP"))
     parser.add_argument("--draft-path", help="draft checkpoint (default: random weights)")
     parser.add_argument("--shapes", default="3,1,4 5,4,8", help="S,topk,ND triples")
     parser.add_argument("--prompts", default=os.path.join(
@@ -142,8 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     if draft_dir is None:
         if args.load_format != "dummy":
             parser.error("without --draft-path the random draft needs --load-format dummy")
-        draft_dir = write_random_draft_config(args.model_path, args.algorithm, tempfile.mkdtemp())
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split()]
+    if draft_dir is None:
+        layers = max(shape[0] for shape in shapes)
+        draft_dir = write_random_draft_config(
+            args.model_path, args.algorithm, tempfile.mkdtemp(), layers
+        )
     results = [measure(args, prompts, None, None)]
     results += [measure(args, prompts, shape, draft_dir) for shape in shapes]
     base = results[0]["tokens_per_s"]

@@ -95,3 +95,23 @@ def test_sampling_with_speculation_is_seeded(tiny_model_dirs, drafts):
         c = httpx.post(server.url + "/generate", json=other, timeout=120).json()
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 24
     assert c["output_ids"] != a["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory) -> str:
+    from tests.gpu_worker.mtp_checkpoints import make_tiny_mtp_target
+
+    path = make_tiny_mtp_target(str(tmp_path_factory.mktemp("mtp") / "target"), num_mtp_layers=3)
+    make_tiny_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("steps, page, chunk", [(3, 1, 4), (2, 4, 16)])
+def test_mtp_greedy_matches_transformers(mtp_target, steps, page, chunk):
+    args = ["--model-path", mtp_target, "--page-size", str(page), "--chunked-prefill-size",
+            str(chunk), "--speculative-algorithm", "MTP", "--speculative-num-steps", str(steps)]
+    with Server(*args) as server:
+        outputs = check_parity(mtp_target, server.url, vocab=320, seed=steps + page)
+        assert any(out["meta_info"]["spec_verify_ct"] > 0 for out in outputs)
+        info = httpx.get(server.url + "/server_info").json()
+        assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == steps
