@@ -30,6 +30,18 @@ if [[ $1 == spec ]]; then
   done
   exit 0
 fi
+if [[ $1 == mtp ]]; then
+  # Multi-layer EAGLE (MTP) on the GPU: launched-server parity on CUDA, then batch-1 speed of a
+  # random 3-layer MTP stack (same carry as `spec`).
+  AERIE_E2E_DEVICE=cuda python -m pytest tests/e2e/test_speculative.py -q -k mtp 2>&1 | tail -2
+  for m in smollm2-config llama8b; do
+    python benchmarks/bench_speculative.py --model-path .device-carry/$m --load-format dummy \
+      --algorithm MTP --prompts .device-carry/mt_bench_questions.jsonl \
+      --num-prompts ${NUM_PROMPTS:-5} --max-new-tokens ${MAX_NEW:-64} --shapes "1,1,2 3,1,4" \
+      --output "$OUT/mtp_$m.json" 2>&1 | grep -v INFO | tail -5
+  done
+  exit 0
+fi
 if [[ $1 == serve-dummy ]]; then
   model=.device-carry/smollm2-config; extra=(--load-format dummy)
 else
