@@ -25,7 +25,7 @@ from gpu_worker.attention import create_attention_backend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.models import ArchConfig, build_model, read_arch_config
-from gpu_worker.models.mimo_mtp import load_mtp_weights, mtp_arch_config
+from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
@@ -161,10 +161,9 @@ class ModelRunner:
         model = build_model(self.config, self.device, self.dtype, **options)
         if load_format == "dummy":
             init_dummy_weights(model, seed)
-        elif self.mtp_layer is not None:
-            load_mtp_weights(model, self.model_dir)
         else:
-            load_weights(model, self.model_dir)
+            what = None if self.mtp_layer is None else f"MTP layer {self.mtp_layer}"
+            load_weights(model, self.model_dir, what)
         if draft_of is not None:
             model.attach_target(draft_of.model)
         return model

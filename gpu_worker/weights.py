@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -54,16 +54,22 @@ def _load_bin(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
-def iterate_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor in the files, one tensor in memory at a time
-    (.bin files are memory-mapped)."""
+def iterate_tensors(
+    files: list[str], keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor in the files whose name `keep` accepts (all by
+    default), one tensor in memory at a time. The data of a skipped safetensors tensor is
+    never read (.bin files are memory-mapped), so loading one MTP layer out of a large target
+    checkpoint costs little more than its headers."""
     for path in files:
         if path.endswith(".bin"):
-            yield from _load_bin(path).items()
+            items = _load_bin(path).items()
+            yield from ((n, t) for n, t in items if keep is None or keep(n))
             continue
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 def list_tensor_names(model_dir: str) -> set[str]:
@@ -85,16 +91,16 @@ def _describe(names: list[str]) -> str:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str, what: str | None = None) -> None:
     """Copy every checkpoint tensor into the parameter of the same (mapped) name, casting to the
-    parameter's dtype and device. Mutates the model's parameters in place."""
+    parameter's dtype and device. Mutates the model's parameters in place. `what` names the
+    model in errors (default: its class)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in iterate_tensors(list_weight_files(model_dir)):
+    mapped = lambda name: model.map_weight_name(name) is not None  # noqa: E731
+    for name, tensor in iterate_tensors(list_weight_files(model_dir), keep=mapped):
         target = model.map_weight_name(name)
-        if target is None:
-            continue
         param = params.get(target)
         if param is None:
             unexpected.append(name)
@@ -114,7 +120,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if unexpected:
             problems.append(f"unexpected tensors: {_describe(sorted(unexpected))}")
         raise WeightLoadError(
-            f"checkpoint {model_dir!r} does not match the model; " + "; ".join(problems)
+            f"checkpoint {model_dir!r} does not match {what or type(model).__name__}; "
+            + "; ".join(problems)
         )
 
 

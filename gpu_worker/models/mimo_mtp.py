@@ -41,7 +41,7 @@ from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.models.config import ArchConfig, read_arch_config
 from gpu_worker.models.llama import LlamaDecoderLayer
 from gpu_worker.models.llama_eagle import read_spec_hidden, target_embed_and_head
-from gpu_worker.weights import WeightLoadError, iterate_tensors, list_weight_files
+from gpu_worker.weights import WeightLoadError, list_weight_files
 
 MTP_ARCHITECTURE = "MiMoMTPLayer"
 # Tensors of MTP layer i, with or without the leading `model.`.
@@ -195,47 +195,3 @@ class MiMoMTPLayer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, vocab] float32 through the target's LM head."""
         return self.lm_head(hidden).float()
-
-
-@torch.no_grad()
-def load_mtp_weights(model: MiMoMTPLayer, model_dir: str) -> None:
-    """Copy this layer's tensors from model_dir into `model` (cast to each parameter's dtype
-    and device). Only the layer's tensors are read from safetensors files, so a large target
-    checkpoint costs its headers. Raises WeightLoadError naming missing or mis-shaped tensors.
-    """
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for name, tensor in _iterate_mapped(model, list_weight_files(model_dir)):
-        target = model.map_weight_name(name)
-        param = params.get(target)
-        if param is None:
-            raise WeightLoadError(f"unexpected MTP tensor {name!r} in {model_dir!r}")
-        if param.shape != tensor.shape:
-            raise WeightLoadError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"parameter {target!r} expects {tuple(param.shape)}"
-            )
-        param.copy_(tensor)
-        loaded.add(target)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise WeightLoadError(
-            f"MTP layer {model.mtp_layer} in {model_dir!r} lacks tensors for: "
-            + ", ".join(missing[:10])
-            + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else "")
-        )
-
-
-def _iterate_mapped(model: MiMoMTPLayer, files: list[str]):
-    """(name, CPU tensor) for each tensor `model` maps; safetensors data of the others is
-    never read."""
-    for path in files:
-        if path.endswith(".bin"):
-            for name, tensor in iterate_tensors([path]):
-                if model.map_weight_name(name) is not None:
-                    yield name, tensor
-            continue
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if model.map_weight_name(name) is not None:
-                    yield name, f.get_tensor(name)
