@@ -115,3 +115,34 @@ def test_mtp_greedy_matches_transformers(mtp_target, steps, page, chunk):
         assert any(out["meta_info"]["spec_verify_ct"] > 0 for out in outputs)
         info = httpx.get(server.url + "/server_info").json()
         assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == steps
+
+
+def _verify_counts(args: list[str], chunk: int) -> list[int]:
+    """Per-request spec_verify_ct of 8 concurrent greedy requests on a fresh server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[5 + i, 40 + 3 * i, 7, 9 + i, 11, 12 + 2 * i] * (1 + i % 3) for i in range(8)]
+
+    def one(ids: list[int]) -> int:
+        body = {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}
+        return httpx.post(server.url + "/generate", json=body, timeout=120).json()[
+            "meta_info"]["spec_verify_ct"]
+
+    with Server(*args, "--chunked-prefill-size", str(chunk)) as server:
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(one, prompts))
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "MTP"])
+def test_verify_counts_do_not_depend_on_prefill_chunking(
+    tiny_model_dirs, drafts, mtp_target, algorithm
+):
+    """With a deterministic draft, a request's verify steps depend only on its tokens, not on
+    how its prompt was chunked (a wrong chunk-boundary tail changes them: SGLang #26329)."""
+    if algorithm == "EAGLE":
+        args = ["--model-path", tiny_model_dirs["llama"],
+                *spec_args("EAGLE", drafts["EAGLE"], 3, 1, 4)]
+    else:
+        args = ["--model-path", mtp_target, "--speculative-algorithm", "MTP"]
+    assert _verify_counts(args, 3) == _verify_counts(args, 64)
