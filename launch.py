@@ -176,9 +176,16 @@ class Launcher:
             proc.join(timeout=2)
 
     def on_signal(self, signum: int, _frame: object) -> None:
-        if self.stop_signal is not None:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.stop_signal = signum
+        """First SIGTERM/SIGINT: drain. A second one: kill every child and exit at once."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            return
+        log.warning("second signal: stopping now without draining")
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+        shutil.rmtree(self.config.runtime_dir, ignore_errors=True)
+        os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         log.error("%s", e)
         code = 1
-    except KeyboardInterrupt:
-        code = 130
     finally:
         launcher.stop_children("launcher exiting")
         shutil.rmtree(config.runtime_dir, ignore_errors=True)

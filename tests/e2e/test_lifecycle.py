@@ -80,3 +80,19 @@ def test_sigterm_drains_running_requests(tiny_model_dirs):
         assert counts == [max_new] * num_streams
         assert server.proc.wait(timeout=30) == 0
         assert not [p for p in server.children if pid_alive(p)]
+
+
+def test_second_signal_stops_at_once_without_traceback(tiny_model_dirs):
+    with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
+        body = {"input_ids": [5, 6], "stream": True, "sampling_params": {
+            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+            next(r.iter_lines())  # a request is running, so the first signal drains
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(timeout=10)
+        assert code == 128 + signal.SIGTERM
+        time.sleep(0.5)
+        assert not [p for p in server.children if pid_alive(p)]
+        assert "Traceback" not in server.log_text()
