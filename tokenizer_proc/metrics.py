@@ -7,6 +7,7 @@ The request tracker calls `observe_first_output` / `observe_finish`; the process
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -17,6 +18,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from aerie.messages import SchedulerStats
 from tokenizer_proc.request_tracker import RequestState
@@ -69,20 +72,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.accepted_per_position = Gauge(
-            "aerie_spec_accepted_tokens_per_position",
-            "Speculative verify steps (since start) that emitted more than `position` tokens: "
-            "position 0 counts every verify step, position k >= 1 those whose k-th draft was "
-            "accepted.",
-            ["position"],
-            registry=r,
-        )
-        self.num_retractions = Gauge(
-            "aerie_num_retractions",
-            "Requests retracted (KV ran out) since start.",
-            registry=r,
-        )
         self.last_stats: SchedulerStats | None = None
+        r.register(SchedulerTotals(self))
 
     def observe_first_output(self, state: RequestState) -> None:
         ttft = state.ttft()
@@ -102,9 +93,6 @@ class Metrics:
         self.num_queued.set(stats.num_waiting)
         self.kv_usage.set(kv_usage(stats))
         self.accept_length.set(stats.avg_accept_length)
-        self.num_retractions.set(stats.num_retractions)
-        for position, count in enumerate(stats.accepted_per_position):
-            self.accepted_per_position.labels(position=str(position)).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -127,6 +115,32 @@ class Metrics:
             "accepted_per_position": list(s.accepted_per_position),
             "num_retractions": s.num_retractions,
         }
+
+
+class SchedulerTotals(Collector):
+    """The scheduler's cumulative counts, exported as Prometheus counters at scrape time (the
+    scheduler owns the totals; SchedulerStats carries them)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.metrics.last_stats
+        accepted = CounterMetricFamily(
+            "aerie_spec_accepted_tokens",
+            "Speculative verify steps that emitted more than `position` tokens: position 0 "
+            "counts every verify step, position k >= 1 those whose k-th draft was accepted.",
+            labels=["position"],
+        )
+        retractions = CounterMetricFamily(
+            "aerie_retractions", "Requests retracted because the KV cache ran out."
+        )
+        if stats is not None:
+            for position, count in enumerate(stats.accepted_per_position):
+                accepted.add_metric([str(position)], count)
+            retractions.add_metric([], stats.num_retractions)
+        yield accepted
+        yield retractions
 
 
 def kv_usage(stats: SchedulerStats) -> float:

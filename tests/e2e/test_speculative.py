@@ -70,7 +70,7 @@ def test_speculative_greedy_matches_transformers(
         assert info["speculative_algorithm"] == algorithm
         assert 1.0 <= info["avg_accept_length"] <= steps + 1
         metrics = httpx.get(server.url + "/metrics").text
-        assert 'aerie_spec_accepted_tokens_per_position{position="0"}' in metrics
+        assert 'aerie_spec_accepted_tokens_total{position="0"}' in metrics
 
 
 def test_agreeing_draft_gives_accept_length_s_plus_1(drafts):

@@ -127,8 +127,9 @@ def test_server_info_and_metrics(live):
     assert "aerie_generation_tokens_total 4.0" in text
     assert "aerie_num_running_requests 2.0" in text and "aerie_num_queued_requests 1.0" in text
     assert "aerie_kv_usage_ratio 0.25" in text
-    assert 'aerie_spec_accepted_tokens_per_position{position="1"} 7.0' in text
-    assert "aerie_num_retractions 4.0" in text
+    assert 'aerie_spec_accepted_tokens_total{position="1"} 7.0' in text
+    assert "aerie_retractions_total 4.0" in text
+    assert "# TYPE aerie_spec_accepted_tokens_total counter" in text
     assert "aerie_time_to_first_token_seconds_count 1.0" in text
     assert "aerie_e2e_request_latency_seconds_count 1.0" in text
 
