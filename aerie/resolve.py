@@ -78,6 +78,11 @@ def _validate(config: AerieConfig) -> None:
     _check_positive("chunked_prefill_size", config.scheduler.chunked_prefill_size)
     _check_positive("max_running_requests", config.scheduler.max_running_requests)
     _check_positive("context_length", config.model.context_length)
+    if config.runner.attention_backend != "torch_native":
+        raise ConfigError(
+            f"--attention-backend {config.runner.attention_backend} is not available in this "
+            "build yet; use --attention-backend torch_native"
+        )
     fraction = config.cache.mem_fraction_static
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")

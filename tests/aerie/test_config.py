@@ -69,6 +69,7 @@ def test_resolve_fills_auto_values(tmp_path):
         (["--context-length", "65"], "max_position_embeddings"),
         (["--page-size", "0"], "--page-size must be positive"),
         (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
+        (["--attention-backend", "triton"], "use --attention-backend torch_native"),
     ],
 )
 def test_resolve_refuses_impossible_values(tmp_path, argv, message):

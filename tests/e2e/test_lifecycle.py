@@ -44,7 +44,7 @@ def test_killing_a_child_stops_everything(tiny_model_dirs, victim):
 
 def test_sigterm_drains_running_requests(tiny_model_dirs):
     """After SIGTERM: health turns 503, new requests get 503, running streams finish whole."""
-    num_streams, max_new = 8, 400
+    num_streams, max_new = 8, 480
     with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
         started = threading.Barrier(num_streams + 1)
         counts: list[int] = []
