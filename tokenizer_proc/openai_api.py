@@ -20,10 +20,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenizer_proc.frontend import Frontend, Prepared
 from tokenizer_proc.http_api import (
     SSE_DONE,
-    Frontend,
-    Prepared,
     read_body,
     sse,
     wait_all_or_abort,

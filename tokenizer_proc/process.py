@@ -36,7 +36,8 @@ from aerie.messages import (
 from aerie.model_info import read_model_info
 from aerie.process import run_process
 from aerie.transport import AsyncReceiver, AsyncSender
-from tokenizer_proc.http_api import Frontend, create_app
+from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.http_api import create_app
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import Limits
 from tokenizer_proc.zmq_frontend import ZmqFrontend

@@ -33,8 +33,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import (
-    Frontend,
     generate_response,
     interleave,
     logprob_triples,

@@ -19,7 +19,8 @@ import zmq.asyncio
 
 from aerie.codec import pack_floats, pack_ids, unpack_ids
 from aerie.messages import FinishReason, TextDelta, TextDeltas, TokenizedRequest
-from tokenizer_proc.http_api import Frontend, create_app
+from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.http_api import create_app
 from tokenizer_proc.process import _Server
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import Limits

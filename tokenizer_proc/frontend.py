@@ -1,0 +1,146 @@
+"""`Frontend`: the socket-free core the HTTP and ZMQ frontends share.
+
+It validates and tokenizes request bodies, assigns rids, registers them with the
+`RequestTracker` and hands `TokenizedRequest`s to a `Backend` (the real process sends them to
+the scheduler; tests pass a fake that feeds `TextDeltas` back into `frontend.tracker`). It also
+holds the lifecycle flags (ready, draining) and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aerie.codec import pack_ids
+from aerie.messages import SamplingParams, TokenizedRequest
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.request_tracker import RequestState, RequestTracker
+from tokenizer_proc.tokenizer import Tokenizer
+from tokenizer_proc.validation import (
+    GenerateBody,
+    Limits,
+    ValidationError,
+    build_sampling_params,
+    check_prompt_ids,
+)
+
+
+class Backend(Protocol):
+    """Where tokenized requests go (the scheduler in the real process)."""
+
+    async def submit(self, request: TokenizedRequest) -> None: ...
+
+    async def abort(self, rid: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated, tokenized request ready to submit."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+
+class Frontend:
+    """State shared by the HTTP and ZMQ frontends; one per tokenizer process."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, limits: Limits, backend: Backend, model_name: str
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.backend = backend
+        self.model_name = model_name
+        self.metrics = Metrics()
+        self.tracker = RequestTracker(
+            on_first_output=self.metrics.observe_first_output,
+            on_finish=self.metrics.observe_finish,
+        )
+        self.ready = False
+        self.draining = False
+        self.server_info: dict[str, Any] = {}
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def mark_ready(self, server_info: dict[str, Any]) -> None:
+        self.server_info = dict(server_info)
+        self.ready = True
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and not self.draining
+
+    def check_accepting(self) -> None:
+        """Raise a 503 ValidationError unless new requests are accepted now."""
+        if self.draining:
+            raise ValidationError("the server is draining; no new requests", status=503)
+        if not self.ready:
+            raise ValidationError("the engine is not ready yet", status=503)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        prompt: str | list[int],
+        sampling: dict[str, Any],
+        rid: str | None,
+        param: str,
+        prefix: str = "sampling_params.",
+    ) -> Prepared:
+        """Tokenize (text) and validate one request. Raises ValidationError."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        check_prompt_ids(ids, self.limits, param)
+        params = build_sampling_params(sampling, len(ids), self.limits, prefix)
+        return Prepared(self.new_rid(rid), ids, params)
+
+    def prepare_generate(self, body: GenerateBody) -> list[Prepared]:
+        param = "text" if body.items and isinstance(body.items[0].prompt, str) else "input_ids"
+        return [self.prepare(item.prompt, item.sampling, item.rid, param) for item in body.items]
+
+    def new_rid(self, rid: str | None) -> str:
+        if rid is None:
+            return uuid.uuid4().hex
+        if not rid:
+            raise ValidationError("rid must be a non-empty string", "rid")
+        if rid in self.tracker:
+            raise ValidationError(f"rid {rid!r} is already in flight", "rid")
+        return rid
+
+    async def submit(
+        self, prepared: list[Prepared], stream: bool, return_logprob: bool
+    ) -> list[RequestState]:
+        """Register and send each request; returns their states in order."""
+        rids = [p.rid for p in prepared]
+        if len(set(rids)) != len(rids):
+            raise ValidationError("rids in a batch must be distinct", "rid")
+        states = [self.tracker.add(p.rid, len(p.input_ids)) for p in prepared]
+        try:
+            for p in prepared:
+                ids = pack_ids(p.input_ids)
+                await self.backend.submit(
+                    TokenizedRequest(p.rid, ids, p.sampling, stream, return_logprob)
+                )
+        except BaseException:
+            self.abort_unfinished(states)
+            raise
+        return states
+
+    def abort(self, rid: str) -> None:
+        """Drop rid locally and tell the backend (in the background; safe while cancelled)."""
+        if not self.tracker.abort(rid):
+            return
+        task = asyncio.get_running_loop().create_task(self.backend.abort(rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def abort_unfinished(self, states: list[RequestState]) -> None:
+        for state in states:
+            if not state.finished:
+                self.abort(state.rid)
