@@ -16,14 +16,15 @@ import os
 import tempfile
 
 from aerie.config import AerieConfig, SpeculativeConfig
-from aerie.model_info import ModelInfo, read_model_info
+from aerie.model_info import read_model_info
 
 
 class ConfigError(ValueError):
     """The command line asks for something impossible; the message says what to change."""
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when a GPU is present, else "cpu"; "cuda" without one is an error."""
     if device != "auto":
         if device == "cuda":
             import torch
@@ -36,12 +37,13 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _resolve_dtype(dtype: str, device: str, info: ModelInfo) -> str:
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None) -> str:
+    """"auto" -> float32 on CPU; on CUDA bfloat16 (float16 for float16 checkpoints)."""
     if dtype != "auto":
         return dtype
     if device == "cpu":
         return "float32"
-    return "float16" if info.torch_dtype == "float16" else "bfloat16"
+    return "float16" if checkpoint_dtype == "float16" else "bfloat16"
 
 
 def _resolve_load_format(load_format: str, model_path: str) -> str:
@@ -191,7 +193,7 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
     model_path = _resolve_model_path(config.model.model_path)
     speculative = _resolve_speculative(config.speculative, model_path)
     info = read_model_info(model_path)
-    device = _resolve_device(config.model.device)
+    device = resolve_device(config.model.device)
     context_length = config.model.context_length or info.max_position_embeddings
     if context_length > info.max_position_embeddings:
         raise ConfigError(
@@ -205,7 +207,7 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
             "model_path": model_path,
             "tokenizer_path": os.path.abspath(config.model.tokenizer_path or model_path),
             "device": device,
-            "dtype": _resolve_dtype(config.model.dtype, device, info),
+            "dtype": resolve_dtype(config.model.dtype, device, info.torch_dtype),
             "load_format": _resolve_load_format(config.model.load_format, model_path),
             "context_length": context_length,
         },

@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
 from gpu_worker.forward_batch import ForwardMode, build_forward_batch  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from gpu_worker.worker import resolve_device, resolve_dtype  # noqa: E402
+from gpu_worker.worker import DTYPES  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
 REQ_POOL_IDX = 1  # row 0 is the reserved dummy
@@ -169,7 +170,7 @@ def build_runner(path: str, load_format: str, args: argparse.Namespace) -> Model
     return ModelRunner(
         path,
         device=device,
-        dtype=resolve_dtype(args.dtype, device),
+        dtype=DTYPES[resolve_dtype(args.dtype, device)],
         load_format=load_format,
         seed=args.seed,
         page_size=1,
@@ -275,14 +276,14 @@ def print_table(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    device = torch.device(resolve_device(args.device))
     mib = args.bandwidth_mib or (1024 if device.type == "cuda" else 64)
     bandwidth = measure_bandwidth(device, mib << 20)
     report = {
         "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(resolve_dtype(args.dtype, device)).removeprefix("torch."),
+        "dtype": resolve_dtype(args.dtype, device.type),
         "attention_backend": args.attention_backend,
         "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps,

@@ -39,19 +39,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DRAFT_MEMORY_SHARE = 0.05
 
 
-def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when present, else cpu (for tools that build runners without a config)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
-
-
 def eagle3_aux_layers(config: AerieConfig) -> list[int] | None:
     """Target layers whose input stream an EAGLE-3 draft reads (None for other algorithms)."""
     spec = config.speculative
@@ -81,8 +68,9 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
     """The target runner and its draft runner list (same slot ids, each with its own pools):
     empty without speculation, one EAGLE draft, or one runner per MTP layer."""
     model, spec = config.model, config.speculative
-    device = resolve_device(model.device)
-    dtype = resolve_dtype(model.dtype, device)
+    if "auto" in (model.device, model.dtype):
+        raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
+    device, dtype = torch.device(model.device), DTYPES[model.dtype]
     mem_fraction = config.cache.mem_fraction_static
     if spec.enabled:
         mem_fraction = (mem_fraction or DEFAULT_MEM_FRACTION_STATIC) * (1 - DRAFT_MEMORY_SHARE)
@@ -129,8 +117,7 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
 
 class GPUWorker:
     def __init__(self, config: AerieConfig) -> None:
-        """config: resolved (model_path a local directory; device and dtype concrete, though
-        "auto" is tolerated for tools and tests)."""
+        """config: resolved (model_path a local directory; device and dtype concrete)."""
         if not config.model.model_path:
             raise ValueError("config.model.model_path is not resolved")
         self.config = config

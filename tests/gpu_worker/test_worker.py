@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from aerie import codec
@@ -137,3 +138,9 @@ def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, r
     assert not thread.is_alive()
     to_worker.close()
     scheduler_inbox.close()
+
+
+def test_worker_requires_a_resolved_config(tiny_dirs):
+    config = make_config(tiny_dirs["llama"]).replace(model={"device": "auto"})
+    with pytest.raises(ValueError, match="not resolved"):
+        GPUWorker(config)
