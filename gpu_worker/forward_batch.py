@@ -4,8 +4,8 @@ There is no global forward context. A runner fills `ForwardBatch.attn_backend` a
 backend to build its metadata (`attn_metadata`) before running the model.
 
 Layout of one batch of `bs` requests, request i running `extend_seq_lens[i]` new tokens after
-`extend_prefix_lens[i]` tokens already in its KV: tokens are concatenated request by request
-(`[num_tokens]` tensors), and `seq_lens[i] = extend_prefix_lens[i] + extend_seq_lens[i]` is the
+`extend_prefix_lens_cpu[i]` tokens already in its KV: tokens are concatenated request by request
+(`[num_tokens]` tensors), and `seq_lens[i] = extend_prefix_lens_cpu[i] + extend_seq_lens[i]` is the
 KV length after this forward. DECODE is the special case of one new token per request.
 """
 
@@ -26,10 +26,6 @@ class ForwardMode(enum.IntEnum):
     DRAFT_EXTEND = enum.auto()  # draft model over accepted tokens
     DRAFT_DECODE = enum.auto()  # draft model, one step of the draft loop
     IDLE = enum.auto()  # no requests (keeps collective ranks in step)
-
-    def is_extend(self) -> bool:
-        """Modes whose requests may run several tokens each (variable extend lengths)."""
-        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
 
     def samples_every_token(self) -> bool:
         """Modes that need logits for every token, not only each request's last one."""
@@ -64,7 +60,6 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
     req_pool_indices: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int32, KV length after this forward
-    extend_prefix_lens: torch.Tensor  # [bs] int32
     extend_seq_lens: torch.Tensor  # [bs] int32
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
@@ -130,7 +125,6 @@ def build_forward_batch(
         out_cache_loc=flat(out_slots),
         req_pool_indices=small(req_pool_indices, torch.int64),
         seq_lens=small(seq_lens, torch.int32),
-        extend_prefix_lens=small(prefix_lens, torch.int32),
         extend_seq_lens=small(extend_lens, torch.int32),
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=list(prefix_lens),

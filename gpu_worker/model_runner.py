@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from aerie.model_info import ModelInfo
 from gpu_worker.attention import create_attention_backend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
@@ -53,7 +52,7 @@ class LogitsOutput:
 class ModelRunner:
     def __init__(
         self,
-        model: str | ModelInfo,
+        model: str,
         device: torch.device | str,
         dtype: torch.dtype,
         load_format: str = "auto",
@@ -92,7 +91,7 @@ class ModelRunner:
             max_running_requests = draft_of.max_running_requests
             context_length = draft_of.context_length
             req_to_token_extra = max(req_to_token_extra, draft_of.req_to_token_extra)
-        self.model_dir = model.path if isinstance(model, ModelInfo) else model
+        self.model_dir = model
         self.device = torch.device(device)
         self.dtype = dtype
         self.page_size = page_size

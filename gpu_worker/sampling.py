@@ -287,10 +287,6 @@ class SamplingState:
         if flags[0]:
             self._reset_penalty_state(req_pool_idx, prompt_ids, output_len)
 
-    def release(self, req_pool_idx: int) -> None:
-        """Optional: the row is free, so its flags stop forcing stages onto other batches."""
-        self._flags_cpu[req_pool_idx] = False
-
     def _reset_penalty_state(
         self, row: int, prompt_ids: list[int] | Tensor, output_len: int
     ) -> None:

@@ -13,21 +13,17 @@ slot ids), runs the step and returns a `StepResult`:
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, PlanRequest, StepResult
-from aerie.model_info import read_model_info
 from gpu_worker.forward_batch import ForwardMode, build_forward_batch
 from gpu_worker.kv_cache import kv_bytes_per_token
 from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner
 from gpu_worker.models import read_arch_config
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
-from gpu_worker.models.mimo_mtp import mtp_weights_dir
+from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
 from gpu_worker.speculative.mtp_worker import MTPWorker
@@ -44,10 +40,9 @@ def eagle3_aux_layers(config: AerieConfig) -> list[int] | None:
     spec = config.speculative
     if spec.speculative_algorithm != "EAGLE3":
         return None
-    with open(os.path.join(spec.speculative_draft_model_path or "", "config.json")) as f:
-        draft_config = json.load(f)
-    num_layers = read_model_info(config.model.model_path or "").num_layers
-    return eagle3_aux_layer_ids(draft_config, num_layers)
+    draft = read_arch_config(spec.speculative_draft_model_path or "")
+    num_layers = read_arch_config(config.model.model_path or "").num_layers
+    return eagle3_aux_layer_ids(draft.raw, num_layers)
 
 
 def draft_kv_bytes_per_token(config: AerieConfig, dtype: torch.dtype) -> int:
@@ -56,12 +51,10 @@ def draft_kv_bytes_per_token(config: AerieConfig, dtype: torch.dtype) -> int:
     if not spec.enabled:
         return 0
     if spec.speculative_algorithm == "MTP":  # S one-layer runners shaped like the target
-        layer = read_arch_config(config.model.model_path or "")
-        num_layers = spec.speculative_num_steps or 1
-    else:
-        layer = read_arch_config(spec.speculative_draft_model_path or "")
-        num_layers = layer.num_layers
-    return kv_bytes_per_token(num_layers, layer.num_kv_heads, layer.head_dim, dtype)
+        steps = spec.speculative_num_steps
+        return mtp_kv_bytes_per_token(config.model.model_path or "", dtype, steps)
+    draft = read_arch_config(spec.speculative_draft_model_path or "")
+    return kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
 
 
 def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:

@@ -31,7 +31,6 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from gpu_worker.forward_batch import ForwardBatch
@@ -41,7 +40,7 @@ from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.models.config import ArchConfig, read_arch_config
 from gpu_worker.models.llama import LlamaDecoderLayer
 from gpu_worker.models.llama_eagle import read_spec_hidden, target_embed_and_head
-from gpu_worker.weights import WeightLoadError, list_weight_files
+from gpu_worker.weights import WeightLoadError, list_tensor_names
 
 MTP_ARCHITECTURE = "MiMoMTPLayer"
 # Tensors of MTP layer i, with or without the leading `model.`.
@@ -55,25 +54,10 @@ def num_mtp_layers(model_dir: str) -> int:
         return int(json.load(f).get("num_nextn_predict_layers") or 0)
 
 
-def is_mtp_tensor(name: str) -> bool:
-    """True for a tensor of any MTP layer (`model.mtp_layers.*`), which a target skips."""
-    return _MTP_NAME.match(name) is not None
-
-
 def _mtp_layer_ids(model_dir: str) -> set[int]:
     """Indices of the MTP layers whose tensors the checkpoint holds (headers only)."""
-    ids = set()
-    for path in list_weight_files(model_dir):
-        names = _tensor_names(path)
-        ids.update(int(m.group(1)) for m in map(_MTP_NAME.match, names) if m is not None)
-    return ids
-
-
-def _tensor_names(path: str) -> list[str]:
-    if path.endswith(".bin"):
-        return list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-    with safe_open(path, framework="pt", device="cpu") as f:
-        return list(f.keys())
+    names = list_tensor_names(model_dir)
+    return {int(m.group(1)) for m in map(_MTP_NAME.match, names) if m is not None}
 
 
 def _holds_mtp_layers(model_dir: str) -> bool:

@@ -44,7 +44,6 @@ def make_batch(
         out_cache_loc=out_cache_loc.long(),
         req_pool_indices=req_pool_indices.long(),
         seq_lens=small(kv_lens_cpu),
-        extend_prefix_lens=small(prefix_cpu),
         extend_seq_lens=small(extend_lens_cpu),
         seq_lens_cpu=kv_lens_cpu,
         extend_prefix_lens_cpu=prefix_cpu,

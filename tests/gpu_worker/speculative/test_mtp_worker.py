@@ -120,3 +120,17 @@ def test_each_layer_uses_its_own_pool_and_recomputes_boundary_kv(mtp_models, chu
         known = m - 1 - k  # positions p <= m-1-k read t_{p+1+k} from the sequence
         torch.testing.assert_close(got[k][: known + 1], want[k][: known + 1],
                                    atol=1e-5, rtol=1e-5, msg=f"MTP layer {k}")
+
+
+def test_memory_sized_kv_pools_fit_the_budget_with_mtp_runners(mtp_models, monkeypatch):
+    """S one-layer MTP pools share the target's slot count; a memory-sized target pool leaves
+    room for all of them."""
+    import gpu_worker.model_runner as model_runner
+
+    budget = 1 << 20
+    monkeypatch.setattr(model_runner, "CPU_KV_BUDGET_BYTES", budget)
+    config = mtp_config(mtp_models["target"], 3).replace(cache={"max_total_tokens": None})
+    worker = GPUWorker(config)
+    pools = [runner.kv_pool for runner in worker.runners]
+    used = sum(sum(t.numel() * t.element_size() for t in p.k_buffers + p.v_buffers) for p in pools)
+    assert len(pools) == 4 and used <= budget * 1.01  # + the reserved dummy page
