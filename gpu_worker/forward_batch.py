@@ -78,10 +78,15 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     def sample_indices(self) -> torch.Tensor:
-        """Token indices whose logits are wanted: every token, or each request's last one."""
+        """Token indices whose logits are wanted: every token (modes that sample every token),
+        or each request's last one."""
         if self.mode.samples_every_token():
             return torch.arange(self.num_tokens, device=self.input_ids.device)
-        return torch.cumsum(self.extend_seq_lens, 0) - 1  # [bs]
+        return self.last_token_indices()
+
+    def last_token_indices(self) -> torch.Tensor:
+        """[bs] index of each request's last token in the flat token arrays."""
+        return torch.cumsum(self.extend_seq_lens, 0) - 1
 
 
 def build_forward_batch(

@@ -219,5 +219,6 @@ class ModelRunner:
             hidden, aux = self.model.forward_with_aux(batch, self.aux_hidden_layers)
         else:
             hidden = self.model(batch)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[batch.sample_indices()])  # [num_sampled, V]
+        sampled = hidden if batch.mode.samples_every_token() else hidden[batch.sample_indices()]
+        logits = self.model.compute_logits(sampled)  # [num_sampled, V]
         return LogitsOutput(next_token_logits=logits, hidden_states=hidden, aux_hidden_states=aux)

@@ -333,24 +333,29 @@ class SamplingState:
         return apply_penalties(logits, self.counts[index], self.prompt_mask[index], rows)
 
     def sample(
-        self, logits: Tensor, req_pool_indices: Tensor, positions: Tensor
-    ) -> tuple[Tensor, Tensor]:
+        self,
+        logits: Tensor,
+        req_pool_indices: Tensor,
+        positions: Tensor,
+        want_logprobs: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
         """Sample one token per row. logits [bs, V] float32 (not mutated); req_pool_indices
         [bs]; positions [bs]: absolute position of the token being generated.
 
-        Returns token_ids [bs] int64 and logprobs [bs] float32, both on the device: the
-        log-softmax of the processed distribution the token was drawn from (temperature and
-        filters); for greedy rows the log-softmax of the (penalised) logits at temperature 1.
+        Returns token_ids [bs] int64 and, when want_logprobs, logprobs [bs] float32 (else
+        None), both on the device: the log-softmax of the processed distribution the token was
+        drawn from (temperature and filters); for greedy rows the log-softmax of the
+        (penalised) logits at temperature 1.
         """
         rows = self.gather(req_pool_indices)
         logits = self.penalize(logits.float(), req_pool_indices, rows)  # [bs, V]
         if not rows.use_sampling:
             token_ids = logits.argmax(dim=-1)
-            return token_ids, _pick_logprobs(logits, token_ids)
+            return token_ids, _pick_logprobs(logits, token_ids) if want_logprobs else None
         processed = process_logits(logits, rows)  # [bs, V]
         sampled = sample_with_noise(processed, rows.seed, positions.to(self.device))
         token_ids = torch.where(rows.greedy, logits.argmax(dim=-1), sampled)
-        return token_ids, _pick_logprobs(processed, token_ids)
+        return token_ids, _pick_logprobs(processed, token_ids) if want_logprobs else None
 
 
 def _row_flags(params: SamplingParams, top_k: int, vocab_size: int) -> list[bool]:

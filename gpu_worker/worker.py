@@ -170,19 +170,18 @@ class GPUWorker:
             self.device,
         )
         out = self.runner.forward(batch)
-        token_ids, logprobs = self._sample(plan, out.next_token_logits, batch.seq_lens_cpu)
+        want = any(self.return_logprob[r.req_pool_idx] for r in requests if r.sample)
+        token_ids, logprobs = self._sample(plan, out.next_token_logits, batch.seq_lens_cpu, want)
         if self.spec is not None:
             # The draft's tail: the next prompt token for a non-final chunk, else the sample.
             next_ids = torch.tensor([r.next_input_id for r in requests], device=self.device)
             self.spec.draft_prefill(batch, out, torch.where(next_ids >= 0, next_ids, token_ids))
-        num_tokens = [int(r.sample) for r in requests]
-        sampled = torch.tensor(num_tokens, dtype=torch.bool, device=self.device)
-        want = any(self.return_logprob[r.req_pool_idx] for r in requests if r.sample)
+        sampled = [i for i, r in enumerate(requests) if r.sample]  # host indices
         return StepResult(
             plan_id=plan.plan_id,
-            num_tokens=codec.pack_ids(num_tokens),
-            token_ids=codec.pack_ids(token_ids[sampled].cpu()),
-            logprobs=codec.pack_floats(logprobs[sampled].cpu()) if want else b"",
+            num_tokens=codec.pack_ids([int(r.sample) for r in requests]),
+            token_ids=codec.pack_ids(token_ids.cpu()[sampled]),
+            logprobs=codec.pack_floats(logprobs.cpu()[sampled]) if logprobs is not None else b"",
         )
 
     def _speculative_decode(self, plan: ForwardPlan, input_ids: list[list[int]]) -> StepResult:
@@ -192,17 +191,18 @@ class GPUWorker:
         want = any(self.return_logprob[r.req_pool_idx] for r in requests)
         assert self.spec is not None
         out = self.spec.decode(rows, [r.prefix_len for r in requests], bonus, want)
-        width = out.tokens.shape[1]
-        valid = torch.arange(width, device=self.device)[None, :] < out.accept_lens[:, None]
-        tokens = out.tokens[valid]  # [sum(accept_lens)], request by request
-        self.sampling.observe(rows.repeat_interleave(out.accept_lens), tokens)
+        # One copy to the host each; the valid prefix of every row is sliced there.
+        accept_lens = out.accept_lens.cpu()  # [bs]
+        valid = torch.arange(out.tokens.shape[1])[None, :] < accept_lens[:, None]
+        tokens = out.tokens.cpu()[valid]  # [sum(accept_lens)], request by request
+        self.sampling.observe(rows.cpu().repeat_interleave(accept_lens), tokens)
         logprobs = b""
-        if want and out.logprobs is not None:
-            logprobs = codec.pack_floats(out.logprobs[valid].cpu())
+        if out.logprobs is not None:
+            logprobs = codec.pack_floats(out.logprobs.cpu()[valid])
         return StepResult(
             plan_id=plan.plan_id,
-            num_tokens=codec.pack_ids(out.accept_lens.cpu()),
-            token_ids=codec.pack_ids(tokens.cpu()),
+            num_tokens=codec.pack_ids(accept_lens),
+            token_ids=codec.pack_ids(tokens),
             logprobs=logprobs,
             num_verify=codec.pack_ids([1] * len(requests)),
         )
@@ -241,13 +241,13 @@ class GPUWorker:
             runner.req_to_token_pool.write(rows, starts, slots, lens)
 
     def _sample(
-        self, plan: ForwardPlan, logits: torch.Tensor, seq_lens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A token (and its logprob) for every request of the batch, [bs] each on the device;
-        only requests that sample this step are observed for penalties."""
+        self, plan: ForwardPlan, logits: torch.Tensor, seq_lens: list[int], want_logprobs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A token (and, if wanted, its logprob) for every request of the batch, [bs] each on
+        the device; only requests that sample this step are observed for penalties."""
         rows = torch.tensor([r.req_pool_idx for r in plan.requests])  # [bs] on host
         positions = torch.tensor(seq_lens)  # position of the new token
-        token_ids, logprobs = self.sampling.sample(logits, rows, positions)
+        token_ids, logprobs = self.sampling.sample(logits, rows, positions, want_logprobs)
         sampled = [i for i, r in enumerate(plan.requests) if r.sample]
         if sampled:
             index = torch.tensor(sampled)
