@@ -5,13 +5,16 @@ speculative sampling of the processed target distribution, seeded by the request
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import (
     STREAM_SPEC_BONUS,
     STREAM_SPEC_COIN,
+    SamplingRows,
     SamplingState,
+    apply_penalties,
     processed_probs,
     uniform_noise,
 )
@@ -79,6 +82,27 @@ def verify_tree(
     return target.forward(batch)
 
 
+def penalize_tree(
+    sampling: SamplingState,
+    tree: DraftTree,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    node_params: SamplingRows,
+) -> torch.Tensor:
+    """Penalised verify logits [bs*ND, V]: node k is penalised as plain decoding would be after
+    emitting the drafts on its own path (its ancestors below the root, and itself), on top of
+    the request's outputs so far (which include the root, the previous bonus token)."""
+    assert tree.ancestors is not None
+    bs, nd, vocab = rows.shape[0], tree.num_draft_tokens, logits.shape[-1]
+    index = rows.to(sampling.device, torch.int64)
+    drafts = F.one_hot(tree.tokens.view(bs, nd)[:, 1:], vocab).float()  # [bs, ND-1, V]
+    on_path = tree.ancestors[:, :, 1:].float()  # [bs, ND, ND-1]
+    path_counts = torch.bmm(on_path, drafts).round().to(sampling.counts.dtype)  # [bs, ND, V]
+    counts = sampling.counts[index][:, None, :] + path_counts
+    prompt_mask = sampling.prompt_mask[index].repeat_interleave(nd, dim=0)
+    return apply_penalties(logits, counts.view(bs * nd, vocab), prompt_mask, node_params)
+
+
 def accept_tree(
     sampling: SamplingState, tree: DraftTree, logits: torch.Tensor, rows: torch.Tensor
 ) -> tuple[VerifyResult, torch.Tensor]:
@@ -89,7 +113,9 @@ def accept_tree(
     nd = tree.num_draft_tokens
     params = sampling.gather(rows.cpu())
     node_params = params.repeat_interleave(nd)
-    logits = sampling.penalize(logits.float(), rows.repeat_interleave(nd), node_params)
+    logits = logits.float()
+    if node_params.use_penalty:
+        logits = penalize_tree(sampling, tree, logits, rows, node_params)
     if not params.use_sampling:
         return verify_greedy(tree, logits.argmax(dim=-1)), logits
     probs = processed_probs(logits, node_params)  # [bs*ND, V]

@@ -121,7 +121,8 @@ class DraftTree:
     custom_mask flat bool, per request a row-major [ND, seq_b + ND] block (prefix columns
     True, node columns = self + ancestors), blocks concatenated in request order;
     retrieve_index, next_token, next_sibling [bs, ND] int64 (-1 = none; retrieve_index[b, k]
-    = b*ND + k; child lists in ascending node order); depth [bs, ND] int64.
+    = b*ND + k; child lists in ascending node order); depth [bs, ND] int64; ancestors
+    [bs, ND, ND] bool (row k: node k itself and its ancestors, root included).
     """
 
     tokens: torch.Tensor
@@ -134,6 +135,7 @@ class DraftTree:
     topk: int
     num_steps: int
     num_draft_tokens: int
+    ancestors: torch.Tensor | None = None
 
 
 def find_parents(
@@ -240,4 +242,5 @@ def build_tree(
         topk=topk,
         num_steps=num_steps,
         num_draft_tokens=nd,
+        ancestors=ancestors,
     )

@@ -275,3 +275,29 @@ def test_logprobs_with_speculation_equal_plain_decoding(models):
         assert len(spec[rid]) == len(plain[rid]) == 10
         torch.testing.assert_close(torch.tensor(spec[rid]), torch.tensor(plain[rid]),
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_with_penalties_equals_plain_decoding(models):
+    """Penalties change the target's choices as tokens are emitted; a node deep in an accepted
+    run must see the drafts before it as emitted (a confident draft accepts long runs)."""
+    prompts = random_prompts(seed=9, n=4)
+
+    def outputs(config):
+        worker = GPUWorker(config)
+        sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True,
+                                    frequency_penalty=0.7, repetition_penalty=1.3)
+            sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
+        got = {f"r{i}": [] for i in range(len(prompts))}
+        while sched.has_work():
+            plan = sched.next_plan()
+            deltas = sched.apply_result(plan, worker.execute(plan))
+            for d in deltas.deltas if deltas else []:
+                got[d.rid] += unpack_ids(d.token_ids)
+        return got
+
+    plain = outputs(make_config(models["bigram"]))
+    for topk, num_draft in ((1, 4), (3, 7)):
+        config = make_config(models["bigram"], "EAGLE", models["agreeing"], 3, topk, num_draft)
+        assert outputs(config) == plain
