@@ -222,7 +222,7 @@ class AsyncClient:
         finally:
             self._queues.pop(req_id, None)
             if not finished and not self._socket.closed:
-                self._socket.send(_pack("abort", req_id))
+                await self._socket.send(_pack("abort", req_id))
 
     def close(self) -> _Closed:
         """Close now; the result may be awaited (`await client.close()`) or ignored."""

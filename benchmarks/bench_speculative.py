@@ -103,7 +103,7 @@ def run_one(worker: GPUWorker, sched: Scheduler, prompt: list[int], max_new: int
         result = worker.execute(plan)
         if plan.mode == "decode":
             tokens += sum(unpack_ids(result.num_tokens))
-            verify += len(unpack_ids(result.num_verify))
+            verify += sum(unpack_ids(result.num_verify))
         sched.apply_result(plan, result)
     sync(device)
     return tokens, time.perf_counter() - (decode_start or time.perf_counter()), verify

@@ -85,6 +85,24 @@ def test_timeout_and_early_stream_exit_abort(live):
     assert engine.aborted == [r.rid for r in engine.submitted]
 
 
+def test_async_timeout_and_early_stream_exit_abort(live):
+    server, _, engine = live
+    engine.hold = True
+
+    async def run():
+        async with AsyncClient(server.zmq_address) as client:
+            with pytest.raises(AerieTimeoutError):
+                await client.generate(input_ids=[5], timeout=0.2)
+            stream = client.stream(input_ids=[6])
+            await stream.__anext__()
+            await stream.aclose()
+            await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert wait_until(lambda: len(engine.aborted) == 2)
+    assert engine.aborted == [r.rid for r in engine.submitted]
+
+
 def test_async_client_interleaves_requests(live):
     server, _, engine = live
 
