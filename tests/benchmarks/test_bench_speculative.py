@@ -1,0 +1,31 @@
+"""bench_speculative runs end to end on CPU (tiny random target, random EAGLE and MTP drafts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_speculative
+from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+from tests.tokenizer_fixture import make_tiny_tokenizer
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "MTP"])
+def test_bench_speculative_reports_plain_and_speculative_rows(tmp_path, algorithm):
+    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
+                                 max_position_embeddings=512)
+    make_tiny_tokenizer(model)
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("Hello?", "Why?")))
+    out = tmp_path / "result.json"
+    bench_speculative.main([
+        "--model-path", model, "--load-format", "dummy", "--algorithm", algorithm,
+        "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "6",
+        "--shapes", "2,1,3", "--device", "cpu", "--output", str(out),
+    ])
+    results = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in results] == ["plain", f"{algorithm} S=2 topk=1 ND=3"]
+    # 2 prompts x 5 decode tokens (the first of 6 comes from prefill) in both modes
+    assert [r["decode_tokens"] for r in results] == [10, 10]
+    assert 1.0 <= results[1]["accept_length"] <= 3.0
