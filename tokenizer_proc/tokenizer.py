@@ -45,9 +45,6 @@ class Tokenizer:
         prompt = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self._tok.encode(prompt, add_special_tokens=False))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each id decoded on its own (for OpenAI logprobs' `token` fields)."""
         return [self._tok.decode([i]) for i in ids]

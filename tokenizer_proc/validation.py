@@ -17,10 +17,8 @@ from typing import Any
 
 from aerie.messages import SamplingParams
 
-SAMPLING_KEYS = frozenset(
-    f
-    for f in SamplingParams.__dataclass_fields__  # type: ignore[attr-defined]
-)
+SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__)  # type: ignore[attr-defined]
+_DEFAULTS = SamplingParams()  # every default is written once, in aerie.messages
 
 
 class ValidationError(ValueError):
@@ -142,12 +140,7 @@ def check_prompt_ids(ids: list[int], limits: Limits, param: str = "input_ids") -
     """Raise unless ids is a non-empty in-vocabulary prompt shorter than the context."""
     if not ids:
         raise ValidationError(f"{param} is empty; the prompt needs at least one token", param)
-    bad = [i for i in ids if i < 0 or i >= limits.vocab_size]
-    if bad:
-        raise ValidationError(
-            f"{param} holds token id {bad[0]}, outside the vocabulary [0, {limits.vocab_size})",
-            param,
-        )
+    _check_vocab(ids, limits, param)
     if len(ids) >= limits.context_length:
         raise ValidationError(
             f"the prompt has {len(ids)} tokens; the context length is {limits.context_length} "
@@ -173,21 +166,26 @@ def build_sampling_params(
     room = limits.context_length - prompt_len
     max_new_tokens = read_int(raw, "max_new_tokens", None, p("max_new_tokens"))
     if max_new_tokens is None:
-        max_new_tokens = min(SamplingParams.max_new_tokens, room)
+        max_new_tokens = min(_DEFAULTS.max_new_tokens, room)
+    d = _DEFAULTS
+
+    def num(read, key: str):  # noqa: ANN001, ANN202
+        return read(raw, key, getattr(d, key), p(key))
+
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
-        temperature=read_float(raw, "temperature", 1.0, p("temperature")),
-        top_p=read_float(raw, "top_p", 1.0, p("top_p")),
-        top_k=read_int(raw, "top_k", -1, p("top_k")),  # type: ignore[arg-type]
-        min_p=read_float(raw, "min_p", 0.0, p("min_p")),
+        temperature=num(read_float, "temperature"),
+        top_p=num(read_float, "top_p"),
+        top_k=num(read_int, "top_k"),
+        min_p=num(read_float, "min_p"),
         stop=_read_stop(raw, p("stop")),
         stop_token_ids=_read_ids(raw, "stop_token_ids", p("stop_token_ids")),
-        ignore_eos=read_bool(raw, "ignore_eos", False, p("ignore_eos")),
-        skip_special_tokens=read_bool(raw, "skip_special_tokens", True, p("skip_special_tokens")),
-        seed=read_int(raw, "seed", None, p("seed")),
-        frequency_penalty=read_float(raw, "frequency_penalty", 0.0, p("frequency_penalty")),
-        presence_penalty=read_float(raw, "presence_penalty", 0.0, p("presence_penalty")),
-        repetition_penalty=read_float(raw, "repetition_penalty", 1.0, p("repetition_penalty")),
+        ignore_eos=num(read_bool, "ignore_eos"),
+        skip_special_tokens=num(read_bool, "skip_special_tokens"),
+        seed=num(read_int, "seed"),
+        frequency_penalty=num(read_float, "frequency_penalty"),
+        presence_penalty=num(read_float, "presence_penalty"),
+        repetition_penalty=num(read_float, "repetition_penalty"),
     )
     _check_ranges(params, prefix)
     _check_vocab(params.stop_token_ids, limits, p("stop_token_ids"))
@@ -242,7 +240,8 @@ def _check_vocab(ids: list[int], limits: Limits, param: str) -> None:
     bad = [i for i in ids if i < 0 or i >= limits.vocab_size]
     if bad:
         raise ValidationError(
-            f"{param} holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})", param
+            f"{param} holds token id {bad[0]}, outside the vocabulary [0, {limits.vocab_size})",
+            param,
         )
 
 

@@ -80,12 +80,6 @@ class ZmqFrontend:
         self._tasks: dict[bytes, dict[Any, asyncio.Task]] = {}
         self._ops = {"generate": self._on_generate, "abort": self._on_abort}
 
-    def num_requests(self, identity: bytes | None = None) -> int:
-        """Requests being served (for one client identity, or all)."""
-        if identity is not None:
-            return len(self._tasks.get(identity, {}))
-        return sum(len(t) for t in self._tasks.values())
-
     async def serve(self) -> None:
         """Receive and dispatch forever, probing clients' liveness (cancel the task to stop)."""
         probe = asyncio.get_running_loop().create_task(self._probe_clients())

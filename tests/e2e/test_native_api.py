@@ -47,7 +47,8 @@ def test_zmq_client_matches_http(default_server):
         out = client.generate(text="The sky is", sampling_params=GREEDY)
         assert out["output_ids"] == http["output_ids"] and out["text"] == http["text"]
         deltas = list(client.stream(text="The sky is", sampling_params=GREEDY))
-        assert deltas, "stream yielded nothing"
+        assert "".join(d["text"] for d in deltas) == http["text"]
+        assert [i for d in deltas for i in d["output_ids"]] == http["output_ids"]
 
     async def many():
         client = AsyncClient(default_server.zmq_address)
