@@ -34,13 +34,8 @@ import zmq
 import zmq.asyncio
 
 from tokenizer_proc.frontend import Frontend
-from tokenizer_proc.http_api import (
-    generate_response,
-    interleave,
-    logprob_triples,
-    meta_info,
-)
 from tokenizer_proc.request_tracker import Chunk, RequestState
+from tokenizer_proc.responses import generate_response, interleave, logprob_triples, meta_info
 from tokenizer_proc.validation import ValidationError, parse_generate_body
 
 log = logging.getLogger(__name__)
