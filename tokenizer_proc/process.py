@@ -33,7 +33,6 @@ from aerie.messages import (
     TextDeltas,
     TokenizedRequest,
 )
-from aerie.model_info import read_model_info
 from aerie.process import run_process
 from aerie.transport import AsyncReceiver, AsyncSender
 from tokenizer_proc.frontend import Frontend
@@ -85,28 +84,21 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def resolve_limits(config: AerieConfig, tokenizer: Tokenizer) -> Limits:
-    context_length = config.model.context_length
-    if context_length is None:
-        if not config.model.model_path:
-            raise ValueError("config.model.context_length and model_path are both unresolved")
-        context_length = read_model_info(config.model.model_path).max_position_embeddings
-    return Limits(vocab_size=tokenizer.vocab_size, context_length=context_length)
-
-
 class TokenizerProcess:
     """Owns the sockets and the loop's tasks; `run()` returns after Shutdown."""
 
     def __init__(self, config: AerieConfig) -> None:
         self.config = config
+        model = config.model
+        if not (model.model_path and model.tokenizer_path and model.context_length):
+            raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
         tokenizer = Tokenizer.from_config(config)
         self.scheduler = AsyncSender(endpoints.inbox(config, "scheduler"))
         self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
-        model_name = config.model.model_path or tokenizer.path
+        limits = Limits(vocab_size=tokenizer.vocab_size, context_length=model.context_length)
         self.frontend = Frontend(
-            tokenizer, resolve_limits(config, tokenizer), SchedulerBackend(self.scheduler),
-            model_name,
-        )  # fmt: skip
+            tokenizer, limits, SchedulerBackend(self.scheduler), model.model_path
+        )
         self.http_socket = bind_http_socket(config.server.host, config.server.port)
         self.zmq = ZmqFrontend(self.frontend, endpoints.client_address(config, bind=True))
         self.inbox = AsyncReceiver(endpoints.inbox(config, "tokenizer"))

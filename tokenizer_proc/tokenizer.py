@@ -25,10 +25,10 @@ class Tokenizer:
 
     @classmethod
     def from_config(cls, config: AerieConfig) -> Tokenizer:
-        """The tokenizer of config.model.tokenizer_path (default: the model directory)."""
-        path = config.model.tokenizer_path or config.model.model_path
+        """The tokenizer of a resolved config's tokenizer_path."""
+        path = config.model.tokenizer_path
         if not path:
-            raise ValueError("config.model.model_path is not resolved")
+            raise ValueError("config.model.tokenizer_path is not resolved")
         model_vocab = 0
         model_path = config.model.model_path
         if model_path and os.path.isfile(os.path.join(model_path, "config.json")):

@@ -38,7 +38,8 @@ def free_port() -> int:
 @pytest.fixture
 def config(tokenizer_dir, tmp_path) -> AerieConfig:
     return AerieConfig(runtime_dir=str(tmp_path)).replace(
-        model={"model_path": tokenizer_dir, "context_length": 64},
+        model={"model_path": tokenizer_dir, "tokenizer_path": tokenizer_dir,
+               "context_length": 64},
         server={"port": free_port(), "zmq_port": free_port(), "log_level": "warning"},
     )
 
