@@ -123,16 +123,47 @@ def build_forward_batch(
     def small(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)
 
+    return make_batch(
+        mode,
+        flat(input_ids),
+        flat(positions),
+        flat(out_slots),
+        small(req_pool_indices, torch.int64),
+        seq_lens,
+        extend_lens,
+        custom_mask=mask,
+    )
+
+
+def make_batch(
+    mode: ForwardMode,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens_cpu: list[int],
+    extend_lens_cpu: list[int],
+    custom_mask: torch.Tensor | None = None,
+    spec_info: object | None = None,
+) -> ForwardBatch:
+    """A ForwardBatch from device tensors; kv_lens = KV length each request attends after it."""
+    device = input_ids.device
+    prefix_cpu = [kv - n for kv, n in zip(kv_lens_cpu, extend_lens_cpu, strict=True)]
+
+    def small(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
     return ForwardBatch(
         mode=mode,
-        input_ids=flat(input_ids),
-        positions=flat(positions),
-        out_cache_loc=flat(out_slots),
-        req_pool_indices=small(req_pool_indices, torch.int64),
-        seq_lens=small(seq_lens, torch.int32),
-        extend_seq_lens=small(extend_lens, torch.int32),
-        seq_lens_cpu=seq_lens,
-        extend_prefix_lens_cpu=list(prefix_lens),
-        extend_seq_lens_cpu=extend_lens,
-        custom_mask=mask,
+        input_ids=input_ids.long(),
+        positions=positions.long(),
+        out_cache_loc=out_cache_loc.long(),
+        req_pool_indices=req_pool_indices.long(),
+        seq_lens=small(kv_lens_cpu),
+        extend_seq_lens=small(extend_lens_cpu),
+        seq_lens_cpu=kv_lens_cpu,
+        extend_prefix_lens_cpu=prefix_cpu,
+        extend_seq_lens_cpu=extend_lens_cpu,
+        custom_mask=custom_mask,
+        spec_info=spec_info,
     )

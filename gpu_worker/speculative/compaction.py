@@ -3,7 +3,7 @@
 With topk > 1 the accepted nodes of a request are scattered over its verify block
 `seq .. seq+ND-1`; accepted node k must end up at position `seq + j` (j = its index along the
 path, which is also its depth). `compaction_moves` lists the target-pool KV copies that do
-that; `compact_rows` / `compact_to_front` reorder per-node rows (verify hidden states,
+that; `compact_rows` reorders per-node rows (verify hidden states,
 predict) the same way. Moves and rows are sized by `bs*(S+1)` (the accept_index width), never
 `bs*ND`, and unused entries are zero (slot 0 -> slot 0 is a harmless dummy move).
 
@@ -60,18 +60,3 @@ def compact_rows(x: torch.Tensor, result: VerifyResult) -> torch.Tensor:
     rows = x[index.clamp(min=0)]
     keep = (index >= 0).view(-1, *([1] * (x.dim() - 1)))
     return torch.where(keep, rows, torch.zeros_like(rows))
-
-
-def compact_to_front(x: torch.Tensor, result: VerifyResult, num_draft_tokens: int) -> torch.Tensor:
-    """x [bs*ND, ...] with each request's accepted rows moved to the front of its ND block.
-
-    Returns a new tensor: row `b*ND + j` = x[accept_index[b, j]] for j < S+1 (zero rows at -1,
-    i.e. past the accept length); rows `b*ND + S+1 ..` keep x's values. For the full-width
-    draft extend, whose row `b*ND + accept_lens[b] - 1` is then the last accepted node.
-    """
-    bs, width = result.accept_index.shape
-    front = min(width, num_draft_tokens)  # a path never has more than ND nodes
-    out = x.clone()
-    view = out.view(bs, num_draft_tokens, *x.shape[1:])
-    view[:, :front] = compact_rows(x, result).view(bs, width, *x.shape[1:])[:, :front]
-    return out

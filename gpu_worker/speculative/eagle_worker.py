@@ -24,22 +24,21 @@ topk_p [rows, topk], topk_index [rows, topk] (target vocab ids), hidden [rows, H
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
 from aerie.config import SpeculativeConfig
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput
+from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import SamplingState
-from gpu_worker.speculative.compaction import compact_rows, compaction_moves
+from gpu_worker.speculative.compaction import compaction_moves
 from gpu_worker.speculative.draft_layout import (
     draft_cache_locs,
     draft_decode_mask,
     draft_kv_len,
     draft_run_positions,
 )
-from gpu_worker.speculative.target_verify import accept_tree, make_batch, verify_tree
+from gpu_worker.speculative.target_verify import SpecStepOutput, accepted_rows, verify_and_accept
 from gpu_worker.speculative.tree import (
     DraftRecord,
     DraftTree,
@@ -48,7 +47,7 @@ from gpu_worker.speculative.tree import (
     select_first_level,
     select_next_level,
 )
-from gpu_worker.speculative.verify import VerifyResult, accepted_tokens
+from gpu_worker.speculative.verify import VerifyResult
 
 
 def rotate_prefill_inputs(
@@ -63,15 +62,6 @@ def rotate_prefill_inputs(
     rotated[:-1] = input_ids[1:]
     rotated[torch.cumsum(extend_seq_lens.long(), 0) - 1] = tails.to(input_ids.dtype)
     return rotated
-
-
-@dataclass(frozen=True)
-class SpecStepOutput:
-    """One decode iteration's result, per request in batch order."""
-
-    tokens: torch.Tensor  # [bs, S+1] accepted drafts then the bonus, valid up to accept_lens
-    accept_lens: torch.Tensor  # [bs] int64, tokens emitted (accepted drafts + 1)
-    logprobs: torch.Tensor | None  # [bs, S+1] float32, or None
 
 
 class EagleWorker:
@@ -169,16 +159,6 @@ class EagleWorker:
             self.num_draft_tokens, seq_cpu,
         )
 
-    def verify(
-        self, tree: DraftTree, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int]
-    ) -> LogitsOutput:
-        return verify_tree(self.target, tree, rows, seq_lens, seq_cpu)
-
-    def accept(
-        self, tree: DraftTree, logits: torch.Tensor, rows: torch.Tensor
-    ) -> tuple[VerifyResult, torch.Tensor]:
-        return accept_tree(self.sampling, tree, logits, rows)
-
     def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Move the accepted path's target KV to positions seq .. seq + accept_len - 1."""
         if self.topk == 1:  # a chain: node k already sits at position seq + k
@@ -203,8 +183,7 @@ class EagleWorker:
         accept_cpu = result.accept_lens.tolist()
         width = self.num_steps + 1
         valid = torch.arange(width, device=tokens.device)[None, :] < result.accept_lens[:, None]
-        flat_valid = valid.flatten()  # [bs*(S+1)]
-        features = compact_rows(self.target_features(verify_out), result)[flat_valid]
+        features = accepted_rows(self.target_features(verify_out), result)
         positions = (seq_lens.long()[:, None] + torch.arange(width, device=tokens.device))
         positions = positions[valid]  # [sum(accept_lens)]
         req_to_token = self.draft.req_to_token_pool.req_to_token
@@ -229,15 +208,11 @@ class EagleWorker:
     ) -> SpecStepOutput:
         """One speculative decode iteration for requests on `rows` (device tensor [bs]) whose
         committed KV lengths are seq_cpu and whose last emitted token (no KV yet) is `bonus`."""
-        seq_lens = torch.tensor(seq_cpu, dtype=torch.int64).to(rows.device)
+        seq_lens = torch.tensor(seq_cpu, dtype=torch.int64).to(rows.device, non_blocking=True)
         tree = self.draft_tree(rows, seq_lens, seq_cpu, bonus)
-        verify_out = self.verify(tree, rows, seq_lens, seq_cpu)
-        result, scores = self.accept(tree, verify_out.next_token_logits, rows)
-        tokens = accepted_tokens(result, self.num_steps)  # [bs, S+1]
-        logprobs = None
-        if want_logprobs:
-            node_scores = compact_rows(torch.log_softmax(scores, dim=-1), result)
-            logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens).float()
+        result, verify_out, step = verify_and_accept(
+            self.target, self.sampling, tree, rows, seq_lens, seq_cpu, want_logprobs
+        )
         self.compact(result, rows, seq_lens)
-        self.draft_extend(result, tokens, verify_out, rows, seq_lens, seq_cpu)
-        return SpecStepOutput(tokens=tokens, accept_lens=result.accept_lens, logprobs=logprobs)
+        self.draft_extend(result, step.tokens, verify_out, rows, seq_lens, seq_cpu)
+        return step

@@ -27,14 +27,15 @@ from __future__ import annotations
 import torch
 
 from aerie.config import SpeculativeConfig
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput
+from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import SamplingState
-from gpu_worker.speculative.compaction import compact_rows
-from gpu_worker.speculative.eagle_worker import SpecStepOutput
-from gpu_worker.speculative.target_verify import accept_tree, make_batch, verify_tree
+from gpu_worker.speculative.target_verify import (
+    SpecStepOutput,
+    accepted_rows,
+    verify_and_accept,
+)
 from gpu_worker.speculative.tree import build_tree
-from gpu_worker.speculative.verify import accepted_tokens
 
 
 class MTPWorker:
@@ -150,25 +151,18 @@ class MTPWorker:
     ) -> SpecStepOutput:
         """Verify the rows' chains, accept, and run the stack over the accepted positions."""
         steps = self.num_steps
-        seq_lens = torch.tensor(seq_cpu, dtype=torch.int64).to(rows.device)
+        seq_lens = torch.tensor(seq_cpu, dtype=torch.int64).to(rows.device, non_blocking=True)
         bs = rows.shape[0]
         chain_parents = torch.arange(-1, steps - 1, device=rows.device).expand(bs, steps)
         tree = build_tree(
             bonus, chain_parents, torch.arange(steps, device=rows.device).expand(bs, steps),
             self.chain[rows], seq_lens, 1, steps, steps + 1, seq_cpu,
         )
-        verify_out = verify_tree(self.target, tree, rows, seq_lens, seq_cpu)
-        result, scores = accept_tree(self.sampling, tree, verify_out.next_token_logits, rows)
-        tokens = accepted_tokens(result, steps)  # [bs, S+1]
-        logprobs = None
-        if want_logprobs:
-            node_scores = compact_rows(torch.log_softmax(scores, dim=-1), result)
-            logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens).float()
-        accept = result.accept_lens.tolist()
-        width = steps + 1
-        valid = torch.arange(width, device=rows.device)[None, :] < result.accept_lens[:, None]
-        hidden = compact_rows(verify_out.hidden_states, result)[valid.flatten()]
-        tokens_cpu = tokens.tolist()
-        known = [tokens_cpu[b][: accept[b]] for b in range(bs)]
+        result, verify_out, step = verify_and_accept(
+            self.target, self.sampling, tree, rows, seq_lens, seq_cpu, want_logprobs
+        )
+        accept, tokens = result.accept_lens.tolist(), step.tokens.tolist()
+        known = [tokens[b][: accept[b]] for b in range(bs)]
+        hidden = accepted_rows(verify_out.hidden_states, result)
         self.run_stack(rows.tolist(), seq_cpu, hidden, known)
-        return SpecStepOutput(tokens=tokens, accept_lens=result.accept_lens, logprobs=logprobs)
+        return step

@@ -4,10 +4,12 @@ speculative sampling of the processed target distribution, seeded by the request
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode
+from gpu_worker.forward_batch import ForwardMode, make_batch
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import (
     STREAM_SPEC_BONUS,
@@ -18,42 +20,14 @@ from gpu_worker.sampling import (
     processed_probs,
     uniform_noise,
 )
+from gpu_worker.speculative.compaction import compact_rows
 from gpu_worker.speculative.tree import DraftTree
-from gpu_worker.speculative.verify import VerifyResult, verify_greedy, verify_sampling
-
-
-def make_batch(
-    mode: ForwardMode,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_lens_cpu: list[int],
-    extend_lens_cpu: list[int],
-    custom_mask: torch.Tensor | None = None,
-    spec_info: object | None = None,
-) -> ForwardBatch:
-    """A ForwardBatch from device tensors; kv_lens = KV length each request attends after it."""
-    device = input_ids.device
-    prefix_cpu = [kv - n for kv, n in zip(kv_lens_cpu, extend_lens_cpu, strict=True)]
-
-    def small(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
-    return ForwardBatch(
-        mode=mode,
-        input_ids=input_ids.long(),
-        positions=positions.long(),
-        out_cache_loc=out_cache_loc.long(),
-        req_pool_indices=req_pool_indices.long(),
-        seq_lens=small(kv_lens_cpu),
-        extend_seq_lens=small(extend_lens_cpu),
-        seq_lens_cpu=kv_lens_cpu,
-        extend_prefix_lens_cpu=prefix_cpu,
-        extend_seq_lens_cpu=extend_lens_cpu,
-        custom_mask=custom_mask,
-        spec_info=spec_info,
-    )
+from gpu_worker.speculative.verify import (
+    VerifyResult,
+    accepted_tokens,
+    verify_greedy,
+    verify_sampling,
+)
 
 
 def verify_tree(
@@ -80,6 +54,44 @@ def verify_tree(
         custom_mask=tree.custom_mask,
     )
     return target.forward(batch)
+
+
+@dataclass(frozen=True)
+class SpecStepOutput:
+    """One decode iteration's result, per request in batch order."""
+
+    tokens: torch.Tensor  # [bs, S+1] accepted drafts then the bonus, valid up to accept_lens
+    accept_lens: torch.Tensor  # [bs] int64, tokens emitted (accepted drafts + 1)
+    logprobs: torch.Tensor | None  # [bs, S+1] float32, or None
+
+
+def verify_and_accept(
+    target: ModelRunner,
+    sampling: SamplingState,
+    tree: DraftTree,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_cpu: list[int],
+    want_logprobs: bool,
+) -> tuple[VerifyResult, LogitsOutput, SpecStepOutput]:
+    """The target side of one iteration, for every draft algorithm: verify the trees, accept,
+    and read off the emitted tokens (and their logprobs)."""
+    verify_out = verify_tree(target, tree, rows, seq_lens, seq_cpu)
+    result, scores = accept_tree(sampling, tree, verify_out.next_token_logits, rows)
+    tokens = accepted_tokens(result)  # [bs, S+1]
+    logprobs = None
+    if want_logprobs:
+        node_scores = compact_rows(torch.log_softmax(scores, dim=-1), result)
+        logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens).float()
+    return result, verify_out, SpecStepOutput(tokens, result.accept_lens, logprobs)
+
+
+def accepted_rows(x: torch.Tensor, result: VerifyResult) -> torch.Tensor:
+    """x [bs*ND, ...] -> the rows of each request's accepted nodes in path order, request by
+    request: [sum(accept_lens), ...]."""
+    width = result.accept_index.shape[1]
+    valid = torch.arange(width, device=x.device)[None, :] < result.accept_lens[:, None]
+    return compact_rows(x, result)[valid.flatten()]
 
 
 def penalize_tree(

@@ -177,15 +177,7 @@ def sample_residual(
     return torch.where(total.squeeze(1) > 0, token, q.argmax(dim=1))
 
 
-def accepted_tokens(result: VerifyResult, num_steps: int) -> torch.Tensor:
+def accepted_tokens(result: VerifyResult) -> torch.Tensor:
     """Tokens emitted along each accepted path: [bs, S+1] int64 = predict[accept_index], 0 at -1."""
     tokens = result.predict[result.accept_index.clamp(min=0)]
     return torch.where(result.accept_index >= 0, tokens, 0)
-
-
-def bonus_tokens(result: VerifyResult, num_steps: int) -> torch.Tensor:
-    """The last emitted token of every request (the next root): [bs] int64, stride S+1."""
-    bs = result.accept_lens.shape[0]
-    flat = accepted_tokens(result, num_steps).flatten()  # [bs*(S+1)]
-    starts = torch.arange(bs, device=flat.device, dtype=torch.int64) * (num_steps + 1)
-    return flat[starts + result.accept_lens - 1]

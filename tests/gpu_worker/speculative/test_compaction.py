@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.speculative.compaction import compact_rows, compact_to_front, compaction_moves
+from gpu_worker.speculative.compaction import compact_rows, compaction_moves
 from gpu_worker.speculative.verify import VerifyResult, verify_greedy
 from tests.gpu_worker.speculative.trees import greedy_target_for_paths, path_to, random_tree
 
@@ -97,18 +97,13 @@ def test_compaction_several_requests():
 
     hidden = torch.randn(bs * nd, 7)  # verify hidden per node
     rows = compact_rows(hidden, result)
-    front = compact_to_front(hidden, result, nd)
     assert rows.shape == (bs * width, 7)
     for b, path in enumerate(paths):
         for j in range(width):
             if j < len(path):
                 assert torch.equal(rows[b * width + j], hidden[b * nd + path[j]])
-                assert torch.equal(front[b * nd + j], hidden[b * nd + path[j]])
             else:
                 assert rows[b * width + j].eq(0).all()
-        assert torch.equal(
-            front[b * nd + width : (b + 1) * nd], hidden[b * nd + width : (b + 1) * nd]
-        )
     predict = compact_rows(result.predict, result).view(bs, width)
     tokens = tree.tokens.view(bs, nd)
     for b, path in enumerate(paths):

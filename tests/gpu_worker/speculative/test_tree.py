@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.speculative.compaction import compact_rows, compact_to_front, compaction_moves
+from gpu_worker.speculative.compaction import compact_rows, compaction_moves
 from gpu_worker.speculative.tree import (
     DraftRecord,
     build_tree,
@@ -11,7 +11,7 @@ from gpu_worker.speculative.tree import (
     select_first_level,
     select_next_level,
 )
-from gpu_worker.speculative.verify import bonus_tokens, verify_greedy
+from gpu_worker.speculative.verify import accepted_tokens, verify_greedy
 from tests.gpu_worker.speculative.trees import parents_of, run_draft_loop
 
 
@@ -107,7 +107,7 @@ def test_tree_example_B():
     assert result.accept_index.tolist() == [[0, 2, -1]]
     assert result.num_correct.tolist() == [1] and result.accept_lens.tolist() == [2]
     assert result.predict.tolist() == [11, 0, 99, 0]
-    assert bonus_tokens(result, 2).tolist() == [99]
+    assert accepted_tokens(result).tolist() == [[11, 99, 0]]  # b, then the bonus y
 
     req_to_token = torch.arange(100, 140, dtype=torch.int32).view(2, 20)
     dst, src = compaction_moves(result, torch.tensor([seq]), req_to_token, torch.tensor([1]), 4, 2)
@@ -116,9 +116,8 @@ def test_tree_example_B():
     assert src.tolist() == [slot[seq], slot[seq + 2], 0]
     assert compact_rows(result.predict, result).tolist() == [11, 99, 0]
     hidden = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # verify hidden per node
-    front = compact_to_front(hidden, result, 4)
-    # The draft extend selects row accept_lens - 1 = 1: node 2's hidden (b at position seq+1).
-    assert front[int(result.accept_lens[0]) - 1].tolist() == [2.0]
+    # The draft extend reads accepted row 1: node 2's hidden (b at position seq+1).
+    assert compact_rows(hidden, result)[1].tolist() == [2.0]
 
 
 def test_select_top_k_hidden_offsets():

@@ -6,7 +6,6 @@ import torch
 from gpu_worker.speculative.tree import DraftTree
 from gpu_worker.speculative.verify import (
     accepted_tokens,
-    bonus_tokens,
     verify_greedy,
     verify_sampling,
 )
@@ -44,7 +43,7 @@ def test_verify_greedy_vector():
     assert result.num_correct.tolist() == [3, 2]
     assert result.accept_lens.tolist() == [4, 3]
     assert result.predict.dtype == result.accept_index.dtype == torch.int64
-    assert accepted_tokens(result, 3).tolist() == [[3, 4, 5, 18], [11, 12, 18, 0]]
+    assert accepted_tokens(result).tolist() == [[3, 4, 5, 18], [11, 12, 18, 0]]
 
 
 def one_hot_probs(target: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -123,7 +122,7 @@ def test_spec_sampling_matches_target_distribution(duplicate_siblings):
     result = verify_sampling(
         tree, probs, torch.rand(draws, nd, generator=gen), torch.rand(draws, generator=gen)
     )
-    emitted = accepted_tokens(result, steps)  # [draws, S+1]
+    emitted = accepted_tokens(result)  # [draws, S+1]
     assert chi_square(emitted[:, 0], node_probs[0]) < CHI2_CRIT[vocab - 1]
 
     # Given that the first token is root child k's token, the second follows the target at k.
@@ -149,8 +148,7 @@ def test_bonus_stride():
     result = verify_greedy(tree, greedy_target_for_paths(tree, paths, bonus))
     assert result.accept_lens.tolist() == [len(p) for p in paths]
     assert len(set(result.accept_lens.tolist())) == 3
-    assert bonus_tokens(result, steps).tolist() == bonus
-    emitted = accepted_tokens(result, steps)
+    emitted = accepted_tokens(result)  # the bonus is each row's last valid entry, stride S+1
     tokens = tree.tokens.view(bs, nd)
     for b, path in enumerate(paths):
         expected = [int(tokens[b, k]) for k in path[1:]] + [bonus[b]]
