@@ -97,9 +97,10 @@ class KVAllocator:
         """Slot ids of positions [start, end) of an allocated row, int32 [end - start]."""
         if not 0 <= start <= end <= self._lens[row]:
             raise ValueError(f"positions [{start}, {end}) outside [0, {self._lens[row]})")
-        positions = np.arange(start, end, dtype=np.int64)  # [end - start]
-        pages = np.asarray(self._pages[row], dtype=np.int64)
         page_size = self.page_size
+        first = start // page_size  # only the pages the range touches (O(range), not O(row))
+        pages = np.asarray(self._pages[row][first : ceil_div(end, page_size)], dtype=np.int64)
+        positions = np.arange(start, end, dtype=np.int64) - first * page_size  # [end - start]
         return (pages[positions // page_size] * page_size + positions % page_size).astype(np.int32)
 
     # ---------------------------------------------------------------- totals

@@ -45,6 +45,7 @@ class Request:
     needs_start: bool = True  # next plan entry carries a RequestStart (new row)
     detok_started: bool = False  # a delta with DetokenizeStart was sent
     abort_pending: bool = False  # aborted while in a plan in flight; finish on its result
+    stop_ids: frozenset[int] | None = None  # ids that end it (FinishChecker fills it once)
 
     def __post_init__(self) -> None:
         if not self.fill_ids:

@@ -30,6 +30,16 @@ class FinishChecker:
         self.decode_tokens = decode_tokens
         self.context_length = context_length
 
+    def stop_ids(self, req: Request) -> frozenset[int]:
+        """The token ids that end `req` (stop_token_ids, plus EOS unless ignore_eos); built
+        once per request, not per step."""
+        if req.stop_ids is None:
+            ids = set(req.sampling.stop_token_ids)
+            if not req.sampling.ignore_eos:
+                ids.update(self.eos_token_ids)
+            req.stop_ids = frozenset(ids)
+        return req.stop_ids
+
     def check(self, req: Request, new_ids: np.ndarray) -> tuple[int, FinishReason | None]:
         """How many of `new_ids` (int [n]) to keep, and the finish reason if the run ends it.
 
@@ -40,14 +50,11 @@ class FinishChecker:
         if self.context_length is not None:
             limit = min(limit, max(self.context_length - req.seq_len, 0))
         num_keep, finish = limit, None
-        stop_ids = list(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids.extend(self.eos_token_ids)
+        stop_ids = self.stop_ids(req)
         if stop_ids and limit:
-            hits = np.flatnonzero(np.isin(new_ids[:limit], stop_ids))
-            if hits.size:
-                num_keep = int(hits[0]) + 1
-                finish = FinishReason("stop", matched=int(new_ids[hits[0]]))
+            hit = next((i for i, t in enumerate(new_ids[:limit].tolist()) if t in stop_ids), None)
+            if hit is not None:
+                num_keep, finish = hit + 1, FinishReason("stop", matched=int(new_ids[hit]))
         if sampling.stop and self.decode_tokens is not None and num_keep:
             found = self._find_stop_string(req, new_ids[:num_keep].tolist())
             if found is not None:
