@@ -112,7 +112,7 @@ class Launcher:
             if isinstance(message, ProcessReady) and message.name in pending:
                 pending.discard(message.name)
                 ready[message.name] = message
-            self.raise_if_dead()
+            self.raise_if_dead(" to start")
         return ready
 
     def start(self) -> AerieConfig:
@@ -132,10 +132,27 @@ class Launcher:
 
     # ---------------------------------------------------------------------------- supervision
 
-    def raise_if_dead(self) -> None:
+    def raise_if_dead(self, phase: str = "") -> None:
+        """Raise LaunchError for a dead child, with its own failure report when it sent one
+        (a child reports and then exits, so its death may be seen before the report is read)."""
         for name, proc in self.procs.items():
-            if not proc.is_alive():
-                raise LaunchError(f"the {name} process exited unexpectedly (code {proc.exitcode})")
+            if proc.is_alive():
+                continue
+            error = self.failure_report(name)
+            if error is not None:
+                raise LaunchError(f"the {name} process failed{phase}:\n{error}")
+            raise LaunchError(f"the {name} process exited unexpectedly (code {proc.exitcode})")
+
+    def failure_report(self, name: str, wait_s: float = 1.0) -> str | None:
+        """The error a dead child reported, if it reaches the inbox within wait_s."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            message = self.inbox.recv(timeout_s=left)
+            if message is None:
+                return None
+            if isinstance(message, ProcessFailed) and message.name == name:
+                return message.error
+        return None
 
     def supervise(self) -> None:
         """Return when a stop signal arrives; raise LaunchError when a child dies or fails."""
