@@ -84,6 +84,7 @@ class Launcher:
         # the message before ZMQ has connected.
         self.to = {name: Sender(endpoints.inbox(config, name)) for name in STOP_ORDER}
         self.procs: dict[str, mp.Process] = {}
+        self.listening: dict[str, int | float | str] = {}
         self.stop_signal: int | None = None
         self._mp = mp.get_context("spawn")
 
@@ -125,8 +126,9 @@ class Launcher:
         )
         for name in ("scheduler", "detokenizer", "tokenizer"):
             self.spawn(name, config)
-        self.wait_ready(("scheduler", "detokenizer", "tokenizer"))
-        server_info = {**config.to_flat_dict(), **info, "version": "0.1.0"}
+        ready = self.wait_ready(("scheduler", "detokenizer", "tokenizer"))
+        self.listening = ready["tokenizer"].info  # the addresses actually bound (port 0)
+        server_info = {**config.to_flat_dict(), **info, **self.listening, "version": "0.1.0"}
         self.to["tokenizer"].send(EngineReady(server_info=server_info))
         return config
 
@@ -219,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         served = launcher.start()
         log.info(
-            "Aerie is ready: http://%s:%d (ZMQ %s), model %s on %s/%s",
-            served.server.host, served.server.port, endpoints.client_address(served),
+            "Aerie is ready: %s (ZMQ %s), model %s on %s/%s",
+            launcher.listening["http_url"], launcher.listening["zmq_address"],
             served.model.model_path, served.model.device, served.model.dtype,
         )
         sd_notify("READY=1")

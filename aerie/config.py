@@ -98,8 +98,10 @@ def draft_alloc_len(topk: int, num_steps: int, num_draft_tokens: int) -> int:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = _opt("127.0.0.1", "HTTP host.")
-    port: int = _opt(30000, "HTTP port.")
-    zmq_port: int | None = _opt(None, "TCP port of the ZMQ client frontend (default: port + 1).")
+    port: int = _opt(30000, "HTTP port (0: any free port, reported when ready).")
+    zmq_port: int | None = _opt(
+        None, "TCP port of the ZMQ client frontend (default: port + 1; 0 with --port 0)."
+    )
     log_level: str = _opt("info", "Log level.", ("debug", "info", "warning", "error"))
     startup_timeout_s: float = _opt(600.0, "Seconds to wait for every process to be ready.")
     drain_timeout_s: float = _opt(30.0, "Seconds running requests get to finish on SIGTERM.")

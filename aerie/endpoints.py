@@ -23,9 +23,10 @@ def inbox(config: AerieConfig, name: str) -> str:
     return "ipc://" + os.path.join(config.runtime_dir, f"{name}.sock")
 
 
-def client_address(config: AerieConfig, bind: bool = False) -> str:
-    """The tcp:// address of the external ZMQ frontend (bind form uses the configured host)."""
+def client_bind_address(config: AerieConfig) -> str:
+    """The tcp:// address the external ZMQ frontend binds (port 0: the OS picks one; the
+    tokenizer reports the address it got in its ready info)."""
     host = config.server.host
-    if not bind and host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
     return f"tcp://{host}:{config.server.zmq_port}"

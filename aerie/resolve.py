@@ -58,6 +58,13 @@ def _resolve_load_format(load_format: str, model_path: str) -> str:
     return load_format
 
 
+def default_zmq_port(port: int, zmq_port: int | None) -> int:
+    """--zmq-port as given, else --port + 1 (0, any free port, when --port is 0 too)."""
+    if zmq_port is not None:
+        return zmq_port
+    return port + 1 if port else 0
+
+
 def _resolve_model_path(model_path: str | None) -> str:
     if model_path is None:
         from aerie.default_model import ensure_default_model
@@ -85,6 +92,10 @@ def _validate(config: AerieConfig) -> None:
             f"--attention-backend {config.runner.attention_backend} is not available in this "
             "build yet; use --attention-backend torch_native"
         )
+    for name in ("port", "zmq_port"):
+        port = getattr(config.server, name)
+        if port is not None and not 0 <= port <= 65535:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 65535], got {port}")
     fraction = config.cache.mem_fraction_static
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
@@ -215,6 +226,6 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
             "max_running_requests": config.scheduler.max_running_requests or default_rows,
         },
         speculative=speculative,
-        server={"zmq_port": server.zmq_port or server.port + 1},
+        server={"zmq_port": default_zmq_port(server.port, server.zmq_port)},
         runtime_dir=config.runtime_dir or tempfile.mkdtemp(prefix="aerie-"),
     )

@@ -100,7 +100,7 @@ class TokenizerProcess:
             tokenizer, limits, SchedulerBackend(self.scheduler), model.model_path
         )
         self.http_socket = bind_http_socket(config.server.host, config.server.port)
-        self.zmq = ZmqFrontend(self.frontend, endpoints.client_address(config, bind=True))
+        self.zmq = ZmqFrontend(self.frontend, endpoints.client_bind_address(config))
         self.inbox = AsyncReceiver(endpoints.inbox(config, "tokenizer"))
         uv_config = uvicorn.Config(
             create_app(self.frontend),
@@ -123,6 +123,7 @@ class TokenizerProcess:
 
     def ready_info(self) -> dict[str, int | float | str]:
         host, port = self.http_socket.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
         return {"http_url": f"http://{host}:{port}", "zmq_address": self.zmq.address}
 
     async def run(self) -> None:

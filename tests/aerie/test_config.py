@@ -63,12 +63,22 @@ def test_resolve_fills_auto_values(tmp_path):
     os.rmdir(cfg.runtime_dir)
 
 
+def test_port_zero_asks_for_any_free_ports(tmp_path):
+    """--port 0 lets the OS pick; the ZMQ port then defaults to 0 too (not 1)."""
+    path = _model_dir(tmp_path)
+    cfg = resolve_config(config_from_args(["--model-path", path, "--device", "cpu", "--port", "0"]))
+    assert (cfg.server.port, cfg.server.zmq_port) == (0, 0)
+    os.rmdir(cfg.runtime_dir)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--context-length", "65"], "max_position_embeddings"),
         (["--page-size", "0"], "--page-size must be positive"),
         (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
+        (["--port", "70000"], r"--port must be in \[0, 65535\]"),
+        (["--zmq-port", "-1"], r"--zmq-port must be in \[0, 65535\]"),
         (["--attention-backend", "triton"], "use --attention-backend torch_native"),
     ],
 )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,19 +22,7 @@ def device_args() -> list[str]:
     return ["--device", device] + (["--dtype", "float32"] if device != "cpu" else [])
 
 
-def free_port_pair() -> int:
-    """A port p such that p (HTTP) and p + 1 (ZMQ) are both free right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+READY_LINE = re.compile(r"Aerie is ready: (http://\S+) \(ZMQ (tcp://\S+)\)")
 
 
 def child_pids(pid: int) -> list[int]:
@@ -58,16 +46,20 @@ def pid_alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, *args: str, startup_timeout_s: float = 300.0) -> None:
-        self.port = free_port_pair()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.zmq_address = f"tcp://127.0.0.1:{self.port + 1}"
+    """`python launch.py --port 0 ...`: the OS picks free HTTP and ZMQ ports at bind time (no
+    race with other processes for a port chosen in advance); the addresses come from the
+    launcher's ready line."""
+
+    def __init__(self, *args: str, startup_timeout_s: float = 300.0, env: dict | None = None):
+        self.url = ""
+        self.zmq_address = ""
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="aerie-e2e-", suffix=".log", delete=False
         )
-        cmd = [sys.executable, "launch.py", "--port", str(self.port), *device_args(), *args]
+        cmd = [sys.executable, "launch.py", "--port", "0", *device_args(), *args]
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
+            cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         self._wait_healthy(startup_timeout_s)
         self.children = child_pids(self.proc.pid)
@@ -77,11 +69,14 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            ready = READY_LINE.search(self.log_text())
+            if ready is not None:
+                self.url, self.zmq_address = ready.group(1), ready.group(2)
+                try:
+                    if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server not healthy within {timeout_s} s:\n{self.log_text()}")

@@ -29,18 +29,12 @@ from tests.tokenizer_proc.harness import wait_until
 from tokenizer_proc.process import TokenizerProcess
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def config(tokenizer_dir, tmp_path) -> AerieConfig:
     return AerieConfig(runtime_dir=str(tmp_path)).replace(
         model={"model_path": tokenizer_dir, "tokenizer_path": tokenizer_dir,
                "context_length": 64},
-        server={"port": free_port(), "zmq_port": free_port(), "log_level": "warning"},
+        server={"port": 0, "zmq_port": 0, "log_level": "warning"},
     )
 
 
@@ -96,7 +90,8 @@ def test_process_round_trip_drain_and_shutdown(config):
 
 def test_taken_port_fails_with_a_clear_error(config):
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", config.server.port))
+        taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(RuntimeError, match=f"--port {config.server.port}"):
-            TokenizerProcess(config)
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"--port {port}"):
+            TokenizerProcess(config.replace(server={"port": port}))
