@@ -35,13 +35,20 @@ class Backend(Protocol):
     async def abort(self, rid: str) -> None: ...
 
 
+HTTP_SCOPE = "http"  # HTTP clients have no identity: their rids share one namespace
+MAX_RID_LEN = 256  # characters of a client-chosen rid (echoed in every stream event)
+
+
 @dataclass(frozen=True)
 class Prepared:
-    """A validated, tokenized request ready to submit."""
+    """A validated, tokenized request ready to submit. rid: the engine's id (generated);
+    client_rid: the client's own id in `scope`, echoed back, or None."""
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    client_rid: str | None = None
+    scope: object = HTTP_SCOPE
 
 
 class Frontend:
@@ -90,37 +97,47 @@ class Frontend:
         self,
         prompt: str | list[int],
         sampling: dict[str, Any],
-        rid: str | None,
+        client_rid: str | None,
         param: str,
         prefix: str = "sampling_params.",
+        scope: object = HTTP_SCOPE,
     ) -> Prepared:
         """Tokenize (text) and validate one request. Raises ValidationError."""
+        self.check_client_rid(client_rid, scope)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         check_prompt_ids(ids, self.limits, param)
         params = build_sampling_params(sampling, len(ids), self.limits, prefix)
-        return Prepared(self.new_rid(rid), ids, params)
+        return Prepared(uuid.uuid4().hex, ids, params, client_rid, scope)
 
-    def prepare_generate(self, body: GenerateBody) -> list[Prepared]:
+    def prepare_generate(self, body: GenerateBody, scope: object = HTTP_SCOPE) -> list[Prepared]:
         param = "text" if body.items and isinstance(body.items[0].prompt, str) else "input_ids"
-        return [self.prepare(item.prompt, item.sampling, item.rid, param) for item in body.items]
+        return [
+            self.prepare(item.prompt, item.sampling, item.rid, param, scope=scope)
+            for item in body.items
+        ]
 
-    def new_rid(self, rid: str | None) -> str:
-        if rid is None:
-            return uuid.uuid4().hex
-        if not rid:
-            raise ValidationError("rid must be a non-empty string", "rid")
-        if rid in self.tracker:
-            raise ValidationError(f"rid {rid!r} is already in flight", "rid")
-        return rid
+    def check_client_rid(self, client_rid: str | None, scope: object) -> None:
+        if client_rid is None:
+            return
+        if not client_rid or len(client_rid) > MAX_RID_LEN:
+            raise ValidationError(f"rid must be a string of 1 to {MAX_RID_LEN} characters", "rid")
+        if self.tracker.client_rid_in_flight(scope, client_rid):
+            raise ValidationError(f"rid {client_rid!r} is already in flight", "rid")
 
     async def submit(
         self, prepared: list[Prepared], stream: bool, return_logprob: bool
     ) -> list[RequestState]:
         """Register and send each request; returns their states in order."""
-        rids = [p.rid for p in prepared]
-        if len(set(rids)) != len(rids):
+        client_rids = [p.client_rid for p in prepared if p.client_rid is not None]
+        if len(set(client_rids)) != len(client_rids):
             raise ValidationError("rids in a batch must be distinct", "rid")
-        states = [self.tracker.add(p.rid, len(p.input_ids)) for p in prepared]
+        states: list[RequestState] = []
+        try:
+            for p in prepared:
+                states.append(self.tracker.add(p.rid, len(p.input_ids), p.client_rid, p.scope))
+        except ValueError as e:  # a client rid registered since prepare() checked it
+            self.abort_unfinished(states)
+            raise ValidationError(str(e), "rid") from None
         try:
             for p in prepared:
                 ids = pack_ids(p.input_ids)

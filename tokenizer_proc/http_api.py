@@ -80,6 +80,46 @@ def sse(data: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+class JsonErrors:
+    """ASGI middleware: an exception that escapes a route becomes a JSON 500 in the API's error
+    format (an SSE error event when a stream had already started) instead of a bare text 500
+    and a reset connection; the keep-alive connection stays usable. Bad input never gets here
+    (validation raises ValidationError, a 4xx); this is the net for bugs."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "done": False, "stream": False}
+
+        async def tracked_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                headers = dict(message.get("headers") or [])
+                state["stream"] = headers.get(b"content-type", b"").startswith(b"text/event")
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                state["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:  # noqa: BLE001 - the one place every unhandled error ends up
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            error = error_body("internal server error; the server log has the details", None, 500)
+            if not state["started"]:
+                body = json.dumps(error).encode()
+                headers = [(b"content-type", b"application/json"),
+                           (b"content-length", str(len(body)).encode())]  # fmt: skip
+                await send({"type": "http.response.start", "status": 500, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+            elif not state["done"]:
+                tail = (sse(error) + SSE_DONE).encode() if state["stream"] else b""
+                await send({"type": "http.response.body", "body": tail})
+
+
 # ----------------------------------------------------------------------------------------------
 # App
 
@@ -90,6 +130,7 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     app = FastAPI(title="Aerie", docs_url=None, redoc_url=None)
     app.state.frontend = frontend
+    app.add_middleware(JsonErrors)
 
     @app.exception_handler(ValidationError)
     async def on_validation_error(_: Request, e: ValidationError) -> JSONResponse:

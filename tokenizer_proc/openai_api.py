@@ -31,6 +31,7 @@ from tokenizer_proc.request_tracker import Chunk, RequestState
 from tokenizer_proc.validation import (
     ValidationError,
     is_id_list,
+    kind_of,
     read_bool,
     read_int,
     read_str,
@@ -154,10 +155,14 @@ def read_content(content: Any, param: str) -> str:
         return content or ""
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise ValidationError(f"{param}: only text content parts are supported", param)
-            parts.append(str(part.get("text", "")))
+            text = part.get("text")
+            if not isinstance(text, str):
+                where = f"{param}.content[{i}].text"
+                raise ValidationError(f"{where} must be a string, got {kind_of(text)}", where)
+            parts.append(text)
         return "".join(parts)
     raise ValidationError(f"{param}.content must be a string or a list of parts", param)
 

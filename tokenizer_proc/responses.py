@@ -32,7 +32,7 @@ def meta_info(
     spec_ct = view.spec_verify_ct
     end_time = chunk.at if chunk is not None else None
     meta: dict[str, Any] = {
-        "id": state.rid,
+        "id": state.public_id,
         "prompt_tokens": view.prompt_tokens,
         "completion_tokens": view.completion_tokens,
         "finish_reason": finish_dict(view.finish),

@@ -12,6 +12,7 @@ Sampling keys use the native names (`max_new_tokens`, ...); the OpenAI parsers i
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,20 +67,62 @@ class GenerateBody:
 # Typed field readers: None (or a missing key) means "use the default".
 
 
+MAX_BODY_DEPTH = 32  # nesting of objects and arrays in a request body
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; empty, malformed or non-object bodies raise."""
+    """The request body as a JSON object; empty, malformed or non-object bodies raise, and so
+    do bodies nested deeper than MAX_BODY_DEPTH or holding strings that are not valid Unicode
+    (a lone surrogate escape such as "\\ud800" parses, but no tokenizer or encoder takes it)."""
     if not raw.strip():
         raise ValidationError("the request body is empty; send a JSON object")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValidationError(f"the request body is not valid JSON: {e}") from e
+    except ValueError as e:  # malformed JSON, invalid UTF-8, an integer too long to parse
+        raise ValidationError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValidationError(
+            f"the request body is nested too deeply (at most {MAX_BODY_DEPTH} levels)"
+        ) from None
     if not isinstance(body, dict):
-        raise ValidationError(f"the request body must be a JSON object, not {_kind(body)}")
+        raise ValidationError(f"the request body must be a JSON object, not {kind_of(body)}")
+    check_json_values(body)
     return body
 
 
-def _kind(value: Any) -> str:
+def check_json_values(body: Any) -> None:
+    """Raise unless body is at most MAX_BODY_DEPTH deep and every string (keys included) is
+    valid Unicode. Iterative, so a deep body cannot exhaust the stack."""
+    stack = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, path or "body")
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_BODY_DEPTH:
+                raise ValidationError(
+                    f"the request body is nested too deeply (at most {MAX_BODY_DEPTH} levels)"
+                )
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    _check_unicode(key, path or "body")
+                    stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+            else:
+                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_unicode(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(
+            f"{param[:100]} holds a lone surrogate (\\ud800-\\udfff): not valid Unicode",
+            param[:100],
+        ) from None
+
+
+def kind_of(value: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
     if value is None:
         return "null"
@@ -93,7 +136,8 @@ def read_bool(body: dict, key: str, default: bool, param: str | None = None) -> 
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ValidationError(f"{param or key} must be a boolean, got {_kind(value)}", param or key)
+        param = param or key
+        raise ValidationError(f"{param} must be a boolean, got {kind_of(value)}", param)
     return value
 
 
@@ -105,7 +149,11 @@ def read_int(body: dict, key: str, default: int | None, param: str | None = None
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValidationError(
-            f"{param or key} must be an integer, got {_kind(value)}", param or key
+            f"{param or key} must be an integer, got {kind_of(value)}", param or key
+        )
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValidationError(
+            f"{param or key} must be a 64-bit signed integer (at most {INT64_MAX})", param or key
         )
     return value
 
@@ -115,14 +163,22 @@ def read_float(body: dict, key: str, default: float, param: str | None = None) -
     if value is None:
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValidationError(f"{param or key} must be a number, got {_kind(value)}", param or key)
-    return float(value)
+        param = param or key
+        raise ValidationError(f"{param} must be a number, got {kind_of(value)}", param)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValidationError(f"{param or key} must be a finite number, got {value}", param or key)
+    return number
 
 
 def read_str(body: dict, key: str, param: str | None = None) -> str | None:
     value = body.get(key)
     if value is not None and not isinstance(value, str):
-        raise ValidationError(f"{param or key} must be a string, got {_kind(value)}", param or key)
+        param = param or key
+        raise ValidationError(f"{param} must be a string, got {kind_of(value)}", param)
     return value
 
 

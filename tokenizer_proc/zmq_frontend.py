@@ -15,11 +15,21 @@ return_logprob) hold only what is new; `meta_info` is otherwise current, and the
 the same dict (or list, for a batch) as POST /generate. `code` is an HTTP-like status
 (400 bad request, 503 draining / not ready).
 
-req_ids are scoped per client connection. A client that disconnects has all its requests
-aborted. Detection: the ROUTER is ROUTER_MANDATORY, so a send to a peer whose connection is
-gone fails with EHOSTUNREACH; every `PROBE_INTERVAL_S` each client with requests in flight is
-sent a ping, so a silent non-streaming request is noticed too. ZMTP heartbeats close
-connections to peers that vanished without closing TCP. (ROUTER_NOTIFY would be neater but is
+req_ids are scoped per client connection, and so are the `rid`s a client puts in bodies (the
+engine keys requests on ids of its own). Every frame is checked field by field before use
+(`client_messages`); anything malformed gets an error reply (req_id None when none could be
+read) and one log line, and nothing a client sends can end the receive loop.
+
+The ROUTER socket has one owner, the asyncio integration of zmq.asyncio: every receive and
+every send goes through it. (Sending through a blocking shadow of the same socket consumes the
+edge-triggered readiness notification the asyncio side waits for, so messages could sit unread
+until another peer sent something.)
+
+A client that disconnects has all its requests aborted. Detection: the ROUTER is
+ROUTER_MANDATORY, so a send to a peer whose connection is gone fails with EHOSTUNREACH; every
+`PROBE_INTERVAL_S` each client with requests in flight is sent a ping, so a silent
+non-streaming request is noticed too. ZMTP heartbeats close connections to peers that vanished
+without closing TCP. (ROUTER_NOTIFY would be neater but is
 a libzmq draft API, absent from the pyzmq wheels.)
 """
 
@@ -33,6 +43,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from tokenizer_proc.client_messages import ClientMessage, ProtocolError, parse_client_message
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.request_tracker import Chunk, RequestState
 from tokenizer_proc.responses import generate_response, interleave, logprob_triples, meta_info
@@ -70,9 +81,7 @@ class ZmqFrontend:
             raise RuntimeError(f"cannot bind the ZMQ frontend on {address}: {e} "
                                "(is another server using --zmq-port?)") from e  # fmt: skip
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        # Sends go through a blocking shadow of the same socket so errors raise right here.
-        self._sender = zmq.Socket.shadow(self._socket.underlying)
-        self._tasks: dict[bytes, dict[Any, asyncio.Task]] = {}
+        self._tasks: dict[bytes, dict[int | str, asyncio.Task]] = {}
         self._ops = {"generate": self._on_generate, "abort": self._on_abort}
 
     async def serve(self) -> None:
@@ -81,8 +90,10 @@ class ZmqFrontend:
         try:
             while True:
                 frames = await self._socket.recv_multipart()
-                if len(frames) == 2 and frames[1]:
-                    self._dispatch(frames[0], frames[1])
+                try:
+                    self._dispatch(frames)
+                except Exception:  # noqa: BLE001 - a bug here must not stop serving everyone
+                    log.exception("failed to handle a ZMQ client message")
         finally:
             probe.cancel()
 
@@ -98,32 +109,34 @@ class ZmqFrontend:
                 task.cancel()
         self._socket.close(linger=0)
 
-    def _dispatch(self, identity: bytes, payload: bytes) -> None:
+    def _dispatch(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            log.warning("dropped a ZMQ message of %d frames (clients send one)", len(frames) - 1)
+            self._send_error(identity, None, ProtocolError("send one frame per message"))
+            return
         try:
-            msg = msgpack.unpackb(payload, raw=False)
-        except Exception as e:  # noqa: BLE001 - any corrupt payload
-            self._send_error(identity, None, ValidationError(f"not a msgpack message: {e}"))
+            msg = parse_client_message(frames[1])
+        except ProtocolError as e:
+            log.warning("bad ZMQ client message: %s", e.message)
+            self._send_error(identity, e.req_id, e)
             return
-        req_id = msg.get("req_id") if isinstance(msg, dict) else None
-        op = self._ops.get(msg.get("op")) if isinstance(msg, dict) else None
-        if op is None:
-            self._send_error(identity, req_id, ValidationError("unknown or missing op", "op"))
-            return
-        op(identity, req_id, msg)
+        self._ops[msg.op](identity, msg)
 
-    def _on_generate(self, identity: bytes, req_id: Any, msg: dict) -> None:
+    def _on_generate(self, identity: bytes, msg: ClientMessage) -> None:
         tasks = self._tasks.setdefault(identity, {})
-        if req_id in tasks:
-            self._send_error(identity, req_id, ValidationError("req_id already in use", "req_id"))
+        if msg.req_id in tasks:
+            error = ValidationError("req_id already in use", "req_id")
+            self._send_error(identity, msg.req_id, error)
             return
         task = asyncio.get_running_loop().create_task(
-            self._run_generate(identity, req_id, msg.get("body"))
+            self._run_generate(identity, msg.req_id, msg.body)
         )
-        tasks[req_id] = task
-        task.add_done_callback(lambda _: self._forget(identity, req_id))
+        tasks[msg.req_id] = task
+        task.add_done_callback(lambda _: self._forget(identity, msg.req_id))
 
-    def _on_abort(self, identity: bytes, req_id: Any, msg: dict) -> None:
-        task = self._tasks.get(identity, {}).get(req_id)
+    def _on_abort(self, identity: bytes, msg: ClientMessage) -> None:
+        task = self._tasks.get(identity, {}).get(msg.req_id)
         if task is not None:
             task.cancel()
 
@@ -134,23 +147,26 @@ class ZmqFrontend:
         for task in tasks.values():
             task.cancel()
 
-    def _forget(self, identity: bytes, req_id: Any) -> None:
+    def _forget(self, identity: bytes, req_id: int | str) -> None:
         tasks = self._tasks.get(identity)
         if tasks is not None:
             tasks.pop(req_id, None)
             if not tasks:
                 del self._tasks[identity]
 
-    async def _run_generate(self, identity: bytes, req_id: Any, body: Any) -> None:
+    async def _run_generate(self, identity: bytes, req_id: int | str, body: Any) -> None:
         fe = self.frontend
         try:
-            if not isinstance(body, dict):
-                raise ValidationError("body must be a map with the /generate fields", "body")
             gen = parse_generate_body(body)
             fe.check_accepting()
-            states = await fe.submit(fe.prepare_generate(gen), gen.stream, gen.return_logprob)
+            prepared = fe.prepare_generate(gen, scope=identity)
+            states = await fe.submit(prepared, gen.stream, gen.return_logprob)
         except ValidationError as e:
             self._send_error(identity, req_id, e)
+            return
+        except Exception:  # noqa: BLE001 - answer the request, keep serving
+            log.exception("failed to start ZMQ request %r", req_id)
+            self._send_error(identity, req_id, ValidationError("internal error", status=500))
             return
         try:
             if gen.stream:
@@ -163,6 +179,9 @@ class ZmqFrontend:
                 await asyncio.gather(*(s.wait_finished() for s in states))
             out = [generate_response(s, gen.return_logprob) for s in states]
             self._send(identity, req_id, "done", out if gen.is_batch else out[0])
+        except Exception:  # noqa: BLE001 - answer the request, keep serving
+            log.exception("failed while serving ZMQ request %r", req_id)
+            self._send_error(identity, req_id, ValidationError("internal error", status=500))
         finally:
             fe.abort_unfinished(states)
 
@@ -171,16 +190,20 @@ class ZmqFrontend:
         self._send_raw(identity, reply)
 
     def _send_raw(self, identity: bytes, payload: bytes) -> None:
-        # NOTE: with SNDHWM=0 a ROUTER send never blocks; an unknown peer raises EHOSTUNREACH.
-        try:
-            self._sender.send_multipart([identity, payload], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
+        # NOTE: with SNDHWM=0 a ROUTER send never blocks, so the future is already done; an
+        # unknown peer (a client that went away) fails it with EHOSTUNREACH.
+        sent = self._socket.send_multipart([identity, payload], flags=zmq.NOBLOCK)
+        error = sent.exception() if sent.done() else None
+        if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
             self._on_disconnect(identity)
+        elif error is not None:
+            log.warning("could not send to a ZMQ client: %s", error)
 
-    def _send_error(self, identity: bytes, req_id: Any, e: ValidationError) -> None:
-        data = {"message": e.message, "param": e.param, "code": e.status}
+    def _send_error(
+        self, identity: bytes, req_id: int | str | None, e: ValidationError | ProtocolError
+    ) -> None:
+        status = getattr(e, "status", 400)
+        data = {"message": e.message, "param": e.param, "code": status}
         self._send(identity, req_id, "error", data)
 
 

@@ -14,6 +14,7 @@ import contextlib
 import socket
 import threading
 
+import uvloop
 import zmq
 import zmq.asyncio
 
@@ -43,6 +44,7 @@ class FakeEngine:
     def __init__(self, tokens_per_delta: int = 2) -> None:
         self.frontend: Frontend | None = None
         self.tokens_per_delta = tokens_per_delta
+        self.delay_s = 0.0  # between deltas, to keep many streams going at once
         self.hold = False
         self.submitted: list[TokenizedRequest] = []
         self.aborted: list[str] = []
@@ -59,7 +61,9 @@ class FakeEngine:
         prompt_len = len(unpack_ids(request.input_ids))
         step = self.tokens_per_delta
         for num_verify, start in enumerate(range(0, len(ids), step), start=1):
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.delay_s)
+            if request.rid not in self.frontend.tracker:
+                return  # aborted
             chunk = ids[start : start + step]
             done = start + step >= len(ids) and not self.hold
             delta = TextDelta(
@@ -99,10 +103,11 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.zmq_address = ""
         self.zmq: ZmqFrontend | None = None
+        self.zmq_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._started = threading.Event()
         self._server = _Server(_uvicorn_config(create_app(frontend)))
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread = threading.Thread(target=lambda: uvloop.run(self._main()), daemon=True)
 
     def __enter__(self) -> LiveServer:
         self._thread.start()
@@ -121,14 +126,14 @@ class LiveServer:
         self.zmq = ZmqFrontend(self.frontend, "tcp://127.0.0.1:*", context)
         self.zmq_address = self.zmq.address
         http = asyncio.create_task(self._server.serve(sockets=[self._sock]))
-        frontend_task = asyncio.create_task(self.zmq.serve())
+        self.zmq_task = asyncio.create_task(self.zmq.serve())
         while not self._server.started and not http.done():
             await asyncio.sleep(0.005)
         self._started.set()
         await http
-        frontend_task.cancel()
+        self.zmq_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await frontend_task
+            await self.zmq_task
         self.zmq.close()
         context.term()
 

@@ -40,10 +40,10 @@ def test_generate_batch_with_rids_and_logprobs(live):
     body = {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3},
             "rid": ["r1", "r2"], "return_logprob": True}  # fmt: skip
     out = httpx.post(server.url + "/generate", json=body).json()
-    assert [o["meta_info"]["id"] for o in out] == ["r1", "r2"]
-    by_rid = {r.rid: r for r in engine.submitted}
-    for o in out:
-        ids = fake_output_ids(by_rid[o["meta_info"]["id"]])
+    assert [o["meta_info"]["id"] for o in out] == ["r1", "r2"]  # the client's rids, echoed
+    assert not {r.rid for r in engine.submitted} & {"r1", "r2"}  # the engine keys on its own
+    for o, request in zip(out, engine.submitted, strict=True):
+        ids = fake_output_ids(request)
         assert o["output_ids"] == ids
         assert o["meta_info"]["output_token_logprobs"] == [[LOGPROB, i, None] for i in ids]
     assert all(r.return_logprob for r in engine.submitted)
@@ -151,3 +151,25 @@ def test_non_stream_disconnect_aborts(live):
         httpx.post(server.url + "/generate", json={"input_ids": [5]}, timeout=0.3)
     assert wait_until(lambda: engine.aborted == [engine.submitted[0].rid])
     assert frontend.tracker.num_in_flight == 0
+
+
+def test_client_rids_are_echoed_scoped_and_reusable_after_an_abort(live):
+    """A client's rid is only echoed: the engine gets ids of its own, a rid in flight is a 400,
+    and reusing a rid right after its request was aborted starts a new, separate request."""
+    server, frontend, engine = live
+    engine.hold = True
+    body = {"input_ids": [5, 6], "rid": "mine", "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body) as r:
+        lines = r.iter_lines()  # NOTE: a dropped line iterator closes the response
+        next(lines)  # in flight
+        dup = httpx.post(server.url + "/generate", json={"input_ids": [7], "rid": "mine"})
+        assert dup.status_code == 400 and "already in flight" in dup.json()["error"]["message"]
+    assert wait_until(lambda: frontend.tracker.num_in_flight == 0)  # the disconnect aborted it
+    engine.hold = False
+    again = httpx.post(server.url + "/generate", json={"input_ids": [7], "rid": "mine"}).json()
+    assert again["meta_info"]["id"] == "mine"
+    assert again["meta_info"]["finish_reason"]["type"] == "length"
+    assert again["output_ids"] == fake_output_ids(engine.submitted[-1])
+    first, second = engine.submitted[0].rid, engine.submitted[-1].rid
+    assert len(engine.submitted) == 2 and first != second and "mine" not in (first, second)
+    assert engine.aborted == [first]

@@ -94,3 +94,50 @@ def test_disconnected_client_has_its_requests_aborted(live):
     send(staying, {"op": "abort", "req_id": 1})
     assert wait_until(lambda: len(engine.aborted) == 2)
     staying.close()
+
+
+def test_abort_storm_through_async_client_applies_every_abort(live):
+    """96 streams left after their first delta: every request is aborted in the engine (the
+    launched-server storm in tests/e2e/test_robustness.py exercises the socket race)."""
+    import asyncio
+
+    from aerie.client import AsyncClient
+
+    server, frontend, engine = live
+    engine.delay_s = 0.02  # ~30 deltas per request: replies flow while the aborts arrive
+    sampling = {"max_new_tokens": 60}
+
+    async def storm() -> None:
+        client = AsyncClient(server.zmq_address)
+
+        async def leave_early(i: int) -> None:
+            async for _ in client.stream(input_ids=[5, i + 1], sampling_params=sampling):
+                break
+
+        await asyncio.gather(*(leave_early(i) for i in range(96)))
+        await asyncio.sleep(0)  # let the closed streams send their aborts
+        client.close()
+
+    asyncio.run(storm())
+    assert wait_until(lambda: len(engine.aborted) == 96, timeout_s=10), len(engine.aborted)
+    assert sorted(engine.aborted) == sorted(r.rid for r in engine.submitted)
+    assert frontend.tracker.num_in_flight == 0
+
+
+
+def test_rids_in_bodies_are_scoped_per_connection(live):
+    server, _, engine = live
+    engine.hold = True
+    first, second = dealer(server.zmq_address), dealer(server.zmq_address)
+    body = {"input_ids": [5], "rid": "same", "stream": True}
+    send(first, {"op": "generate", "req_id": 1, "body": body})
+    assert recv(first)["event"] == "delta"
+    send(first, {"op": "generate", "req_id": 2, "body": body})  # same connection: refused
+    reply = recv(first)
+    assert reply["event"] == "error" and reply["req_id"] == 2 and reply["data"]["param"] == "rid"
+    send(second, {"op": "generate", "req_id": 1, "body": body})  # another client: its own rid
+    delta = recv(second)
+    assert delta["event"] == "delta" and delta["data"]["meta_info"]["id"] == "same"
+    assert len(engine.submitted) == 2 and engine.submitted[0].rid != engine.submitted[1].rid
+    first.close()
+    second.close()
