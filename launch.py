@@ -129,7 +129,9 @@ class Launcher:
         ready = self.wait_ready(("scheduler", "detokenizer", "tokenizer"))
         self.listening = ready["tokenizer"].info  # the addresses actually bound (port 0)
         server_info = {**config.to_flat_dict(), **info, **self.listening, "version": "0.1.0"}
-        self.to["tokenizer"].send(EngineReady(server_info=server_info))
+        pids = {name: proc.pid for name, proc in self.procs.items() if proc.pid is not None}
+        pids["launcher"] = os.getpid()
+        self.to["tokenizer"].send(EngineReady(server_info=server_info, pids=pids))
         return config
 
     # ---------------------------------------------------------------------------- supervision

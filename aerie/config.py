@@ -51,6 +51,12 @@ class CacheConfig:
 class SchedulerConfig:
     max_running_requests: int | None = _opt(None, "Max requests decoding at once.")
     chunked_prefill_size: int = _opt(8192, "Max prompt tokens run in one prefill step.")
+    schedule_conservativeness: float = _opt(
+        1.0,
+        "Scales the KV kept back, when admitting requests, for running requests' future "
+        "outputs. Lower admits more at the risk of retracting (and recomputing) requests "
+        "when KV runs out; 0 admits on free KV alone.",
+    )
 
 
 @dataclass(frozen=True)

@@ -237,9 +237,13 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class EngineReady:
-    """launcher -> tokenizer: every process is up; server_info is the resolved config."""
+    """launcher -> tokenizer: every process is up; server_info is the resolved config.
+
+    pids: the launcher and every child by name; the tokenizer answers /health with 503 as soon
+    as one of them is gone (it checks them on every health request, not on a timer)."""
 
     server_info: dict[str, int | float | str | bool | None]
+    pids: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,32 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def die_with_parent(name: str) -> None:
-    """Ask Linux to SIGKILL this process when its parent (the launcher) dies, and name it
-    `aerie-<name>` (first 15 bytes) so `ps`/`top` show which process is which."""
+def process_alive(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie (a dead child its parent has not reaped
+    yet still answers signal 0, so /proc decides on Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # NOTE: the state follows the parenthesised command name, which may hold spaces.
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def die_with_parent(name: str, death_signal: int = signal.SIGKILL) -> None:
+    """Ask Linux to send death_signal (SIGKILL: no orphans, whatever the child is doing) to this
+    process when its parent (the launcher) dies, and name it `aerie-<name>` (first 15 bytes)
+    so `ps`/`top` show which process is which."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_PDEATHSIG, death_signal)
         libc.prctl(_PR_SET_NAME, f"aerie-{name}".encode()[:15])
     except OSError:
         pass
@@ -45,9 +65,18 @@ def run_process(
     build: Callable[[AerieConfig], Any],
     loop: Callable[[Any], None],
     ready_info: Callable[[Any], dict] | None = None,
+    on_parent_death: Callable[[], None] | None = None,
 ) -> None:
-    """Build the core with `build(config)`, report ready, then `loop(core)` until Shutdown."""
-    die_with_parent(name)
+    """Build the core with `build(config)`, report ready, then `loop(core)` until Shutdown.
+
+    on_parent_death: cleanup to run if the launcher dies without stopping its children (e.g.
+    SIGKILL); this child then gets SIGTERM instead of SIGKILL, runs it and exits. Only a child
+    that never blocks in long native calls should take this role."""
+    if on_parent_death is None:
+        die_with_parent(name)
+    else:
+        die_with_parent(name, signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *_: (on_parent_death(), os._exit(1)))
     # The launcher handles SIGINT/SIGTERM for the whole tree and tells children to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log = setup_logging(name, config.server.log_level)

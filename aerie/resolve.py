@@ -87,6 +87,8 @@ def _validate(config: AerieConfig) -> None:
     _check_positive("chunked_prefill_size", config.scheduler.chunked_prefill_size)
     _check_positive("max_running_requests", config.scheduler.max_running_requests)
     _check_positive("context_length", config.model.context_length)
+    if not 0 <= config.scheduler.schedule_conservativeness <= 10:
+        raise ConfigError("--schedule-conservativeness must be in [0, 10]")
     if config.runner.attention_backend != "torch_native":
         raise ConfigError(
             f"--attention-backend {config.runner.attention_backend} is not available in this "

@@ -5,13 +5,18 @@ nothing (the `Scheduler` applies the decision).
   decode work are pending the modes alternate, so decode never starves.
 - An extend step continues mid-prefill requests first, then admits waiting requests FCFS
   while a row, the token budget (`chunked_prefill_size`) and free KV allow; a long prompt is
-  split over steps. Admission keeps back the pages running decoders need for their next step.
+  split over steps. Admission keeps back the pages running decoders need for their next step
+  and, for every running request, an estimate of the KV its remaining output will take:
+  `new_token_ratio` times its remaining max_new_tokens (`NewTokenEstimate`, after SGLang).
+  Admitting on free KV alone lets a burst of requests fill the cache, and once their outputs
+  grow they are retracted and recomputed over and over.
 - A decode step runs every decoding request with `decode_alloc_len` positions of headroom;
   when KV runs short the newest running requests are retracted until it fits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +28,45 @@ from scheduler_proc.request import Request
 def decode_alloc_len_for(config: AerieConfig) -> int:
     """Positions reserved per request per decode step: 1, or the speculative headroom."""
     return config.speculative.decode_alloc_len
+
+
+class NewTokenEstimate:
+    """The share of their remaining max_new_tokens that running requests are expected to
+    still generate (most stop early at EOS). Starts at INIT, decays by DECAY per decode step
+    towards MIN while nothing is retracted, and after a retraction jumps to what the retracted
+    batch actually needed (plus RETRACT_MARGIN_STEPS more tokens each), so admission backs off
+    exactly when the estimate proved too optimistic."""
+
+    INIT = 0.7
+    MIN = 0.1
+    DECAY = (INIT - MIN) / 600
+    RETRACT_MARGIN_STEPS = 20
+
+    def __init__(self, conservativeness: float = 1.0) -> None:
+        """conservativeness scales INIT and MIN (0: admit on free KV alone until a retraction
+        shows that more must be kept back)."""
+        self.min = self.MIN * conservativeness
+        self.ratio = self.INIT * conservativeness
+        self.known_share = min(1.0, conservativeness)  # of an output that cannot end early
+
+    def on_decode_step(self) -> None:
+        self.ratio = max(self.min, self.ratio - self.DECAY)
+
+    def on_retract(self, running: Sequence[Request]) -> None:
+        """running: the batch the retraction happened in (before it)."""
+        decoded = sum(len(r.output_ids) for r in running)
+        max_new = sum(max(r.sampling.max_new_tokens, 1) for r in running)
+        needed = (decoded + self.RETRACT_MARGIN_STEPS * len(running)) / max_new
+        self.ratio = min(1.0, max(self.ratio, needed))
+
+    def future_tokens(self, req: Request) -> int:
+        """KV positions req is expected to still need for its outputs: all of its remaining
+        max_new_tokens when nothing can end it early (ignore_eos, no stop tokens or strings),
+        else the estimated share (both scaled down by a conservativeness below 1)."""
+        sampling = req.sampling
+        known = sampling.ignore_eos and not (sampling.stop or sampling.stop_token_ids)
+        share = self.known_share if known else self.ratio
+        return math.ceil(share * req.num_remaining_new_tokens)
 
 
 @dataclass
@@ -75,12 +119,15 @@ class SchedulePolicy:
         running: Sequence[Request],
         waiting: Sequence[Request],
         allocator: KVAllocator,
+        estimate: NewTokenEstimate | None = None,
     ) -> ExtendDecision:
-        """Chunks for mid-prefill running requests, then FCFS admissions from `waiting`."""
+        """Chunks for mid-prefill running requests, then FCFS admissions from `waiting`
+        (keeping back `estimate`'s expected growth of every running request)."""
         decision = ExtendDecision()
         budget = self.chunked_prefill_size
         decoding = [r for r in running if not r.is_prefilling]
         free_pages = allocator.num_free_pages - self.decode_pages_needed(decoding, allocator)
+        future = sum(estimate.future_tokens(r) for r in running) if estimate else 0
         for req in running:
             if not req.is_prefilling or budget == 0:
                 continue
@@ -101,7 +148,14 @@ class SchedulePolicy:
                 pages = ceil_div(chunk_len + self.decode_alloc_len, allocator.page_size)
             if pages > free_pages:
                 break  # FCFS: nobody overtakes the head of the queue
+            own_future = estimate.future_tokens(req) if estimate else 0
+            alone = not running and not decision.admitted  # always admit into an empty batch
+            if not alone and pages + ceil_div(future + own_future, allocator.page_size) > (
+                free_pages
+            ):
+                break
             free_pages -= pages
+            future += own_future
             decision.chunks.append((req, chunk_len))
             decision.admitted.append(req)
             budget -= chunk_len

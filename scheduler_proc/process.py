@@ -7,7 +7,9 @@ tokenizer. One plan is in flight at a time; the loop blocks on its inbox while i
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,19 +35,40 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 1.0
 
 
-def make_lazy_decoder(tokenizer_path: str) -> Callable[[list[int]], str]:
-    """ids -> text with the model's tokenizer, loaded on first use (only stop strings need it)."""
-    tokenizer: Any = None
+def load_decoder(tokenizer_path: str) -> Callable[[list[int]], str]:
+    """ids -> text with the model's tokenizer (stop strings need it), loaded now: loading it on
+    the first request with a stop string would stall every running stream for seconds.
 
-    def decode_tokens(ids: list[int]) -> str:
-        nonlocal tokenizer
-        if tokenizer is None:
-            from transformers import AutoTokenizer
+    The `tokenizers` library reads tokenizer.json in a fraction of a second and without torch;
+    transformers (which imports torch) is the fallback for tokenizers without that file or
+    with `clean_up_tokenization_spaces`, whose decode differs from the raw one."""
+    tokenizer_json = os.path.join(tokenizer_path, "tokenizer.json")
+    if os.path.isfile(tokenizer_json) and not _cleans_up_spaces(tokenizer_path):
+        from tokenizers import Tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        fast = Tokenizer.from_file(tokenizer_json)
 
+        def decode_tokens(ids: list[int]) -> str:
+            return fast.decode(ids, skip_special_tokens=False)
+
+    else:
+        from transformers import AutoTokenizer
+
+        slow = AutoTokenizer.from_pretrained(tokenizer_path)
+
+        def decode_tokens(ids: list[int]) -> str:
+            return slow.decode(ids, skip_special_tokens=False)
+
+    decode_tokens([0])  # warm up the decode path too
     return decode_tokens
+
+
+def _cleans_up_spaces(tokenizer_path: str) -> bool:
+    config_path = os.path.join(tokenizer_path, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        return False
+    with open(config_path) as f:
+        return bool(json.load(f).get("clean_up_tokenization_spaces"))
 
 
 class SchedulerLoop:
@@ -58,7 +81,7 @@ class SchedulerLoop:
             config,
             eos_token_ids=read_model_info(model_path).eos_token_ids,
             max_total_tokens=config.cache.max_total_tokens,
-            decode_tokens=make_lazy_decoder(config.model.tokenizer_path or model_path),
+            decode_tokens=load_decoder(config.model.tokenizer_path or model_path),
         )
         self.inbox = Receiver(endpoints.inbox(config, "scheduler"))
         self.to_worker = Sender(endpoints.inbox(config, "gpu_worker"))

@@ -60,6 +60,11 @@ class Request:
         return len(self.fill_ids) - self.kv_len
 
     @property
+    def num_remaining_new_tokens(self) -> int:
+        """Output tokens it may still generate (max_new_tokens less what it has)."""
+        return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
+
+    @property
     def seq_len(self) -> int:
         """Prompt plus outputs so far."""
         return len(self.prompt_ids) + len(self.output_ids)

@@ -29,7 +29,7 @@ from aerie.messages import (
 )
 from scheduler_proc.kv_allocator import KVAllocator
 from scheduler_proc.plan import build_decode_plan, build_extend_plan
-from scheduler_proc.policy import SchedulePolicy, decode_alloc_len_for
+from scheduler_proc.policy import NewTokenEstimate, SchedulePolicy, decode_alloc_len_for
 from scheduler_proc.request import ReqState, Request
 from scheduler_proc.stop import FinishChecker
 
@@ -75,6 +75,8 @@ class Scheduler:
         self._num_verify = 0
         self._accepted_per_position: list[int] = []
         self._num_retractions = 0
+        # Admission's estimate of the KV running requests will still take.
+        self.new_tokens = NewTokenEstimate(config.scheduler.schedule_conservativeness)
 
     # ------------------------------------------------------------------ requests in
 
@@ -145,10 +147,13 @@ class Scheduler:
             if len(self.running) <= 1:
                 return None
             # Prefill is stuck on KV held by other mid-prefill requests: give the newest's back.
+            self.new_tokens.on_retract(self.running)
             self._retract(self.running[-1])
 
     def _plan_extend(self) -> ForwardPlan | None:
-        decision = self.policy.plan_extend(self.running, self.waiting, self.allocator)
+        decision = self.policy.plan_extend(
+            self.running, self.waiting, self.allocator, self.new_tokens
+        )
         if not decision.chunks:
             return None
         for req in decision.admitted:
@@ -166,6 +171,9 @@ class Scheduler:
 
     def _plan_decode(self) -> ForwardPlan:
         decision = self.policy.plan_decode(self.running, self.allocator)
+        self.new_tokens.on_decode_step()
+        if decision.retracted:
+            self.new_tokens.on_retract(self.running)
         for req in decision.retracted:
             self._retract(req)
         batch = []

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from aerie.codec import pack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
+from aerie.process import process_alive
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_tracker import RequestState, RequestTracker
 from tokenizer_proc.tokenizer import Tokenizer
@@ -68,28 +69,41 @@ class Frontend:
         )
         self.ready = False
         self.draining = False
+        self.pids: dict[str, int] = {}
         self.server_info: dict[str, Any] = {}
         self._background: set[asyncio.Task] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def mark_ready(self, server_info: dict[str, Any]) -> None:
+    def mark_ready(self, server_info: dict[str, Any], pids: dict[str, int] | None = None) -> None:
+        """The engine is up; pids (name -> pid) are the processes it needs alive."""
         self.server_info = dict(server_info)
+        self.pids = dict(pids or {})
         self.ready = True
 
     def begin_drain(self) -> None:
         self.draining = True
 
+    def unhealthy_reason(self) -> str | None:
+        """Why the server cannot serve now (not ready, draining, a process gone), or None."""
+        if not self.ready:
+            return "the engine is not ready yet"
+        gone = [name for name, pid in self.pids.items() if not process_alive(pid)]
+        if gone:
+            return f"the {gone[0]} process is gone; the server is stopping"
+        if self.draining:
+            return "the server is draining; no new requests"
+        return None
+
     @property
     def healthy(self) -> bool:
-        return self.ready and not self.draining
+        return self.unhealthy_reason() is None
 
     def check_accepting(self) -> None:
         """Raise a 503 ValidationError unless new requests are accepted now."""
-        if self.draining:
-            raise ValidationError("the server is draining; no new requests", status=503)
-        if not self.ready:
-            raise ValidationError("the engine is not ready yet", status=503)
+        reason = self.unhealthy_reason()
+        if reason is not None:
+            raise ValidationError(reason, status=503)
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -165,9 +165,9 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if frontend.healthy:
+        reason = frontend.unhealthy_reason()
+        if reason is None:
             return Response(status_code=200)
-        reason = "draining" if frontend.draining else "not ready"
         return JSONResponse(error_body(f"unhealthy: {reason}", None, 503), status_code=503)
 
     @app.get("/health_generate")
@@ -187,7 +187,7 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.get("/get_server_info")
     async def server_info() -> JSONResponse:
         info = {"model_path": frontend.model_name, **frontend.server_info}
-        info.update(frontend.metrics.live_stats())
+        info.update(frontend.metrics.live_stats(frontend.server_info.get("max_total_tokens", 0)))
         info["num_in_flight"] = frontend.tracker.num_in_flight
         info["draining"] = frontend.draining
         return JSONResponse(info)

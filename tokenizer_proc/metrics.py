@@ -97,14 +97,12 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def live_stats(self) -> dict[str, Any]:
-        """The last SchedulerStats as a dict for /server_info (zeros before the first)."""
+    def live_stats(self, kv_total_tokens: int = 0) -> dict[str, Any]:
+        """The last SchedulerStats as a dict for /server_info. Before the first report the keys
+        are the same, with an idle engine's values (kv_total_tokens: the configured capacity)."""
         s = self.last_stats
         if s is None:
-            return {
-                "num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "avg_accept_length": None,
-                "num_retractions": 0,
-            }
+            s = SchedulerStats(0, 0, 0, kv_total_tokens, 0.0)
         return {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,

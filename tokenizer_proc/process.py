@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -152,7 +153,7 @@ class TokenizerProcess:
             handler(message)
 
     def on_engine_ready(self, message: EngineReady) -> None:
-        self.frontend.mark_ready(message.server_info)
+        self.frontend.mark_ready(message.server_info, message.pids)
         log.info("engine ready")
 
     def on_begin_drain(self, message: BeginDrain) -> None:
@@ -192,4 +193,7 @@ def run_tokenizer_process(config: AerieConfig) -> None:
         TokenizerProcess,
         lambda proc: uvloop.run(proc.run()),
         ready_info=lambda proc: proc.ready_info(),
+        # The launcher removes the runtime directory of IPC sockets when it exits; if it is
+        # killed outright, this process (woken by SIGTERM) does.
+        on_parent_death=lambda: shutil.rmtree(config.runtime_dir, ignore_errors=True),
     )

@@ -22,6 +22,17 @@ class Tokenizer:
         self.path = path
         self._tok = AutoTokenizer.from_pretrained(path)
         self.vocab_size = max(len(self._tok), model_vocab_size)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Encode once and render the chat template once now, so the first request does not
+        pay for lazy set-up (the template compiles on first use) on the event loop."""
+        self.encode("warm up")
+        if getattr(self._tok, "chat_template", None):
+            try:
+                self.encode_chat([{"role": "user", "content": "warm up"}])
+            except Exception:  # noqa: BLE001 - a template that needs other roles still compiled
+                pass
 
     @classmethod
     def from_config(cls, config: AerieConfig) -> Tokenizer:

@@ -1,4 +1,5 @@
-"""Launch `python launch.py ...` as a user would, wait for /health, and stop it."""
+"""Launch `python launch.py ...` as a user would, wait for /health, and stop it; helpers to
+find and check its child processes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import tempfile
 import time
 
 import httpx
+
+from aerie.process import process_alive
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,12 +40,21 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+def child_named(server: Server, name: str) -> int:
+    """The pid of child `name`: children name themselves `aerie-<name>` (15 bytes at most)."""
+    for pid in server.children:
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() == f"aerie-{name}"[:15]:
+                return pid
+    raise AssertionError(f"no child for {name}: {server.children}")
+
+
+def assert_no_orphans(server: Server, timeout_s: float = 5.0) -> None:
+    """Every child of the launcher is gone (polled: a killed process takes a moment to reap)."""
+    deadline = time.monotonic() + timeout_s
+    while [p for p in server.children if process_alive(p)]:
+        assert time.monotonic() < deadline, "orphaned children"
+        time.sleep(0.05)
 
 
 class Server:
@@ -102,5 +114,5 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         for pid in getattr(self, "children", []):
-            if pid_alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -14,30 +14,13 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import REPO_ROOT, Server, pid_alive
+from tests.e2e.server import REPO_ROOT, Server, assert_no_orphans, child_named
 
 pytestmark = pytest.mark.e2e
 
 
 def _tiny_args(tiny_model_dirs) -> tuple[str, ...]:
     return ("--model-path", tiny_model_dirs["llama"])
-
-
-def _child_named(server: Server, name: str) -> int:
-    """The pid of child `name`: children name themselves `aerie-<name>` (15 bytes at most)."""
-    for pid in server.children:
-        with open(f"/proc/{pid}/comm") as f:
-            if f.read().strip() == f"aerie-{name}"[:15]:
-                return pid
-    raise AssertionError(f"no child for {name}: {server.children}")
-
-
-def assert_no_orphans(server: Server, timeout_s: float = 5.0) -> None:
-    """Every child of the launcher is gone (polled: a killed process takes a moment to reap)."""
-    deadline = time.monotonic() + timeout_s
-    while [p for p in server.children if pid_alive(p)]:
-        assert time.monotonic() < deadline, "orphaned children"
-        time.sleep(0.05)
 
 
 def test_a_child_that_fails_to_start_is_named(tiny_model_dirs):
@@ -68,7 +51,7 @@ def test_impossible_flags_exit_2_with_a_message():
 @pytest.mark.parametrize("victim", ["tokenizer", "scheduler", "gpu_worker", "detokenizer"])
 def test_killing_a_child_stops_everything(tiny_model_dirs, victim):
     with Server(*_tiny_args(tiny_model_dirs)) as server:
-        os.kill(_child_named(server, victim), signal.SIGKILL)
+        os.kill(child_named(server, victim), signal.SIGKILL)
         assert server.proc.wait(timeout=10) != 0  # the whole server stops within 10 s
         assert_no_orphans(server)
         assert f"the {victim} process exited unexpectedly" in server.log_text()

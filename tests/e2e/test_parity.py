@@ -31,7 +31,7 @@ def test_retraction_keeps_outputs_unchanged(tiny_model_dirs):
     """A KV cache too small for all requests at once forces retraction and recomputation."""
     path = tiny_model_dirs["llama"]
     args = ("--model-path", path, "--max-total-tokens", "160", "--page-size", "4",
-            "--chunked-prefill-size", "16")
+            "--chunked-prefill-size", "16", "--schedule-conservativeness", "0")
     with Server(*args) as server:
         _check_parity(path, server.url, vocab=320, seed=7)
         stats = httpx.get(server.url + "/server_info", timeout=10).json()

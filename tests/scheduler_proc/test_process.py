@@ -8,13 +8,14 @@ from aerie import endpoints
 from aerie.codec import unpack_ids
 from aerie.messages import AbortRequest, ForwardPlan, SchedulerStats, Shutdown, TokenDeltas
 from aerie.transport import Receiver, Sender
-from scheduler_proc.process import SchedulerLoop
+from scheduler_proc.process import SchedulerLoop, load_decoder
 from tests.scheduler_proc.fake_worker import (
     FakeWorker,
     make_config,
     make_request,
     reference_output,
 )
+from tests.tokenizer_fixture import make_tiny_tokenizer
 
 TIMEOUT_S = 5.0
 
@@ -33,6 +34,7 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
             }
         )
     )
+    make_tiny_tokenizer(model_dir)
     config = make_config().replace(
         model={"model_path": str(model_dir)},
         cache={"max_total_tokens": 64},
@@ -79,3 +81,22 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         for socket in (to_scheduler, worker_inbox, detok_inbox, tokenizer_inbox):
             socket.close()
         loop.close()
+
+
+def test_the_stop_string_decoder_is_loaded_up_front_and_matches_transformers(tmp_path):
+    """Loading on the first stop-string request stalled every stream for seconds: the decoder
+    is ready when load_decoder returns, and decodes as transformers does."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    path = make_tiny_tokenizer(tmp_path)
+    decode = load_decoder(path)
+    reference = AutoTokenizer.from_pretrained(path)
+    for ids in ([5, 6, 7], [300, 1, 2, 77], list(range(40, 80))):
+        assert decode(ids) == reference.decode(ids, skip_special_tokens=False)
+    probe = (f"import sys; from scheduler_proc.process import load_decoder; "
+             f"load_decoder({path!r}); print('torch' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # the scheduler stays torch-free

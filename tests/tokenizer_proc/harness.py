@@ -14,6 +14,7 @@ import contextlib
 import socket
 import threading
 
+import msgpack
 import uvloop
 import zmq
 import zmq.asyncio
@@ -155,3 +156,22 @@ def wait_until(predicate, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def dealer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(address)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: dict) -> None:
+    sock.send(msgpack.packb(msg))
+
+
+def recv(sock: zmq.Socket) -> dict:
+    while True:
+        reply = msgpack.unpackb(sock.recv())
+        if reply["event"] != "ping":
+            return reply

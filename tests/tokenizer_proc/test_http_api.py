@@ -113,6 +113,9 @@ def test_health_follows_readiness_and_drain(live):
 
 def test_server_info_and_metrics(live):
     server, frontend, _ = live
+    before = httpx.get(server.url + "/server_info").json()  # no scheduler report yet
+    assert before["kv_used_tokens"] == 0 and before["kv_total_tokens"] == 1000
+    assert before["num_running"] == 0 and before["accepted_per_position"] == []
     httpx.post(server.url + "/generate", json={"input_ids": [5], "sampling_params": {
         "max_new_tokens": 4}})  # fmt: skip
     frontend.metrics.observe_stats(SchedulerStats(2, 1, 25, 100, 2.5, [10, 7, 3], 4))
@@ -121,6 +124,7 @@ def test_server_info_and_metrics(live):
     assert info["model_path"] == frontend.model_name and info["max_total_tokens"] == 1000
     assert info["num_running"] == 2 and info["num_waiting"] == 1
     assert info["kv_usage"] == 0.25 and info["avg_accept_length"] == 2.5
+    assert set(info) == set(before)  # the schema does not change after the first report
     text = httpx.get(server.url + "/metrics").text
     assert 'aerie_requests_total{finish_type="length"} 1.0' in text
     assert "aerie_prompt_tokens_total 1.0" in text
@@ -173,3 +177,24 @@ def test_client_rids_are_echoed_scoped_and_reusable_after_an_abort(live):
     first, second = engine.submitted[0].rid, engine.submitted[-1].rid
     assert len(engine.submitted) == 2 and first != second and "mine" not in (first, second)
     assert engine.aborted == [first]
+
+
+def test_health_turns_503_as_soon_as_an_engine_process_is_gone(live):
+    """The tokenizer checks the engine's pids on every health request: a killed process is
+    noticed at once, while its parent has not even reaped it (a zombie)."""
+    import signal
+    import subprocess
+
+    from aerie.process import process_alive
+
+    server, frontend, _ = live
+    victim = subprocess.Popen(["sleep", "60"])
+    frontend.mark_ready({"page_size": 1}, {"scheduler": victim.pid})
+    assert httpx.get(server.url + "/health").status_code == 200
+    victim.send_signal(signal.SIGKILL)
+    assert wait_until(lambda: not process_alive(victim.pid))  # a zombie: not reaped yet
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 503 and "scheduler process is gone" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/generate", json={"input_ids": [5]})
+    assert r.status_code == 503  # and new requests are refused, not left hanging
+    victim.wait()

@@ -2,30 +2,8 @@
 
 from __future__ import annotations
 
-import msgpack
-import zmq
-
 from aerie.codec import unpack_ids
-from tests.tokenizer_proc.harness import fake_output_ids, wait_until
-
-
-def dealer(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(address)
-    return sock
-
-
-def send(sock: zmq.Socket, msg: dict) -> None:
-    sock.send(msgpack.packb(msg))
-
-
-def recv(sock: zmq.Socket) -> dict:
-    while True:
-        reply = msgpack.unpackb(sock.recv())
-        if reply["event"] != "ping":
-            return reply
+from tests.tokenizer_proc.harness import dealer, fake_output_ids, recv, send, wait_until
 
 
 def test_generate_and_stream_events(live):

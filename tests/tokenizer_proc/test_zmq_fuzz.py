@@ -7,8 +7,7 @@ import random
 import msgpack
 import pytest
 
-from tests.tokenizer_proc.harness import wait_until
-from tests.tokenizer_proc.test_zmq_frontend import dealer
+from tests.tokenizer_proc.harness import dealer, wait_until
 from tests.tokenizer_proc.zmq_fuzz import fuzz_frames, pack, send_good_request
 
 
