@@ -62,7 +62,10 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class RunnerConfig:
     attention_backend: str = _opt(
-        "torch_native", "Attention implementation.", ("torch_native", "triton")
+        "auto",
+        "Attention implementation (and the layer kernels with it): triton on CUDA, "
+        "torch_native (the reference) on CPU; triton on CPU needs TRITON_INTERPRET=1.",
+        ("auto", "torch_native", "triton"),
     )
     disable_cuda_graph: bool = _opt(False, "Run every forward eagerly.", flag=True)
     cuda_graph_max_bs: int | None = _opt(None, "Largest batch size captured in a CUDA graph.")

@@ -65,6 +65,19 @@ def default_zmq_port(port: int, zmq_port: int | None) -> int:
     return port + 1 if port else 0
 
 
+def resolve_attention_backend(backend: str, device: str) -> str:
+    """"auto" -> triton on CUDA, torch_native on CPU. Triton on CPU runs in Triton's
+    interpreter, which must be switched on before the server starts."""
+    if backend == "auto":
+        return "triton" if device == "cuda" else "torch_native"
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            "--attention-backend triton on CPU runs in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment (slow; for testing), or use torch_native"
+        )
+    return backend
+
+
 def _resolve_model_path(model_path: str | None) -> str:
     if model_path is None:
         from aerie.default_model import ensure_default_model
@@ -89,11 +102,6 @@ def _validate(config: AerieConfig) -> None:
     _check_positive("context_length", config.model.context_length)
     if not 0 <= config.scheduler.schedule_conservativeness <= 10:
         raise ConfigError("--schedule-conservativeness must be in [0, 10]")
-    if config.runner.attention_backend != "torch_native":
-        raise ConfigError(
-            f"--attention-backend {config.runner.attention_backend} is not available in this "
-            "build yet; use --attention-backend torch_native"
-        )
     for name in ("port", "zmq_port"):
         port = getattr(config.server, name)
         if port is not None and not 0 <= port <= 65535:
@@ -228,6 +236,8 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
             "max_running_requests": config.scheduler.max_running_requests or default_rows,
         },
         speculative=speculative,
+        runner={"attention_backend": resolve_attention_backend(
+            config.runner.attention_backend, device)},
         server={"zmq_port": default_zmq_port(server.port, server.zmq_port)},
         runtime_dir=config.runtime_dir or tempfile.mkdtemp(prefix="aerie-"),
     )

@@ -28,7 +28,12 @@ import torch  # noqa: E402
 from aerie.codec import pack_ids, unpack_ids  # noqa: E402
 from aerie.config import AerieConfig  # noqa: E402
 from aerie.messages import SamplingParams, TokenizedRequest  # noqa: E402
-from aerie.resolve import DRAFT_ARCHITECTURES, resolve_device, resolve_dtype  # noqa: E402
+from aerie.resolve import (  # noqa: E402
+    DRAFT_ARCHITECTURES,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from gpu_worker.worker import GPUWorker  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
@@ -72,6 +77,8 @@ def make_config(args, shape: tuple[int, int, int] | None, draft_dir: str | None)
         cache={"max_total_tokens": 65536},
         scheduler={"max_running_requests": 4},
         speculative=spec,
+        runner={"attention_backend": resolve_attention_backend(args.attention_backend,
+                                                               args.device)},
     )
 
 
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=("auto", "torch_native", "triton"))
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args(argv)
     args.device = resolve_device(args.device)

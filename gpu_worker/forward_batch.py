@@ -1,12 +1,18 @@
 """The explicit forward context: `ForwardMode` and `ForwardBatch`, passed into `model.forward`.
 
-There is no global forward context. A runner fills `ForwardBatch.attn_backend` and asks the
-backend to build its metadata (`attn_metadata`) before running the model.
+There is no global forward context. The runner gives the model a copy of the batch with its
+attention backend and that backend's metadata filled in; nobody mutates a batch it was given.
 
-Layout of one batch of `bs` requests, request i running `extend_seq_lens[i]` new tokens after
-`extend_prefix_lens_cpu[i]` tokens already in its KV: tokens are concatenated request by request
-(`[num_tokens]` tensors), and `seq_lens[i] = extend_prefix_lens_cpu[i] + extend_seq_lens[i]` is the
-KV length after this forward. DECODE is the special case of one new token per request.
+Glossary (one name per quantity, for a batch of `bs` requests):
+    extend_seq_lens  tokens each request runs in this forward (1 in DECODE).
+    seq_lens         keys each request attends: positions [0, seq_lens) of its req_to_token
+                     row. For EXTEND / DECODE / TARGET_VERIFY / DRAFT_EXTEND this is the KV
+                     length AFTER the forward (= prefix_lens + extend_seq_lens); for
+                     DRAFT_DECODE it also covers every branch's draft slots (seq + topk * S).
+    prefix_lens      seq_lens - extend_seq_lens: keys already in the pool before the forward
+                     (host only, `extend_prefix_lens_cpu`).
+Tokens are concatenated request by request (`[num_tokens]` tensors); `*_cpu` are host copies
+that came with the plan (never read back from the device).
 """
 
 from __future__ import annotations
@@ -46,12 +52,14 @@ class SpecInput:
 class ForwardBatch:
     """Everything one model forward reads. Tensors live on the runner's device.
 
-    custom_mask: for TARGET_VERIFY (tree attention), a flat bool tensor concatenating, per
-        request, a row-major `[extend_seq_lens[i], seq_lens[i]]` mask (True = may attend) that
-        replaces the causal mask. None means causal.
+    custom_mask: None (causal), or a tree-local bool mask `[bs, q_len, width]` (True = may
+        attend) over each request's LAST `width` keys, positions [seq_lens - width, seq_lens);
+        every earlier key is visible. q_len is every request's extend length. Tree verify:
+        width = q_len = ND (node k sees itself and its ancestors); multi-step draft decode:
+        q_len = topk, width = topk * S (a row sees the drafts of its own branch so far).
     spec_info: speculative-decoding state for the modes that need it; draft models read its
         `hidden_states` attribute (any object that has one, e.g. `SpecInput`).
-    attn_backend / attn_metadata: set by the runner; the backend owns the metadata's type.
+    attn_backend / attn_metadata: set by the runner on its own copy of the batch.
     """
 
     mode: ForwardMode
@@ -59,7 +67,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
     req_pool_indices: torch.Tensor  # [bs] int64
-    seq_lens: torch.Tensor  # [bs] int32, KV length after this forward
+    seq_lens: torch.Tensor  # [bs] int32, keys attended (see the glossary)
     extend_seq_lens: torch.Tensor  # [bs] int32
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
@@ -97,13 +105,13 @@ def build_forward_batch(
     req_pool_indices: Sequence[int],
     device: torch.device | str,
     positions: Sequence[Sequence[int]] | None = None,
-    custom_masks: Sequence[torch.Tensor] | None = None,
+    custom_mask: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """Build a ForwardBatch from per-request host lists (one H2D copy per field).
 
     input_ids[i] / out_slots[i]: request i's new tokens and their KV slots (same length).
     positions: defaults to prefix_lens[i] + arange(len(input_ids[i])) (trees pass depths).
-    custom_masks: per request a bool `[extend_len, prefix_len + extend_len]` mask.
+    custom_mask: a tree-local `[bs, extend_len, width]` mask (see `ForwardBatch`).
     """
     extend_lens = [len(ids) for ids in input_ids]
     for ids, slots in zip(input_ids, out_slots, strict=True):
@@ -112,9 +120,7 @@ def build_forward_batch(
     if positions is None:
         positions = [range(p, p + n) for p, n in zip(prefix_lens, extend_lens, strict=True)]
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
-    mask = None
-    if custom_masks is not None:
-        mask = torch.cat([m.reshape(-1) for m in custom_masks]).to(device, torch.bool)
+    mask = None if custom_mask is None else custom_mask.to(device, torch.bool)
 
     def flat(lists: Sequence[Sequence[int]]) -> torch.Tensor:
         values = [v for row in lists for v in row]

@@ -15,6 +15,7 @@ target's checkpoint or a separate MTP directory, with a one-layer KV pool. A tar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ import torch
 from gpu_worker.attention import create_attention_backend
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
+from gpu_worker.layers.layernorm import set_use_triton
+from gpu_worker.layers.rotary import init_cos_sin_caches
 from gpu_worker.models import ArchConfig, build_model, read_arch_config
 from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
@@ -103,6 +106,8 @@ class ModelRunner:
         self.req_to_token_extra = req_to_token_extra
         self.max_running_requests = max_running_requests
         self.model = self._load_model(load_format, seed, draft_of)
+        init_cos_sin_caches(self.model, self.context_length + req_to_token_extra, self.device)
+        set_use_triton(self.model, attention_backend == "triton")
         self.aux_hidden_layers = self._check_aux_layers(aux_hidden_layers)
         self.max_total_tokens = self._size_kv_pool(
             max_total_tokens, mem_fraction_static, shared_kv_bytes_per_token
@@ -120,7 +125,7 @@ class ModelRunner:
             self.device,
         )
         self.attn_backend = create_attention_backend(
-            attention_backend, self.req_to_token_pool, self.kv_pool
+            attention_backend, self.req_to_token_pool, self.kv_pool, self.config.num_heads
         )
         log.info(
             "%s on %s (%s): KV pool of %d tokens",
@@ -212,8 +217,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Run the model on `batch` (writes the new tokens' KV into this runner's pool). A draft
         reads `batch.spec_info.hidden_states` [num_tokens, H_in]."""
-        batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
+        metadata = self.attn_backend.init_forward_metadata(batch)
+        batch = dataclasses.replace(batch, attn_backend=self.attn_backend, attn_metadata=metadata)
         aux = None
         if self.aux_hidden_layers:
             hidden, aux = self.model.forward_with_aux(batch, self.aux_hidden_layers)

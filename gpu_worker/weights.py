@@ -4,8 +4,10 @@ A directory without safetensors may hold `pytorch_model*.bin` files (as the publ
 do); those are read with torch's weights-only unpickler, which refuses arbitrary objects.
 
 Name mapping goes through `model.map_weight_name(name)` (None skips a tensor, e.g. a tied
-`lm_head.weight`). Every parameter must be loaded exactly once and every tensor must map to a
-parameter; otherwise a `WeightLoadError` names the offenders.
+`lm_head.weight`); names of the projections a model merges (q/k/v_proj into qkv_proj,
+gate/up_proj into gate_up_proj) load into their rows of the merged parameter. Every parameter
+(shard) must be loaded exactly once and every tensor must map to one; otherwise a
+`WeightLoadError` names the offenders.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from gpu_worker.layers.linear import MergedLinear
 
 _MAX_NAMES_SHOWN = 10
 # (index file, glob of weight files), in order of preference
@@ -90,29 +94,56 @@ def _describe(names: list[str]) -> str:
     return shown + (f" (and {more} more)" if more > 0 else "")
 
 
+def merged_shard_names(model: nn.Module) -> dict[str, tuple[MergedLinear, str, str]]:
+    """The checkpoint names a model's merged projections load from, e.g.
+    `model.layers.0.self_attn.k_proj.weight` -> (that layer's qkv_proj, "k_proj", "weight")."""
+    names: dict[str, tuple[MergedLinear, str, str]] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        parent = path.rpartition(".")[0]
+        for shard in module.shard_rows:
+            for param_name, _ in module.named_parameters(recurse=False):
+                name = f"{parent}.{shard}.{param_name}" if parent else f"{shard}.{param_name}"
+                names[name] = (module, shard, param_name)
+    return names
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, model_dir: str, what: str | None = None) -> None:
-    """Copy every checkpoint tensor into the parameter of the same (mapped) name, casting to the
-    parameter's dtype and device. Mutates the model's parameters in place. `what` names the
-    model in errors (default: its class)."""
+    """Copy every checkpoint tensor into the parameter of the same (mapped) name, or into its
+    rows of a merged projection (`MergedLinear`), casting to the parameter's dtype and device.
+    Mutates the model's parameters in place. `what` names the model in errors (default: its
+    class)."""
     params = dict(model.named_parameters())
+    shards = merged_shard_names(model)
+    merged = {id(module.weight) for module, _, _ in shards.values()}
+    merged |= {id(module.bias) for module, _, _ in shards.values() if module.bias is not None}
+    expected = {n for n, p in params.items() if id(p) not in merged} | set(shards)
     loaded: set[str] = set()
     unexpected: list[str] = []
     mapped = lambda name: model.map_weight_name(name) is not None  # noqa: E731
     for name, tensor in iterate_tensors(list_weight_files(model_dir), keep=mapped):
         target = model.map_weight_name(name)
-        param = params.get(target)
-        if param is None:
+        if target in shards:
+            module, shard, param_name = shards[target]
+            try:
+                module.load_shard(shard, param_name, tensor)
+            except ValueError as e:
+                raise WeightLoadError(f"tensor {name!r}: {e}") from None
+        elif target in params and target in expected:
+            param = params[target]
+            if param.shape != tensor.shape:
+                raise WeightLoadError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"parameter {target!r} expects {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+        else:
             unexpected.append(name)
             continue
-        if param.shape != tensor.shape:
-            raise WeightLoadError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"parameter {target!r} expects {tuple(param.shape)}"
-            )
-        param.copy_(tensor)
         loaded.add(target)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(expected - loaded)
     if missing or unexpected:
         problems = []
         if missing:

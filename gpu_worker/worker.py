@@ -61,7 +61,7 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
     """The target runner and its draft runner list (same slot ids, each with its own pools):
     empty without speculation, one EAGLE draft, or one runner per MTP layer."""
     model, spec = config.model, config.speculative
-    if "auto" in (model.device, model.dtype):
+    if "auto" in (model.device, model.dtype, config.runner.attention_backend):
         raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
     device, dtype = torch.device(model.device), DTYPES[model.dtype]
     mem_fraction = config.cache.mem_fraction_static

@@ -2,7 +2,8 @@
 
 The reference every other backend is tested against; runs on CPU and CUDA. Per request it
 gathers K/V through the request's req_to_token row and calls scaled_dot_product_attention with
-GQA and an explicit boolean mask (causal, or the request's slice of `batch.custom_mask`).
+GQA and an explicit boolean mask (causal, or the request's tree-local `batch.custom_mask`
+over its last keys, every earlier key visible).
 A batch of one query per request (plain decode) takes one padded SDPA call for the whole batch
 instead: keys past a request's seq_len are masked out.
 """
@@ -35,6 +36,14 @@ def build_causal_mask(prefix_len: int, extend_len: int, device: torch.device) ->
     return keys[None, :] <= queries[:, None]
 
 
+def expand_custom_mask(custom: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A tree-local mask [q_len, width] over the last `width` of seq_len keys -> the full
+    [q_len, seq_len] bool mask (every earlier key is visible)."""
+    q_len, width = custom.shape
+    prefix = torch.ones(q_len, seq_len - width, dtype=torch.bool, device=custom.device)
+    return torch.cat((prefix, custom.to(torch.bool)), dim=1)
+
+
 @dataclass
 class DecodeView:
     """The whole batch at once when each request runs one query without a custom mask."""
@@ -55,43 +64,29 @@ def build_decode_view(batch: ForwardBatch, req_to_token: torch.Tensor) -> Decode
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, batch: ForwardBatch) -> DecodeView | list[RequestView]:
         req_to_token = self.req_to_token_pool.req_to_token
         if batch.custom_mask is None and all(n == 1 for n in batch.extend_seq_lens_cpu):
-            batch.attn_metadata = build_decode_view(batch, req_to_token)
-            return
+            return build_decode_view(batch, req_to_token)
         device = req_to_token.device
         rows = batch.req_pool_indices.tolist()
         views = []
-        token_start = mask_start = 0
-        for row, seq_len, extend_len in zip(
-            rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, strict=True
+        token_start = 0
+        for i, (row, seq_len, extend_len) in enumerate(
+            zip(rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, strict=True)
         ):
             prefix_len = seq_len - extend_len
             if batch.custom_mask is None:
                 mask = build_causal_mask(prefix_len, extend_len, device)
             else:
-                mask_len = extend_len * seq_len
-                mask = batch.custom_mask[mask_start : mask_start + mask_len]
-                mask = mask.view(extend_len, seq_len)
-                mask_start += mask_len
+                mask = expand_custom_mask(batch.custom_mask[i], seq_len)
             slots = req_to_token[row, :seq_len].long()
             views.append(RequestView(token_start, extend_len, slots, mask))
             token_start += extend_len
-        batch.attn_metadata = views
+        return views
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = q.shape[0]
-        k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-        v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-        self.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         if isinstance(batch.attn_metadata, DecodeView):

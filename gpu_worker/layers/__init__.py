@@ -1,2 +1,4 @@
-"""Model building blocks shared by the architectures: RMSNorm, rotary embeddings, and the
-attention layer that hands q/k/v to the batch's attention backend."""
+"""Model building blocks shared by the architectures: RMSNorm (fused with the residual add),
+rotary embeddings and their cos/sin cache, merged projections (`MergedLinear`), and the
+attention layer that applies RoPE, stores K/V and hands q to the batch's attention backend.
+Layers that have a Triton kernel and a torch reference carry `use_triton` (`set_use_triton`)."""

@@ -1,8 +1,9 @@
 """Rotary position embedding (rotate-half layout), with "default", "linear" and "llama3" scaling.
 
-Holds no buffers: inverse frequencies are computed from a few scalars on the positions' device
-each forward (once per model forward, shared by all layers), so the module works unchanged when
-built on the meta device and materialised elsewhere, and inside CUDA graphs.
+`build_cos_sin_cache(max_positions, device)` computes the angles of every position once:
+[max_positions, head_dim] float32, cos in the first head_dim/2 columns and sin in the last
+(each frequency once). The runner builds it after the weights are on the device
+(`init_cos_sin_cache`); attention reads rows of it by position (`kernels.rotary`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"rope type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
             )
+        # [max_positions, head_dim] float32, set by init_cos_sin_cache (not a parameter or a
+        # buffer: the model is built on the meta device and this is derived, never loaded).
+        self.cos_sin_cache: torch.Tensor | None = None
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """[head_dim // 2] float32 inverse frequencies, scaled per rope type."""
@@ -37,11 +41,21 @@ class RotaryEmbedding(nn.Module):
             return scale_llama3(inv_freq, self.scaling)
         return inv_freq
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [n] -> cos, sin [n, head_dim] float32 (each half repeated)."""
-        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+    def build_cos_sin_cache(self, max_positions: int, device: torch.device) -> torch.Tensor:
+        """[max_positions, head_dim] float32: cos | sin of position * inv_freq."""
+        positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
+        freqs = positions[:, None] * self.inv_freq(device)[None, :]  # [max_positions, D/2]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def init_cos_sin_cache(self, max_positions: int, device: torch.device) -> None:
+        self.cos_sin_cache = self.build_cos_sin_cache(max_positions, device)
+
+
+def init_cos_sin_caches(model: nn.Module, max_positions: int, device: torch.device) -> None:
+    """Build the cos/sin cache of every RotaryEmbedding in model (once, after loading)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.init_cos_sin_cache(max_positions, device)
 
 
 def scale_llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -59,11 +73,3 @@ def scale_llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, blended, scaled)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, heads, head_dim], cos/sin [n, head_dim] float32 -> rotated x in x's dtype."""
-    x_float = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x_float[..., half:], x_float[..., :half]), dim=-1)
-    return (x_float * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)

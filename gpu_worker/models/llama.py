@@ -1,7 +1,9 @@
 """Llama (and the shared decoder blocks Qwen2/Qwen3 reuse): GQA attention, SwiGLU MLP.
 
-Parameter names follow HF (`model.layers.N.self_attn.q_proj.weight`, ...). With
-`tie_word_embeddings`, `lm_head.weight` is the same Parameter as `model.embed_tokens.weight`.
+Parameter names follow HF (`model.layers.N.self_attn.o_proj.weight`, ...), except that q/k/v
+and gate/up are merged (`qkv_proj`, `gate_up_proj`: one GEMM each), loaded from the
+checkpoint's separate tensors. With `tie_word_embeddings`, `lm_head.weight` is the same
+Parameter as `model.embed_tokens.weight`.
 """
 
 from __future__ import annotations
@@ -9,76 +11,125 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.kernels import activation
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
+from gpu_worker.layers.linear import MergedLinear
+from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.models.config import ArchConfig
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention. qkv_bias/o_bias add projection biases (Qwen2), qk_norm adds per-head
-    RMSNorm of q and k before rotary (Qwen3)."""
+    """Self-attention with one merged qkv projection. qkv_bias/o_bias add projection biases
+    (Qwen2), qk_norm adds per-head RMSNorm of q and k before rotary (Qwen3)."""
 
     def __init__(
-        self, config: ArchConfig, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self,
+        config: ArchConfig,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        in_features: int | None = None,
     ) -> None:
+        """in_features: width of the attention input (default hidden_size; EAGLE-3: 2H)."""
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+        q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = MergedLinear(
+            in_features or h, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, qkv_bias
+        )
+        self.o_proj = nn.Linear(q_rows, h, bias=o_bias)
+        self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.qk_norm = qk_norm
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+        self, x: torch.Tensor, batch: ForwardBatch, cos_sin_cache: torch.Tensor
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x)
+        """x [n, in_features] -> [n, hidden]; writes the layer's K/V of the new tokens."""
+        qkv = self.qkv_proj(x)  # [n, (heads + 2 * kv_heads) * d]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, batch)  # [n, heads * d]
-        return self.o_proj(o)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            o = self.attn(qkv, batch, cos_sin_cache, *norms)
+        else:
+            o = self.attn(qkv, batch, cos_sin_cache)
+        return self.o_proj(o)  # [n, hidden]
 
 
 class LlamaMLP(nn.Module):
+    use_triton = False
+
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [n, 2 * intermediate]
+        if self.use_triton:
+            return self.down_proj(activation.silu_and_mul(gate_up))
+        return self.down_proj(activation.silu_and_mul_reference(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A pre-norm decoder block over the residual stream, carried as (x, residual) with
+    stream = x + residual so each add is fused into the norm after it."""
+
     def __init__(self, config: ArchConfig, layer_id: int, **attn_options: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, **attn_options)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """x [n, hidden] (the residual stream) -> the stream after this layer."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [n, hidden] (residual None: x is the whole stream) -> the same pair
+        after this layer. input_layernorm None (EAGLE's first layer) feeds x in unnormalised."""
+        if residual is None:
+            residual = x
+            if self.input_layernorm is not None:
+                x = self.input_layernorm(x)
+        else:
+            assert self.input_layernorm is not None, "an un-normed layer must come first"
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def run_layers(
+    layers: Sequence[LlamaDecoderLayer],
+    x: torch.Tensor,
+    batch: ForwardBatch,
+    cos_sin_cache: torch.Tensor,
+    aux_layers: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """Run layers over the stream x -> (x, residual, captured): the stream after the last
+    layer is x + residual; captured holds the stream ENTERING each layer id of aux_layers (id
+    len(layers): the stream after the last layer), in the listed order."""
+    residual = None
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        if i in aux_layers:
+            captured[i] = x if residual is None else x + residual
+        x, residual = layer(x, residual, batch, cos_sin_cache)
+    if len(layers) in aux_layers:
+        captured[len(layers)] = x + residual
+    return x, residual, [captured[i] for i in aux_layers]
 
 
 class LlamaModel(nn.Module):
@@ -101,15 +152,10 @@ class LlamaModel(nn.Module):
         [num_tokens, len(aux_layers) * hidden] in the listed order (EAGLE-3 features).
         """
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions)  # [num_tokens, head_dim]
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                captured[i] = x
-            x = layer(x, cos, sin, batch)
-        captured[len(self.layers)] = x
-        aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return self.norm(x), aux
+        cache = self.rotary.cos_sin_cache
+        x, residual, captured = run_layers(self.layers, x, batch, cache, aux_layers)
+        hidden, _ = self.norm(x, residual)
+        return hidden, torch.cat(captured, dim=-1) if aux_layers else None
 
 
 class LlamaForCausalLM(nn.Module):

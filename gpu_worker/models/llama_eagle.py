@@ -27,7 +27,7 @@ from torch import nn
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.models.config import ArchConfig
-from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, run_layers
 
 # Tensors a draft checkpoint may hold that a draft model never loads.
 _ALWAYS_SKIPPED = ("rotary_emb.inv_freq",)
@@ -71,7 +71,7 @@ class LlamaForCausalLMEagle(nn.Module):
             LlamaDecoderLayer(config, i, **attn_options) for i in range(config.num_layers)
         )
         # NOTE: EAGLE's first layer has no input norm: fc's output enters attention as is.
-        self.layers[0].input_layernorm = nn.Identity()
+        self.layers[0].input_layernorm = None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.embed_tokens: nn.Embedding | None = None  # the target's, see attach_target
         self.lm_head: nn.Linear | None = None
@@ -103,10 +103,8 @@ class LlamaForCausalLMEagle(nn.Module):
         hidden_in = read_spec_hidden(batch)  # [num_tokens, H]
         embeds = self.embed_tokens(batch.input_ids)  # [num_tokens, H]
         x = self.fc(torch.cat((embeds, hidden_in.to(embeds.dtype)), dim=-1))  # [num_tokens, H]
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch)
-        return x
+        x, residual, _ = run_layers(self.layers, x, batch, self.rotary.cos_sin_cache)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, vocab] float32 through the target's LM head."""

@@ -64,18 +64,6 @@ def eagle3_aux_layer_ids(draft_config: dict, num_target_layers: int) -> list[int
     return layers
 
 
-class Eagle3Attention(LlamaAttention):
-    """Llama attention whose q/k/v read the 2H-wide cat(embeds, hidden)."""
-
-    def __init__(self, config: ArchConfig, layer_id: int) -> None:
-        bias = config.attention_bias
-        super().__init__(config, layer_id, qkv_bias=bias, o_bias=bias, qk_norm=False)
-        width, d = 2 * config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(width, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * d, bias=bias)
-
-
 class Eagle3DecoderLayer(nn.Module):
     """The draft's single layer (`midlayer.*` in checkpoints)."""
 
@@ -84,7 +72,10 @@ class Eagle3DecoderLayer(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.hidden_norm = RMSNorm(h, eps)
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = Eagle3Attention(config, layer_id=0)
+        bias = config.attention_bias
+        self.self_attn = LlamaAttention(
+            config, 0, qkv_bias=bias, o_bias=bias, qk_norm=False, in_features=2 * h
+        )  # q/k/v read the 2H-wide cat(embeds, hidden)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = LlamaMLP(config)
 
@@ -92,14 +83,14 @@ class Eagle3DecoderLayer(nn.Module):
         self,
         embeds: torch.Tensor,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         batch: ForwardBatch,
+        cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         """embeds, hidden [n, H] -> h [n, H] (pre-norm; hidden is the residual)."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [n, 2H]
-        h = hidden + self.self_attn(x, cos, sin, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(x, batch, cos_sin_cache)
+        normed, h = self.post_attention_layernorm(attn, hidden)  # h = hidden + attn
+        return h + self.mlp(normed)
 
 
 class LlamaForCausalLMEagle3(nn.Module):
@@ -164,8 +155,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         hidden_in = hidden_in.to(embeds.dtype)
         if hidden_in.shape[-1] != self.config.hidden_size:
             hidden_in = self.fc(hidden_in)  # [num_tokens, H]
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        return self.midlayer(embeds, hidden_in, cos, sin, batch)
+        return self.midlayer(embeds, hidden_in, batch, self.rotary.cos_sin_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, draft_vocab] float32 (map argmax ids by hot_token_id)."""

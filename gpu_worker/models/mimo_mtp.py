@@ -172,9 +172,8 @@ class MiMoMTPLayer(nn.Module):
             dim=-1,
         )  # [num_tokens, 2H]
         x = self.input_proj(features)  # [num_tokens, H]
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        x = self.block(x, cos, sin, batch)
-        return self.final_layernorm(x)
+        x, residual = self.block(x, None, batch, self.rotary.cos_sin_cache)
+        return self.final_layernorm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, vocab] float32 through the target's LM head."""

@@ -69,29 +69,15 @@ def draft_cache_locs(
     return req_to_token[rows[None, :], positions].to(torch.int64)
 
 
-def draft_decode_mask(
-    seq_lens: torch.Tensor,
-    topk: int,
-    num_steps: int,
-    step: int,
-    seq_lens_cpu: list[int] | None = None,
-) -> torch.Tensor:
-    """Flat bool custom mask for draft decode step `step` (True = may attend).
+def draft_decode_mask(bs: int, topk: int, num_steps: int, step: int, device) -> torch.Tensor:
+    """Tree-local custom mask of draft decode step `step`: [bs, topk, topk*S] bool over the
+    draft keys [seq, seq + topk*S) of each request (the prefix before them is visible).
 
-    Per request a row-major `[topk, seq_b + topk*S]` block over the logical positions
-    `0 .. seq_b + topk*S - 1` of its row; blocks concatenated in request order. Row `j` sees
-    the prefix (`< seq_b`) and its own branch's positions `seq_b + j*S + i'` for `i' <= step`
-    (row-local, as SGLang: a re-parented row still sees its own earlier draft KV).
-    `seq_lens_cpu` (host copy of seq_lens) avoids a device sync for the padded width; the
-    final variable-length packing syncs on CUDA (per-request shapes are host-known anyway).
+    Row `j` sees the positions of its own branch written so far, `seq + j*S + i'` for
+    `i' <= step` (row-local, as SGLang: a re-parented row still sees its own earlier draft KV).
+    The same for every request, so it needs neither seq_lens nor a host read.
     """
-    device = seq_lens.device
-    max_seq = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max().item())
-    width = max_seq + topk * num_steps
-    cols = torch.arange(width, device=device, dtype=torch.int64)  # [width]
-    seq_rows = seq_lens.to(torch.int64).repeat_interleave(topk)  # [bs*topk]
-    mask = cols[None, :] < seq_rows[:, None]  # [bs*topk, width] prefix
-    own = draft_step_positions(seq_lens, topk, num_steps)[: step + 1]  # [step+1, bs*topk]
-    mask.scatter_(1, own.t(), True)
-    valid = cols[None, :] < draft_kv_len(seq_lens, topk, num_steps).repeat_interleave(topk)[:, None]
-    return mask[valid]  # row-major per request: rows of request b are contiguous
+    keys = torch.arange(topk * num_steps, device=device)  # offset j*S + i from seq
+    rows = torch.arange(topk, device=device)
+    mask = (keys[None, :] // num_steps == rows[:, None]) & (keys[None, :] % num_steps <= step)
+    return mask.expand(bs, topk, topk * num_steps)

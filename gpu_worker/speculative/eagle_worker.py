@@ -114,8 +114,6 @@ class EagleWorker:
             mode=ForwardMode.DRAFT_EXTEND,
             input_ids=rotate_prefill_inputs(batch.input_ids, batch.extend_seq_lens, tails),
             spec_info=SpecInput(self.target_features(target_out)),
-            attn_backend=None,
-            attn_metadata=None,
         )
         out = self.draft.forward(draft_batch)
         last = torch.cumsum(batch.extend_seq_lens.long(), 0) - 1  # [bs]
@@ -143,7 +141,7 @@ class EagleWorker:
                 rows,
                 kv_lens_cpu,
                 [topk] * len(seq_cpu),
-                custom_mask=draft_decode_mask(seq_lens, topk, steps, step, seq_cpu),
+                custom_mask=draft_decode_mask(len(seq_cpu), topk, steps, step, rows.device),
                 spec_info=SpecInput(hidden),
             )
             out = self.draft.forward(batch)
@@ -156,7 +154,7 @@ class EagleWorker:
         )
         return build_tree(
             bonus, parent_list, top_scores_index, draft_tokens, seq_lens, topk, steps,
-            self.num_draft_tokens, seq_cpu,
+            self.num_draft_tokens,
         )
 
     def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:

@@ -156,7 +156,7 @@ class MTPWorker:
         chain_parents = torch.arange(-1, steps - 1, device=rows.device).expand(bs, steps)
         tree = build_tree(
             bonus, chain_parents, torch.arange(steps, device=rows.device).expand(bs, steps),
-            self.chain[rows], seq_lens, 1, steps, steps + 1, seq_cpu,
+            self.chain[rows], seq_lens, 1, steps, steps + 1,
         )
         result, verify_out, step = verify_and_accept(
             self.target, self.sampling, tree, rows, seq_lens, seq_cpu, want_logprobs

@@ -118,8 +118,8 @@ class DraftTree:
     """A batch of draft trees of `num_draft_tokens` (ND) nodes each, ready for verify.
 
     tokens [bs*ND] int64 (node 0 = bonus/root); positions [bs*ND] int64 (= seq + depth);
-    custom_mask flat bool, per request a row-major [ND, seq_b + ND] block (prefix columns
-    True, node columns = self + ancestors), blocks concatenated in request order;
+    custom_mask [bs, ND, ND] bool, the tree-local verify mask over the ND node keys (row k:
+    node k itself and its ancestors; the prefix before the nodes is always visible);
     retrieve_index, next_token, next_sibling [bs, ND] int64 (-1 = none; retrieve_index[b, k]
     = b*ND + k; child lists in ascending node order); depth [bs, ND] int64; ancestors
     [bs, ND, ND] bool (row k: node k itself and its ancestors, root included).
@@ -188,22 +188,6 @@ def link_children(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return next_token, torch.where(next_sibling < nd, next_sibling, -1)
 
 
-def build_tree_mask(
-    ancestors: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int] | None
-) -> torch.Tensor:
-    """Flat bool verify mask: per request a row-major [ND, seq_b + ND] block, concatenated."""
-    bs, nd, _ = ancestors.shape
-    max_seq = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max().item())
-    cols = torch.arange(max_seq + nd, device=ancestors.device, dtype=torch.int64)
-    seq = seq_lens.to(torch.int64)[:, None]  # [bs, 1]
-    node_col = cols[None, :] - seq  # [bs, width]
-    in_tree = (node_col >= 0) & (node_col < nd)
-    index = node_col.clamp(0, nd - 1)[:, None, :].expand(bs, nd, -1)  # [bs, ND, width]
-    mask = (cols[None, :] < seq)[:, None, :] | (ancestors.gather(2, index) & in_tree[:, None, :])
-    valid = (node_col < nd)[:, None, :].expand(bs, nd, -1)
-    return mask[valid]
-
-
 def build_tree(
     bonus_tokens: torch.Tensor,
     parent_list: torch.Tensor,
@@ -213,13 +197,11 @@ def build_tree(
     topk: int,
     num_steps: int,
     num_draft_tokens: int,
-    seq_lens_cpu: list[int] | None = None,
 ) -> DraftTree:
-    """Build the verify trees from `organize_draft`'s output (notes §3.4, FULL mask layout).
+    """Build the verify trees from `organize_draft`'s output.
 
     bonus_tokens [bs], seq_lens [bs] (committed KV length = root position), the rest as
-    returned by `organize_draft`; all on one device. `seq_lens_cpu` (host copy of seq_lens)
-    avoids a sync for the mask width; packing the variable-length mask syncs on CUDA.
+    returned by `organize_draft`; all on one device. Fixed shapes, no host reads.
     """
     bs, nd = seq_lens.shape[0], num_draft_tokens
     device = seq_lens.device
@@ -234,7 +216,7 @@ def build_tree(
     return DraftTree(
         tokens=tokens.flatten(),
         positions=(seq_lens.to(torch.int64)[:, None] + depth).flatten(),
-        custom_mask=build_tree_mask(ancestors, seq_lens, seq_lens_cpu),
+        custom_mask=ancestors,
         retrieve_index=retrieve_index,
         next_token=next_token,
         next_sibling=next_sibling,

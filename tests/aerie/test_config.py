@@ -63,6 +63,18 @@ def test_resolve_fills_auto_values(tmp_path):
     os.rmdir(cfg.runtime_dir)
 
 
+def test_attention_backend_auto_and_triton_on_cpu(tmp_path, monkeypatch):
+    path = _model_dir(tmp_path)
+    argv = ["--model-path", path, "--device", "cpu"]
+    assert resolve_config(config_from_args(argv)).runner.attention_backend == "torch_native"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        resolve_config(config_from_args([*argv, "--attention-backend", "triton"]))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = resolve_config(config_from_args([*argv, "--attention-backend", "triton"]))
+    assert cfg.runner.attention_backend == "triton"
+
+
 def test_port_zero_asks_for_any_free_ports(tmp_path):
     """--port 0 lets the OS pick; the ZMQ port then defaults to 0 too (not 1)."""
     path = _model_dir(tmp_path)
@@ -79,7 +91,6 @@ def test_port_zero_asks_for_any_free_ports(tmp_path):
         (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
         (["--port", "70000"], r"--port must be in \[0, 65535\]"),
         (["--zmq-port", "-1"], r"--zmq-port must be in \[0, 65535\]"),
-        (["--attention-backend", "triton"], "use --attention-backend torch_native"),
     ],
 )
 def test_resolve_refuses_impossible_values(tmp_path, argv, message):

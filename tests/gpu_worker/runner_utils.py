@@ -32,7 +32,7 @@ def run_step(
     prefix_lens: list[int],
     input_ids: list[list[int]],
     all_slots: list[list[int]],
-    custom_masks=None,
+    custom_mask=None,
     positions=None,
 ):
     """Write each request's new slots into req_to_token, run one forward, return LogitsOutput."""
@@ -54,7 +54,7 @@ def run_step(
         rows,
         device,
         positions=positions,
-        custom_masks=custom_masks,
+        custom_mask=custom_mask,
     )
     return runner.forward(batch)
 

@@ -25,20 +25,20 @@ def test_build_forward_batch_lays_out_requests_in_order():
 
 
 def test_sample_indices_and_custom_mask_for_verify():
-    masks = [torch.ones(2, 3, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool)]
+    mask = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [0, 1]]], dtype=torch.bool)  # [bs, 2, 2]
     batch = build_forward_batch(
         ForwardMode.TARGET_VERIFY,
-        [[1, 2], [3]],
+        [[1, 2], [3, 4]],
         [1, 3],
-        [[5, 6], [7]],
+        [[5, 6], [7, 8]],
         [1, 2],
         "cpu",
-        positions=[[1, 1], [3]],
-        custom_masks=masks,
+        positions=[[1, 2], [3, 4]],
+        custom_mask=mask,
     )
-    assert batch.sample_indices().tolist() == [0, 1, 2]
-    assert batch.positions.tolist() == [1, 1, 3]
-    assert batch.custom_mask.tolist() == [True] * 6 + [False] * 4
+    assert batch.sample_indices().tolist() == [0, 1, 2, 3]
+    assert batch.positions.tolist() == [1, 2, 3, 4]
+    assert batch.custom_mask.shape == (2, 2, 2) and torch.equal(batch.custom_mask, mask)
 
 
 def test_slot_count_must_match_input_count():

@@ -16,6 +16,13 @@ from tests.gpu_worker.runner_utils import run_step, shuffled_slots
 ATOL = 1e-4
 
 
+@pytest.fixture(params=["torch_native", "triton"])
+def backend(request) -> str:
+    """Every runner test runs with both attention backends (and the layer kernels that come
+    with them): triton in the interpreter on CPU."""
+    return request.param
+
+
 def make_runner(model_dir: str, page_size: int = 1, **kwargs) -> ModelRunner:
     options = dict(max_total_tokens=256, max_running_requests=4, context_length=128)
     return ModelRunner(
@@ -33,8 +40,8 @@ def all_logits(runner: ModelRunner, out) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3", "llama_sharded"])
-def test_prefill_matches_hf(tiny_dirs, reference_models, name):
-    runner = make_runner(tiny_dirs[name])
+def test_prefill_matches_hf(backend, tiny_dirs, reference_models, name):
+    runner = make_runner(tiny_dirs[name], attention_backend=backend)
     ids = prompt(13)
     slots = shuffled_slots(runner, 1, len(ids))
     out = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids], slots)
@@ -44,9 +51,9 @@ def test_prefill_matches_hf(tiny_dirs, reference_models, name):
     torch.testing.assert_close(all_logits(runner, out), expected, atol=ATOL, rtol=0)
 
 
-def test_llama3_rope_scaling_matches_hf(tiny_dirs, reference_models):
+def test_llama3_rope_scaling_matches_hf(backend, tiny_dirs, reference_models):
     """Positions beyond original_max_position_embeddings (32) exercise the llama3 scaling."""
-    runner = make_runner(tiny_dirs["llama31"])
+    runner = make_runner(tiny_dirs["llama31"], attention_backend=backend)
     assert runner.config.rope_scaling["rope_type"] == "llama3"
     ids = prompt(70, seed=3)
     out = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids], shuffled_slots(runner, 1, 70))
@@ -55,8 +62,8 @@ def test_llama3_rope_scaling_matches_hf(tiny_dirs, reference_models):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_chunked_prefill_then_decode_matches_hf(tiny_dirs, reference_models, page_size):
-    runner = make_runner(tiny_dirs["qwen3"], page_size=page_size)
+def test_chunked_prefill_then_decode_matches_hf(backend, tiny_dirs, reference_models, page_size):
+    runner = make_runner(tiny_dirs["qwen3"], page_size=page_size, attention_backend=backend)
     ids = prompt(18, seed=1)
     num_decode = 5
     slots = shuffled_slots(runner, 1, len(ids) + num_decode, seed=page_size)
@@ -78,9 +85,9 @@ def test_chunked_prefill_then_decode_matches_hf(tiny_dirs, reference_models, pag
         torch.testing.assert_close(last, reference_logits(reference, seq)[-1], atol=ATOL, rtol=0)
 
 
-def test_mixed_batch_of_different_lengths(tiny_dirs, reference_models):
+def test_mixed_batch_of_different_lengths(backend, tiny_dirs, reference_models):
     """Several requests on arbitrary rows, different prefix and extend lengths, one forward."""
-    runner = make_runner(tiny_dirs["qwen2"], page_size=4)
+    runner = make_runner(tiny_dirs["qwen2"], page_size=4, attention_backend=backend)
     reference = reference_models("qwen2")
     prompts = [prompt(n, seed=10 + n) for n in (9, 3, 14)]
     rows = [2, 4, 1]
@@ -112,24 +119,24 @@ def test_mixed_batch_of_different_lengths(tiny_dirs, reference_models):
         torch.testing.assert_close(out.next_token_logits[i], expected, atol=ATOL, rtol=0)
 
 
-def test_custom_mask_causal_equals_causal_path(tiny_dirs):
-    runner = make_runner(tiny_dirs["llama"])
+def test_custom_mask_causal_equals_causal_path(backend, tiny_dirs):
+    runner = make_runner(tiny_dirs["llama"], attention_backend=backend)
     ids = prompt(12, seed=4)
     slots = shuffled_slots(runner, 1, 12)
     run_step(runner, ForwardMode.EXTEND, [1], [0], [ids[:7]], slots)
     causal = run_step(runner, ForwardMode.TARGET_VERIFY, [1], [7], [ids[7:]], slots)
-    mask = torch.ones(5, 12, dtype=torch.bool).tril(diagonal=7)  # query j sees keys <= 7 + j
+    mask = torch.ones(1, 5, 5, dtype=torch.bool).tril()  # over the 5 new keys: causal
     masked = run_step(
-        runner, ForwardMode.TARGET_VERIFY, [1], [7], [ids[7:]], slots, custom_masks=[mask]
+        runner, ForwardMode.TARGET_VERIFY, [1], [7], [ids[7:]], slots, custom_mask=mask
     )
     assert causal.next_token_logits.shape == (5, 256)
     torch.testing.assert_close(masked.next_token_logits, causal.next_token_logits, atol=0, rtol=0)
 
 
-def test_tree_mask_branch_equals_running_branch_alone(tiny_dirs, reference_models):
+def test_tree_mask_branch_equals_running_branch_alone(backend, tiny_dirs, reference_models):
     """Tree after a 6-token prefix: root r, children a and b, c under b (nodes r, a, b, c).
     Masking the other branch must give each node the logits of its own path run alone."""
-    runner = make_runner(tiny_dirs["llama"])
+    runner = make_runner(tiny_dirs["llama"], attention_backend=backend)
     reference = reference_models("llama")
     prefix = prompt(6, seed=5)
     r, a, b, c = 11, 22, 33, 44
@@ -137,12 +144,11 @@ def test_tree_mask_branch_equals_running_branch_alone(tiny_dirs, reference_model
     depth = [0, 1, 1, 2]
     slots = shuffled_slots(runner, 1, 10)
     run_step(runner, ForwardMode.EXTEND, [1], [0], [prefix], slots)
-    mask = torch.zeros(4, 10, dtype=torch.bool)
-    mask[:, :6] = True
+    mask = torch.zeros(1, 4, 4, dtype=torch.bool)  # tree-local: the prefix is always seen
     for node in range(4):
         ancestor = node
         while ancestor != -1:
-            mask[node, 6 + ancestor] = True
+            mask[0, node, ancestor] = True
             ancestor = parents[ancestor]
     out = run_step(
         runner,
@@ -151,7 +157,7 @@ def test_tree_mask_branch_equals_running_branch_alone(tiny_dirs, reference_model
         [6],
         [[r, a, b, c]],
         slots,
-        custom_masks=[mask],
+        custom_mask=mask,
         positions=[[6 + d for d in depth]],
     )
     paths = {0: [r], 1: [r, a], 2: [r, b], 3: [r, b, c]}

@@ -262,7 +262,7 @@ def test_mimo_architecture_is_a_qwen2_target(dirs, tmp_path):
         for r in (mimo, qwen2)
     ]
     torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
-    assert mimo.model.model.layers[0].self_attn.q_proj.bias is not None
+    assert mimo.model.model.layers[0].self_attn.qkv_proj.bias is not None
     # its MTP layers have the Qwen2 block (q/k/v bias)
     layer = make_runner(str(tmp_path), draft_of=mimo, mtp_layer=1)
-    assert layer.model.block.self_attn.q_proj.bias is not None
+    assert layer.model.block.self_attn.qkv_proj.bias is not None

@@ -8,7 +8,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_worker.models import build_model, get_model_class, read_arch_config
-from gpu_worker.weights import WeightLoadError, list_weight_files, load_weights
+from gpu_worker.weights import (
+    WeightLoadError,
+    list_weight_files,
+    load_weights,
+    merged_shard_names,
+)
 
 
 def load(model_dir: str):
@@ -24,8 +29,16 @@ def test_sharded_checkpoint_loads_every_tensor(tiny_dirs):
     stored = {}
     for path in files:
         stored.update(load_file(path))
-    for name, param in model.named_parameters():
-        assert torch.equal(param, stored[name]), name
+    merged = merged_shard_names(model)
+    for name, tensor in stored.items():
+        if name in merged:  # q/k/v, gate/up: their rows of the merged projection
+            module, shard, param_name = merged[name]
+            start, rows = module.shard_rows[shard]
+            assert torch.equal(getattr(module, param_name)[start : start + rows], tensor), name
+        else:
+            assert torch.equal(model.get_parameter(name), tensor), name
+    assert {n for n in stored if ".self_attn." in n} >= {  # HF names: the merge is ours
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
 
 
 def test_tied_embeddings_share_one_parameter(tiny_dirs):
@@ -36,7 +49,7 @@ def test_tied_embeddings_share_one_parameter(tiny_dirs):
 def test_bfloat16_cast(tiny_dirs):
     model = build_model(read_arch_config(tiny_dirs["qwen2"]), "cpu", torch.bfloat16)
     load_weights(model, tiny_dirs["qwen2"])
-    bias = model.model.layers[0].self_attn.q_proj.bias
+    bias = model.model.layers[0].self_attn.qkv_proj.bias
     assert bias.dtype == torch.bfloat16 and bias.abs().sum() > 0
 
 

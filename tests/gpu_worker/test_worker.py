@@ -31,6 +31,7 @@ def make_config(model_dir: str, runtime_dir: str = "") -> AerieConfig:
         model={"model_path": model_dir, "device": "cpu", "dtype": "float32"},
         cache={"max_total_tokens": 64, "page_size": PAGE_SIZE},
         scheduler={"max_running_requests": 4},
+        runner={"attention_backend": "torch_native"},
     )
 
 

@@ -17,7 +17,7 @@ def test_penalties_count_the_drafts_on_each_nodes_path():
     sampling = SamplingState(2, vocab, "cpu")
     sampling.start(1, SamplingParams(temperature=0.0, frequency_penalty=1.0), [0], 0, 0)
     tree = build_tree(torch.tensor([3]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
-                      torch.tensor([[5, 5]]), torch.tensor([4]), 1, steps, steps + 1, [4])
+                      torch.tensor([[5, 5]]), torch.tensor([4]), 1, steps, steps + 1)
     logits = torch.zeros(steps + 1, vocab)
     logits[:, 5], logits[:, 6] = 1.0, 0.5
     result, _ = accept_tree(sampling, tree, logits, torch.tensor([1]))

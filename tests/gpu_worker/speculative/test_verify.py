@@ -21,7 +21,7 @@ def kernel_vector_tree() -> DraftTree:
     return DraftTree(
         tokens=torch.tensor([0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]),
         positions=torch.zeros(2 * nd, dtype=torch.int64),
-        custom_mask=torch.ones(0, dtype=torch.bool),
+        custom_mask=torch.ones(0, 0, 0, dtype=torch.bool),
         retrieve_index=torch.arange(2 * nd).view(2, nd),
         next_token=torch.tensor([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]]),
         next_sibling=torch.tensor([[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]),

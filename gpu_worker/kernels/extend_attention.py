@@ -1,0 +1,158 @@
+"""Paged extend attention: several queries per request over its whole KV, causal or masked.
+
+    o = extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                         extend_seq_lens, extend_start_loc, max_extend_len, scaling,
+                         custom_mask=None)
+
+q [num_tokens, H * D] (requests' tokens back to back, request b's from extend_start_loc[b]);
+k_buffer / v_buffer [num_slots, KH, D] (one layer of the pool, the new tokens' K/V already
+stored); req_to_token [rows, max_len] int32; req_pool_indices, seq_lens (keys attended),
+extend_seq_lens, extend_start_loc: [bs] on the device. Request b's queries sit at positions
+seq_len - extend_len + j and read the keys at slots req_to_token[row, :seq_len]: the prefix
+from the pool and the new tokens alike, so page size never reaches the kernel.
+
+Visibility: causal (query j sees keys up to its own position), or a tree-local custom_mask
+[bs, q_len, width] (uint8 or bool) over the last `width` keys, earlier keys always visible
+(tree verify; multi-step draft decode over the branch-local keys).
+
+One program per (request, query head, block of BLOCK_M queries); max_extend_len (a host
+value that comes with the plan, never read back from the device) sizes the grid, and blocks
+past a request's own extend length return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels import next_power_of_2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    extend_seq_lens_ptr,
+    extend_start_loc_ptr,
+    mask_ptr,
+    req_to_token_stride,
+    scale_log2,
+    mask_batch_stride,
+    mask_width,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    extend_len = tl.load(extend_seq_lens_ptr + req).to(tl.int32)
+    if m_block * BLOCK_M >= extend_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
+    token_start = tl.load(extend_start_loc_ptr + req).to(tl.int64)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    prefix_len = seq_len - extend_len
+
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < extend_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = prefix_len + m
+
+    if HAS_MASK:
+        key_end = seq_len
+        mask_start = seq_len - mask_width
+    else:  # causal: no key past this block's last query
+        key_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
+        mask_start = seq_len
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for block_start in range(0, key_end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        pos_mask = pos < key_end
+        slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
+        kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        if HAS_MASK:
+            col = pos - mask_start
+            in_tree = (col >= 0) & pos_mask
+            tree_offsets = req * mask_batch_stride + m[:, None] * mask_width + col[None, :]
+            tree = tl.load(mask_ptr + tree_offsets, mask=m_mask[:, None] & in_tree[None, :],
+                           other=0)  # fmt: skip
+            visible = ((col < 0)[None, :] | (tree != 0)) & pos_mask[None, :]
+        else:
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
+    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    max_extend_len: int,
+    scaling: float,
+    custom_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See the module docstring; returns o [num_tokens, H * D] in q's dtype."""
+    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
+    num_heads = q.shape[1] // head_dim
+    bs = req_pool_indices.shape[0]
+    o = torch.empty_like(q)
+    if bs == 0 or q.shape[0] == 0:
+        return o
+    block_m = 16 if max_extend_len <= 16 else 64
+    has_mask = custom_mask is not None
+    if has_mask:  # rows of each request contiguous; requests may share one (stride 0)
+        mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+        if mask.stride(2) != 1 or mask.stride(1) != mask.shape[2]:
+            mask = mask.contiguous()
+        mask_batch_stride, mask_width = mask.stride(0), mask.shape[2]
+    else:
+        mask, mask_batch_stride, mask_width = q, 0, 0  # unused
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_seq_lens,
+        extend_start_loc, mask, req_to_token.stride(0), scaling * LOG2E, mask_batch_stride,
+        mask_width,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=64, HAS_MASK=has_mask,
+        num_warps=4,
+    )  # fmt: skip
+    return o

@@ -1,0 +1,91 @@
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
+
+    rms_norm(x, w)                     -> w * normalize(x)
+    add_rms_norm(x, residual, w)       -> (w * normalize(x + residual), x + residual)
+
+Numerics follow Llama/Qwen (and transformers): the sum is rounded to the input dtype, the
+normalisation is computed in float32, the normalised value is rounded to the input dtype and
+then multiplied by the weight (one more rounding). One kernel launch per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels import next_power_of_2
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded like x + r
+        tl.store(residual_out_ptr + row * hidden + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / hidden
+    normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    out = torch.empty(rows.shape, dtype=torch.result_type(x, weight), device=x.device)
+    residual_out = torch.empty_like(rows) if residual is not None else out
+    res = residual.reshape(-1, hidden) if residual is not None else rows
+    block = next_power_of_2(hidden)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, res, weight, out, residual_out,
+            rows.stride(0), res.stride(0), out.stride(0), hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+        )  # fmt: skip
+    return out.view(x.shape), residual_out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., hidden] (rows may be strided, the last dim contiguous) -> a new tensor."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised x + residual, x + residual), both new tensors shaped like x."""
+    return _launch(x, residual, weight, eps)

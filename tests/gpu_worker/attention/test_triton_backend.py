@@ -1,0 +1,144 @@
+"""The triton backend against the torch_native reference, for every mode, page size and GQA
+shape: decode (split-K), extend over a prefix in the pool, tree verify and multi-step draft
+decode through tree-local masks. CPU runs the kernels in Triton's interpreter (float32, small
+sizes); CUDA adds bfloat16 and longer sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from gpu_worker.attention import create_attention_backend
+from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from gpu_worker.kv_cache import KVPool, ReqToTokenPool
+from gpu_worker.speculative.draft_layout import draft_decode_mask
+
+
+@dataclasses.dataclass
+class Layer:
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def setups():
+    cases = [("cpu", torch.float32)]
+    if torch.cuda.is_available():
+        cases += [("cuda", torch.float32), ("cuda", torch.bfloat16)]
+    return cases
+
+
+SHAPES = [(4, 4, 16), (4, 2, 16), (9, 3, 64), (8, 2, 32)]  # heads, kv heads, head dim
+
+
+class Pools:
+    """A random KV pool (every slot filled) and a req_to_token table of shuffled pages."""
+
+    def __init__(self, device, dtype, heads, kv_heads, head_dim, page_size, seed, max_len=160):
+        gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.device, self.dtype, self.page_size = device, dtype, page_size
+        num_rows, num_slots = 4, 4 * max_len + 64
+        num_slots -= num_slots % page_size
+        self.req = ReqToTokenPool(num_rows, max_len, device)
+        self.kv = KVPool(num_slots, page_size, 2, kv_heads, head_dim, dtype, device)
+        for layer in range(2):
+            for buffer in self.kv.get_kv(layer):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen).to(dtype))
+        pages = list(range(1, num_slots // page_size + 1))
+        self.rng.shuffle(pages)
+        per_row = max_len // page_size
+        for row in range(1, num_rows + 1):
+            own = pages[(row - 1) * per_row : row * per_row]
+            slots = [p * page_size + j for p in own for j in range(page_size)]
+            self.req.req_to_token[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        self.layer = Layer(1, heads, kv_heads, head_dim, head_dim**-0.5)
+        self.gen = gen
+
+    def q(self, num_tokens: int) -> torch.Tensor:
+        width = self.layer.num_heads * self.layer.head_dim
+        return torch.randn(num_tokens, width, generator=self.gen).to(self.device, self.dtype)
+
+    def run(self, name: str, batch: ForwardBatch, q: torch.Tensor) -> torch.Tensor:
+        backend = create_attention_backend(name, self.req, self.kv, self.layer.num_heads)
+        batch = dataclasses.replace(
+            batch, attn_backend=backend, attn_metadata=backend.init_forward_metadata(batch)
+        )
+        return backend.forward(q, self.layer, batch).float()
+
+
+def batch_of(pools: Pools, mode, rows, prefix_lens, extend_lens, custom_mask=None):
+    ids = [[1] * n for n in extend_lens]
+    slots = [pools.req.req_to_token[r, p : p + n].tolist()
+             for r, p, n in zip(rows, prefix_lens, extend_lens, strict=True)]  # fmt: skip
+    return build_forward_batch(mode, ids, prefix_lens, slots, rows, pools.device,
+                               custom_mask=custom_mask)  # fmt: skip
+
+
+def check(pools: Pools, batch: ForwardBatch) -> None:
+    q = pools.q(batch.num_tokens)
+    out = pools.run("triton", batch, q)
+    ref = pools.run("torch_native", batch, q)
+    tol = 1e-4 if pools.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode(device, dtype, heads, kv_heads, head_dim, page_size):
+    pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=heads + page_size)
+    seq_lens = [1, 37, 64, 150]  # one key; a partial block; whole blocks; several splits
+    batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens],
+                     [1] * 4)  # fmt: skip
+    check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_extend_over_a_prefix(device, dtype, heads, kv_heads, head_dim, page_size):
+    pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=7 * heads)
+    # a fresh prompt, a chunk after a prefix, one token after a long prefix, a long chunk
+    batch = batch_of(pools, ForwardMode.EXTEND, [2, 1, 4, 3], [0, 21, 90, 5],
+                     [13, 30, 1, 70])  # fmt: skip
+    check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES[1:3])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_verify_with_a_tree_local_mask(device, dtype, heads, kv_heads, head_dim, page_size):
+    pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=11)
+    nd, prefix_lens = 8, [0, 17, 64, 100]
+    masks = torch.zeros(len(prefix_lens), nd, nd, dtype=torch.bool)
+    for b in range(len(prefix_lens)):  # a random tree: node k's parent is an earlier node
+        parents = [-1] + [pools.rng.randrange(k) for k in range(1, nd)]
+        for k in range(nd):
+            node = k
+            while node != -1:
+                masks[b, k, node] = True
+                node = parents[node]
+    batch = batch_of(pools, ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], prefix_lens, [nd] * 4,
+                     custom_mask=masks)  # fmt: skip
+    check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("step", [0, 2])
+def test_draft_decode_over_branch_local_keys(device, dtype, page_size, step):
+    """topk rows per request over seq + topk*S keys; each row sees the prefix and its own
+    branch's drafts so far (the layout of speculative.draft_layout)."""
+    pools = Pools(device, dtype, 8, 2, 32, page_size, seed=step)
+    topk, steps, seq = 4, 3, [9, 40, 71]
+    mask = draft_decode_mask(len(seq), topk, steps, step, device)  # [bs, topk, topk*S], shared
+    width = topk * steps
+    batch = batch_of(pools, ForwardMode.DRAFT_DECODE, [2, 3, 1],
+                     [s + width - topk for s in seq], [topk] * 3, custom_mask=mask)  # fmt: skip
+    check(pools, batch)
