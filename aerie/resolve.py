@@ -78,6 +78,18 @@ def resolve_attention_backend(backend: str, device: str) -> str:
     return backend
 
 
+def resolve_cuda_graph_max_bs(config: AerieConfig, device: str, default_rows: int) -> int:
+    """--cuda-graph-max-bs, else the request limit, at most 256 (CPU: 32; there the same
+    padded path runs eagerly)."""
+    given = config.runner.cuda_graph_max_bs
+    if given is not None:
+        if given < 1:
+            raise ConfigError("--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph)")
+        return given
+    rows = config.scheduler.max_running_requests or default_rows
+    return min(rows, 256 if device == "cuda" else 32)
+
+
 def _resolve_model_path(model_path: str | None) -> str:
     if model_path is None:
         from aerie.default_model import ensure_default_model
@@ -236,8 +248,10 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
             "max_running_requests": config.scheduler.max_running_requests or default_rows,
         },
         speculative=speculative,
-        runner={"attention_backend": resolve_attention_backend(
-            config.runner.attention_backend, device)},
+        runner={
+            "attention_backend": resolve_attention_backend(config.runner.attention_backend, device),
+            "cuda_graph_max_bs": resolve_cuda_graph_max_bs(config, device, default_rows),
+        },
         server={"zmq_port": default_zmq_port(server.port, server.zmq_port)},
         runtime_dir=config.runtime_dir or tempfile.mkdtemp(prefix="aerie-"),
     )

@@ -67,8 +67,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
     req_pool_indices: torch.Tensor  # [bs] int64
-    seq_lens: torch.Tensor  # [bs] int32, keys attended (see the glossary)
-    extend_seq_lens: torch.Tensor  # [bs] int32
+    seq_lens: torch.Tensor  # [bs] int64, keys attended (see the glossary)
+    extend_seq_lens: torch.Tensor  # [bs] int64
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
@@ -107,38 +107,15 @@ def build_forward_batch(
     positions: Sequence[Sequence[int]] | None = None,
     custom_mask: torch.Tensor | None = None,
 ) -> ForwardBatch:
-    """Build a ForwardBatch from per-request host lists (one H2D copy per field).
+    """A ForwardBatch from per-request host lists (see `HostBatch.from_requests`), moved to
+    the device in one copy. custom_mask: a tree-local `[bs, extend_len, width]` mask."""
+    from gpu_worker.host_batch import HostBatch
 
-    input_ids[i] / out_slots[i]: request i's new tokens and their KV slots (same length).
-    positions: defaults to prefix_lens[i] + arange(len(input_ids[i])) (trees pass depths).
-    custom_mask: a tree-local `[bs, extend_len, width]` mask (see `ForwardBatch`).
-    """
-    extend_lens = [len(ids) for ids in input_ids]
-    for ids, slots in zip(input_ids, out_slots, strict=True):
-        if len(slots) != len(ids):
-            raise ValueError(f"{len(ids)} input ids but {len(slots)} out slots")
-    if positions is None:
-        positions = [range(p, p + n) for p, n in zip(prefix_lens, extend_lens, strict=True)]
-    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
-    mask = None if custom_mask is None else custom_mask.to(device, torch.bool)
-
-    def flat(lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        values = [v for row in lists for v in row]
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-    def small(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)
-
-    return make_batch(
-        mode,
-        flat(input_ids),
-        flat(positions),
-        flat(out_slots),
-        small(req_pool_indices, torch.int64),
-        seq_lens,
-        extend_lens,
-        custom_mask=mask,
+    host = HostBatch.from_requests(
+        mode, input_ids, prefix_lens, out_slots, req_pool_indices, positions
     )
+    mask = None if custom_mask is None else custom_mask.to(device, torch.bool)
+    return host.to_device(torch.device(device), custom_mask=mask)
 
 
 def make_batch(
@@ -147,17 +124,22 @@ def make_batch(
     positions: torch.Tensor,
     out_cache_loc: torch.Tensor,
     req_pool_indices: torch.Tensor,
-    kv_lens_cpu: list[int],
+    seq_lens_cpu: list[int],
     extend_lens_cpu: list[int],
     custom_mask: torch.Tensor | None = None,
     spec_info: object | None = None,
+    seq_lens: torch.Tensor | None = None,
+    extend_seq_lens: torch.Tensor | None = None,
 ) -> ForwardBatch:
-    """A ForwardBatch from device tensors; kv_lens = KV length each request attends after it."""
+    """The one ForwardBatch constructor: device tensors, plus the lengths on the host (and on
+    the device when the caller already has them there; otherwise they are copied)."""
     device = input_ids.device
-    prefix_cpu = [kv - n for kv, n in zip(kv_lens_cpu, extend_lens_cpu, strict=True)]
+    prefix_cpu = [n - e for n, e in zip(seq_lens_cpu, extend_lens_cpu, strict=True)]
 
-    def small(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+    def on_device(values: list[int], tensor: torch.Tensor | None) -> torch.Tensor:
+        if tensor is not None:
+            return tensor
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
     return ForwardBatch(
         mode=mode,
@@ -165,9 +147,9 @@ def make_batch(
         positions=positions.long(),
         out_cache_loc=out_cache_loc.long(),
         req_pool_indices=req_pool_indices.long(),
-        seq_lens=small(kv_lens_cpu),
-        extend_seq_lens=small(extend_lens_cpu),
-        seq_lens_cpu=kv_lens_cpu,
+        seq_lens=on_device(seq_lens_cpu, seq_lens),
+        extend_seq_lens=on_device(extend_lens_cpu, extend_seq_lens),
+        seq_lens_cpu=seq_lens_cpu,
         extend_prefix_lens_cpu=prefix_cpu,
         extend_seq_lens_cpu=extend_lens_cpu,
         custom_mask=custom_mask,

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.attention import create_attention_backend
+from gpu_worker.cuda_graph import CudaGraphRunner
 from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.host_batch import HostBatch, Staging
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.layers.layernorm import set_use_triton
 from gpu_worker.layers.rotary import init_cos_sin_caches
@@ -71,6 +73,7 @@ class ModelRunner:
         req_to_token_extra: int = 0,
         shared_kv_bytes_per_token: int = 0,
         mtp_layer: int | None = None,
+        cuda_graph_max_bs: int = 0,
     ) -> None:
         """Load the model, then size and allocate the KV pool from what memory is left.
 
@@ -85,7 +88,9 @@ class ModelRunner:
         token of the runners that will share this runner's slot count (its drafts), so a
         memory-sized pool leaves room for their pools too. mtp_layer: build MTP layer i of the
         checkpoint in `model` (the target's directory or a separate MTP directory, see
-        `mimo_mtp.mtp_weights_dir`); needs draft_of.
+        `mimo_mtp.mtp_weights_dir`); needs draft_of. cuda_graph_max_bs: run DECODE through a
+        `CudaGraphRunner` for batches up to this size (captured on CUDA when the attention
+        backend supports it; the same padded path eagerly otherwise); 0: always eager.
         """
         if mtp_layer is not None and draft_of is None:
             raise ValueError("an MTP layer is a draft: pass draft_of")
@@ -109,6 +114,10 @@ class ModelRunner:
         init_cos_sin_caches(self.model, self.context_length + req_to_token_extra, self.device)
         set_use_triton(self.model, attention_backend == "triton")
         self.aux_hidden_layers = self._check_aux_layers(aux_hidden_layers)
+        self.graph_reserve_bytes = (
+            estimate_graph_bytes(self.config, cuda_graph_max_bs, dtype)
+            if self.device.type == "cuda" else 0
+        )
         self.max_total_tokens = self._size_kv_pool(
             max_total_tokens, mem_fraction_static, shared_kv_bytes_per_token
         )
@@ -124,9 +133,17 @@ class ModelRunner:
             dtype,
             self.device,
         )
+        self.staging = Staging(self.device)
         self.attn_backend = create_attention_backend(
             attention_backend, self.req_to_token_pool, self.kv_pool, self.config.num_heads
         )
+        self.graph_runner: CudaGraphRunner | None = None
+        if cuda_graph_max_bs > 0:
+            capture = self.device.type == "cuda" and self.attn_backend.supports_cuda_graph
+            if self.device.type == "cuda" and not capture:
+                log.warning("%s attention cannot be captured in CUDA graphs: decode runs "
+                            "eagerly", attention_backend)  # fmt: skip
+            self.graph_runner = CudaGraphRunner(self, cuda_graph_max_bs, capture=capture)
         log.info(
             "%s on %s (%s): KV pool of %d tokens",
             self.config.architecture,
@@ -210,15 +227,36 @@ class ModelRunner:
             return CPU_KV_BUDGET_BYTES
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = DEFAULT_MEM_FRACTION_STATIC if mem_fraction is None else mem_fraction
-        # Weights (and anything else resident) count against the same static fraction.
-        return int(total * fraction) - (total - free)
+        # Weights (and anything else resident) count against the same static fraction, and
+        # so does what the CUDA graphs will take.
+        return int(total * fraction) - (total - free) - self.graph_reserve_bytes
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
-        """Run the model on `batch` (writes the new tokens' KV into this runner's pool). A draft
-        reads `batch.spec_info.hidden_states` [num_tokens, H_in]."""
+        """Run the model on `batch` eagerly (writes the new tokens' KV into this runner's pool).
+        A draft reads `batch.spec_info.hidden_states` [num_tokens, H_in]."""
         metadata = self.attn_backend.init_forward_metadata(batch)
         batch = dataclasses.replace(batch, attn_backend=self.attn_backend, attn_metadata=metadata)
+        return self.run_model(batch)
+
+    @torch.inference_mode()
+    def forward_host(
+        self, host: HostBatch, input_ids: torch.Tensor | None = None
+    ) -> LogitsOutput:
+        """Run a batch given on the host: in a CUDA graph when one fits (the outputs are then
+        views of its static buffers, valid until the next call), else eagerly after one copy
+        through pinned staging. input_ids: token ids already on the device, instead of
+        host.input_ids."""
+        if self.graph_runner is not None and self.graph_runner.can_run(host):
+            return self.graph_runner.run(host, input_ids)
+        batch = host.to_device(self.device, self.staging)
+        if input_ids is not None:
+            batch = dataclasses.replace(batch, input_ids=input_ids.long())
+        return self.forward(batch)
+
+    def run_model(self, batch: ForwardBatch) -> LogitsOutput:
+        """The model and its logits for a batch whose attention metadata is set (the body that
+        CUDA graphs capture)."""
         aux = None
         if self.aux_hidden_layers:
             hidden, aux = self.model.forward_with_aux(batch, self.aux_hidden_layers)
@@ -227,3 +265,14 @@ class ModelRunner:
         sampled = hidden if batch.mode.samples_every_token() else hidden[batch.sample_indices()]
         logits = self.model.compute_logits(sampled)  # [num_sampled, V]
         return LogitsOutput(next_token_logits=logits, hidden_states=hidden, aux_hidden_states=aux)
+
+
+def estimate_graph_bytes(config: ArchConfig, max_bs: int, dtype: torch.dtype) -> int:
+    """Device memory CUDA graphs of decode batches up to max_bs may take (kept out of the KV
+    budget): static float32 logits and the largest activations, with room to spare."""
+    if max_bs <= 0:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    logits = max_bs * config.vocab_size * 4 * 2  # static copy + the forward's own
+    activations = max_bs * (2 * config.intermediate_size + 8 * config.hidden_size) * element
+    return logits + 4 * activations + (64 << 20)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -300,21 +301,30 @@ class SamplingState:
                 (outputs,), torch.ones_like(outputs, dtype=torch.int32), accumulate=True
             )
 
-    def observe(self, req_pool_indices: Tensor, token_ids: Tensor) -> None:
+    def observe(
+        self, req_pool_indices: Tensor, token_ids: Tensor, weights: Tensor | None = None
+    ) -> None:
         """Count new output tokens: [n] rows and [n] ids (a row may repeat, e.g. an accepted
-        speculative run). Mutates `counts`; a no-op when no row uses penalties."""
+        speculative run); weights [n] (0/1) counts only some of them without a host-side
+        selection. Mutates `counts`; a no-op when no row uses penalties."""
         if not bool(self._flags_cpu[:, 0].any()):
             return
         rows = req_pool_indices.to(self.device, torch.int64)
         ids = token_ids.to(self.device, torch.int64)
-        ones = torch.ones_like(ids, dtype=torch.int32)
-        self.counts.index_put_((rows, ids), ones, accumulate=True)
+        counts = torch.ones_like(ids, dtype=torch.int32) if weights is None else weights.int()
+        self.counts.index_put_((rows, ids), counts, accumulate=True)
 
-    def gather(self, req_pool_indices: Tensor) -> SamplingRows:
-        """Parameters of a batch's rows. Indices on the CPU give exact per-batch stage flags;
-        on the device, flags cover every started row (no sync either way)."""
-        if req_pool_indices.device.type == "cpu":
-            flags = self._flags_cpu[req_pool_indices.long()].any(dim=0).tolist()
+    def gather(
+        self, req_pool_indices: Tensor, rows_cpu: np.ndarray | Tensor | None = None
+    ) -> SamplingRows:
+        """Parameters of a batch's rows. A host copy of the rows (rows_cpu, or the indices
+        themselves when on the CPU) gives exact per-batch stage flags; without one, flags
+        cover every started row. Never a device sync."""
+        host = rows_cpu if rows_cpu is not None else None
+        if host is None and req_pool_indices.device.type == "cpu":
+            host = req_pool_indices
+        if host is not None:
+            flags = self._flags_cpu[torch.as_tensor(host).long()].any(dim=0).tolist()
         else:
             flags = self._flags_cpu.any(dim=0).tolist()
         rows = req_pool_indices.to(self.device, torch.int64)
@@ -338,6 +348,7 @@ class SamplingState:
         req_pool_indices: Tensor,
         positions: Tensor,
         want_logprobs: bool = True,
+        rows_cpu: np.ndarray | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Sample one token per row. logits [bs, V] float32 (not mutated); req_pool_indices
         [bs]; positions [bs]: absolute position of the token being generated.
@@ -345,9 +356,10 @@ class SamplingState:
         Returns token_ids [bs] int64 and, when want_logprobs, logprobs [bs] float32 (else
         None), both on the device: the log-softmax of the processed distribution the token was
         drawn from (temperature and filters); for greedy rows the log-softmax of the
-        (penalised) logits at temperature 1.
+        (penalised) logits at temperature 1. rows_cpu: a host copy of req_pool_indices (exact
+        stage flags). No host synchronisation.
         """
-        rows = self.gather(req_pool_indices)
+        rows = self.gather(req_pool_indices, rows_cpu)
         logits = self.penalize(logits.float(), req_pool_indices, rows)  # [bs, V]
         if not rows.use_sampling:
             token_ids = logits.argmax(dim=-1)

@@ -13,17 +13,20 @@ slot ids), runs the step and returns a `StepResult`:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, PlanRequest, StepResult
-from gpu_worker.forward_batch import ForwardMode, build_forward_batch
+from gpu_worker.forward_batch import ForwardMode
+from gpu_worker.host_batch import HostCopy, Staging, segment_offsets
 from gpu_worker.kv_cache import kv_bytes_per_token
 from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner
 from gpu_worker.models import read_arch_config
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
 from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir
+from gpu_worker.plan_arrays import PlanArrays, parse_plan
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
 from gpu_worker.speculative.mtp_worker import MTPWorker
@@ -57,6 +60,13 @@ def draft_kv_bytes_per_token(config: AerieConfig, dtype: torch.dtype) -> int:
     return kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
 
 
+def graph_max_bs(config: AerieConfig) -> int:
+    """The largest decode batch run through the CUDA graph runner (0: none)."""
+    if config.runner.disable_cuda_graph:
+        return 0
+    return config.runner.cuda_graph_max_bs or 0
+
+
 def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
     """The target runner and its draft runner list (same slot ids, each with its own pools):
     empty without speculation, one EAGLE draft, or one runner per MTP layer."""
@@ -82,6 +92,8 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
         aux_hidden_layers=eagle3_aux_layers(config),
         req_to_token_extra=spec.decode_alloc_len,
         shared_kv_bytes_per_token=draft_kv_bytes_per_token(config, dtype),
+        # Plain decode only: speculative iterations run their own forwards.
+        cuda_graph_max_bs=0 if spec.enabled else graph_max_bs(config),
     )
     if not spec.enabled:
         return target, []
@@ -131,7 +143,9 @@ class GPUWorker:
                 config.speculative, self.runner, self.draft_runner_list[0], self.sampling
             )
         # Per request row: whether its request asked for logprobs (host side).
-        self.return_logprob = [False] * (self.max_running_requests + 1)
+        self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
+        self.staging = Staging(self.device)  # the step's inputs go over in one copy
+        self.results = HostCopy(self.device)  # and its results come back in one
 
     def info(self) -> dict[str, int | float | str]:
         """What the launcher and scheduler need to know (sent in ProcessReady)."""
@@ -149,48 +163,49 @@ class GPUWorker:
         """Run one scheduler step; returns the new tokens in plan order."""
         if plan.mode not in PLAN_MODES:
             raise ValueError(f"unknown plan mode {plan.mode!r}")
-        requests = plan.requests
-        if not requests:
+        if not plan.requests:
             return StepResult(plan_id=plan.plan_id, num_tokens=b"", token_ids=b"")
-        for request in requests:
+        for request in plan.requests:
             if request.start is not None:
                 self._start_request(request)
-        input_ids = [codec.unpack_ids(r.input_ids) for r in requests]
-        out_slots = [codec.unpack_ids(r.out_slots) for r in requests]
-        self._check_plan(plan, input_ids, out_slots)
-        self._write_slots(requests, out_slots)
+        arrays = parse_plan(plan, self.max_running_requests)
+        rows, positions, sampled = self._write_slots(arrays)
         if plan.mode == "decode" and self.spec is not None:
-            return self._speculative_decode(plan, input_ids)
-        batch = build_forward_batch(
-            PLAN_MODES[plan.mode],
-            input_ids,
-            [r.prefix_len for r in requests],
-            [slots[: len(ids)] for ids, slots in zip(input_ids, out_slots, strict=True)],
-            [r.req_pool_idx for r in requests],
-            self.device,
+            return self._speculative_decode(plan, arrays)
+        host = arrays.host_batch(PLAN_MODES[plan.mode])
+        batch = None
+        if self.spec is not None:  # the draft prefill reads the batch too
+            batch = host.to_device(self.device, self.runner.staging)
+            out = self.runner.forward(batch)
+        else:
+            out = self.runner.forward_host(host)  # a CUDA graph for decode batches that fit
+        want = bool(self.return_logprob[arrays.rows[arrays.sample]].any())
+        token_ids, logprobs = self.sampling.sample(
+            out.next_token_logits, rows, positions, want, rows_cpu=arrays.rows
         )
-        out = self.runner.forward(batch)
-        want = any(self.return_logprob[r.req_pool_idx] for r in requests if r.sample)
-        token_ids, logprobs = self._sample(plan, out.next_token_logits, batch.seq_lens_cpu, want)
+        if arrays.sample.any():
+            self.sampling.observe(rows, token_ids, weights=sampled)
         if self.spec is not None:
+            assert batch is not None
             # The draft's tail: the next prompt token for a non-final chunk, else the sample.
-            next_ids = torch.tensor([r.next_input_id for r in requests], device=self.device)
+            next_ids = torch.from_numpy(arrays.next_input_ids).to(self.device)
             self.spec.draft_prefill(batch, out, torch.where(next_ids >= 0, next_ids, token_ids))
-        sampled = [i for i, r in enumerate(requests) if r.sample]  # host indices
+        fetched = self.results.fetch(token_ids, *([logprobs] if logprobs is not None else []))
+        keep = arrays.sample  # host mask: requests that sampled this step
         return StepResult(
             plan_id=plan.plan_id,
-            num_tokens=codec.pack_ids([int(r.sample) for r in requests]),
-            token_ids=codec.pack_ids(token_ids.cpu()[sampled]),
-            logprobs=codec.pack_floats(logprobs.cpu()[sampled]) if logprobs is not None else b"",
+            num_tokens=codec.pack_ids(keep.astype(np.int32)),
+            token_ids=codec.pack_ids(fetched[0][keep]),
+            logprobs=codec.pack_floats(fetched[1][keep]) if logprobs is not None else b"",
         )
 
-    def _speculative_decode(self, plan: ForwardPlan, input_ids: list[list[int]]) -> StepResult:
+    def _speculative_decode(self, plan: ForwardPlan, arrays: PlanArrays) -> StepResult:
         requests = plan.requests
-        rows = torch.tensor([r.req_pool_idx for r in requests], device=self.device)
-        bonus = torch.tensor([ids[0] for ids in input_ids], device=self.device)
+        rows = torch.from_numpy(arrays.rows).to(self.device)
+        bonus = torch.from_numpy(arrays.input_ids).to(self.device)
         want = any(self.return_logprob[r.req_pool_idx] for r in requests)
         assert self.spec is not None
-        out = self.spec.decode(rows, [r.prefix_len for r in requests], bonus, want)
+        out = self.spec.decode(rows, arrays.prefix_lens.tolist(), bonus, want)
         # One copy to the host each; the valid prefix of every row is sliced there.
         accept_lens = out.accept_lens.cpu()  # [bs]
         valid = torch.arange(out.tokens.shape[1])[None, :] < accept_lens[:, None]
@@ -219,37 +234,20 @@ class GPUWorker:
         )
         self.return_logprob[request.req_pool_idx] = start.return_logprob
 
-    def _check_plan(
-        self, plan: ForwardPlan, input_ids: list[list[int]], out_slots: list[list[int]]
-    ) -> None:
-        for request, ids, slots in zip(plan.requests, input_ids, out_slots, strict=True):
-            if not ids or len(slots) < len(ids):
-                raise ValueError(f"{request.rid}: {len(ids)} input ids, {len(slots)} out slots")
-            if plan.mode == "decode" and len(ids) != 1:
-                raise ValueError(f"{request.rid}: a decode step runs one token, got {len(ids)}")
-            if not 0 < request.req_pool_idx <= self.max_running_requests:
-                raise ValueError(f"{request.rid}: req_pool_idx {request.req_pool_idx} is invalid")
-
-    def _write_slots(self, requests: list[PlanRequest], out_slots: list[list[int]]) -> None:
-        """Record every assigned slot (headroom included) in every runner's req_to_token rows."""
-        device = self.device
-        rows = torch.tensor([r.req_pool_idx for r in requests]).to(device)
-        starts = torch.tensor([r.prefix_len for r in requests]).to(device)
-        slots = torch.tensor([s for row in out_slots for s in row], dtype=torch.int32).to(device)
-        lens = torch.tensor([len(row) for row in out_slots]).to(device)
+    def _write_slots(
+        self, arrays: PlanArrays
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Record every assigned slot (headroom included) in every runner's req_to_token rows,
+        uploading what sampling needs in the same copy. Returns the batch's rows, the position
+        of each request's new token and the sampled mask (int64 0/1), [bs] each on the device."""
+        slot_rows = np.repeat(arrays.rows, arrays.slot_lens)
+        slot_positions = np.repeat(arrays.prefix_lens, arrays.slot_lens)
+        slot_positions += segment_offsets(arrays.slot_lens)
+        new_positions = arrays.prefix_lens + arrays.extend_lens
+        rows, positions, sampled, r, p, slots = self.staging.upload([
+            arrays.rows, new_positions, arrays.sample.astype(np.int64), slot_rows,
+            slot_positions, arrays.slots,
+        ])  # fmt: skip
         for runner in self.runners:
-            runner.req_to_token_pool.write(rows, starts, slots, lens)
-
-    def _sample(
-        self, plan: ForwardPlan, logits: torch.Tensor, seq_lens: list[int], want_logprobs: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A token (and, if wanted, its logprob) for every request of the batch, [bs] each on
-        the device; only requests that sample this step are observed for penalties."""
-        rows = torch.tensor([r.req_pool_idx for r in plan.requests])  # [bs] on host
-        positions = torch.tensor(seq_lens)  # position of the new token
-        token_ids, logprobs = self.sampling.sample(logits, rows, positions, want_logprobs)
-        sampled = [i for i, r in enumerate(plan.requests) if r.sample]
-        if sampled:
-            index = torch.tensor(sampled)
-            self.sampling.observe(rows[index], token_ids[index.to(token_ids.device)])
-        return token_ids, logprobs
+            runner.req_to_token_pool.assign(r, p, slots)
+        return rows, positions, sampled

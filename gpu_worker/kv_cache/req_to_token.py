@@ -46,6 +46,11 @@ class ReqToTokenPool:
         )
         self.req_to_token[rows, starts + offsets] = slots.to(torch.int32)
 
+    def assign(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], positions[i]] = slots[i] for flat [n] device tensors (one
+        kernel; the caller has expanded each request's range)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
+
     def slots_of(self, req_pool_idx: int, seq_len: int) -> torch.Tensor:
         """The KV slots of positions 0..seq_len of one row: [seq_len] int32 (a view)."""
         return self.req_to_token[req_pool_idx, :seq_len]

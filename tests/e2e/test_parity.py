@@ -37,3 +37,16 @@ def test_retraction_keeps_outputs_unchanged(tiny_model_dirs):
         stats = httpx.get(server.url + "/server_info", timeout=10).json()
         assert stats["max_total_tokens"] == 160
         assert stats["num_retractions"] > 0, "the test did not exercise retraction"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_backend_in_the_interpreter_matches_transformers(tiny_model_dirs, arch):
+    """The launched server with --attention-backend triton on CPU (Triton's interpreter, which
+    the test run switches on): every Triton kernel end to end, through the padded graph path."""
+    path = tiny_model_dirs[arch]
+    args = ("--model-path", path, "--attention-backend", "triton", "--chunked-prefill-size", "16",
+            "--page-size", "4")  # fmt: skip
+    with Server(*args) as server:
+        info = httpx.get(server.url + "/server_info", timeout=10).json()
+        assert info["attention_backend"] == "triton" and info["cuda_graph_max_bs"] > 0
+        _check_parity(path, server.url, vocab=320, seed=3)

@@ -48,3 +48,16 @@ def test_slot_count_must_match_input_count():
         assert "out slots" in str(e)
     else:
         raise AssertionError("mismatched slots accepted")
+
+
+def test_staging_uploads_many_arrays_in_one_copy_and_grows():
+    import numpy as np
+
+    from gpu_worker.host_batch import Staging
+
+    staging = Staging("cpu", capacity=4)
+    arrays = [np.arange(3), np.array([7]), np.arange(10, 16)]  # 10 values > capacity 4
+    views = staging.upload(arrays)
+    assert [v.tolist() for v in views] == [a.tolist() for a in arrays]
+    again = staging.upload([np.array([1, 2])])  # the other buffer: earlier views stay intact
+    assert again[0].tolist() == [1, 2] and views[2].tolist() == list(range(10, 16))

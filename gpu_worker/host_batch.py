@@ -1,0 +1,176 @@
+"""A batch as the plan gives it, on the host, and the pinned staging that moves it to the device.
+
+`HostBatch` holds a forward's integer inputs as numpy int64 arrays. `Staging.upload` packs any
+number of such arrays into one pinned host buffer and copies it to the device in ONE
+non-blocking copy, returning device views: a step's inputs cost one transfer, not one per
+field. Staging alternates between two pinned buffers and, before refilling one, waits for the
+copy that last read it (a CUDA event), so the host may run ahead of the GPU safely. On CPU
+the copy is a plain memcpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_worker.forward_batch import ForwardBatch, ForwardMode, make_batch
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A forward's integer inputs on the host (see `ForwardBatch` for their meaning)."""
+
+    mode: ForwardMode
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    out_cache_loc: np.ndarray  # [num_tokens] int64
+    req_pool_indices: np.ndarray  # [bs] int64
+    seq_lens: np.ndarray  # [bs] int64, keys attended
+    extend_seq_lens: np.ndarray  # [bs] int64
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices)
+
+    @classmethod
+    def from_requests(
+        cls,
+        mode: ForwardMode,
+        input_ids: Sequence[Sequence[int]],
+        prefix_lens: Sequence[int],
+        out_slots: Sequence[Sequence[int]],
+        req_pool_indices: Sequence[int],
+        positions: Sequence[Sequence[int]] | None = None,
+    ) -> HostBatch:
+        """Per-request lists: request i runs input_ids[i] after prefix_lens[i] keys, writing
+        KV at out_slots[i]; positions default to prefix_lens[i] + arange(len(input_ids[i]))."""
+        extend = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+        if [len(s) for s in out_slots] != extend.tolist():
+            raise ValueError("every request needs as many out slots as input ids")
+        prefix = np.asarray(prefix_lens, dtype=np.int64)
+        if positions is None:
+            flat_positions = np.repeat(prefix - np.cumsum(extend) + extend, extend)
+            flat_positions += np.arange(int(extend.sum()), dtype=np.int64)
+        else:
+            flat_positions = _flat(positions)
+        return cls(
+            mode, _flat(input_ids), flat_positions, _flat(out_slots),
+            np.asarray(req_pool_indices, dtype=np.int64), prefix + extend, extend,
+        )  # fmt: skip
+
+    def to_device(
+        self,
+        device: torch.device,
+        staging: Staging | None = None,
+        custom_mask: torch.Tensor | None = None,
+        spec_info: object | None = None,
+    ) -> ForwardBatch:
+        """The ForwardBatch of these inputs: one copy through staging (a fresh one if None)."""
+        staging = staging or Staging(device)
+        ids, positions, loc, rows, seq_lens, extend = staging.upload(
+            [self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices,
+             self.seq_lens, self.extend_seq_lens]
+        )  # fmt: skip
+        return make_batch(
+            self.mode, ids, positions, loc, rows, self.seq_lens.tolist(),
+            self.extend_seq_lens.tolist(), custom_mask, spec_info, seq_lens, extend,
+        )  # fmt: skip
+
+
+def _flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
+    return np.fromiter((v for row in lists for v in row), dtype=np.int64)
+
+
+class Staging:
+    """Pinned host buffers (two, alternating) and a device buffer for uploads of int64 arrays."""
+
+    def __init__(self, device: torch.device | str, capacity: int = 4096) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._host: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event | None] = []
+        self._device: list[torch.Tensor] = []
+        self._next = 0
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned)
+                      for _ in range(2)]  # fmt: skip
+        self._device = [torch.empty(capacity, dtype=torch.int64, device=self.device)
+                        for _ in range(2)]  # fmt: skip
+        self._events = [None, None]
+
+    def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Device int64 views of arrays, in order, after one host-to-device copy."""
+        device = self._copy(arrays, None)
+        views, start = [], 0
+        for a in arrays:
+            views.append(device[start : start + len(a)])
+            start += len(a)
+        return views
+
+    def upload_into(self, dst: torch.Tensor, arrays: Sequence[np.ndarray]) -> None:
+        """Copy the concatenation of arrays into the start of dst (int64, on the device) in
+        one host-to-device copy (e.g. a CUDA graph's static inputs)."""
+        self._copy(arrays, dst)
+
+    def _copy(self, arrays: Sequence[np.ndarray], dst: torch.Tensor | None) -> torch.Tensor:
+        total = sum(len(a) for a in arrays)
+        if total > self._host[0].numel():
+            for event in self._events:
+                if event is not None:
+                    event.synchronize()
+            self._allocate(max(total, 2 * self._host[0].numel()))
+        slot = self._next
+        self._next = 1 - slot
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()  # the copy that last read this buffer is done
+        host = self._host[slot]
+        device = self._device[slot] if dst is None else dst
+        if arrays:
+            np.concatenate(arrays, out=host.numpy()[:total], casting="unsafe")
+        device[:total].copy_(host[:total], non_blocking=self.pinned)
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+        return device
+
+
+class HostCopy:
+    """Results back to the host in one pass: each tensor is copied (non-blocking) into pinned
+    memory of its own, one event marks the end, and the host waits once for all of them."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+    def fetch(self, *tensors: torch.Tensor) -> list[np.ndarray]:
+        """numpy copies of tensors (flattened), after a single synchronisation."""
+        if self.device.type != "cuda":
+            return [t.detach().reshape(-1).numpy().copy() for t in tensors]
+        staged = []
+        for i, t in enumerate(tensors):
+            key = (t.dtype, i)
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < t.numel():
+                buffer = torch.empty(max(t.numel(), 256), dtype=t.dtype, pin_memory=True)
+                self._buffers[key] = buffer
+            view = buffer[: t.numel()]
+            view.copy_(t.reshape(-1), non_blocking=True)
+            staged.append(view)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return [view.numpy().copy() for view in staged]
+
+
+def segment_offsets(lens: np.ndarray) -> np.ndarray:
+    """For segments of the given lengths laid end to end: each element's index inside its own
+    segment, [sum(lens)]."""
+    total = int(lens.sum())
+    starts = np.cumsum(lens) - lens
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lens)

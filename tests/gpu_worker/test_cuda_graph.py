@@ -1,0 +1,85 @@
+"""The CUDA graph runner: buckets, padding to row 0 / slot 0, static buffers and outputs.
+
+On CPU the same buffers, padding and copies run eagerly (what CI covers); on CUDA the graphs
+are captured and replayed, and must give what the eager forward gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.cuda_graph import batch_size_buckets
+from gpu_worker.forward_batch import ForwardMode
+from gpu_worker.host_batch import HostBatch
+from gpu_worker.model_runner import ModelRunner
+from tests.gpu_worker.runner_utils import run_step, shuffled_slots
+
+
+def devices():
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def test_buckets():
+    assert batch_size_buckets(1) == [1]
+    assert batch_size_buckets(6) == [1, 2, 4, 6]
+    assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_size_buckets(32)[-3:] == [16, 24, 32]
+
+
+def make_runner(model_dir: str, device: str, graph_max_bs: int, backend: str) -> ModelRunner:
+    return ModelRunner(
+        model_dir, device, torch.float32, page_size=4, max_total_tokens=512,
+        max_running_requests=8, context_length=64, attention_backend=backend,
+        cuda_graph_max_bs=graph_max_bs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_graph_path_gives_the_eager_logits_and_touches_only_its_slots(tiny_dirs, device, backend):
+    if device == "cuda" and backend == "torch_native":
+        pytest.skip("torch_native decode is eager-only on CUDA")
+    graphed = make_runner(tiny_dirs["qwen3"], device, 6, backend)
+    eager = make_runner(tiny_dirs["qwen3"], device, 0, backend)
+    assert graphed.graph_runner is not None and eager.graph_runner is None
+    assert graphed.graph_runner.captures == (device == "cuda")
+    prompts = [[5, 6, 7, 8, 9], [3] * 11, [40, 41], [7] * 17, [9, 8], [1, 2, 3]]
+    slots = shuffled_slots(graphed, len(prompts), 24, seed=1)
+    for runner in (graphed, eager):  # the same prefixes in both pools
+        run_step(runner, ForwardMode.EXTEND, list(range(1, 7)), [0] * 6, prompts, slots)
+    for bs in (1, 3, 5, 6):  # buckets 1, 4, 6 (3 and 5 padded)
+        rows = list(range(1, bs + 1))
+        ids = [[11 + r] for r in rows]
+        prefix = [len(prompts[r - 1]) for r in rows]
+        new_slots = [[slots[r - 1][p]] for r, p in zip(rows, prefix, strict=True)]
+        host = HostBatch.from_requests(ForwardMode.DECODE, ids, prefix, new_slots, rows)
+        before = graphed.kv_pool.get_kv(0)[0].clone()
+        for runner in (graphed, eager):
+            runner.req_to_token_pool.write(
+                torch.tensor(rows, device=device), torch.tensor(prefix, device=device),
+                torch.tensor([s[0] for s in new_slots], device=device),
+                torch.ones(bs, dtype=torch.int64, device=device),
+            )  # fmt: skip
+        out = graphed.forward_host(host)
+        ref = eager.forward_host(host)
+        assert out.next_token_logits.shape == ref.next_token_logits.shape == (bs, 256)
+        torch.testing.assert_close(out.next_token_logits, ref.next_token_logits,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        changed = (graphed.kv_pool.get_kv(0)[0] != before).flatten(1).any(dim=1)
+        written = {s[0] for s in new_slots} | {0}  # padded rows write the dummy slot only
+        assert set(torch.nonzero(changed).flatten().tolist()) <= written
+        for r, p in zip(rows, prefix, strict=True):  # the next step's keys
+            prompts[r - 1] = prompts[r - 1] + [11 + r]
+            assert len(prompts[r - 1]) == p + 1
+
+
+@pytest.mark.parametrize("device", devices())
+def test_batches_beyond_the_largest_bucket_run_eagerly(tiny_dirs, device):
+    runner = make_runner(tiny_dirs["llama"], device, 2, "triton")
+    rows = [1, 2, 3]
+    host = HostBatch.from_requests(ForwardMode.DECODE, [[5], [6], [7]], [0, 0, 0],
+                                   [[4], [8], [12]], rows)  # fmt: skip
+    assert not runner.graph_runner.can_run(host)
+    extend = HostBatch.from_requests(ForwardMode.EXTEND, [[5, 6]], [0], [[4, 5]], [1])
+    assert not runner.graph_runner.can_run(extend)
+    assert runner.forward_host(host).next_token_logits.shape == (3, 256)
