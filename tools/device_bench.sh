@@ -43,6 +43,26 @@ if [[ $1 == 1 ]]; then
     --output "$OUT/decode_llama8b.json" 2>&1 | tail -8
   exit 0
 fi
+if [[ $1 == speed ]]; then
+  # GPU speed, part 1: kernel / backend / graph tests on CUDA, launched-server parity on CUDA
+  # (triton + graphs by default), then decode variants on the SmolLM2-135M shape.
+  # carry: .device-carry/wheels .device-carry/smollm2-config
+  python -m pytest tests/gpu_worker -q -x -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+  AERIE_E2E_DEVICE=cuda python -m pytest tests/e2e/test_parity.py -q -x -p no:cacheprovider \
+    -k "tiny or interpreter or retraction" 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.txt"
+  python benchmarks/bench_decode.py --models .device-carry/smollm2-config --load-format dummy \
+    --batch-size ${BATCH_SIZES:-1,64} --decode-steps ${STEPS:-64} --warmup-steps 8 --repeats 3 \
+    --output "$OUT/decode_smollm2.json" 2>&1 | grep -v "^\[" | tail -12
+  exit 0
+fi
+if [[ $1 == speed-8b ]]; then
+  # The Llama-3.1-8B shape (random weights): batch 1 against the roofline and the compiled
+  # baseline (carry: .device-carry/wheels).
+  python benchmarks/bench_decode.py --models llama3-8b --batch-size ${BATCH_SIZES:-1} \
+    --decode-steps ${STEPS:-64} --warmup-steps 8 --repeats 3 --output "$OUT/decode_llama8b.json" \
+    2>&1 | grep -v "^\[" | tail -10
+  exit 0
+fi
 if [[ $1 == spec ]]; then
   # EAGLE mechanics on the GPU: parity tests on CUDA, then batch-1 speed with/without a
   # random-weight draft (carry wheels, smollm2-config, llama8b, mt_bench_questions.jsonl).

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels import next_power_of_2
+from gpu_worker.kernels.decode_attention import dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -54,6 +55,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -91,7 +93,8 @@ def _extend_kernel(
         kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        qk = qk * scale_log2  # log2 units
         if HAS_MASK:
             col = pos - mask_start
             in_tree = (col >= 0) & pos_mask
@@ -108,7 +111,8 @@ def _extend_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -153,6 +157,6 @@ def extend_attention(
         mask_width,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=64, HAS_MASK=has_mask,
-        num_warps=4,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )  # fmt: skip
     return o

@@ -1,4 +1,6 @@
-"""benchmarks/bench_decode.py on a tiny random checkpoint, on CPU, with a couple of steps."""
+"""benchmarks/bench_decode.py on a tiny random checkpoint, on CPU (Triton in the interpreter),
+with a couple of steps: the report's arithmetic, and every variant decoding the same greedy
+tokens as transformers."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpu_worker.models import read_arch_config
+from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_decode.py")
@@ -32,57 +35,49 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_cli_writes_table_json_and_roofline(bench, tiny_dir: str, tmp_path, capsys) -> None:
+    skip_unless_triton_runs_on("cpu")
     output = tmp_path / "decode.json"
-    argv = [
-        "--models",
-        tiny_dir,
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--prompt-len",
-        "8",
-        "--decode-steps",
-        "2",
-        "--warmup-steps",
-        "1",
-        "--repeats",
-        "2",
-        "--bandwidth-mib",
-        "4",
-        "--output",
-        str(output),
-    ]
+    argv = ["--models", tiny_dir, "--device", "cpu", "--dtype", "float32", "--prompt-len", "8",
+            "--decode-steps", "2", "--warmup-steps", "1", "--repeats", "2", "--batch-size",
+            "1,3", "--variants", "torch_native,triton,triton+graph,compiled",
+            "--bandwidth-mib", "4", "--output", str(output)]  # fmt: skip
     bench.main(argv)
     report = json.loads(output.read_text())
     assert "tok/s" in capsys.readouterr().out
-    (result,) = report["results"]
-    assert report["prompt_len"] == 8 and report["decode_steps"] == 2
-    assert report["bandwidth_gbps"] > 0 and report["h100_bandwidth_gbps"] == 3000
-    # Weights read per step: every tensor once, but only one row of the untied input embedding.
+    rows = {(r["variant"], r["batch_size"]): r for r in report["results"]}
+    # compiled needs CUDA; every other variant ran at both batch sizes
+    assert set(rows) == {(v, bs) for v in ("torch_native", "triton", "triton+graph")
+                         for bs in (1, 3)}  # fmt: skip
     tensors = load_file(os.path.join(tiny_dir, "model.safetensors"))
     embed = tensors["model.embed_tokens.weight"]
     expected = sum(t.numel() for t in tensors.values()) - embed.numel() + embed.shape[1]
-    assert result["weight_bytes"] == expected * 4
-    assert result["tokens_per_s"] == pytest.approx(1e3 / result["median_step_ms"])
     bandwidth = report["bandwidth_gbps"] * 1e9
-    assert result["roofline_tokens_per_s"] == pytest.approx(bandwidth / result["weight_bytes"])
+    for (_, bs), r in rows.items():
+        assert r["weight_bytes"] == expected * 4  # one row of the untied input embedding
+        assert r["tokens_per_s"] == pytest.approx(bs * 1e3 / r["step_ms"])
+        assert r["roofline_tokens_per_s"] == pytest.approx(bandwidth / r["weight_bytes"] * bs)
+        assert r["greedy_agreement_with_torch_native"] == 1.0  # float32: the same tokens
 
 
-def test_decode_loop_produces_greedy_tokens(bench, tiny_dir: str) -> None:
-    args = bench.parse_args(
-        ["--device", "cpu", "--dtype", "float32", "--prompt-len", "6", "--decode-steps", "4"]
-    )
-    runner = bench.build_runner(tiny_dir, "auto", args)
-    prompt = torch.tensor([5, 17, 3, 99, 42, 7])
-    run = bench.run_request(runner, prompt, 4, bench.make_timer(runner.device))
-    assert len(run.step_s) == 4
+@pytest.mark.parametrize("variant", ["torch_native", "triton", "triton+graph"])
+def test_decode_loop_produces_greedy_tokens(bench, tiny_dir: str, variant: str) -> None:
+    args = bench.parse_args(["--device", "cpu", "--dtype", "float32", "--prompt-len", "6",
+                             "--decode-steps", "4", "--warmup-steps", "0", "--batch-size", "2"])
+    backend = variant.split("+")[0]
+    if backend == "triton":
+        skip_unless_triton_runs_on("cpu")
+    runner = bench.build_runner(tiny_dir, "auto", args, backend, 2 if "graph" in variant else 0)
+    prompts = torch.tensor([[5, 17, 3, 99, 42, 7], [8, 8, 1, 2, 200, 31]])
+    decoder = bench.Decoder(runner, 2, runner.context_length, variant.endswith("graph"))
+    decoder.prefill(prompts)
+    for _ in range(4):
+        decoder.step()
+    tokens = torch.stack(decoder.history, dim=1)
     reference = load_reference(tiny_dir)
     with torch.no_grad():
-        expected = reference.generate(
-            prompt[None], max_new_tokens=5, do_sample=False, min_new_tokens=5
-        )[0, 6:]
-    assert run.token_ids.tolist() == expected.tolist()
+        expected = reference.generate(prompts, max_new_tokens=5, do_sample=False,
+                                      min_new_tokens=5)[:, 6:]  # fmt: skip
+    assert tokens.tolist() == expected.tolist()
 
 
 def test_llama8b_config_is_llama31_8b_shaped(bench, tmp_path) -> None:

@@ -30,11 +30,13 @@ def decode_after_prefill(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return out.next_token_logits[0].cpu()
 
 
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
 @pytest.mark.parametrize("name", ["llama31", "qwen3"])
-def test_cuda_matches_hf(tiny_dirs, reference_models, name):
+def test_cuda_matches_hf(tiny_dirs, reference_models, name, backend):
     ids = list(range(3, 50, 2))
     expected = reference_logits(reference_models(name), ids)[-1]
-    options = dict(page_size=4, max_total_tokens=256, max_running_requests=2, context_length=64)
+    options = dict(page_size=4, max_total_tokens=256, max_running_requests=2, context_length=64,
+                   attention_backend=backend)  # fmt: skip
     fp32 = ModelRunner(tiny_dirs[name], "cuda", torch.float32, **options)
     torch.testing.assert_close(decode_after_prefill(fp32, ids), expected, atol=1e-3, rtol=0)
     bf16 = ModelRunner(tiny_dirs[name], "cuda", torch.bfloat16, **options)
@@ -62,3 +64,41 @@ def test_llama31_8b_dummy_sizes_kv_from_free_memory(tmp_path):
     logits = decode_after_prefill(runner, ids)
     assert logits.shape == (128256,) and torch.isfinite(logits).all()
     print(f"KV pool: {runner.max_total_tokens} tokens, {kv_bytes / 2**30:.1f} GiB")
+
+
+def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
+    """The worker's plain decode step (slot writes, graph replay, sampling) runs under
+    torch.cuda.set_sync_debug_mode("error"): no .item(), .cpu(), .tolist() or pageable copy;
+    the one wait is the event of the final copy of the results."""
+    from aerie.codec import pack_ids
+    from aerie.config import AerieConfig
+    from aerie.messages import ForwardPlan, PlanRequest, RequestStart, SamplingParams
+    from gpu_worker.worker import GPUWorker
+
+    config = AerieConfig().replace(
+        model={"model_path": tiny_dirs["llama"], "device": "cuda", "dtype": "float32"},
+        cache={"max_total_tokens": 64, "page_size": 1},
+        scheduler={"max_running_requests": 4},
+        runner={"attention_backend": "triton", "cuda_graph_max_bs": 4},
+    )
+    worker = GPUWorker(config)
+    assert worker.runner.graph_runner is not None and worker.runner.graph_runner.graphs
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3)
+    start = RequestStart(params, True, pack_ids([5, 6, 7]))
+    prefill = ForwardPlan(1, "extend", [PlanRequest("a", 1, 0, pack_ids([5, 6, 7]),
+                                                   pack_ids([1, 2, 3]), True, start)])  # fmt: skip
+    token = codec_first(worker.execute(prefill))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3):
+            plan = ForwardPlan(2 + step, "decode", [PlanRequest(
+                "a", 1, 3 + step, pack_ids([token]), pack_ids([4 + step]), True)])  # fmt: skip
+            token = codec_first(worker.execute(plan))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def codec_first(result) -> int:
+    from aerie.codec import unpack_ids
+
+    return unpack_ids(result.token_ids)[0]

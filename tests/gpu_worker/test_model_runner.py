@@ -10,6 +10,7 @@ import torch
 
 from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.model_runner import ModelRunner
+from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import reference_logits
 from tests.gpu_worker.runner_utils import run_step, shuffled_slots
 
@@ -24,6 +25,8 @@ def backend(request) -> str:
 
 
 def make_runner(model_dir: str, page_size: int = 1, **kwargs) -> ModelRunner:
+    if kwargs.get("attention_backend") == "triton":
+        skip_unless_triton_runs_on("cpu")
     options = dict(max_total_tokens=256, max_running_requests=4, context_length=128)
     return ModelRunner(
         model_dir, "cpu", torch.float32, page_size=page_size, **{**options, **kwargs}

@@ -15,6 +15,7 @@ from gpu_worker.attention import create_attention_backend
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
 from gpu_worker.speculative.draft_layout import draft_decode_mask
+from tests.devices import triton_devices
 
 
 @dataclasses.dataclass
@@ -27,9 +28,10 @@ class Layer:
 
 
 def setups():
-    cases = [("cpu", torch.float32)]
-    if torch.cuda.is_available():
-        cases += [("cuda", torch.float32), ("cuda", torch.bfloat16)]
+    cases = []
+    for device in triton_devices():
+        dtypes = (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16)
+        cases += [(device, dt) for dt in dtypes]
     return cases
 
 

@@ -15,12 +15,15 @@ from gpu_worker.kernels.norm import (
 )
 from gpu_worker.kernels.rotary import rope_and_store_kv, rope_and_store_kv_reference
 from gpu_worker.layers.rotary import RotaryEmbedding
+from tests.devices import triton_devices
 
 
 def devices_and_dtypes():
-    cases = [("cpu", torch.float32)]
-    if torch.cuda.is_available():
-        cases += [("cuda", dt) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    cases = []
+    for device in triton_devices():
+        dtypes = (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16,
+                                                            torch.float16)  # fmt: skip
+        cases += [(device, dt) for dt in dtypes]
     return cases
 
 

@@ -19,6 +19,7 @@ from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.speculative.eagle_worker import rotate_prefill_inputs
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
+from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import make_tiny_checkpoint
 from tests.gpu_worker.draft_checkpoints import (
     make_agreeing_eagle_draft,
@@ -114,6 +115,7 @@ def test_greedy_speculative_output_equals_target_greedy(
 def test_triton_backend_gives_the_same_speculative_output(models, algorithm, page_size):
     """Draft decode (branch-local keys), tree verify and draft extend in the Triton kernels
     (interpreter on CPU): the same tokens and accept lengths as the torch_native reference."""
+    skip_unless_triton_runs_on("cpu")
     prompts = random_prompts(seed=3, n=3)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
     runs = [
