@@ -207,7 +207,7 @@ def weight_bytes_per_token(runner: ModelRunner) -> int:
 def build_runner(path: str, load_format: str, args, backend: str, graph_bs: int) -> ModelRunner:
     device = resolve_device(args.device)
     max_bs = max(parse_sizes(args.batch_size))
-    max_len = args.prompt_len + args.warmup_steps + args.decode_steps + 2
+    max_len = sequence_len(args)
     return ModelRunner(
         path, device=device, dtype=DTYPES[resolve_dtype(args.dtype, device)],
         load_format=load_format, seed=args.seed, page_size=1, max_total_tokens=max_bs * max_len,
@@ -266,6 +266,11 @@ class Decoder:
         self.pos += 1
 
 
+def sequence_len(args) -> int:
+    """Positions a decode run reaches: prompt, warm-up, timed and profiled steps."""
+    return args.prompt_len + args.warmup_steps + args.decode_steps + args.profile_steps + 2
+
+
 def parse_sizes(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -294,7 +299,7 @@ def bench_compiled(runner: ModelRunner, bs: int, args) -> dict:
     from benchmarks.static_kv_baseline import compile_decoder
 
     device = runner.device
-    max_len = args.prompt_len + args.warmup_steps + args.decode_steps + 2
+    max_len = sequence_len(args)
     decoder, step = compile_decoder(runner.model, bs, max_len)
     tokens = torch.zeros(bs, dtype=torch.int64, device=device)
     pos = torch.tensor([args.prompt_len], device=device)
@@ -324,7 +329,7 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
     path, load_format = resolve_model(name, tmp_dir, args)
     sizes = parse_sizes(args.batch_size)
     variants = [v.strip() for v in args.variants.split(",")]
-    max_len = args.prompt_len + args.warmup_steps + args.decode_steps + 2
+    max_len = sequence_len(args)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = read_arch_config(path).vocab_size
     prompts_of = {bs: torch.randint(0, vocab, (bs, args.prompt_len), generator=generator)

@@ -210,10 +210,10 @@ class ModelRunner:
                 self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
             )
             max_total_tokens = self._kv_budget_bytes(mem_fraction) // per_token
-            if self.device.type != "cuda":
-                max_total_tokens = min(
-                    max_total_tokens, self.max_running_requests * self.context_length
-                )
+            # More than every row at full context can never be used.
+            max_total_tokens = min(
+                max_total_tokens, self.max_running_requests * self.context_length
+            )
         max_total_tokens = max_total_tokens // self.page_size * self.page_size
         if max_total_tokens <= 0:
             raise RuntimeError(

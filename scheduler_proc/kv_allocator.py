@@ -28,8 +28,11 @@ class KVAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_running_requests = max_running_requests
-        # Stacks popped from the end: low ids are handed out first.
-        self._free_pages: list[int] = list(range(num_pages, 0, -1))
+        # Pages given back, reused first (a stack); pages >= _next_fresh were never handed
+        # out. Building a free list of every page up front costs seconds and gigabytes for
+        # the tens of millions of pages a small model's cache can hold.
+        self._free_pages: list[int] = []
+        self._next_fresh = 1
         self._free_rows: list[int] = list(range(max_running_requests, 0, -1))
         self._pages: dict[int, list[int]] = {}  # row -> its pages, in position order
         self._lens: dict[int, int] = {}  # row -> allocated_len
@@ -74,14 +77,22 @@ class KVAllocator:
         if new_len < old_len:
             raise ValueError(f"grow to {new_len} below allocated length {old_len}")
         num_new = self.pages_needed(row, new_len)
-        if num_new > len(self._free_pages):
+        if num_new > self.num_free_pages:
             return None
-        pages = self._pages[row]
         if num_new:
-            pages.extend(self._free_pages[-num_new:][::-1])
-            del self._free_pages[-num_new:]
+            self._pages[row].extend(self._take_pages(num_new))
         self._lens[row] = new_len
         return self.slots(row, old_len, new_len)
+
+    def _take_pages(self, num: int) -> list[int]:
+        """num free pages: given-back ones first (most recent first), then fresh ones."""
+        reused = min(num, len(self._free_pages))
+        pages = self._free_pages[len(self._free_pages) - reused :][::-1]
+        del self._free_pages[len(self._free_pages) - reused :]
+        fresh = num - reused
+        pages.extend(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        return pages
 
     def shrink(self, row: int, keep_len: int) -> None:
         """Keep positions [0, keep_len); free whole pages beyond them. keep_len <= allocated."""
@@ -107,7 +118,7 @@ class KVAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        return len(self._free_pages) + self.num_pages + 1 - self._next_fresh
 
     @property
     def num_free_rows(self) -> int:
@@ -115,7 +126,7 @@ class KVAllocator:
 
     @property
     def num_free_tokens(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return self.num_free_pages * self.page_size
 
     @property
     def num_total_tokens(self) -> int:
@@ -127,8 +138,9 @@ class KVAllocator:
 
     def is_whole(self) -> bool:
         """Every page and row is free, each exactly once (tests check this after a run)."""
+        free = [*self._free_pages, *range(self._next_fresh, self.num_pages + 1)]
         return (
             not self._pages
-            and sorted(self._free_pages) == list(range(1, self.num_pages + 1))
+            and sorted(free) == list(range(1, self.num_pages + 1))
             and sorted(self._free_rows) == list(range(1, self.max_running_requests + 1))
         )
