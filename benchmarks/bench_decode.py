@@ -163,10 +163,13 @@ def time_loop(device: torch.device, fn: Callable[[], object], steps: int) -> tup
     return total / steps, statistics.median(host_times)
 
 
-def count_kernels(device: torch.device, fn: Callable[[], object], steps: int) -> float | None:
-    """CUDA kernels per step, from the profiler's device records (None on CPU)."""
+def profile_kernels(
+    device: torch.device, fn: Callable[[], object], steps: int
+) -> tuple[float | None, float | None, list]:
+    """(CUDA kernels per step, their summed GPU time per step in ms, the ten costliest kernel
+    names with ms per step) from the profiler's device records; Nones on CPU."""
     if device.type != "cuda" or steps <= 0:
-        return None
+        return None, None, []
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
@@ -176,7 +179,12 @@ def count_kernels(device: torch.device, fn: Callable[[], object], steps: int) ->
         sync(device)
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
                and not e.name.startswith(("Memcpy", "Memset", "cudaMemcpy"))]  # fmt: skip
-    return len(kernels) / steps
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    busy = sum(by_name.values())
+    return len(kernels) / steps, busy, [(name[:80], ms) for name, ms in top]
 
 
 def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
@@ -289,10 +297,12 @@ def bench_variant(make_decoder: Callable[[], Decoder], prompts: torch.Tensor, ar
         host_times.append(host_s)
         if repeat == 0:
             tokens = torch.stack(decoder.history, dim=1).cpu()  # [bs, 1 + steps]
-    kernels = count_kernels(decoder.runner.device, decoder.step, args.profile_steps)
+    kernels, busy_ms, top = profile_kernels(decoder.runner.device, decoder.step,
+                                            args.profile_steps)  # fmt: skip
     step_s = statistics.median(step_times)
     return {"step_ms": step_s * 1e3, "host_us": statistics.median(host_times) * 1e6,
-            "kernels_per_step": kernels, "tokens": tokens}  # fmt: skip
+            "kernels_per_step": kernels, "gpu_busy_ms": busy_ms, "top_kernels": top,
+            "tokens": tokens}  # fmt: skip
 
 
 def bench_compiled(runner: ModelRunner, bs: int, args) -> dict:
@@ -319,10 +329,11 @@ def bench_compiled(runner: ModelRunner, bs: int, args) -> dict:
     for _ in range(args.repeats):
         pos.fill_(args.prompt_len)
         times.append(time_loop(device, one, args.decode_steps))
-    kernels = count_kernels(device, one, args.profile_steps)
+    kernels, busy_ms, top = profile_kernels(device, one, args.profile_steps)
     return {"step_ms": statistics.median(t[0] for t in times) * 1e3,
             "host_us": statistics.median(t[1] for t in times) * 1e6,
-            "kernels_per_step": kernels, "compile_s": compile_s, "tokens": None}  # fmt: skip
+            "kernels_per_step": kernels, "gpu_busy_ms": busy_ms, "top_kernels": top,
+            "compile_s": compile_s, "tokens": None}  # fmt: skip
 
 
 def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
@@ -379,6 +390,7 @@ def summarize(name, results, weight_bytes, num_layers, bandwidth) -> list[dict]:
             "weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline,
             "fraction_of_roofline": bs / (r["step_ms"] / 1e3) / roofline,
             "greedy_agreement_with_torch_native": agree, "compile_s": r.get("compile_s"),
+            "gpu_busy_ms_per_step": r["gpu_busy_ms"], "top_kernels": r["top_kernels"],
         })  # fmt: skip
     for row in rows:  # ratios against the compiled baseline at the same batch size
         base = next((x for x in rows if x["variant"] == "compiled"
@@ -391,7 +403,7 @@ def print_table(report: dict) -> None:
     print(f"device {report['device_name']} ({report['dtype']}), prompt {report['prompt_len']}, "
           f"{report['decode_steps']} steps x {report['repeats']} runs; bandwidth measured "
           f"{report['bandwidth_gbps']:.0f} GB/s")  # fmt: skip
-    header = ("model", "variant", "bs", "step ms", "tok/s", "host us", "kern/step",
+    header = ("model", "variant", "bs", "step ms", "busy ms", "tok/s", "host us", "kern/step",
               "kern/layer", "of roof", "vs comp")  # fmt: skip
     print(f"{header[0]:<10}{header[1]:<14}" + "".join(f"{h:>10}" for h in header[2:]))
 
@@ -400,7 +412,8 @@ def print_table(report: dict) -> None:
 
     for r in report["results"]:
         print(f"{r['model'][-10:]:<10}{r['variant']:<14}{r['batch_size']:>10}"
-              f"{r['step_ms']:>10.3f}{r['tokens_per_s']:>10.0f}{r['host_us_per_step']:>10.0f}"
+              f"{r['step_ms']:>10.3f}{fmt(r['gpu_busy_ms_per_step'], '.3f'):>10}"
+              f"{r['tokens_per_s']:>10.0f}{r['host_us_per_step']:>10.0f}"
               f"{fmt(r['kernels_per_step'], '.0f'):>10}{fmt(r['kernels_per_layer'], '.1f'):>10}"
               f"{r['fraction_of_roofline']:>10.1%}{fmt(r['vs_compiled'], '.2f'):>10}")  # fmt: skip
 
