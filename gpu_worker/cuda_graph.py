@@ -56,9 +56,14 @@ class CudaGraphRunner:
         mode: ForwardMode = ForwardMode.DECODE,
         tokens_per_req: int = 1,
         capture: bool | None = None,
+        keep_hidden: bool = False,
     ) -> None:
-        """capture: record graphs (default: on CUDA); else run the same path eagerly."""
+        """capture: record graphs (default: on CUDA); else run the same path eagerly.
+        keep_hidden: also keep the hidden (and aux) states; plain decode needs only logits."""
         self.runner = runner
+        self.outputs_kept = ("next_token_logits",) + (
+            ("hidden_states", "aux_hidden_states") if keep_hidden else ()
+        )
         self.mode = mode
         self.tokens_per_req = tokens_per_req
         self.buckets = batch_size_buckets(max_bs)
@@ -178,7 +183,7 @@ class CudaGraphRunner:
         out = self.runner.run_model(batch)
         if self.outputs is None:
             self.outputs = self._allocate_outputs(out, batch.batch_size)
-        for name in ("next_token_logits", "hidden_states", "aux_hidden_states"):
+        for name in self.outputs_kept:
             src = getattr(out, name)
             if src is not None:
                 getattr(self.outputs, name)[: src.shape[0]].copy_(src)
@@ -188,7 +193,7 @@ class CudaGraphRunner:
         scale = self.max_bs // bs if self.max_bs % bs == 0 else None
 
         def like(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
+            if t is None or not any(t is getattr(out, n) for n in self.outputs_kept):
                 return None
             rows = t.shape[0] * scale if scale else self.max_bs * -(-t.shape[0] // bs)
             return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -202,9 +207,12 @@ class CudaGraphRunner:
         assert self.outputs is not None
         n = bs * self.tokens_per_req
         rows = n if self.mode.samples_every_token() else bs
-        aux = self.outputs.aux_hidden_states
+        def head(t: torch.Tensor | None, count: int) -> torch.Tensor | None:
+            return None if t is None else t[:count]
+
+        out = self.outputs
         return dataclasses.replace(
-            self.outputs, next_token_logits=self.outputs.next_token_logits[:rows],
-            hidden_states=self.outputs.hidden_states[:n],
-            aux_hidden_states=None if aux is None else aux[:n],
+            out, next_token_logits=out.next_token_logits[:rows],
+            hidden_states=head(out.hidden_states, n),
+            aux_hidden_states=head(out.aux_hidden_states, n),
         )  # fmt: skip

@@ -50,7 +50,7 @@ class LogitsOutput:
     aux_hidden_layers (the residual stream entering those layers), else None."""
 
     next_token_logits: torch.Tensor
-    hidden_states: torch.Tensor
+    hidden_states: torch.Tensor | None  # None from a graph that keeps only the logits
     aux_hidden_states: torch.Tensor | None = None
 
 

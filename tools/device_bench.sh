@@ -48,8 +48,8 @@ if [[ $1 == speed ]]; then
   # (triton + graphs by default), then decode variants on the SmolLM2-135M shape.
   # carry: .device-carry/wheels .device-carry/smollm2-config
   # Each stage has its own time limit and writes its whole log under $OUT.
-  [[ ${SKIP_UNIT:-0} == 1 ]] || timeout 240 python -m pytest tests/gpu_worker -q -x \
-    -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1; tail -2 "$OUT/gpu_tests.txt"
+  [[ ${SKIP_UNIT:-0} == 1 ]] || timeout ${UNIT_S:-240} python -m pytest ${UNIT_TESTS:-tests/gpu_worker} \
+    -q -x -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1; tail -2 "$OUT/gpu_tests.txt"
   [[ ${SKIP_E2E:-0} == 1 ]] || AERIE_E2E_DEVICE=cuda timeout ${E2E_S:-240} python -m pytest \
     tests/e2e/test_parity.py -q -x -p no:cacheprovider --timeout 120 -k "${E2E_K:-tiny}" \
     > "$OUT/e2e.txt" 2>&1; tail -3 "$OUT/e2e.txt"

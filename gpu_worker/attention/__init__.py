@@ -8,7 +8,11 @@ from gpu_worker.attention.base import (
     ATTENTION_BACKENDS,
     AttentionBackend,
     AttentionLayer,
+    RopeArgs,
     create_attention_backend,
 )
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionLayer", "create_attention_backend"]
+__all__ = [
+    "ATTENTION_BACKENDS", "AttentionBackend", "AttentionLayer", "RopeArgs",
+    "create_attention_backend",
+]  # fmt: skip

@@ -1,13 +1,17 @@
 """The attention backend interface and its registry.
 
 A backend belongs to one ModelRunner and holds references to that runner's pools. Per forward
-the runner calls `init_forward_metadata(batch)` once, then every attention layer (which has
-already stored the new tokens' K/V at `batch.out_cache_loc` in the KV pool, fused with RoPE)
-calls `forward(q, layer, batch)`, which attends each request's queries over its KV
-`req_to_token[row, :seq_len]`: causal for the extend part (query j at position prefix + j sees
-keys 0..prefix + j), or through `batch.custom_mask` when it is set: a tree-local
-`[bs, q_len, width]` mask over each request's last `width` keys, every earlier key visible
-(tree verify: width ND; multi-step draft decode: width topk * S, the branch-local keys).
+the runner calls `init_forward_metadata(batch)` once, then every attention layer calls
+`attend(qkv, layer, batch, rope)`, which
+1. applies RoPE (and Qwen3's per-head q/k norm) to the new tokens' q and k and stores their
+   K/V at `batch.out_cache_loc` in the KV pool (layer `layer.layer_id`), and
+2. attends each request's queries over its KV `req_to_token[row, :seq_len]`: causal for the
+   extend part (query j at position prefix + j sees keys 0..prefix + j), or through
+   `batch.custom_mask` when it is set: a tree-local `[bs, q_len, width]` mask over each
+   request's last `width` keys, every earlier key visible (tree verify: width ND; multi-step
+   draft decode: width topk * S, the branch-local keys).
+The base class does 1 with `rope_and_store` and 2 with `forward(q, layer, batch)`; a backend
+may fuse them (triton's decode does, in one kernel).
 
 CUDA-graph hooks (backends with `supports_cuda_graph`): `init_cuda_graph_state(max_bs,
 max_tokens_per_req)` allocates whatever the backend keeps across replays, once;
@@ -19,6 +23,7 @@ before a replay, reading only device tensors. Padded rows of a graph batch point
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -37,9 +42,20 @@ class AttentionLayer(Protocol):
     scaling: float
 
 
+@dataclass(frozen=True)
+class RopeArgs:
+    """What rotating q and k needs: the model's cos/sin cache [max_positions, head_dim] and,
+    for Qwen3, the per-head q/k norm weights [head_dim] and their epsilon."""
+
+    cos_sin_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 class AttentionBackend:
-    """Base class; subclasses implement `init_forward_metadata` and `forward` (and the graph
-    hooks when `supports_cuda_graph`)."""
+    """Base class; subclasses implement `init_forward_metadata`, `rope_and_store` and `forward`
+    (and the graph hooks when `supports_cuda_graph`)."""
 
     name = "base"
     supports_cuda_graph = False
@@ -55,9 +71,25 @@ class AttentionBackend:
         """Plan this forward; returns the metadata `forward` reads (`batch.attn_metadata`)."""
         raise NotImplementedError
 
+    def attend(
+        self, qkv: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, rope: RopeArgs
+    ) -> torch.Tensor:
+        """qkv `[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]` (q, k, v heads) -> o
+        `[num_tokens, num_heads * head_dim]` in qkv's dtype. Writes the new K/V to the pool."""
+        k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
+        q = self.rope_and_store(
+            qkv, batch.positions, rope.cos_sin_cache, k_buffer, v_buffer, batch.out_cache_loc,
+            layer.num_heads, layer.num_kv_heads, rope.q_norm, rope.k_norm, rope.eps,
+        )  # fmt: skip
+        return self.forward(q, layer, batch)
+
+    # rope_and_store(qkv, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc,
+    # num_heads, num_kv_heads, q_norm, k_norm, eps) -> q: see kernels.rotary.
+    rope_and_store: Any = None
+
     def forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        """q `[num_tokens, num_heads * head_dim]` -> o `[num_tokens, num_heads * head_dim]` in
-        q's dtype, over the KV already in the pool."""
+        """q `[num_tokens, num_heads * head_dim]` (rotated) -> o `[num_tokens, num_heads *
+        head_dim]` in q's dtype, over the KV already in the pool."""
         raise NotImplementedError
 
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from gpu_worker.attention.base import AttentionBackend, AttentionLayer, register_backend
 from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.kernels.rotary import rope_and_store_kv_reference
 
 
 @dataclass
@@ -63,6 +64,7 @@ def build_decode_view(batch: ForwardBatch, req_to_token: torch.Tensor) -> Decode
 @register_backend
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+    rope_and_store = staticmethod(rope_and_store_kv_reference)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> DecodeView | list[RequestView]:
         req_to_token = self.req_to_token_pool.req_to_token

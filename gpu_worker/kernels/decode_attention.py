@@ -1,25 +1,32 @@
-"""Paged decode attention: one query per request over its KV, split-K over the KV length.
+"""Paged decode attention fused with RoPE and the K/V store: one kernel per layer and step.
 
-    o = decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                         scaling, num_splits, partial_o, partial_lse)
+    o = decode_attention(qkv, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc,
+                         req_to_token, req_pool_indices, seq_lens, num_heads, scaling,
+                         num_splits, scratch, q_norm=None, k_norm=None, eps=1e-6)
 
-q [bs, H * D]; k_buffer / v_buffer [num_slots, KH, D] (one layer of the KV pool);
-req_to_token [rows, max_len] int32; req_pool_indices [bs]; seq_lens [bs] (keys attended).
-Request b attends the keys at slots req_to_token[req_pool_indices[b], :seq_lens[b]].
+qkv [bs, (H + 2*KH) * D]: each request's one new token, straight from the merged projection.
+Its q and k heads are (optionally RMS-normalised and) rotated by `positions` [bs] with
+`cos_sin_cache` [max_positions, D] (cos | sin); its k and v are stored into the KV pool
+(k_buffer / v_buffer [num_slots, KH, D], one layer) at out_cache_loc [bs]; then each request
+attends its keys at req_to_token[req_pool_indices[b], :seq_lens[b]], the last of which is the
+new token itself, taken from registers. Numerics match `rotary.rope_and_store_kv` followed by
+attention over the pool (q and k rounded to the model dtype after rotation).
 
-Stage 1 runs a program per (request, KV head, split): the split covers a contiguous range of
-whole BLOCK_N key blocks (seq_len divided over `num_splits`, so short sequences leave later
-splits empty), and the program serves all H / KH query heads of its KV head at once (GQA: K
-and V are read once per group). It writes a partial output and its log-sum-exp. Stage 2
-combines the splits per (request, head). Everything it reads comes from device tensors, so
-the launch never depends on host copies of seq_lens and can be captured in a CUDA graph.
-partial_o [bs, H, num_splits, D] float32 and partial_lse [bs, H, num_splits] float32 are
-scratch (at least that large; graphs pass preallocated ones).
+Work split (split-K, GQA grouped): a program per (request, KV head, split) serves all H / KH
+query heads of its KV head, so K and V are read once per group. A split covers a contiguous
+run of whole BLOCK_N key blocks (seq_len divided over `num_splits`; short sequences leave
+later splits empty). Each program writes its partial output and log-sum-exp, then counts
+itself done on a per-(request, KV head) counter; the program that finishes last combines the
+partials and writes o, and resets the counter (so the same launch replays in a CUDA graph).
+Everything is read from device tensors: no host value of seq_lens is needed.
+
+`DecodeScratch` holds the partials and the counters; size it for the largest batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,134 +44,246 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@dataclass(frozen=True)
+class DecodeScratch:
+    """Partials and arrival counters for every batch size up to max_bs (the splits chosen for
+    a batch of bs requests by `choose_num_splits`)."""
+
+    max_bs: int
+    partial_o: torch.Tensor  # [units * H * D] float32, units = max(bs * splits(bs))
+    partial_lse: torch.Tensor  # [units * H] float32
+    counters: torch.Tensor  # [max_bs * KH] int32, zero between launches
+
+    @classmethod
+    def allocate(
+        cls, max_bs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int,
+        device: torch.device,
+    ) -> DecodeScratch:  # fmt: skip
+        units = max(bs * choose_num_splits(bs, num_kv_heads, num_sms)
+                    for bs in range(1, max_bs + 1))  # fmt: skip
+        return cls(
+            max_bs,
+            torch.empty(units * num_heads * head_dim, device=device),
+            torch.empty(units * num_heads, device=device),
+            torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device),
+        )
+
+
 @triton.jit
-def _decode_split_kernel(
-    q_ptr,
+def _rotate(x1, x2, cos, sin, w1, w2, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows of halves [R, BLOCK_HALF] -> rotated halves in float32, after an optional
+    per-row RMSNorm (weights w1, w2 [BLOCK_HALF]) with transformers' roundings."""
+    dtype = x1.dtype
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)[:, None]
+        f1 = ((f1 * inv).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+        f2 = ((f2 * inv).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
+    return f1 * cos[None, :] - f2 * sin[None, :], f2 * cos[None, :] + f1 * sin[None, :]
+
+
+@triton.jit
+def _decode_kernel(
+    qkv_ptr,
+    positions_ptr,
+    cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     k_ptr,
     v_ptr,
+    loc_ptr,
     req_to_token_ptr,
     req_pool_indices_ptr,
     seq_lens_ptr,
+    o_ptr,
     partial_o_ptr,
     partial_lse_ptr,
+    counter_ptr,
+    qkv_stride,
     req_to_token_stride,
     scale_log2,
+    eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     group = NUM_HEADS // NUM_KV_HEADS
+    half = HEAD_DIM // 2
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
-    blocks_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * blocks_per_split * BLOCK_N
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
+    new_pos = seq_len - 1  # the new token's key
 
+    # The new token: rotated q of this group's heads, rotated k and v of this KV head.
+    c = tl.arange(0, BLOCK_HALF)
+    c_mask = c < half
     h = tl.arange(0, BLOCK_H)
     head_mask = h < group
     heads = kv_head * group + h
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_offsets = req * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    position = tl.load(positions_ptr + req).to(tl.int64)
+    cos = tl.load(cache_ptr + position * HEAD_DIM + c, mask=c_mask, other=0.0)
+    sin = tl.load(cache_ptr + position * HEAD_DIM + half + c, mask=c_mask, other=0.0)
+    w_q1, w_q2, w_k1, w_k2 = cos, cos, cos, cos  # unused without norms
+    if HAS_NORM:
+        w_q1 = tl.load(q_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        w_q2 = tl.load(q_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
+        w_k1 = tl.load(k_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        w_k2 = tl.load(k_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
+    base = qkv_ptr + req * qkv_stride
+    qh_mask = head_mask[:, None] & c_mask[None, :]
+    q_offsets = heads[:, None] * HEAD_DIM + c[None, :]
+    q1 = tl.load(base + q_offsets, mask=qh_mask, other=0.0)
+    q2 = tl.load(base + q_offsets + half, mask=qh_mask, other=0.0)
+    dtype = q1.dtype
+    q1, q2 = _rotate(q1, q2, cos, sin, w_q1, w_q2, eps, HEAD_DIM, HAS_NORM)
+    q1, q2 = q1.to(dtype), q2.to(dtype)  # rounded like q stored by the unfused path
+    k_offsets = ((NUM_HEADS + kv_head) * HEAD_DIM + c)[None, :]
+    k1 = tl.load(base + k_offsets, mask=c_mask[None, :], other=0.0)
+    k2 = tl.load(base + k_offsets + half, mask=c_mask[None, :], other=0.0)
+    k1, k2 = _rotate(k1, k2, cos, sin, w_k1, w_k2, eps, HEAD_DIM, HAS_NORM)
+    k1, k2 = k1.to(dtype).to(tl.float32), k2.to(dtype).to(tl.float32)  # [1, BLOCK_HALF]
+    v_offsets = (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + c
+    v1 = tl.load(base + v_offsets, mask=c_mask, other=0.0).to(tl.float32)
+    v2 = tl.load(base + v_offsets + half, mask=c_mask, other=0.0).to(tl.float32)
 
+    # This split's keys from the pool (the new key excluded: it is not stored yet).
+    blocks_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < end
+        pos_mask = (pos < end) & (pos != new_pos)
         slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
-        kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        qk = qk * scale_log2  # log2 units
-        qk = tl.where(pos_mask[None, :], qk, float("-inf"))
+        kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + c[None, :]
+        kv_mask = pos_mask[:, None] & c_mask[None, :]
+        pk1 = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        pk2 = tl.load(k_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
+        qk = tl.dot(q1, tl.trans(pk1), input_precision=DOT_PRECISION)
+        qk += tl.dot(q2, tl.trans(pk2), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(pos_mask[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+        pv1 = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        pv2 = tl.load(v_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
+        p = p.to(pv1.dtype)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, pv1, input_precision=DOT_PRECISION)
+        acc2 = acc2 * alpha[:, None] + tl.dot(p, pv2, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    # The new key, in the split that holds its position; that program also stores K/V.
+    holds = (new_pos >= start) & (new_pos < end)
+    s_new = tl.sum(q1.to(tl.float32) * k1 + q2.to(tl.float32) * k2, 1) * scale_log2
+    s_new = tl.where(holds, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p_new = tl.exp2(s_new - m_safe)
+    l_i = l_i * alpha + p_new
+    acc1 = acc1 * alpha[:, None] + p_new[:, None] * v1[None, :]
+    acc2 = acc2 * alpha[:, None] + p_new[:, None] * v2[None, :]
+    m_i = m_new
+    slot = tl.load(loc_ptr + req).to(tl.int64)
+    kv_dst = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + c
+    new_pos_vec = tl.zeros([BLOCK_HALF], tl.int32) + new_pos
+    store_mask = c_mask & (new_pos_vec >= start) & (new_pos_vec < end)  # c_mask & holds
+    k_type = k_ptr.dtype.element_ty
+    tl.store(k_ptr + kv_dst, tl.reshape(k1, [BLOCK_HALF]).to(k_type), mask=store_mask)
+    tl.store(k_ptr + kv_dst + half, tl.reshape(k2, [BLOCK_HALF]).to(k_type), mask=store_mask)
+    tl.store(v_ptr + kv_dst, v1.to(v_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(v_ptr + kv_dst + half, v2.to(v_ptr.dtype.element_ty), mask=store_mask)
+
+    # Partial result, then the last program of (request, KV head) combines all splits.
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    inv_l = 1.0 / tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     partial = (req * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_H]
-    tl.store(partial_o_ptr + partial[:, None] * HEAD_DIM + d[None, :], out,
-             mask=head_mask[:, None] & d_mask[None, :])  # fmt: skip
+    po_offsets = partial[:, None] * HEAD_DIM + c[None, :]
+    tl.store(partial_o_ptr + po_offsets, acc1 * inv_l[:, None], mask=qh_mask)
+    tl.store(partial_o_ptr + po_offsets + half, acc2 * inv_l[:, None], mask=qh_mask)
     tl.store(partial_lse_ptr + partial, lse, mask=head_mask)
-
-
-@triton.jit
-def _decode_combine_kernel(
-    partial_o_ptr,
-    partial_lse_ptr,
-    o_ptr,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-):
-    req = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_SPLITS)
-    s_mask = s < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    base = (req * NUM_HEADS + head) * NUM_SPLITS
-    lse = tl.load(partial_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))  # empty splits weigh 0
-    partial = tl.load(partial_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                      mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
-    o_offsets = (req * NUM_HEADS + head) * HEAD_DIM + d
-    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    tl.debug_barrier()  # every thread's partials are written before the arrival is counted
+    counter = counter_ptr + req * NUM_KV_HEADS + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == NUM_SPLITS - 1:
+        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            lse_s = tl.load(partial_lse_ptr + (req * NUM_HEADS + heads) * NUM_SPLITS + s,
+                            mask=head_mask, other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+            m_max = tl.maximum(m_max, lse_s)
+        m_max = tl.where(head_mask, m_max, 0.0)  # padded heads: no -inf minus -inf
+        total = tl.zeros([BLOCK_H], tl.float32)
+        out1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
+        out2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            index = (req * NUM_HEADS + heads) * NUM_SPLITS + s
+            lse_s = tl.load(partial_lse_ptr + index, mask=head_mask, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+            w = tl.exp2(lse_s - m_max)  # empty splits weigh 0
+            offsets = index[:, None] * HEAD_DIM + c[None, :]
+            out1 += w[:, None] * tl.load(partial_o_ptr + offsets, mask=qh_mask, other=0.0,
+                                         cache_modifier=".cg")  # fmt: skip
+            out2 += w[:, None] * tl.load(partial_o_ptr + offsets + half, mask=qh_mask,
+                                         other=0.0, cache_modifier=".cg")  # fmt: skip
+            total += w
+        o_offsets = req * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + c[None, :]
+        inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+        tl.store(o_ptr + o_offsets, (out1 * inv_total[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=qh_mask)  # fmt: skip
+        out2 = out2 * inv_total[:, None]
+        tl.store(o_ptr + o_offsets + half, out2.to(o_ptr.dtype.element_ty), mask=qh_mask)
+        tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
 def decode_attention(
-    q: torch.Tensor,
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
+    out_cache_loc: torch.Tensor,
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
+    num_heads: int,
     scaling: float,
     num_splits: int,
-    partial_o: torch.Tensor,
-    partial_lse: torch.Tensor,
+    scratch: DecodeScratch,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """See the module docstring; returns o [bs, H * D] in q's dtype."""
-    bs = q.shape[0]
+    """See the module docstring; returns o [bs, H * D] in qkv's dtype."""
+    bs = qkv.shape[0]
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
-    num_heads = q.shape[1] // head_dim
-    o = torch.empty_like(q)
+    o = torch.empty(bs, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if bs == 0:
         return o
-    block_d = next_power_of_2(head_dim)
-    _decode_split_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-        partial_o, partial_lse, req_to_token.stride(0), scaling * LOG2E,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+    has_norm = q_norm is not None
+    _decode_kernel[(bs, num_kv_heads, num_splits)](
+        qkv, positions, cos_sin_cache, q_norm if has_norm else qkv, k_norm if has_norm else qkv,
+        k_buffer, v_buffer, out_cache_loc, req_to_token, req_pool_indices, seq_lens, o,
+        scratch.partial_o, scratch.partial_lse, scratch.counters, qkv.stride(0),
+        req_to_token.stride(0), scaling * LOG2E, eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)),
         BLOCK_H=max(16, next_power_of_2(num_heads // num_kv_heads)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
-    )  # fmt: skip
-    _decode_combine_kernel[(bs, num_heads)](
-        partial_o, partial_lse, o,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_SPLITS=next_power_of_2(num_splits), num_warps=2,
+        NUM_SPLITS=num_splits, HAS_NORM=has_norm, DOT_PRECISION=dot_precision(qkv.dtype),
+        num_warps=4,
     )  # fmt: skip
     return o
 
@@ -173,13 +292,3 @@ def choose_num_splits(bs: int, num_kv_heads: int, num_sms: int, max_splits: int 
     """Splits per (request, KV head) so that a decode launch has about two programs per SM."""
     wanted = math.ceil(2 * num_sms / max(bs * num_kv_heads, 1))
     return max(1, min(max_splits, next_power_of_2(wanted)))
-
-
-def partial_buffers(
-    bs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch for `decode_attention`: partial_o [bs, H, splits, D], partial_lse [bs, H, splits]
-    (float32)."""
-    partial_o = torch.empty(bs, num_heads, num_splits, head_dim, device=device)
-    partial_lse = torch.empty(bs, num_heads, num_splits, device=device)
-    return partial_o, partial_lse

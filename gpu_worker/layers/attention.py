@@ -1,20 +1,18 @@
 """`PagedAttention`: the layer-side handle of attention. It owns no weights: given the merged
-qkv projection it applies RoPE (and Qwen3's per-head q/k norm) to q and k, stores the new K/V
-into this layer's KV pool at `batch.out_cache_loc` (one fused kernel), then lets the batch's
-attention backend attend over the paged KV."""
+qkv projection it asks the batch's attention backend to apply RoPE (and Qwen3's per-head q/k
+norm), store the new K/V into this layer's KV pool at `batch.out_cache_loc`, and attend over
+the paged KV (`AttentionBackend.attend`; fused into one kernel for triton's decode)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from gpu_worker.attention.base import RopeArgs
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.kernels import rotary
 
 
 class PagedAttention(nn.Module):
-    use_triton = False
-
     def __init__(
         self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
     ) -> None:
@@ -36,10 +34,5 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """qkv [n, (heads + 2 * kv_heads) * d] -> o [n, heads * d]. Writes the new tokens' K/V
         into the batch's KV pool (this layer)."""
-        k_buffer, v_buffer = batch.attn_backend.kv_pool.get_kv(self.layer_id)
-        rope = rotary.rope_and_store_kv if self.use_triton else rotary.rope_and_store_kv_reference
-        q = rope(
-            qkv, batch.positions, cos_sin_cache, k_buffer, v_buffer, batch.out_cache_loc,
-            self.num_heads, self.num_kv_heads, q_norm, k_norm, eps,
-        )  # fmt: skip
-        return batch.attn_backend.forward(q, self, batch)
+        rope = RopeArgs(cos_sin_cache, q_norm, k_norm, eps)
+        return batch.attn_backend.attend(qkv, self, batch, rope)

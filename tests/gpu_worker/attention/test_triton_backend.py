@@ -11,9 +11,10 @@ import random
 import pytest
 import torch
 
-from gpu_worker.attention import create_attention_backend
+from gpu_worker.attention import RopeArgs, create_attention_backend
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
+from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.speculative.draft_layout import draft_decode_mask
 from tests.devices import triton_devices
 
@@ -61,17 +62,24 @@ class Pools:
             self.req.req_to_token[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
         self.layer = Layer(1, heads, kv_heads, head_dim, head_dim**-0.5)
         self.gen = gen
+        self.rope = RopeArgs(RotaryEmbedding(head_dim, 10000.0).build_cos_sin_cache(512, device))
 
-    def q(self, num_tokens: int) -> torch.Tensor:
-        width = self.layer.num_heads * self.layer.head_dim
+    def with_qk_norm(self) -> Pools:
+        d = self.layer.head_dim
+        norms = [torch.randn(d, generator=self.gen).to(self.device, self.dtype) for _ in range(2)]
+        self.rope = RopeArgs(self.rope.cos_sin_cache, *norms, 1e-6)
+        return self
+
+    def qkv(self, num_tokens: int) -> torch.Tensor:
+        width = (self.layer.num_heads + 2 * self.layer.num_kv_heads) * self.layer.head_dim
         return torch.randn(num_tokens, width, generator=self.gen).to(self.device, self.dtype)
 
-    def run(self, name: str, batch: ForwardBatch, q: torch.Tensor) -> torch.Tensor:
+    def run(self, name: str, batch: ForwardBatch, qkv: torch.Tensor) -> torch.Tensor:
         backend = create_attention_backend(name, self.req, self.kv, self.layer.num_heads)
         batch = dataclasses.replace(
             batch, attn_backend=backend, attn_metadata=backend.init_forward_metadata(batch)
         )
-        return backend.forward(q, self.layer, batch).float()
+        return backend.attend(qkv, self.layer, batch, self.rope).float()
 
 
 def batch_of(pools: Pools, mode, rows, prefix_lens, extend_lens, custom_mask=None):
@@ -83,18 +91,30 @@ def batch_of(pools: Pools, mode, rows, prefix_lens, extend_lens, custom_mask=Non
 
 
 def check(pools: Pools, batch: ForwardBatch) -> None:
-    q = pools.q(batch.num_tokens)
-    out = pools.run("triton", batch, q)
-    ref = pools.run("torch_native", batch, q)
+    """Both backends from the same pool: the same outputs and the same K/V stored."""
+    qkv = pools.qkv(batch.num_tokens)
+    layer_kv = pools.kv.get_kv(pools.layer.layer_id)
+    before = [b.clone() for b in layer_kv]
+    out = pools.run("triton", batch, qkv)
+    after_triton = [b.clone() for b in layer_kv]
+    for buffer, saved in zip(layer_kv, before, strict=True):
+        buffer.copy_(saved)
+    ref = pools.run("torch_native", batch, qkv)
     tol = 1e-4 if pools.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    for got, want in zip(after_triton, layer_kv, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("device, dtype", setups())
 @pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_decode(device, dtype, heads, kv_heads, head_dim, page_size):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode(device, dtype, heads, kv_heads, head_dim, page_size, qk_norm):
+    """The fused decode kernel: RoPE (and q/k norm), the K/V store, split-K attention."""
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=heads + page_size)
+    if qk_norm:
+        pools.with_qk_norm()
     seq_lens = [1, 37, 64, 150]  # one key; a partial block; whole blocks; several splits
     batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens],
                      [1] * 4)  # fmt: skip
