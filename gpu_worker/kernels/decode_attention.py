@@ -13,11 +13,12 @@ new token itself, taken from registers. Numerics match `rotary.rope_and_store_kv
 attention over the pool (q and k rounded to the model dtype after rotation).
 
 Work split (split-K, GQA grouped): a program per (request, KV head, split) serves all H / KH
-query heads of its KV head, so K and V are read once per group. A split covers a contiguous
-run of whole BLOCK_N key blocks (seq_len divided over `num_splits`; short sequences leave
-later splits empty). Each program writes its partial output and log-sum-exp, then counts
-itself done on a per-(request, KV head) counter; the program that finishes last combines the
-partials and writes o, and resets the counter (so the same launch replays in a CUDA graph).
+query heads of its KV head, so K and V are read once per group. A request uses
+min(num_splits, its number of BLOCK_N key blocks) splits (programs beyond that return at
+once), each covering a contiguous run of whole blocks. Each program writes its partial output
+and log-sum-exp, then counts itself done on a per-(request, KV head) counter; the program that
+finishes last combines the partials and writes o, and resets the counter (so the same launch
+replays in a CUDA graph).
 Everything is read from device tensors: no host value of seq_lens is needed.
 
 `DecodeScratch` holds the partials and the counters; size it for the largest batch.
@@ -155,7 +156,11 @@ def _decode_kernel(
     v2 = tl.load(base + v_offsets + half, mask=c_mask, other=0.0).to(tl.float32)
 
     # This split's keys from the pool (the new key excluded: it is not stored yet).
-    blocks_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    num_blocks = tl.cdiv(seq_len, BLOCK_N)
+    active = tl.minimum(num_blocks, NUM_SPLITS)  # splits with keys: short sequences use few
+    if split >= active:
+        return
+    blocks_per_split = tl.cdiv(num_blocks, active)
     start = split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -219,9 +224,9 @@ def _decode_kernel(
     tl.debug_barrier()  # every thread's partials are written before the arrival is counted
     counter = counter_ptr + req * NUM_KV_HEADS + kv_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == NUM_SPLITS - 1:
+    if arrived == active - 1:
         m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
+        for s in range(0, active):
             lse_s = tl.load(partial_lse_ptr + (req * NUM_HEADS + heads) * NUM_SPLITS + s,
                             mask=head_mask, other=float("-inf"), cache_modifier=".cg")  # fmt: skip
             m_max = tl.maximum(m_max, lse_s)
@@ -229,7 +234,7 @@ def _decode_kernel(
         total = tl.zeros([BLOCK_H], tl.float32)
         out1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
         out2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
+        for s in range(0, active):
             index = (req * NUM_HEADS + heads) * NUM_SPLITS + s
             lse_s = tl.load(partial_lse_ptr + index, mask=head_mask, other=float("-inf"),
                             cache_modifier=".cg")  # fmt: skip

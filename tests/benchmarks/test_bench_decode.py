@@ -57,6 +57,7 @@ def test_cli_writes_table_json_and_roofline(bench, tiny_dir: str, tmp_path, caps
         assert r["tokens_per_s"] == pytest.approx(bs * 1e3 / r["step_ms"])
         assert r["roofline_tokens_per_s"] == pytest.approx(bandwidth / r["weight_bytes"] * bs)
         assert r["greedy_agreement_with_torch_native"] == 1.0  # float32: the same tokens
+        assert r["prefill_logits_rel_diff_vs_torch_native"] < 1e-5
 
 
 @pytest.mark.parametrize("variant", ["torch_native", "triton", "triton+graph"])
