@@ -9,9 +9,14 @@
 yields incremental deltas (`text` / `output_ids` hold only what is new; the last one has
 `meta_info.finish_reason` set). Server-side errors raise `AerieClientError`; a `timeout`
 that passes aborts the request on the server and raises `AerieTimeoutError`. Leaving a
-stream early aborts its request. The wire protocol is documented in
-`tokenizer_proc/zmq_frontend.py`. Imports only pyzmq and msgpack. A `Client` is not
-thread-safe; use one per thread (or an `AsyncClient` per event loop).
+stream early aborts its request.
+
+A server started with --api-key needs `api_key=`; one started with --zmq-curve needs
+`server_public_key=` (its Z85 public key, logged at start). A failed CURVE handshake (a key
+missing on one side, or the wrong one) raises `AerieClientError` instead of waiting forever.
+The wire protocol is documented in `tokenizer_proc/zmq_frontend.py`. Imports only pyzmq and
+msgpack. A `Client` is not thread-safe; use one per thread (or an `AsyncClient` per event
+loop).
 """
 
 from __future__ import annotations
@@ -60,10 +65,14 @@ def _body(
     return body
 
 
-def _pack(op: str, req_id: int, body: dict[str, Any] | None = None) -> bytes:
+def _pack(
+    op: str, req_id: int, body: dict[str, Any] | None = None, api_key: str | None = None
+) -> bytes:
     msg: dict[str, Any] = {"op": op, "req_id": req_id}
     if body is not None:
         msg["body"] = body
+    if api_key is not None:
+        msg["api_key"] = api_key
     return msgpack.packb(msg, use_bin_type=True)
 
 
@@ -71,11 +80,36 @@ def _raise_error(data: dict[str, Any]) -> None:
     raise AerieClientError(str(data.get("message")), data.get("code"), data.get("param"))
 
 
-def _new_socket(context: zmq.Context, address: str) -> zmq.Socket:
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def _new_socket(
+    context: zmq.Context, address: str, server_public_key: bytes | str | None
+) -> tuple[zmq.Socket, zmq.Socket]:
+    """(DEALER connected to address, a monitor socket reporting failed handshakes)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    if server_public_key is not None:
+        public, secret = zmq.curve_keypair()  # this client's own, for this connection
+        socket.curve_serverkey = (
+            server_public_key.encode() if isinstance(server_public_key, str) else server_public_key
+        )
+        socket.curve_publickey, socket.curve_secretkey = public, secret
+    monitor = socket.get_monitor_socket(_HANDSHAKE_FAILED)
     socket.connect(address)
-    return socket
+    return socket, monitor
+
+
+def _handshake_error(address: str) -> AerieClientError:
+    return AerieClientError(
+        f"the ZMQ handshake with {address} failed: the server encrypts with CURVE and this "
+        "client has no or the wrong server_public_key (or the client has one and the server "
+        "does not encrypt)"
+    )
 
 
 class _Closed:
@@ -88,9 +122,21 @@ class _Closed:
 class Client:
     """Blocking client. address: the server's ZMQ frontend, e.g. "tcp://127.0.0.1:30001"."""
 
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        context: zmq.Context | None = None,
+        api_key: str | None = None,
+        server_public_key: bytes | str | None = None,
+    ) -> None:
         self.address = address
-        self._socket = _new_socket(context or zmq.Context.instance(), address)
+        self.api_key = api_key
+        self._socket, self._monitor = _new_socket(
+            context or zmq.Context.instance(), address, server_public_key
+        )
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._req_ids = itertools.count()
 
     def generate(
@@ -137,6 +183,7 @@ class Client:
                 self._socket.send(_pack("abort", req_id))
 
     def close(self) -> None:
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
 
     def __enter__(self) -> Client:
@@ -147,14 +194,18 @@ class Client:
 
     def _start(self, body: dict[str, Any]) -> int:
         req_id = next(self._req_ids)
-        self._socket.send(_pack("generate", req_id, body))
+        self._socket.send(_pack("generate", req_id, body, self.api_key))
         return req_id
 
     def _recv(self, req_id: int, deadline: float | None) -> tuple[str, Any]:
         """The next reply for req_id (replies to abandoned requests are dropped)."""
         while True:
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1e3))
-            if not self._socket.poll(wait_ms):
+            ready = dict(self._poller.poll(wait_ms))
+            if self._monitor in ready:
+                self._monitor.recv_multipart()
+                raise _handshake_error(self.address)
+            if self._socket not in ready:
                 self._socket.send(_pack("abort", req_id))
                 raise AerieTimeoutError(f"no answer from {self.address} in time")
             reply = msgpack.unpackb(self._socket.recv(), raw=False)
@@ -172,12 +223,23 @@ class AsyncClient:
     may be in flight at once from one AsyncClient.
     """
 
-    def __init__(self, address: str, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        context: zmq.asyncio.Context | None = None,
+        api_key: str | None = None,
+        server_public_key: bytes | str | None = None,
+    ) -> None:
         self.address = address
-        self._socket = _new_socket(context or zmq.asyncio.Context.instance(), address)
+        self.api_key = api_key
+        self._socket, self._monitor = _new_socket(
+            context or zmq.asyncio.Context.instance(), address, server_public_key
+        )
         self._req_ids = itertools.count()
         self._queues: dict[int, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._failed: AerieClientError | None = None
 
     async def generate(
         self,
@@ -226,8 +288,10 @@ class AsyncClient:
 
     def close(self) -> _Closed:
         """Close now; the result may be awaited (`await client.close()`) or ignored."""
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
         return _Closed()
 
@@ -238,13 +302,26 @@ class AsyncClient:
         self.close()
 
     async def _start(self, body: dict[str, Any]) -> tuple[int, asyncio.Queue]:
+        if self._failed is not None:
+            raise self._failed
+        loop = asyncio.get_running_loop()
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._reader = loop.create_task(self._read())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = loop.create_task(self._watch_handshake())
         req_id = next(self._req_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req_id] = queue
-        await self._socket.send(_pack("generate", req_id, body))
+        await self._socket.send(_pack("generate", req_id, body, self.api_key))
         return req_id, queue
+
+    async def _watch_handshake(self) -> None:
+        """A failed handshake fails every waiting and future request (no silent hang)."""
+        await self._monitor.recv_multipart()
+        self._failed = _handshake_error(self.address)
+        error = {"event": "error", "data": {"message": self._failed.message, "code": None}}
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     async def _next(
         self, req_id: int, queue: asyncio.Queue, deadline: float | None

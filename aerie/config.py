@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: bool = False):
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+def _opt(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    flag: bool = False,
+    secret: bool = False,
+):
+    """A config field; secret ones never appear in `to_flat_dict` (logs, /server_info)."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "secret": secret}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,57 @@ class ServerConfig:
     log_level: str = _opt("info", "Log level.", ("debug", "info", "warning", "error"))
     startup_timeout_s: float = _opt(600.0, "Seconds to wait for every process to be ready.")
     drain_timeout_s: float = _opt(30.0, "Seconds running requests get to finish on SIGTERM.")
+    served_model_name: str | None = _opt(
+        None, "Model name in /v1/models and responses (default: the model directory's name)."
+    )
+    watchdog_timeout_s: float = _opt(
+        30.0, "A process that answers no heartbeat for this long is reported stuck and the "
+        "server exits (systemd then restarts it).",
+    )
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    api_key: str | None = _opt(
+        None,
+        "Key every client must present: HTTP 'Authorization: Bearer KEY', ZMQ api_key= "
+        "(default: $AERIE_API_KEY).",
+        secret=True,
+    )
+    allow_unauthenticated: bool = _opt(
+        False, "Listen beyond loopback without --api-key (anyone who can connect may use it).",
+        flag=True,
+    )
+    allowed_hosts: str | None = _opt(
+        None, "Comma list of Host header values HTTP accepts (default: loopback names when "
+        "bound to loopback, any otherwise); stops DNS rebinding.",
+    )
+    zmq_curve: bool = _opt(
+        False, "Encrypt the ZMQ port with CURVE; the server key pair is kept in the cache "
+        "directory (or --zmq-curve-key-file) and its public key is logged at start.",
+        flag=True,
+    )
+    zmq_curve_key_file: str | None = _opt(
+        None, "File holding the server's CURVE secret key (Z85), created if missing."
+    )
+    enable_debug_info: bool = _opt(
+        False, "Publish filesystem paths (model, tokenizer, runtime directory) in /server_info.",
+        flag=True,
+    )
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_request_bytes: int = _opt(
+        8 << 20, "Largest HTTP body or ZMQ message accepted (413 beyond it)."
+    )
+    max_batch_size: int = _opt(64, "Most prompts in one /generate batch.")
+    max_queued_requests: int = _opt(
+        1024, "Requests waiting beyond the running ones; more get 503 with Retry-After."
+    )
+    max_connections: int = _opt(1024, "Open HTTP connections; more get 503.")
+    header_timeout_s: float = _opt(10.0, "Seconds a client gets to send a request's headers.")
+    body_timeout_s: float = _opt(30.0, "Seconds a client gets to send a request's body (408).")
 
 
 @dataclass(frozen=True)
@@ -124,6 +183,8 @@ class AerieConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     # Set by resolution: the per-launch directory holding the ipc:// sockets.
     runtime_dir: str = ""
 
@@ -141,15 +202,22 @@ class AerieConfig:
         return dataclasses.replace(self, **updates)
 
     def to_flat_dict(self) -> dict[str, Any]:
-        """Every field by its flag name (underscored), for /server_info and logs."""
+        """Every field by its flag name (underscored), for /server_info and logs; secrets
+        are left out (an "api_key_set" boolean says whether a key is configured)."""
         flat: dict[str, Any] = {}
         for section in _SECTIONS:
-            flat.update(dataclasses.asdict(getattr(self, section)))
+            value = getattr(self, section)
+            for f in dataclasses.fields(value):
+                if not f.metadata.get("secret"):
+                    flat[f.name] = getattr(value, f.name)
+        flat["api_key_set"] = self.security.api_key is not None
         flat["runtime_dir"] = self.runtime_dir
         return flat
 
 
-_SECTIONS = ("model", "cache", "scheduler", "runner", "speculative", "server")
+_SECTIONS = (
+    "model", "cache", "scheduler", "runner", "speculative", "server", "security", "limits"
+)  # fmt: skip
 
 
 def _section_types() -> dict[str, type]:

@@ -13,7 +13,7 @@ Edges (see DESIGN §1):
     scheduler   -> tokenizer    SchedulerStats
     detokenizer -> tokenizer    TextDeltas
     launcher   <-> every child  ProcessReady, ProcessFailed, Shutdown, EngineReady,
-                                BeginDrain, DrainDone
+                                BeginDrain, DrainDone, Heartbeat, HeartbeatAck
 """
 
 from __future__ import annotations
@@ -258,6 +258,19 @@ class DrainDone:
     num_unfinished: int
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """launcher -> every child, periodically: answer with a HeartbeatAck from your loop."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class HeartbeatAck:
+    name: str
+    seq: int
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     SamplingParams,
     FinishReason,
@@ -279,4 +292,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     EngineReady,
     BeginDrain,
     DrainDone,
+    Heartbeat,
+    HeartbeatAck,
 )

@@ -16,14 +16,31 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import zmq
+
 from aerie import endpoints
 from aerie.config import AerieConfig
 from aerie.logging import setup_logging
-from aerie.messages import ProcessFailed, ProcessReady
+from aerie.messages import Heartbeat, HeartbeatAck, ProcessFailed, ProcessReady
 from aerie.transport import Sender
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+
+
+class HeartbeatResponder:
+    """The handler every process loop registers for `Heartbeat`: it answers the launcher
+    from the loop itself, so a loop that is stuck (or a stopped process) stops answering."""
+
+    def __init__(self, config: AerieConfig, name: str) -> None:
+        self.name = name
+        self.sender = Sender(endpoints.inbox(config, "launcher"))
+
+    def __call__(self, message: Heartbeat) -> None:
+        self.sender.send(HeartbeatAck(self.name, message.seq))
+
+    def close(self) -> None:
+        self.sender.close()
 
 
 def process_alive(pid: int) -> bool:
@@ -59,6 +76,17 @@ def die_with_parent(name: str, death_signal: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
+def report_failure(address: str, failure: ProcessFailed) -> None:
+    """Deliver the failure before the process exits: closing a socket only hands its queue to
+    ZMQ's I/O thread, which os._exit would kill, so the report goes out on a context of its own
+    whose termination waits (up to the linger) until the message has left."""
+    context = zmq.Context()
+    sender = Sender(address, context)
+    sender.send(failure)
+    sender.close()
+    context.term()
+
+
 def run_process(
     name: str,
     config: AerieConfig,
@@ -92,8 +120,8 @@ def run_process(
             return
         error = traceback.format_exc()
         log.error("failed:\n%s", error)
-        launcher.send(ProcessFailed(name=name, pid=os.getpid(), error=error))
-        launcher.close()
+        failure = ProcessFailed(name=name, pid=os.getpid(), error=error)
+        report_failure(endpoints.inbox(config, "launcher"), failure)
         sys.stderr.flush()
         os._exit(1)
     log.debug("exited")

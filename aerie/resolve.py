@@ -114,6 +114,13 @@ def _validate(config: AerieConfig) -> None:
     _check_positive("context_length", config.model.context_length)
     if not 0 <= config.scheduler.schedule_conservativeness <= 10:
         raise ConfigError("--schedule-conservativeness must be in [0, 10]")
+    limits = config.limits
+    for name in ("max_request_bytes", "max_batch_size", "max_connections", "header_timeout_s",
+                 "body_timeout_s"):  # fmt: skip
+        _check_positive(name, getattr(limits, name))
+    if limits.max_queued_requests < 0:
+        raise ConfigError("--max-queued-requests must be >= 0")
+    _check_positive("watchdog_timeout_s", config.server.watchdog_timeout_s)
     for name in ("port", "zmq_port"):
         port = getattr(config.server, name)
         if port is not None and not 0 <= port <= 65535:
@@ -252,6 +259,20 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
             "attention_backend": resolve_attention_backend(config.runner.attention_backend, device),
             "cuda_graph_max_bs": resolve_cuda_graph_max_bs(config, device, default_rows),
         },
-        server={"zmq_port": default_zmq_port(server.port, server.zmq_port)},
+        server={
+            "zmq_port": default_zmq_port(server.port, server.zmq_port),
+            "served_model_name": server.served_model_name or os.path.basename(model_path),
+        },
+        security=_resolve_security(config),
         runtime_dir=config.runtime_dir or tempfile.mkdtemp(prefix="aerie-"),
     )
+
+
+def _resolve_security(config: AerieConfig) -> dict:
+    from aerie.access import AccessError, resolve_access
+    from aerie.default_model import aerie_cache_dir
+
+    try:
+        return resolve_access(config, aerie_cache_dir())
+    except AccessError as e:
+        raise ConfigError(str(e)) from None

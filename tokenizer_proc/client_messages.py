@@ -1,9 +1,10 @@
 """Parse and check what a ZMQ client sends before anything uses it. Pure; no sockets.
 
-A client frame must be one msgpack map `{"op": str, "req_id": int | str, "body": map}` (body
-only for "generate"). Everything is untrusted: the payload may be any bytes, any msgpack value
-(ext types, timestamps, maps with non-string keys, nesting up to msgpack's own limit), or a
-well-formed envelope with fields of the wrong type or size. `parse_client_message` either
+A client frame must be one msgpack map `{"op": str, "req_id": int | str, "body": map,
+"api_key": str}` (body only for "generate"; api_key when the server has one). Everything is
+untrusted: the payload may be any bytes, any msgpack value (ext types, timestamps, maps with
+non-string keys, nesting up to msgpack's own limit), or a well-formed envelope with fields of
+the wrong type or size. `parse_client_message` either
 returns a `ClientMessage` whose fields have the documented types, or raises `ProtocolError`
 carrying the req_id when one could be read (so the error reply can name the request).
 """
@@ -19,7 +20,8 @@ OPS = ("generate", "abort")
 MAX_REQ_ID_LEN = 256  # characters of a string req_id
 MAX_DEPTH = 8  # nesting of maps and lists inside a message (a /generate body needs 5)
 _INT64 = (-(2**63), 2**63 - 1)
-_ENVELOPE_KEYS = frozenset({"op", "req_id", "body"})
+_ENVELOPE_KEYS = frozenset({"op", "req_id", "body", "api_key"})
+MAX_API_KEY_LEN = 1024
 
 
 class ProtocolError(ValueError):
@@ -37,6 +39,7 @@ class ClientMessage:
     op: str  # one of OPS
     req_id: int | str  # scoped to the client connection
     body: dict[str, Any] | None  # the /generate body (plain data), for op "generate"
+    api_key: str | None = None
 
 
 def check_plain(value: Any, max_depth: int = MAX_DEPTH) -> None:
@@ -101,4 +104,7 @@ def parse_client_message(payload: bytes) -> ClientMessage:
             raise ProtocolError(e.message, req_id, "body") from None
     elif body is not None:
         raise ProtocolError(f"op {op} takes no body", req_id, "body")
-    return ClientMessage(op, req_id, body if op == "generate" else None)
+    api_key = envelope.get("api_key")
+    if api_key is not None and (not isinstance(api_key, str) or len(api_key) > MAX_API_KEY_LEN):
+        raise ProtocolError("api_key must be a string", req_id, "api_key")
+    return ClientMessage(op, req_id, body if op == "generate" else None, api_key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,6 +73,8 @@ class Frontend:
         self.pids: dict[str, int] = {}
         self.server_info: dict[str, Any] = {}
         self._background: set[asyncio.Task] = set()
+        # Tokenization runs here, off the event loop (the tokenizer releases the GIL).
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -99,15 +102,50 @@ class Frontend:
     def healthy(self) -> bool:
         return self.unhealthy_reason() is None
 
-    def check_accepting(self) -> None:
-        """Raise a 503 ValidationError unless new requests are accepted now."""
+    def check_accepting(self, num_new: int = 1) -> None:
+        """Raise a 503 ValidationError unless num_new more requests are accepted now."""
         reason = self.unhealthy_reason()
         if reason is not None:
             raise ValidationError(reason, status=503)
+        limit = self.limits.max_in_flight
+        if limit is not None and self.tracker.num_in_flight + num_new > limit:
+            raise ValidationError(
+                f"the server is overloaded ({self.tracker.num_in_flight} requests running or "
+                "queued); retry shortly", status=503, retry_after=1,
+            )  # fmt: skip
 
     # -- requests -------------------------------------------------------------------------------
 
-    def prepare(
+    async def tokenize(self, text: str, param: str) -> list[int]:
+        """Token ids of a text prompt, computed off the event loop (a long prompt would stall
+        every other request and /health). A text too long for the context in any
+        tokenization is refused without tokenizing."""
+        num_bytes = len(text.encode("utf-8"))
+        if num_bytes > self.limits.max_prompt_bytes:
+            raise ValidationError(
+                f"{param} is {num_bytes} bytes: more than fits in the context of "
+                f"{self.limits.context_length} tokens", param,
+            )  # fmt: skip
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.tokenizer.encode, text
+        )
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the chat template applied to messages, off the event loop."""
+        num_bytes = sum(len(m["content"].encode("utf-8")) for m in messages)
+        if num_bytes > self.limits.max_prompt_bytes:
+            raise ValidationError(
+                f"the messages are {num_bytes} bytes: more than fits in the context of "
+                f"{self.limits.context_length} tokens", "messages",
+            )  # fmt: skip
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.tokenizer.encode_chat, messages
+            )
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+            raise ValidationError(f"cannot apply the chat template: {e}", "messages") from e
+
+    async def prepare(
         self,
         prompt: str | list[int],
         sampling: dict[str, Any],
@@ -118,15 +156,17 @@ class Frontend:
     ) -> Prepared:
         """Tokenize (text) and validate one request. Raises ValidationError."""
         self.check_client_rid(client_rid, scope)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = await self.tokenize(prompt, param) if isinstance(prompt, str) else prompt
         check_prompt_ids(ids, self.limits, param)
         params = build_sampling_params(sampling, len(ids), self.limits, prefix)
         return Prepared(uuid.uuid4().hex, ids, params, client_rid, scope)
 
-    def prepare_generate(self, body: GenerateBody, scope: object = HTTP_SCOPE) -> list[Prepared]:
+    async def prepare_generate(
+        self, body: GenerateBody, scope: object = HTTP_SCOPE
+    ) -> list[Prepared]:
         param = "text" if body.items and isinstance(body.items[0].prompt, str) else "input_ids"
         return [
-            self.prepare(item.prompt, item.sampling, item.rid, param, scope=scope)
+            await self.prepare(item.prompt, item.sampling, item.rid, param, scope=scope)
             for item in body.items
         ]
 

@@ -21,9 +21,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from aerie.messages import SamplingParams
 from tokenizer_proc.frontend import Frontend, Prepared
+from tokenizer_proc.http_guard import Guard, GuardPolicy
 from tokenizer_proc.request_tracker import RequestState
 from tokenizer_proc.responses import generate_response, interleave
 from tokenizer_proc.validation import (
@@ -44,7 +46,8 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 def error_response(e: ValidationError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.param, e.status), status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    return JSONResponse(error_body(e.message, e.param, e.status), e.status, headers=headers)
 
 
 async def read_body(request: Request) -> dict[str, Any]:
@@ -106,6 +109,9 @@ class JsonErrors:
 
         try:
             await self.app(scope, receive, tracked_send)
+        except ClientDisconnect:  # nobody to answer; one line, no traceback
+            log.info("client went away before sending the whole request (%s %s)",
+                     scope.get("method"), scope.get("path"))  # fmt: skip
         except Exception:  # noqa: BLE001 - the one place every unhandled error ends up
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             error = error_body("internal server error; the server log has the details", None, 500)
@@ -124,13 +130,15 @@ class JsonErrors:
 # App
 
 
-def create_app(frontend: Frontend) -> FastAPI:
-    """The FastAPI app (native + OpenAI routes) serving `frontend`."""
+def create_app(frontend: Frontend, policy: GuardPolicy | None = None) -> FastAPI:
+    """The FastAPI app (native + OpenAI routes) serving `frontend`, behind `Guard` (no key,
+    any host and the default limits when policy is None)."""
     from tokenizer_proc.openai_api import add_openai_routes
 
-    app = FastAPI(title="Aerie", docs_url=None, redoc_url=None)
+    app = FastAPI(title="Aerie", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = frontend
     app.add_middleware(JsonErrors)
+    app.add_middleware(Guard, policy=policy or GuardPolicy(None, None, 8 << 20, 30.0))  # outer
 
     @app.exception_handler(ValidationError)
     async def on_validation_error(_: Request, e: ValidationError) -> JSONResponse:
@@ -150,11 +158,10 @@ def create_app(frontend: Frontend) -> FastAPI:
 def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = parse_generate_body(await read_body(request))
-        frontend.check_accepting()
-        states = await frontend.submit(
-            frontend.prepare_generate(body), body.stream, body.return_logprob
-        )
+        body = parse_generate_body(await read_body(request), frontend.limits.max_batch_size)
+        frontend.check_accepting(len(body.items))
+        prepared = await frontend.prepare_generate(body)
+        states = await frontend.submit(prepared, body.stream, body.return_logprob)
         if body.stream:
             events = stream_generate(frontend, states, body.is_batch, body.return_logprob)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -186,7 +193,7 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> JSONResponse:
-        info = {"model_path": frontend.model_name, **frontend.server_info}
+        info = {"model_path": frontend.model_name, **frontend.server_info}  # public values
         info.update(frontend.metrics.live_stats(frontend.server_info.get("max_total_tokens", 0)))
         info["num_in_flight"] = frontend.tracker.num_in_flight
         info["draining"] = frontend.draining
@@ -195,11 +202,8 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.get("/get_model_info")
     async def model_info() -> JSONResponse:
         return JSONResponse(
-            {
-                "model_path": frontend.model_name,
-                "tokenizer_path": frontend.tokenizer.path,
-                "is_generation": True,
-            }
+            {"model_path": frontend.model_name, "tokenizer_path": frontend.model_name,
+             "is_generation": True}  # fmt: skip
         )
 
     @app.get("/metrics")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -23,24 +24,27 @@ import uvicorn
 import uvloop
 
 from aerie import endpoints
+from aerie.access import load_curve_keypair
 from aerie.config import AerieConfig
 from aerie.messages import (
     AbortRequest,
     BeginDrain,
     DrainDone,
     EngineReady,
+    Heartbeat,
     SchedulerStats,
     Shutdown,
     TextDeltas,
     TokenizedRequest,
 )
-from aerie.process import run_process
+from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import AsyncReceiver, AsyncSender
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import create_app
+from tokenizer_proc.http_guard import GuardPolicy, header_timeout_protocol
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import Limits
-from tokenizer_proc.zmq_frontend import ZmqFrontend
+from tokenizer_proc.zmq_frontend import ZmqAccess, ZmqFrontend
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,29 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def frontend_limits(config: AerieConfig, tokenizer: Tokenizer) -> Limits:
+    assert config.model.context_length is not None
+    rows = config.scheduler.max_running_requests or 0
+    return Limits(
+        vocab_size=tokenizer.vocab_size,
+        context_length=config.model.context_length,
+        max_batch_size=config.limits.max_batch_size,
+        max_in_flight=rows + config.limits.max_queued_requests,
+        max_token_bytes=tokenizer.max_token_bytes,
+    )
+
+
+def zmq_access(config: AerieConfig) -> ZmqAccess:
+    security = config.security
+    curve = None
+    if security.zmq_curve and security.zmq_curve_key_file:
+        public, secret = load_curve_keypair(security.zmq_curve_key_file)
+        curve = (public, secret)
+        log.info("ZMQ port encrypted with CURVE; server public key %s (from %s)",
+                 public.decode(), security.zmq_curve_key_file)  # fmt: skip
+    return ZmqAccess(security.api_key, curve, config.limits.max_request_bytes)
+
+
 class TokenizerProcess:
     """Owns the sockets and the loop's tasks; `run()` returns after Shutdown."""
 
@@ -96,20 +123,27 @@ class TokenizerProcess:
         tokenizer = Tokenizer.from_config(config)
         self.scheduler = AsyncSender(endpoints.inbox(config, "scheduler"))
         self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
-        limits = Limits(vocab_size=tokenizer.vocab_size, context_length=model.context_length)
         self.frontend = Frontend(
-            tokenizer, limits, SchedulerBackend(self.scheduler), model.model_path
-        )
+            tokenizer, frontend_limits(config, tokenizer), SchedulerBackend(self.scheduler),
+            config.server.served_model_name or os.path.basename(model.model_path),
+        )  # fmt: skip
         self.http_socket = bind_http_socket(config.server.host, config.server.port)
-        self.zmq = ZmqFrontend(self.frontend, endpoints.client_bind_address(config))
+        self.zmq = ZmqFrontend(
+            self.frontend, endpoints.client_bind_address(config), access=zmq_access(config)
+        )
         self.inbox = AsyncReceiver(endpoints.inbox(config, "tokenizer"))
+        security, limits = config.security, config.limits
+        policy = GuardPolicy(security.api_key, security.allowed_hosts, limits.max_request_bytes,
+                             limits.body_timeout_s)  # fmt: skip
         uv_config = uvicorn.Config(
-            create_app(self.frontend),
+            create_app(self.frontend, policy),
             log_config=None,
             log_level=config.server.log_level,
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=UVICORN_GRACEFUL_S,
+            http=header_timeout_protocol(limits.header_timeout_s),
+            limit_concurrency=limits.max_connections,
         )
         self.server = _Server(uv_config)
         self._stop = asyncio.Event()
@@ -120,6 +154,7 @@ class TokenizerProcess:
             EngineReady: self.on_engine_ready,
             BeginDrain: self.on_begin_drain,
             Shutdown: self.on_shutdown,
+            Heartbeat: HeartbeatResponder(config, "tokenizer"),
         }
 
     def ready_info(self) -> dict[str, int | float | str]:

@@ -22,7 +22,14 @@ class Tokenizer:
         self.path = path
         self._tok = AutoTokenizer.from_pretrained(path)
         self.vocab_size = max(len(self._tok), model_vocab_size)
+        self.max_token_bytes = self._longest_token_bytes()
         self._warm_up()
+
+    def _longest_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text (a byte piece of a character decodes to
+        U+FFFD, 3 bytes: an overestimate, which keeps the byte pre-check safe)."""
+        texts = self._tok.batch_decode([[i] for i in range(len(self._tok))])
+        return max((len(t.encode("utf-8", "replace")) for t in texts), default=1) or 1
 
     def _warm_up(self) -> None:
         """Encode once and render the chat template once now, so the first request does not

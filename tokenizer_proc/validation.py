@@ -23,13 +23,21 @@ _DEFAULTS = SamplingParams()  # every default is written once, in aerie.messages
 
 
 class ValidationError(ValueError):
-    """A bad request. status is the HTTP status (400 unless said otherwise)."""
+    """A request that cannot be served. status is the HTTP status (400 unless said
+    otherwise); retry_after, for 503s, how many seconds a client should wait."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.retry_after = retry_after
 
 
 def error_body(message: str, param: str | None, status: int) -> dict[str, Any]:
@@ -44,6 +52,15 @@ def error_body(message: str, param: str | None, status: int) -> dict[str, Any]:
 class Limits:
     vocab_size: int
     context_length: int
+    max_batch_size: int = 64  # prompts in one /generate batch
+    max_in_flight: int | None = None  # requests running or queued; more get 503
+    max_token_bytes: int = 64  # the longest token's UTF-8 bytes (for the byte pre-check)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """A longer text needs more tokens than the context holds, whatever the tokenizer
+        makes of it (each token covers at most max_token_bytes bytes)."""
+        return self.context_length * self.max_token_bytes
 
 
 @dataclass(frozen=True)
@@ -305,14 +322,33 @@ def _check_vocab(ids: list[int], limits: Limits, param: str) -> None:
 # Native /generate bodies
 
 
-def parse_generate_body(body: dict[str, Any]) -> GenerateBody:
+GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "return_logprob", "rid")
+
+
+def reject_unknown_fields(body: dict[str, Any], known: tuple[str, ...] | frozenset[str]) -> None:
+    """A field the API does not know is an error, not silently ignored (a caller would believe
+    it took effect)."""
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        name = unknown[0][:64]
+        raise ValidationError(f"unrecognized request argument {name!r}", name)
+
+
+def parse_generate_body(body: dict[str, Any], max_batch_size: int = 64) -> GenerateBody:
     """Split a /generate body into items (one per prompt); shapes and types are checked."""
+    reject_unknown_fields(body, GENERATE_FIELDS)
     text, input_ids = body.get("text"), body.get("input_ids")
     if text is not None and input_ids is not None:
         raise ValidationError("send either text or input_ids, not both", "text")
     if text is None and input_ids is None:
         raise ValidationError("the body needs text or input_ids", "text")
     prompts, is_batch = _read_prompts(text, input_ids)
+    if len(prompts) > max_batch_size:
+        param = "text" if text is not None else "input_ids"
+        raise ValidationError(
+            f"a batch holds at most {max_batch_size} prompts (--max-batch-size), "
+            f"got {len(prompts)}", param,
+        )  # fmt: skip
     sampling = body.get("sampling_params")
     samplings = _per_item(sampling, len(prompts), is_batch, "sampling_params", dict)
     rids = _per_item(body.get("rid"), len(prompts), is_batch, "rid", str)

@@ -2,7 +2,8 @@
 
 Wire protocol (plain msgpack maps, never pickle; one frame per message on the DEALER side):
 
-    client -> server  {"op": "generate", "req_id": <int|str>, "body": <a /generate body>}
+    client -> server  {"op": "generate", "req_id": <int|str>, "body": <a /generate body>,
+                       "api_key": <str, when the server has a key>}
                       {"op": "abort", "req_id": <int|str>}
     server -> client  {"req_id": ..., "event": "delta", "data": <delta dict>}   (stream only)
                       {"req_id": ..., "event": "done",  "data": <the /generate response>}
@@ -13,7 +14,9 @@ A delta dict is INCREMENTAL: `text` / `output_ids` (and `meta_info.output_token_
 return_logprob) hold only what is new; `meta_info` is otherwise current, and the last delta's
 `meta_info.finish_reason` is set. A batch body adds `"index"` to each delta. `done` carries
 the same dict (or list, for a batch) as POST /generate. `code` is an HTTP-like status
-(400 bad request, 503 draining / not ready).
+(400 bad request, 401 missing or wrong api_key, 503 draining / not ready / overloaded).
+With --zmq-curve the socket is a CURVE server (clients pass its public key); frames larger
+than --max-request-bytes make libzmq drop the connection before buffering them.
 
 req_ids are scoped per client connection, and so are the `rid`s a client puts in bodies (the
 engine keys requests on ids of its own). Every frame is checked field by field before use
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
+from aerie.access import check_api_key
 from tokenizer_proc.client_messages import ClientMessage, ProtocolError, parse_client_message
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.request_tracker import Chunk, RequestState
@@ -57,13 +62,29 @@ HEARTBEAT_TIMEOUT_MS = 15_000
 _PING = msgpack.packb({"req_id": None, "event": "ping"})
 
 
+@dataclass(frozen=True)
+class ZmqAccess:
+    """api_key: what every generate must carry (None: no key); curve: the server's (public,
+    secret) Z85 keys to encrypt with, or None; max_message_bytes: a peer sending a larger
+    frame is disconnected by libzmq before the frame is buffered."""
+
+    api_key: str | None = None
+    curve: tuple[bytes, bytes] | None = None
+    max_message_bytes: int = 8 << 20
+
+
 class ZmqFrontend:
     """Serves generate/abort ops from many DEALER clients; one task per request."""
 
     def __init__(
-        self, frontend: Frontend, address: str, context: zmq.asyncio.Context | None = None
+        self,
+        frontend: Frontend,
+        address: str,
+        context: zmq.asyncio.Context | None = None,
+        access: ZmqAccess | None = None,
     ) -> None:
         self.frontend = frontend
+        self.access = access or ZmqAccess()
         self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
         for option, value in (
             (zmq.LINGER, 0),
@@ -72,8 +93,12 @@ class ZmqFrontend:
             (zmq.ROUTER_MANDATORY, 1),
             (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+            (zmq.MAXMSGSIZE, self.access.max_message_bytes),
         ):
             self._socket.setsockopt(option, value)
+        if self.access.curve is not None:
+            self._socket.curve_publickey, self._socket.curve_secretkey = self.access.curve
+            self._socket.curve_server = True
         try:
             self._socket.bind(address)
         except zmq.ZMQError as e:
@@ -124,6 +149,11 @@ class ZmqFrontend:
         self._ops[msg.op](identity, msg)
 
     def _on_generate(self, identity: bytes, msg: ClientMessage) -> None:
+        if not check_api_key(self.access.api_key, msg.api_key):
+            error = ValidationError("missing or invalid API key: pass api_key= to the client",
+                                    "api_key", status=401)  # fmt: skip
+            self._send_error(identity, msg.req_id, error)
+            return
         tasks = self._tasks.setdefault(identity, {})
         if msg.req_id in tasks:
             error = ValidationError("req_id already in use", "req_id")
@@ -157,9 +187,9 @@ class ZmqFrontend:
     async def _run_generate(self, identity: bytes, req_id: int | str, body: Any) -> None:
         fe = self.frontend
         try:
-            gen = parse_generate_body(body)
-            fe.check_accepting()
-            prepared = fe.prepare_generate(gen, scope=identity)
+            gen = parse_generate_body(body, fe.limits.max_batch_size)
+            fe.check_accepting(len(gen.items))
+            prepared = await fe.prepare_generate(gen, scope=identity)
             states = await fe.submit(prepared, gen.stream, gen.return_logprob)
         except ValidationError as e:
             self._send_error(identity, req_id, e)

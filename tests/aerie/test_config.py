@@ -172,3 +172,40 @@ def test_mtp_defaults_to_a_chain_over_the_available_layers(tmp_path):
         ["--model-path", path, "--device", "cpu", "--speculative-algorithm", "MTP"])).speculative
     assert (spec.speculative_num_steps, spec.speculative_eagle_topk) == (2, 1)
     assert spec.speculative_num_draft_tokens == 3 and spec.speculative_draft_model_path is None
+
+
+def test_listening_beyond_loopback_needs_a_key(tmp_path, monkeypatch):
+    path = _model_dir(tmp_path)
+    argv = ["--model-path", path, "--device", "cpu", "--host", "0.0.0.0"]
+    monkeypatch.delenv("AERIE_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="--allow-unauthenticated"):
+        resolve_config(config_from_args(argv))
+    open_cfg = resolve_config(config_from_args([*argv, "--allow-unauthenticated"]))
+    assert open_cfg.security.api_key is None and open_cfg.security.allowed_hosts is None
+    monkeypatch.setenv("AERIE_API_KEY", "from-env")
+    keyed = resolve_config(config_from_args(argv))
+    assert keyed.security.api_key == "from-env"
+    flat = keyed.to_flat_dict()
+    assert "api_key" not in flat and flat["api_key_set"] is True
+    assert "from-env" not in json.dumps(flat)
+    with pytest.raises(ConfigError, match="blank"):
+        resolve_config(config_from_args([*argv, "--api-key", " "]))
+    monkeypatch.setenv("AERIE_API_KEY", "")  # an environment file's "AERIE_API_KEY=": no key
+    with pytest.raises(ConfigError, match="--allow-unauthenticated"):
+        resolve_config(config_from_args(argv))
+
+
+def test_loopback_defaults_allowed_hosts_and_the_served_model_name(tmp_path, monkeypatch):
+    monkeypatch.delenv("AERIE_API_KEY", raising=False)
+    path = _model_dir(tmp_path)
+    cfg = resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
+    assert set(cfg.security.allowed_hosts.split(",")) >= {"localhost", "127.0.0.1"}
+    assert cfg.server.served_model_name == os.path.basename(path)
+    named = resolve_config(config_from_args(["--model-path", path, "--device", "cpu",
+                                             "--served-model-name", "mine"]))  # fmt: skip
+    assert named.server.served_model_name == "mine"
+    curve = resolve_config(config_from_args(["--model-path", path, "--device", "cpu",
+                                             "--zmq-curve"]))  # fmt: skip
+    assert curve.security.zmq_curve_key_file.endswith("zmq_curve_secret.key")
+    for cfg in (named, curve):
+        os.rmdir(cfg.runtime_dir)

@@ -20,7 +20,7 @@ def _model(client: OpenAI) -> str:
 
 def test_models_lists_the_served_model(client, default_server):
     info = httpx.get(default_server.url + "/server_info").json()
-    assert _model(client) in (info["model_path"], info["model_path"].rstrip("/").split("/")[-1])
+    assert _model(client) == info["served_model_name"] and "/" not in _model(client)
 
 
 def test_chat_completion_answers_with_usage(client):

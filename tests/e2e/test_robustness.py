@@ -206,7 +206,7 @@ def test_a_burst_into_a_small_kv_cache_is_not_slower_than_serial(tiny_model_dirs
 def test_a_killed_launcher_leaves_no_runtime_directory(tiny_model_dirs, tmp_path):
     """SIGKILL of the launcher used to leave its directory of IPC sockets behind. Also: with
     --host 0.0.0.0 the ready line names the address actually bound (it said 127.0.0.1)."""
-    args = ("--model-path", tiny_model_dirs["llama"], "--host", "0.0.0.0")
+    args = ("--model-path", tiny_model_dirs["llama"], "--host", "0.0.0.0", "--api-key", "k")
     with Server(*args, env={"TMPDIR": str(tmp_path)}) as server:
         assert server.zmq_address.startswith("tcp://0.0.0.0:")
         assert server.url.startswith("http://0.0.0.0:")

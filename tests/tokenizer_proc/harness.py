@@ -23,10 +23,11 @@ from aerie.codec import pack_floats, pack_ids, unpack_ids
 from aerie.messages import FinishReason, TextDelta, TextDeltas, TokenizedRequest
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import create_app
+from tokenizer_proc.http_guard import GuardPolicy, header_timeout_protocol
 from tokenizer_proc.process import _Server
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import Limits
-from tokenizer_proc.zmq_frontend import ZmqFrontend
+from tokenizer_proc.zmq_frontend import ZmqAccess, ZmqFrontend
 
 CONTEXT_LENGTH = 64
 LOGPROB = -0.5
@@ -96,8 +97,18 @@ def make_frontend(tokenizer_dir: str, ready: bool = True) -> tuple[Frontend, Fak
 class LiveServer:
     """uvicorn on an ephemeral port + the ZMQ frontend, on one loop in a background thread."""
 
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        policy: GuardPolicy | None = None,
+        access: ZmqAccess | None = None,
+        header_timeout_s: float = 10.0,
+        max_connections: int | None = None,
+    ) -> None:
+        """policy / access / header_timeout_s / max_connections: the HTTP and ZMQ edge
+        settings the real process derives from its config (defaults: open)."""
         self.frontend = frontend
+        self.access = access
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(128)
@@ -107,7 +118,8 @@ class LiveServer:
         self.zmq_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._started = threading.Event()
-        self._server = _Server(_uvicorn_config(create_app(frontend)))
+        config = _uvicorn_config(create_app(frontend, policy), header_timeout_s, max_connections)
+        self._server = _Server(config)
         self._thread = threading.Thread(target=lambda: uvloop.run(self._main()), daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -124,7 +136,7 @@ class LiveServer:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         context = zmq.asyncio.Context()
-        self.zmq = ZmqFrontend(self.frontend, "tcp://127.0.0.1:*", context)
+        self.zmq = ZmqFrontend(self.frontend, "tcp://127.0.0.1:*", context, self.access)
         self.zmq_address = self.zmq.address
         http = asyncio.create_task(self._server.serve(sockets=[self._sock]))
         self.zmq_task = asyncio.create_task(self.zmq.serve())
@@ -139,11 +151,13 @@ class LiveServer:
         context.term()
 
 
-def _uvicorn_config(app):
+def _uvicorn_config(app, header_timeout_s: float, max_connections: int | None):
     import uvicorn
 
     return uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
-                          timeout_graceful_shutdown=1)  # fmt: skip
+                          timeout_graceful_shutdown=1,
+                          http=header_timeout_protocol(header_timeout_s),
+                          limit_concurrency=max_connections)  # fmt: skip
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:

@@ -1,0 +1,279 @@
+"""The HTTP and ZMQ edges as an attacker or a careless client meets them: the API key, Host
+and content-type checks, size and time limits, overload, unsupported parameters, and
+tokenization that never stalls the event loop."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from aerie.client import AerieClientError, Client
+from tests.tokenizer_proc.harness import LiveServer, dealer, make_frontend, recv, send, wait_until
+from tokenizer_proc.http_guard import GuardPolicy
+from tokenizer_proc.zmq_frontend import ZmqAccess
+
+KEY = "s3cret-key"
+GOOD = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+
+
+@pytest.fixture
+def guarded(tokenizer_dir):
+    frontend, engine = make_frontend(tokenizer_dir)
+    policy = GuardPolicy(KEY, "localhost,127.0.0.1", max_request_bytes=4096, body_timeout_s=1.0)
+    with LiveServer(frontend, policy, ZmqAccess(api_key=KEY, max_message_bytes=4096),
+                    header_timeout_s=1.0) as server:  # fmt: skip
+        yield server, frontend, engine
+
+
+def auth(key: str = KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_the_api_key_is_required_except_for_health(guarded):
+    server, _, engine = guarded
+    for headers in ({}, auth("wrong"), {"Authorization": KEY}):
+        r = httpx.post(server.url + "/generate", json=GOOD, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert "API key" in r.json()["error"]["message"] and KEY not in r.text
+    for path in ("/server_info", "/metrics", "/v1/models", "/health_generate"):
+        assert httpx.get(server.url + path).status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert engine.submitted == []
+    r = httpx.post(server.url + "/generate", json=GOOD, headers=auth())
+    assert r.status_code == 200 and r.json()["output_ids"]
+
+
+def test_the_openai_client_works_with_the_key(guarded):
+    from openai import AuthenticationError, OpenAI
+
+    server, _, _ = guarded
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=server.url + "/v1", api_key="wrong").models.list()
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt=[5, 6], max_tokens=2)
+    assert out.choices[0].text and out.model == model
+
+
+def test_the_zmq_port_checks_the_key(guarded):
+    server, _, engine = guarded
+    with Client(server.zmq_address) as client:  # no key: a clear error, not a hang
+        with pytest.raises(AerieClientError) as info:
+            client.generate(input_ids=[5], timeout=10)
+        assert info.value.code == 401
+    with Client(server.zmq_address, api_key="nope") as client:
+        with pytest.raises(AerieClientError, match="API key"):
+            client.generate(input_ids=[5], timeout=10)
+    assert engine.submitted == []
+    with Client(server.zmq_address, api_key=KEY) as client:
+        assert client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2},
+                               timeout=10)["output_ids"]  # fmt: skip
+
+
+def test_host_header_and_content_type_stop_browser_driven_requests(guarded):
+    server, _, engine = guarded
+    r = httpx.post(server.url + "/generate", json=GOOD,
+                   headers={**auth(), "Host": "attacker.example:30000"})  # fmt: skip
+    assert r.status_code == 403 and "Host" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/generate", content=b'{"input_ids": [5]}',
+                   headers={**auth(), "Content-Type": "text/plain"})  # fmt: skip
+    assert r.status_code == 415
+    r = httpx.post(server.url + "/generate", content=b'{"input_ids": [5]}',
+                   headers={**auth(), "Host": "localhost:1234",
+                            "Content-Type": "application/json; charset=utf-8"})  # fmt: skip
+    assert r.status_code == 200
+    assert len(engine.submitted) == 1
+
+
+def test_bodies_over_the_limit_are_413_before_parsing(guarded):
+    server, _, engine = guarded
+    big = b'{"text": "' + b"a" * 5000 + b'"}'
+    r = httpx.post(server.url + "/generate", content=big,
+                   headers={**auth(), "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted while reading
+        for _ in range(10):
+            yield b" " * 1000
+
+    r = httpx.post(server.url + "/generate", content=chunks(),
+                   headers={**auth(), "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 413
+    assert engine.submitted == []
+
+
+def test_a_slow_body_gets_408_and_an_idle_connection_is_closed(guarded):
+    server, _, _ = guarded
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as slow:
+        head = (f"POST /generate HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
+        slow.sendall(head.encode())
+        reply = slow.recv(4096).decode()  # the body never completes
+        assert reply.startswith("HTTP/1.1 408")
+    with socket.create_connection((host, int(port)), timeout=10) as idle:
+        start = time.monotonic()
+        assert idle.recv(1) == b""  # closed by the server: no request head within 1 s
+        assert time.monotonic() - start < 5
+    with socket.create_connection((host, int(port)), timeout=10) as slowloris:
+        slowloris.sendall(b"GET /health HTTP/1.1\r\n")
+        time.sleep(0.3)
+        slowloris.sendall(b"Host: localhost\r\n")  # ... and never the end of the head
+        assert slowloris.recv(1) == b""
+
+
+def test_connections_beyond_the_cap_get_503(tokenizer_dir):
+    frontend, _ = make_frontend(tokenizer_dir)
+    with LiveServer(frontend, max_connections=2, header_timeout_s=5.0) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # both accepted and counted
+            with httpx.Client(base_url=server.url) as third:
+                assert third.get("/health").status_code == 503
+        finally:
+            for sock in held:
+                sock.close()
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+
+
+def test_a_client_that_leaves_mid_upload_costs_one_log_line(guarded, caplog):
+    server, _, _ = guarded
+    host, port = server.url.removeprefix("http://").split(":")
+    caplog.set_level(logging.INFO)
+    with socket.create_connection((host, int(port))) as gone:
+        gone.sendall((f"POST /generate HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
+                      f"{KEY}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                      '{"input').encode())  # fmt: skip
+        time.sleep(0.2)
+    assert wait_until(lambda: any("went away" in r.message for r in caplog.records))
+    assert not any(r.exc_info for r in caplog.records)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_an_oversized_zmq_frame_drops_that_connection_only(guarded):
+    server, _, _ = guarded
+    flooder, other = dealer(server.zmq_address), dealer(server.zmq_address)
+    flooder.send(msgpack.packb({"op": "generate", "req_id": 1, "api_key": KEY,
+                                "body": {"text": "x" * 100_000}}))  # fmt: skip
+    with pytest.raises(zmq.Again):
+        recv(flooder)  # disconnected before the frame was buffered: no reply at all
+    send(other, {"op": "generate", "req_id": 2, "api_key": KEY, "body": GOOD})
+    assert recv(other)["event"] == "done"
+    flooder.close()
+    other.close()
+
+
+def test_unimplemented_and_unknown_parameters_are_named_not_ignored(live):
+    server, _, engine = live
+    cases = [
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {"not_a_param": 1}, "not_a_param"),
+        ("/generate", {"lora_path": "x"}, "lora_path"),
+    ]
+    for path, extra, param in cases:
+        base = {"/generate": {"input_ids": [5]}, "/v1/completions": {"prompt": "hi"},
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+        r = httpx.post(server.url + path, json={**base[path], **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    ok = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
+        "user": "someone"})  # fmt: skip
+    assert ok.status_code == 200  # empty or harmless fields are fine
+    assert len(engine.submitted) == 1
+
+
+def test_responses_name_the_served_model_never_a_path(live):
+    server, frontend, _ = live
+    frontend.model_name = "tiny-model"
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"model": "/some/path", "prompt": "hi", "max_tokens": 1})  # fmt: skip
+    assert r.json()["model"] == "tiny-model"
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny-model"
+
+
+def test_batches_are_bounded_and_an_overloaded_server_says_when_to_retry(live):
+    server, frontend, engine = live
+    r = httpx.post(server.url + "/generate", json={"input_ids": [[5]] * 65})
+    assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"]
+    engine.hold = True
+    frontend.limits = frontend.limits.__class__(**{**frontend.limits.__dict__,
+                                                   "max_in_flight": 2})  # fmt: skip
+    held = [threading.Thread(target=httpx.post, args=(server.url + "/generate",),
+                             kwargs={"json": {"input_ids": [5]}, "timeout": 30})
+            for _ in range(2)]  # fmt: skip
+    for t in held:
+        t.daemon = True
+        t.start()
+    assert wait_until(lambda: frontend.tracker.num_in_flight == 2)
+    r = httpx.post(server.url + "/generate", json={"input_ids": [5]})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert "overloaded" in r.json()["error"]["message"]
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_the_server(live, monkeypatch):
+    """Tokenization runs off the event loop: /health answers while it runs; a text that
+    cannot fit the context is refused by its byte length without tokenizing at all."""
+    server, frontend, _ = live
+    entered, release = threading.Event(), threading.Event()
+    original = frontend.tokenizer.encode
+
+    def slow_encode(text):
+        entered.set()
+        release.wait(10)
+        return original(text)
+
+    monkeypatch.setattr(frontend.tokenizer, "encode", slow_encode)
+    result = []
+    worker = threading.Thread(target=lambda: result.append(httpx.post(
+        server.url + "/generate", json={"text": "hello", "sampling_params": {
+            "max_new_tokens": 2}}, timeout=30)))  # fmt: skip
+    worker.start()
+    assert entered.wait(5)
+    assert httpx.get(server.url + "/health", timeout=2).status_code == 200  # not stalled
+    release.set()
+    worker.join(10)
+    assert result[0].status_code == 200
+    entered.clear()
+    too_long = "x" * (frontend.limits.max_prompt_bytes + 1)
+    r = httpx.post(server.url + "/generate", json={"text": too_long}, timeout=10)
+    assert r.status_code == 400 and "bytes" in r.json()["error"]["message"]
+    assert not entered.is_set()  # never tokenized
+
+
+def test_curve_encryption_and_a_clear_error_for_a_missing_or_wrong_server_key(tokenizer_dir):
+    import asyncio
+
+    from aerie.client import AsyncClient
+
+    public, secret = zmq.curve_keypair()
+    frontend, _ = make_frontend(tokenizer_dir)
+    with LiveServer(frontend, access=ZmqAccess(curve=(public, secret))) as server:
+        with Client(server.zmq_address, server_public_key=public) as client:
+            out = client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2},
+                                  timeout=10)  # fmt: skip
+            assert out["output_ids"]
+        for key in (None, zmq.curve_keypair()[0]):  # no key; the wrong key
+            with Client(server.zmq_address, server_public_key=key) as client:
+                with pytest.raises(AerieClientError, match="handshake"):
+                    client.generate(input_ids=[5], timeout=10)
+
+        async def without_key() -> None:
+            client = AsyncClient(server.zmq_address)
+            try:
+                await client.generate(input_ids=[5], timeout=10)
+            finally:
+                client.close()
+
+        with pytest.raises(AerieClientError, match="handshake"):
+            asyncio.run(without_key())

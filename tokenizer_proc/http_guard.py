@@ -1,0 +1,161 @@
+"""The HTTP edge: what every request must pass before a route sees it.
+
+`Guard` (ASGI middleware, outermost) checks, in order: the Host header against the allowed
+names (a web page cannot reach a loopback server through DNS rebinding), the API key
+(`Authorization: Bearer KEY`; /health stays open), a JSON content type on POST bodies (a
+browser's form or text/plain "simple" request cannot drive the API), and the body's size
+(413 before reading when Content-Length says so, and while reading otherwise) and read time
+(408). Errors are JSON bodies in the API's error format.
+
+`header_timeout_protocol` is uvicorn's h11 protocol with a deadline for the request head of a
+new connection (uvicorn arms one only after a first response), so idle and slowloris
+connections are closed; `--max-connections` caps the rest (uvicorn answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from aerie.access import allowed_host_names, check_api_key, host_without_port
+from tokenizer_proc.validation import ValidationError, error_body
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (probes)
+
+
+@dataclass(frozen=True)
+class GuardPolicy:
+    api_key: str | None
+    allowed_hosts: str | None  # comma list; None: any Host
+    max_request_bytes: int
+    body_timeout_s: float
+
+
+class Guard:
+    def __init__(self, app: Any, policy: GuardPolicy) -> None:
+        self.app = app
+        self.policy = policy
+        self.allowed = allowed_host_names(policy.allowed_hosts)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        problem = self.check(scope, headers)
+        if problem is not None:
+            status, message, extra = problem
+            await send_error(send, status, message, extra)
+            return
+        await self.app(scope, self.limited(receive), send)
+
+    def check(self, scope: dict, headers: dict[str, str]) -> tuple[int, str, list] | None:
+        """(status, message, extra headers) for a request that may not pass, else None."""
+        host = host_without_port(headers.get("host", ""))
+        if self.allowed is not None and host not in self.allowed:
+            return 403, (f"the Host header {host[:100]!r} is not allowed; start the server "
+                         "with --allowed-hosts to accept it"), []  # fmt: skip
+        if scope["path"] not in OPEN_PATHS and self.policy.api_key is not None:
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            given = token.strip() if scheme.lower() == "bearer" else None
+            if not check_api_key(self.policy.api_key, given):
+                message = ("missing or invalid API key: send 'Authorization: Bearer <key>' "
+                           "with the key the server was started with")  # fmt: skip
+                return 401, message, [(b"www-authenticate", b"Bearer")]
+        if scope["method"] == "POST":
+            content_type = headers.get("content-type", "").split(";")[0].strip().lower()
+            if content_type != "application/json":
+                return 415, ("send the body as JSON with 'Content-Type: application/json' "
+                             f"(got {content_type[:60] or 'none'!r})"), []  # fmt: skip
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.limit:
+                return 413, self.too_large(), []
+        return None
+
+    @property
+    def limit(self) -> int:
+        return self.policy.max_request_bytes
+
+    def too_large(self) -> str:
+        return (f"the request body exceeds {self.limit} bytes (--max-request-bytes); "
+                "send a shorter prompt")  # fmt: skip
+
+    def limited(self, receive: Any) -> Any:
+        """receive, with the body counted against the size limit and the read deadline."""
+        deadline = time.monotonic() + self.policy.body_timeout_s
+        received = 0
+
+        async def bounded_receive() -> dict:
+            nonlocal received
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise ValidationError(
+                    f"the request body did not arrive within {self.policy.body_timeout_s:.0f} s",
+                    status=408,
+                ) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise ValidationError(self.too_large(), status=413)
+            return message
+
+        return bounded_receive
+
+
+async def send_error(send: Any, status: int, message: str, extra: list | None = None) -> None:
+    body = json.dumps(error_body(message, None, status)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), *(extra or [])]  # fmt: skip
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose next request head has not fully
+    arrived within header_timeout_s of the connection opening or of the previous response
+    (uvicorn's own keep-alive timer stops at the first byte, so it lets slowloris in)."""
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _waiting_after: object = None  # the cycle before the awaited request head
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._waiting_after = self.cycle
+            self._head_timer = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expire(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._head_timer is not None and self.cycle is not self._waiting_after:
+                self._disarm()  # a new request head arrived in time
+
+        def on_response_complete(self) -> None:
+            self._arm()  # first: a pipelined head handled inside the call below disarms it
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol

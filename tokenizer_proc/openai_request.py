@@ -1,0 +1,173 @@
+"""Parse and check an OpenAI completions or chat request into a tokenized native request.
+
+Only what Aerie implements is accepted: the OpenAI parameters it honours, the SGLang/vLLM
+extensions it honours (top_k, min_p, ignore_eos, repetition_penalty, stop_token_ids,
+skip_special_tokens), and `user` (recorded nowhere, as metadata). A parameter Aerie does not
+implement (`tools`, `response_format`, `best_of`, `logit_bias`, ...) is a 400 that names it,
+and so is any unknown field, as OpenAI answers: a caller must never believe JSON mode or tool
+calling took effect. Sampling keys are mapped onto the native names (`max_tokens` /
+`max_completion_tokens` -> `max_new_tokens`) and checked by `validation`. One choice per
+request (n > 1 is a 400). Default max_tokens: 16 for completions (OpenAI's default), what is
+left of the context for chat; both clamped to the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizer_proc.frontend import Frontend, Prepared
+from tokenizer_proc.validation import (
+    ValidationError,
+    is_id_list,
+    kind_of,
+    read_bool,
+    read_int,
+    read_str,
+    reject_unknown_fields,
+)
+
+_PASSTHROUGH = (
+    "temperature", "top_p", "top_k", "min_p", "stop", "seed", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "ignore_eos", "stop_token_ids",
+    "skip_special_tokens",
+)  # fmt: skip
+_ROLES = ("system", "user", "assistant", "developer")
+_COMMON_FIELDS = (
+    "model", "max_tokens", "n", "stream", "stream_options", "logprobs", "user", *_PASSTHROUGH,
+)  # fmt: skip
+FIELDS = {
+    "completion": frozenset((*_COMMON_FIELDS, "prompt", "echo")),
+    "chat": frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs")),
+}
+# OpenAI parameters Aerie does not implement: refused by name unless empty or off.
+UNSUPPORTED = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "response_format", "logit_bias", "best_of", "suffix", "audio", "modalities", "prediction",
+    "reasoning_effort", "web_search_options", "store", "metadata", "service_tier",
+)  # fmt: skip
+
+
+def check_fields(body: dict[str, Any], kind: str) -> None:
+    """400 for a parameter Aerie does not implement, then for any unknown field."""
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, [], {}):
+            raise ValidationError(f"{name} is not supported by this server", name)
+    reject_unknown_fields(body, FIELDS[kind] | set(UNSUPPORTED))
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    kind: str  # "completion" | "chat"
+    prepared: Prepared
+    model: str
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+
+    @property
+    def object_prefix(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing
+
+
+async def parse_openai(frontend: Frontend, body: dict[str, Any], kind: str) -> OpenAIRequest:
+    """Validate and tokenize a completions (kind="completion") or chat body."""
+    check_fields(body, kind)
+    n = read_int(body, "n", 1)
+    if n != 1:
+        raise ValidationError(f"n > 1 is not supported (got n={n}); send n requests", "n")
+    if read_bool(body, "echo", False):
+        raise ValidationError("echo is not supported", "echo")
+    read_str(body, "model")  # any name is served by the one model; responses name it
+    model = frontend.model_name
+    if kind == "chat":
+        ids = await frontend.encode_chat(read_messages(body))
+        logprobs = read_bool(body, "logprobs", False)
+        top_logprobs = read_int(body, "top_logprobs", 0) or 0
+        if not 0 <= top_logprobs <= 20:
+            raise ValidationError("top_logprobs must be in [0, 20]", "top_logprobs")
+    else:
+        ids = await read_completion_prompt(frontend, body)
+        top_logprobs = read_int(body, "logprobs", None)  # type: ignore[assignment]
+        logprobs = top_logprobs is not None
+        if logprobs and not 0 <= top_logprobs <= 5:
+            raise ValidationError("logprobs must be in [0, 5]", "logprobs")
+        top_logprobs = top_logprobs or 0
+    sampling = map_sampling(body, kind, frontend.limits.context_length - len(ids))
+    try:
+        prepared = await frontend.prepare(ids, sampling, None, "prompt", prefix="")
+    except ValidationError as e:
+        if e.param == "max_new_tokens":
+            message = e.message.replace("max_new_tokens", "max_tokens")
+            raise ValidationError(message, "max_tokens") from None
+        raise
+    stream = read_bool(body, "stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ValidationError("stream_options must be an object", "stream_options")
+    include_usage = read_bool(options, "include_usage", False, "stream_options.include_usage")
+    return OpenAIRequest(kind, prepared, model, stream, include_usage, logprobs, top_logprobs)
+
+
+def map_sampling(body: dict[str, Any], kind: str, room: int) -> dict[str, Any]:
+    """Native-named sampling keys from an OpenAI body (defaults for max_tokens applied)."""
+    sampling = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None and room > 0:
+        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if kind == "completion" else room
+    if max_tokens is not None:
+        sampling["max_new_tokens"] = max_tokens
+    return sampling
+
+
+async def read_completion_prompt(frontend: Frontend, body: dict[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValidationError("prompt is empty; send a non-empty prompt", "prompt")
+        return await frontend.tokenize(prompt, "prompt")
+    if is_id_list(prompt):
+        return prompt  # type: ignore[return-value]
+    if isinstance(prompt, list) and prompt:
+        raise ValidationError("batched prompts are not supported; send one per request", "prompt")
+    raise ValidationError("prompt must be a string or a list of token ids", "prompt")
+
+
+def read_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise ValidationError(f"{param} needs a role, one of {', '.join(_ROLES)}", param)
+        out.append({"role": m["role"], "content": read_content(m.get("content"), param)})
+    return out
+
+
+def read_content(content: Any, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValidationError(f"{param}: only text content parts are supported", param)
+            text = part.get("text")
+            if not isinstance(text, str):
+                where = f"{param}.content[{i}].text"
+                raise ValidationError(f"{where} must be a string, got {kind_of(text)}", where)
+            parts.append(text)
+        return "".join(parts)
+    raise ValidationError(f"{param}.content must be a string or a list of parts", param)
