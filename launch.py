@@ -29,6 +29,8 @@ from aerie.messages import (
     BeginDrain,
     DrainDone,
     EngineReady,
+    Heartbeat,
+    HeartbeatAck,
     ProcessFailed,
     ProcessReady,
     Shutdown,
@@ -40,6 +42,7 @@ from aerie.transport import Receiver, Sender
 log = logging.getLogger("launcher")
 
 STOP_ORDER = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
+STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.2
 
 
@@ -74,6 +77,49 @@ def sd_notify(state: str) -> None:
         address = "\0" + address[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.sendto(state.encode(), address)
+
+
+class Watchdog:
+    """When to send heartbeats, who answered last when, and when to tell systemd all is well.
+
+    Heartbeats go out every HEARTBEAT_INTERVAL_S (at most a third of the timeout); a child whose
+    last answer (or, before its first, the first heartbeat) is older than timeout_s is stuck.
+    systemd's WatchdogSec arrives as $WATCHDOG_USEC: WATCHDOG=1 is sent every half of it while
+    no child is stuck."""
+
+    HEARTBEAT_INTERVAL_S = 1.0
+
+    def __init__(self, names: tuple[str, ...], timeout_s: float) -> None:
+        now = time.monotonic()
+        self.timeout_s = timeout_s
+        self.interval_s = min(self.HEARTBEAT_INTERVAL_S, timeout_s / 3)
+        self.last_answer = dict.fromkeys(names, now)
+        self.seq = 0
+        self._next_beat = now
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        self.notify_interval_s = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else None
+        self._next_notify = now
+
+    def due(self, now: float) -> bool:
+        if now < self._next_beat:
+            return False
+        self.seq += 1
+        self._next_beat = now + self.interval_s
+        return True
+
+    def answered(self, ack: HeartbeatAck, now: float) -> None:
+        if ack.name in self.last_answer:
+            self.last_answer[ack.name] = now
+
+    def stuck(self, now: float) -> str | None:
+        late = [n for n, t in self.last_answer.items() if now - t > self.timeout_s]
+        return late[0] if late else None
+
+    def notify_due(self, now: float) -> bool:
+        if self.notify_interval_s is None or now < self._next_notify:
+            return False
+        self._next_notify = now + self.notify_interval_s
+        return self.stuck(now) is None
 
 
 class Launcher:
@@ -128,7 +174,7 @@ class Launcher:
             self.spawn(name, config)
         ready = self.wait_ready(("scheduler", "detokenizer", "tokenizer"))
         self.listening = ready["tokenizer"].info  # the addresses actually bound (port 0)
-        server_info = {**config.to_flat_dict(), **info, **self.listening, "version": "0.1.0"}
+        server_info = {**public_info(config), **info, **self.listening, "version": "0.1.0"}
         pids = {name: proc.pid for name, proc in self.procs.items() if proc.pid is not None}
         pids["launcher"] = os.getpid()
         self.to["tokenizer"].send(EngineReady(server_info=server_info, pids=pids))
@@ -142,7 +188,8 @@ class Launcher:
         for name, proc in self.procs.items():
             if proc.is_alive():
                 continue
-            error = self.failure_report(name)
+            # Killed by a signal, a child sent no report; exiting non-zero, it sent one first.
+            error = self.failure_report(name) if proc.exitcode and proc.exitcode > 0 else None
             if error is not None:
                 raise LaunchError(f"the {name} process failed{phase}:\n{error}")
             raise LaunchError(f"the {name} process exited unexpectedly (code {proc.exitcode})")
@@ -159,11 +206,29 @@ class Launcher:
         return None
 
     def supervise(self) -> None:
-        """Return when a stop signal arrives; raise LaunchError when a child dies or fails."""
+        """Return when a stop signal arrives; raise LaunchError when a child dies, fails or
+        stops answering heartbeats. Under systemd, WATCHDOG=1 goes out only while every
+        child answers."""
+        watchdog = Watchdog(tuple(self.procs), self.config.server.watchdog_timeout_s)
         while self.stop_signal is None:
+            now = time.monotonic()
+            if watchdog.due(now):
+                for name in self.procs:
+                    self.to[name].send(Heartbeat(watchdog.seq))
+            stuck = watchdog.stuck(now)
+            if stuck is not None:
+                raise LaunchError(
+                    f"the {stuck} process has not answered a heartbeat for "
+                    f"{self.config.server.watchdog_timeout_s:.0f} s (--watchdog-timeout-s): it "
+                    "is stuck or stopped; exiting so that the server can be restarted"
+                )
+            if watchdog.notify_due(now):
+                sd_notify("WATCHDOG=1")
             message = self.inbox.recv(timeout_s=_POLL_S)
             if isinstance(message, ProcessFailed):
                 raise LaunchError(f"the {message.name} process failed:\n{message.error}")
+            if isinstance(message, HeartbeatAck):
+                watchdog.answered(message, time.monotonic())
             self.raise_if_dead()
 
     def drain(self) -> None:
@@ -184,13 +249,16 @@ class Launcher:
                 return
 
     def stop_children(self, reason: str) -> None:
-        """Send Shutdown in order, wait briefly, then kill whatever is left (no orphans)."""
+        """Send Shutdown to every child (in STOP_ORDER, so the frontend stops taking requests
+        first), give them STOP_TIMEOUT_S together to exit, then kill whatever is left (no
+        orphans). They exit in parallel: each takes about a second to tear down."""
+        alive = {n: p for n, p in self.procs.items() if p.is_alive()}
         for name in STOP_ORDER:
-            proc = self.procs.get(name)
-            if proc is None or not proc.is_alive():
-                continue
-            self.to[name].send(Shutdown(reason=reason))
-            proc.join(timeout=3)
+            if name in alive:
+                self.to[name].send(Shutdown(reason=reason))
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in alive.values():
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill()
@@ -207,6 +275,20 @@ class Launcher:
                 proc.kill()
         shutil.rmtree(self.config.runtime_dir, ignore_errors=True)
         os._exit(128 + signum)
+
+
+PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "runtime_dir",
+               "zmq_curve_key_file")  # fmt: skip
+
+
+def public_info(config: AerieConfig) -> dict:
+    """The resolved config as /server_info shows it: secrets never, filesystem paths only with
+    --enable-debug-info (the model is named by --served-model-name)."""
+    info = config.to_flat_dict()
+    if not config.security.enable_debug_info:
+        for name in PATH_FIELDS:
+            info.pop(name, None)
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from aerie import endpoints
 from aerie.config import AerieConfig
-from aerie.messages import Shutdown, TextDelta, TextDeltas, TokenDeltas
-from aerie.process import run_process
+from aerie.messages import Heartbeat, Shutdown, TextDelta, TextDeltas, TokenDeltas
+from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
 from detokenizer_proc.incremental import Detokenizer
 
@@ -23,7 +23,13 @@ from detokenizer_proc.incremental import Detokenizer
 class DetokenizerServer:
     """The detokenizer core plus its two sockets; handlers dispatched by message type."""
 
-    def __init__(self, detokenizer: Detokenizer, inbox: Receiver, to_tokenizer: Sender) -> None:
+    def __init__(
+        self,
+        detokenizer: Detokenizer,
+        inbox: Receiver,
+        to_tokenizer: Sender,
+        heartbeat: Callable[[Heartbeat], None] | None = None,
+    ) -> None:
         self.detokenizer = detokenizer
         self.inbox = inbox
         self.to_tokenizer = to_tokenizer
@@ -31,6 +37,8 @@ class DetokenizerServer:
             TokenDeltas: self.on_token_deltas,
             Shutdown: self.on_shutdown,
         }
+        if heartbeat is not None:
+            self.handlers[Heartbeat] = heartbeat
         self.outgoing: list[TextDelta] = []
         self.running = True
 
@@ -76,6 +84,7 @@ def build_server(config: AerieConfig) -> DetokenizerServer:
         detokenizer=Detokenizer(load_tokenizer(config)),
         inbox=Receiver(endpoints.inbox(config, "detokenizer")),
         to_tokenizer=Sender(endpoints.inbox(config, "tokenizer")),
+        heartbeat=HeartbeatResponder(config, "detokenizer"),
     )
 
 

@@ -14,8 +14,8 @@ import torch
 
 from aerie import endpoints
 from aerie.config import AerieConfig
-from aerie.messages import ForwardPlan, Shutdown
-from aerie.process import run_process
+from aerie.messages import ForwardPlan, Heartbeat, Shutdown
+from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
 from gpu_worker.worker import GPUWorker
 
@@ -33,6 +33,7 @@ class WorkerLoop:
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
             Shutdown: self.handle_shutdown,
+            Heartbeat: HeartbeatResponder(config, "gpu_worker"),
         }
 
     def handle_plan(self, plan: ForwardPlan) -> None:

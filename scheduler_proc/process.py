@@ -19,6 +19,7 @@ from aerie.config import AerieConfig
 from aerie.messages import (
     AbortRequest,
     ForwardPlan,
+    Heartbeat,
     SchedulerStats,
     Shutdown,
     StepResult,
@@ -26,7 +27,7 @@ from aerie.messages import (
     TokenizedRequest,
 )
 from aerie.model_info import read_model_info
-from aerie.process import run_process
+from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
 from scheduler_proc.scheduler import Scheduler
 
@@ -97,6 +98,7 @@ class SchedulerLoop:
             AbortRequest: lambda msg: self.core.abort(msg.rid),
             StepResult: self.handle_result,
             Shutdown: self.handle_shutdown,
+            Heartbeat: HeartbeatResponder(config, "scheduler"),
         }
 
     def handle_result(self, result: StepResult) -> None:

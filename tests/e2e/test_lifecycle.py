@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -110,3 +111,43 @@ def test_second_signal_stops_at_once_without_traceback(tiny_model_dirs):
         assert code == 128 + signal.SIGTERM
         assert_no_orphans(server)
         assert "Traceback" not in server.log_text()
+
+
+def test_the_systemd_watchdog_is_fed_only_while_every_process_answers(tiny_model_dirs, tmp_path):
+    """Under systemd (a fake NOTIFY_SOCKET here) the launcher reports READY=1, then
+    WATCHDOG=1 while every child answers heartbeats; a stopped child (SIGSTOP) is named, the
+    pings stop and the server exits non-zero, so systemd restarts it."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(0.2)
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"}
+    with Server(*_tiny_args(tiny_model_dirs), "--watchdog-timeout-s", "3", env=env) as server:
+        seen: list[tuple[float, str]] = []
+
+        def collect(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                try:
+                    seen.append((time.monotonic(), notify.recv(256).decode()))
+                except TimeoutError:
+                    pass
+
+        collect(2.5)
+        assert "READY=1" in [m for _, m in seen]
+        assert [m for _, m in seen].count("WATCHDOG=1") >= 3  # every 0.5 s
+        victim = child_named(server, "scheduler")
+        stopped_at = time.monotonic()
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            while server.proc.poll() is None and time.monotonic() < stopped_at + 30:
+                collect(0.2)  # timestamps within 0.2 s of each datagram's sending
+            code = server.proc.wait(timeout=1)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        collect(0.3)
+        pings = [t for t, m in seen if m == "WATCHDOG=1" and t > stopped_at + 3.5]
+        assert code == 1 and not pings  # no WATCHDOG=1 once the scheduler was overdue
+        assert "the scheduler process has not answered a heartbeat" in server.log_text()
+        assert_no_orphans(server)
+    notify.close()
