@@ -1,0 +1,40 @@
+"""The soak test at CI size: a few hundred requests of every kind (HTTP and ZMQ, streaming and
+not, OpenAI, stop strings, sampled, disconnects, timeouts, aborts) against a launched server
+whose KV cache forces retraction. `python tools/soak.py` runs the full 10,000."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.server import Server
+from tools.soak import GREEDY_KINDS, KIND_WEIGHTS, server_pids, soak, soak_server_args
+
+pytestmark = pytest.mark.e2e
+
+REQUESTS = 360
+CONCURRENCY = 16
+
+
+def test_soak_every_kind_completes_exactly_and_leaves_nothing_behind(tiny_model_dirs):
+    model = tiny_model_dirs["llama"]
+    with Server(*soak_server_args(model, CONCURRENCY)) as server:
+        pids = server_pids(server)
+        assert set(pids) == {"launcher", "tokenizer", "scheduler", "gpu_worker", "detokenizer"}
+        report = soak(server.url, server.zmq_address, pids, model, vocab=320, requests=REQUESTS,
+                      concurrency=CONCURRENCY, seed=1, warmup_fraction=0.25,
+                      max_rss_growth=0.10, log=lambda _: None)  # fmt: skip
+
+    assert report.problems == []
+    assert set(report.kinds) == set(KIND_WEIGHTS)
+    assert report.statuses.get("failed", 0) == 0
+    # The checks had something to check: exact greedy outputs of every greedy kind, stop strings
+    # that cut a stream, aborted requests, and retraction under the small KV cache.
+    assert report.greedy_checked >= REQUESTS * sum(KIND_WEIGHTS[k] for k in GREEDY_KINDS) // (
+        2 * sum(KIND_WEIGHTS.values())
+    )
+    assert report.stopped_by_string > 0
+    assert report.statuses.get("aborted", 0) > 0
+    assert report.num_retractions > 0
+    assert (report.idle["num_running"], report.idle["num_waiting"]) == (0, 0)
+    assert report.idle["kv_used_tokens"] == 0
+    assert set(report.rss_growth) == set(pids)

@@ -1,0 +1,420 @@
+"""Soak a launched Aerie server with a random mix of clients, then check that nothing leaked.
+
+    python tools/soak.py --requests 10000 --output soak.json
+
+launches `launch.py --device cpu` on a tiny random checkpoint (built in a temporary directory;
+`--model-path` picks another) with a KV cache too small for every request at once and
+`--schedule-conservativeness 0`, so that requests are retracted and recomputed. The requests
+come from a pool of prompts whose single-request greedy outputs are taken first, one at a time,
+and are a seeded random mix (`KIND_WEIGHTS`) of: HTTP /generate streaming and not, the OpenAI
+/v1/completions endpoint, the ZMQ client streaming and not, stop strings, sampled requests,
+HTTP clients that disconnect mid-stream or time out, ZMQ streams closed early (an abort) and
+ZMQ generates that time out (an abort). At most `--concurrency` are in flight.
+
+At the end every completed greedy request must equal its prompt's single-request output (a
+prefix of it, cut where a stop string completes), the engine must be idle with no KV in use,
+and no process may have grown its resident memory by more than `--max-rss-growth` since
+warm-up (the first `--warmup-fraction` of the requests). Exit status 1 and a list of problems
+otherwise. tests/e2e/test_soak.py runs a reduced size in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aerie.client import AerieClientError, AerieTimeoutError, AsyncClient  # noqa: E402
+
+MAX_NEW = 40  # the reference outputs' length; every request asks for 1..MAX_NEW tokens
+NUM_PROMPTS = 48
+KIND_WEIGHTS = {
+    "http": 3, "http_stream": 2, "openai": 1, "zmq": 2, "zmq_stream": 2, "stop": 2,
+    "sampled": 1, "http_disconnect": 1, "http_timeout": 1, "zmq_abort": 1, "zmq_timeout": 1,
+}  # fmt: skip
+GREEDY_KINDS = ("http", "http_stream", "openai", "zmq", "zmq_stream", "stop")
+
+
+@dataclass(frozen=True)
+class Planned:
+    index: int
+    kind: str
+    prompt: int  # index into the prompt pool
+    max_new: int
+    stop: str | None = None
+
+
+@dataclass
+class Outcome:
+    index: int
+    kind: str
+    status: str  # "ok" | "aborted" | "failed"
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    requests: int
+    concurrency: int
+    seconds: float = 0.0
+    kinds: dict[str, int] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)
+    greedy_checked: int = 0
+    stopped_by_string: int = 0
+    num_retractions: int = 0
+    idle: dict = field(default_factory=dict)
+    rss_warm_mib: dict[str, float] = field(default_factory=dict)
+    rss_end_mib: dict[str, float] = field(default_factory=dict)
+    rss_growth: dict[str, float] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def random_prompts(rng: random.Random, vocab: int, count: int) -> list[list[int]]:
+    """count prompts of 1..60 ids from the non-special range [3, vocab)."""
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(count)]
+
+
+def plan_requests(
+    rng: random.Random, count: int, references: list[list[int]], decode
+) -> list[Planned]:
+    """The seeded mix. A stop request's string is the text of one reference token (one that
+    decodes to clean text), so that it certainly completes within the request's length."""
+    kinds, weights = zip(*KIND_WEIGHTS.items(), strict=True)
+    planned = []
+    for index in range(count):
+        kind = rng.choices(kinds, weights)[0]
+        prompt, max_new = rng.randrange(len(references)), rng.randint(1, MAX_NEW)
+        stop = None
+        if kind == "stop":
+            position = rng.randrange(max_new)
+            stop = decode(references[prompt][position : position + 1])
+            if not stop.strip() or "\ufffd" in stop:
+                kind, stop = "http", None
+        planned.append(Planned(index, kind, prompt, max_new, stop))
+    return planned
+
+
+def expected_stop(reference: list[int], stop: str, decode) -> int:
+    """How many tokens a greedy request keeps: up to the first that completes `stop`."""
+    for n in range(1, len(reference) + 1):
+        if stop in decode(reference[:n]):
+            return n
+    raise AssertionError(f"{stop!r} never completes in the reference")
+
+
+class Soak:
+    def __init__(self, url: str, zmq_address: str, prompts: list[list[int]], decode_raw,
+                 concurrency: int) -> None:  # fmt: skip
+        self.url, self.zmq_address = url, zmq_address
+        self.prompts = prompts
+        self.decode_raw = decode_raw  # skip_special_tokens=False, as the stop-string check
+        self.concurrency = concurrency
+        self.references: list[list[int]] = []
+        self.reference_texts: list[str] = []
+
+    async def take_references(self, http: httpx.AsyncClient) -> None:
+        """Each prompt's greedy output, one request at a time (the single-request output)."""
+        for ids in self.prompts:
+            body = {"input_ids": ids, "sampling_params": greedy(MAX_NEW)}
+            response = await http.post(self.url + "/generate", json=body)
+            response.raise_for_status()
+            self.references.append(response.json()["output_ids"])
+            self.reference_texts.append(response.json()["text"])
+
+    def check_greedy(self, req: Planned, output_ids: list[int], finish: dict) -> str:
+        """'' when output_ids is what the single-request output says; else what differs."""
+        reference = self.references[req.prompt]
+        n = req.max_new
+        if req.stop is not None:
+            n = expected_stop(reference[: req.max_new], req.stop, self.decode_raw)
+        want_finish = ("stop", req.stop) if req.stop is not None else ("length", None)
+        if output_ids != reference[:n]:
+            return f"output {output_ids} != single-request {reference[:n]}"
+        if (finish["type"], finish.get("matched")) != want_finish:
+            return f"finish {finish} != {want_finish}"
+        return ""
+
+    async def run_one(self, req: Planned, http: httpx.AsyncClient, zmq: AsyncClient) -> Outcome:
+        ids = self.prompts[req.prompt]
+        params = greedy(req.max_new)
+        if req.stop is not None:
+            params["stop"] = [req.stop]
+        try:
+            detail = await getattr(self, "_" + req.kind)(req, ids, params, http, zmq)
+        except (httpx.HTTPError, AerieClientError, AssertionError, KeyError) as exc:
+            return Outcome(req.index, req.kind, "failed", f"{type(exc).__name__}: {exc}")
+        if detail is None:
+            return Outcome(req.index, req.kind, "aborted")
+        return Outcome(req.index, req.kind, "failed" if detail else "ok", detail)
+
+    # Each kind returns '' (checked, equal), a difference, or None (aborted on purpose).
+
+    async def _http(self, req, ids, params, http, zmq):
+        response = await http.post(self.url + "/generate",
+                                   json={"input_ids": ids, "sampling_params": params})  # fmt: skip
+        assert response.status_code == 200, response.text
+        out = response.json()
+        return self.check_greedy(req, out["output_ids"], out["meta_info"]["finish_reason"])
+
+    _stop = _http
+
+    async def _http_stream(self, req, ids, params, http, zmq):
+        body = {"input_ids": ids, "sampling_params": params, "stream": True}
+        output_ids, finish = [], None  # each event carries the output so far
+        async with http.stream("POST", self.url + "/generate", json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for event in sse_events(response):
+                if event["output_ids"][: len(output_ids)] != output_ids:
+                    return f"event {event['output_ids']} does not extend {output_ids}"
+                output_ids = event["output_ids"]
+                finish = event["meta_info"]["finish_reason"] or finish
+        return self.check_greedy(req, output_ids, finish)
+
+    async def _openai(self, req, ids, params, http, zmq):
+        """The full length, so that the text compares with the single-request text."""
+        body = {"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        response = await http.post(self.url + "/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        if out["usage"]["completion_tokens"] != MAX_NEW:
+            return f"completion_tokens {out['usage']['completion_tokens']} != {MAX_NEW}"
+        got, want = out["choices"][0]["text"], self.reference_texts[req.prompt]
+        return "" if got == want else f"text {got!r} != single-request {want!r}"
+
+    async def _zmq(self, req, ids, params, http, zmq):
+        out = await zmq.generate(input_ids=ids, sampling_params=params, timeout=300)
+        return self.check_greedy(req, out["output_ids"], out["meta_info"]["finish_reason"])
+
+    async def _zmq_stream(self, req, ids, params, http, zmq):
+        output_ids, finish = [], None
+        async for delta in zmq.stream(input_ids=ids, sampling_params=params, timeout=300):
+            output_ids += delta["output_ids"]
+            finish = delta["meta_info"]["finish_reason"] or finish
+        return self.check_greedy(req, output_ids, finish)
+
+    async def _sampled(self, req, ids, params, http, zmq):
+        params = {"max_new_tokens": req.max_new, "temperature": 0.8, "top_p": 0.9,
+                  "ignore_eos": True}  # fmt: skip
+        response = await http.post(self.url + "/generate",
+                                   json={"input_ids": ids, "sampling_params": params})  # fmt: skip
+        assert response.status_code == 200, response.text
+        got = len(response.json()["output_ids"])
+        return "" if got == req.max_new else f"{got} tokens != {req.max_new}"
+
+    async def _http_disconnect(self, req, ids, params, http, zmq):
+        """Read the first event of a stream, then hang up."""
+        params["max_new_tokens"] = MAX_NEW
+        body = {"input_ids": ids, "sampling_params": params, "stream": True}
+        async with http.stream("POST", self.url + "/generate", json=body) as response:
+            async for _ in sse_events(response):
+                break
+        return None
+
+    async def _http_timeout(self, req, ids, params, http, zmq):
+        """A non-streaming request whose client gives up before the answer."""
+        params["max_new_tokens"] = MAX_NEW
+        try:
+            await http.post(self.url + "/generate", timeout=0.02,
+                            json={"input_ids": ids, "sampling_params": params})  # fmt: skip
+        except httpx.TimeoutException:
+            pass
+        return None
+
+    async def _zmq_abort(self, req, ids, params, http, zmq):
+        """Leave a stream after its first delta: the client sends an abort."""
+        params["max_new_tokens"] = MAX_NEW
+        stream = zmq.stream(input_ids=ids, sampling_params=params, timeout=300)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        return None
+
+    async def _zmq_timeout(self, req, ids, params, http, zmq):
+        params["max_new_tokens"] = MAX_NEW
+        try:
+            await zmq.generate(input_ids=ids, sampling_params=params, timeout=0.02)
+        except AerieTimeoutError:
+            pass
+        return None
+
+    async def run(self, planned: list[Planned], on_progress) -> list[Outcome]:
+        """Every planned request, at most `concurrency` at a time; on_progress(done) after each."""
+        limits = httpx.Limits(max_connections=self.concurrency * 2)
+        outcomes: list[Outcome] = []
+        queue = iter(planned)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            zmq = AsyncClient(self.zmq_address)
+            try:
+                async def worker() -> None:
+                    for req in queue:
+                        outcomes.append(await self.run_one(req, http, zmq))
+                        on_progress(len(outcomes))
+
+                await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+            finally:
+                zmq.close()
+        return sorted(outcomes, key=lambda o: o.index)
+
+
+def greedy(max_new: int) -> dict:
+    return {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+
+
+async def sse_events(response: httpx.Response):
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: ") :])
+
+
+def rss_mib(pids: dict[str, int]) -> dict[str, float]:
+    """Resident memory of each named process (Linux /proc), in MiB."""
+    sizes = {}
+    for name, pid in pids.items():
+        with open(f"/proc/{pid}/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        sizes[name] = kib / 1024
+    return sizes
+
+
+async def wait_idle(url: str, timeout_s: float) -> dict:
+    """/server_info once nothing runs or waits and no KV is in use (or the last seen)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=10) as http:
+        while True:
+            info = (await http.get(url + "/server_info")).json()
+            busy = info["num_running"], info["num_waiting"], info["kv_used_tokens"]
+            if busy == (0, 0, 0) or time.monotonic() > deadline:
+                return info
+            await asyncio.sleep(0.1)
+
+
+def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, vocab: int,
+         requests: int, concurrency: int, seed: int, warmup_fraction: float,
+         max_rss_growth: float, log=print) -> Report:  # fmt: skip
+    """Run the soak against a live server and return the report (problems listed in it)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    rng = random.Random(seed)
+    runner = Soak(
+        url, zmq_address, random_prompts(rng, vocab, NUM_PROMPTS),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=False), concurrency,
+    )  # fmt: skip
+    report = Report(requests, concurrency)
+
+    async def main() -> list[Outcome]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            await runner.take_references(http)
+        planned = plan_requests(rng, requests, runner.references, runner.decode_raw)
+        report.kinds = dict(Counter(p.kind for p in planned))
+        warm_at = max(1, int(requests * warmup_fraction))
+        step = max(1, requests // 20)
+
+        def on_progress(done: int) -> None:
+            if done == warm_at:
+                report.rss_warm_mib = rss_mib(pids)
+            if done % step == 0 or done == requests:
+                log(f"soak: {done}/{requests} requests, {time.monotonic() - start:.0f} s")
+
+        start = time.monotonic()
+        outcomes = await runner.run(planned, on_progress)
+        report.seconds = round(time.monotonic() - start, 1)
+        report.idle = await wait_idle(url, timeout_s=60)
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    report.rss_end_mib = rss_mib(pids)
+    report.statuses = dict(Counter(o.status for o in outcomes))
+    report.greedy_checked = sum(o.kind in GREEDY_KINDS and o.status == "ok" for o in outcomes)
+    report.stopped_by_string = sum(o.kind == "stop" and o.status == "ok" for o in outcomes)
+    report.num_retractions = report.idle.get("num_retractions", 0)
+    report.problems += [f"request {o.index} ({o.kind}): {o.detail}" for o in outcomes
+                        if o.status == "failed"][:20]  # fmt: skip
+    busy = {k: report.idle.get(k) for k in ("num_running", "num_waiting", "kv_used_tokens")}
+    if any(busy.values()):
+        report.problems.append(f"not idle at the end: {busy}")
+    for name, warm in report.rss_warm_mib.items():
+        growth = report.rss_end_mib[name] / warm - 1
+        report.rss_growth[name] = round(growth, 4)
+        if growth > max_rss_growth:
+            report.problems.append(
+                f"{name} grew from {warm:.0f} to {report.rss_end_mib[name]:.0f} MiB after warm-up"
+                f" ({growth:.1%} > {max_rss_growth:.0%})"
+            )
+    return report
+
+
+PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
+
+
+def server_pids(server) -> dict[str, int]:
+    """The launcher and each engine process, by name. Children name themselves aerie-<name>,
+    which the kernel cuts to 15 bytes ("aerie-gpu_worke"); other children (multiprocessing's
+    resource tracker) are not engine processes and are left out."""
+    pids = {"launcher": server.proc.pid}
+    for pid in server.children:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+        for name in PROCESS_NAMES:
+            if comm.startswith("aerie-") and name.startswith(comm.removeprefix("aerie-")):
+                pids[name] = pid
+    return pids
+
+
+def soak_server_args(model_path: str, concurrency: int) -> list[str]:
+    """A KV cache for about a third of the in-flight requests' full lengths, admitted without
+    reserve: retraction happens throughout."""
+    return ["--model-path", model_path, "--max-running-requests", str(concurrency),
+            "--max-total-tokens", str(max(256, concurrency * (60 + MAX_NEW) // 3)),
+            "--page-size", "4", "--chunked-prefill-size", "64",
+            "--schedule-conservativeness", "0"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-fraction", type=float, default=0.2)
+    parser.add_argument("--max-rss-growth", type=float, default=0.10)
+    parser.add_argument("--model-path", help="default: a tiny random Llama built for the run")
+    parser.add_argument("--output", help="write the report here as JSON")
+    args = parser.parse_args(argv)
+
+    from tests.e2e.server import Server
+    from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+    from tests.tokenizer_fixture import make_tiny_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="aerie-soak-") as tmp:
+        model_path = args.model_path
+        if model_path is None:
+            model_path = tmp
+            make_tiny_checkpoint(tmp, "llama", vocab_size=384, max_position_embeddings=512)
+            make_tiny_tokenizer(tmp)
+        with Server(*soak_server_args(model_path, args.concurrency)) as server:
+            print(f"soak: server at {server.url}, log {server.log.name}", flush=True)
+            report = soak(server.url, server.zmq_address, server_pids(server), model_path,
+                          vocab=320, requests=args.requests, concurrency=args.concurrency,
+                          seed=args.seed, warmup_fraction=args.warmup_fraction,
+                          max_rss_growth=args.max_rss_growth)  # fmt: skip
+    text = json.dumps(asdict(report), indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 1 if report.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
