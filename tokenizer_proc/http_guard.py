@@ -87,12 +87,17 @@ class Guard:
                 "send a shorter prompt")  # fmt: skip
 
     def limited(self, receive: Any) -> Any:
-        """receive, with the body counted against the size limit and the read deadline."""
+        """receive, with the body counted against the size limit and the read deadline. Once
+        the body is complete the deadline no longer applies: a handler then awaits receive
+        only to hear of a disconnect, for as long as the generation takes."""
         deadline = time.monotonic() + self.policy.body_timeout_s
         received = 0
+        body_complete = False
 
         async def bounded_receive() -> dict:
-            nonlocal received
+            nonlocal received, body_complete
+            if body_complete:
+                return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
             except asyncio.TimeoutError:
@@ -104,6 +109,7 @@ class Guard:
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     raise ValidationError(self.too_large(), status=413)
+                body_complete = not message.get("more_body", False)
             return message
 
         return bounded_receive

@@ -129,6 +129,17 @@ def test_a_slow_body_gets_408_and_an_idle_connection_is_closed(guarded):
         assert slowloris.recv(1) == b""
 
 
+def test_a_generation_longer_than_the_body_timeout_completes(guarded):
+    """The body deadline ends with the body: a handler that then waits on the connection for
+    a disconnect, while a slow generation runs, must not get a 408 (it did, with an empty
+    response, for every non-streaming request longer than --body-timeout-s)."""
+    server, _, engine = guarded  # body timeout 1 s
+    engine.delay_s = 0.5
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
+    r = httpx.post(server.url + "/generate", json=body, headers=auth(), timeout=30)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+
+
 def test_connections_beyond_the_cap_get_503(tokenizer_dir):
     frontend, _ = make_frontend(tokenizer_dir)
     with LiveServer(frontend, max_connections=2, header_timeout_s=5.0) as server:
