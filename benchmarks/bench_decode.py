@@ -7,6 +7,9 @@ host synchronisation inside the timed loop) for these variants:
   torch_native   the reference attention and torch layers, eager
   triton         Triton attention and fused layer kernels, eager
   triton+graph   the same replayed as CUDA graphs (the serving default on CUDA)
+  unfused, unfused+graph
+                 triton without the small-batch fused projections (each norm, SiLU-and-mul
+                 and projection a kernel of its own, projections by the library GEMM)
   compiled       a gpt-fast-style static-KV decoder on the same weights, compiled with
                  torch.compile(mode="reduce-overhead") (benchmarks/static_kv_baseline.py)
 
@@ -43,10 +46,11 @@ from gpu_worker.forward_batch import ForwardMode  # noqa: E402
 from gpu_worker.host_batch import HostBatch  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.models import read_arch_config  # noqa: E402
+from gpu_worker.models.llama import LlamaDecoderLayer  # noqa: E402
 from gpu_worker.worker import DTYPES  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
-VARIANTS = ("torch_native", "triton", "triton+graph", "compiled")
+VARIANTS = ("torch_native", "triton", "triton+graph", "unfused", "unfused+graph", "compiled")
 LLAMA31_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -349,12 +353,14 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
                   for bs in sizes}  # the same prompts for every variant  # fmt: skip
     results: dict[tuple[str, int], dict] = {}
     weight_bytes, num_layers = 0, 0
-    for backend in ("torch_native", "triton"):
-        wanted = [v for v in variants if v.startswith(backend) or (
-            backend == "triton" and v == "compiled")]  # fmt: skip
+    for group in ("torch_native", "triton", "unfused"):  # one runner (and graphs) per group
+        wanted = [v for v in variants if v.split("+")[0] == group or (
+            group == "triton" and v == "compiled")]  # fmt: skip
         if not wanted:
             continue
-        graph_bs = max(sizes) if "triton+graph" in wanted else 0
+        graph_bs = max(sizes) if any(v.endswith("+graph") for v in wanted) else 0
+        LlamaDecoderLayer.fused_max_rows = 0 if group == "unfused" else 1
+        backend = "torch_native" if group == "torch_native" else "triton"
         runner = build_runner(path, load_format, args, backend, graph_bs)
         weight_bytes, num_layers = weight_bytes_per_token(runner), runner.config.num_layers
         for bs in sizes:

@@ -58,6 +58,7 @@ if [[ $1 == speed ]]; then
     echo "== $f"; tail -c 60000 "$f"; done > "$OUT/server_logs.txt"
   timeout ${BENCH_S:-300} python benchmarks/bench_decode.py --models .device-carry/smollm2-config \
     --load-format dummy --batch-size ${BATCH_SIZES:-1,64} --decode-steps ${STEPS:-64} \
+    --variants ${VARIANTS:-torch_native,triton,triton+graph,compiled} \
     --warmup-steps 8 --repeats 3 --output "$OUT/decode_smollm2.json" > "$OUT/bench.txt" 2>&1
   grep -v "^\[" "$OUT/bench.txt" | tail -14
   exit 0

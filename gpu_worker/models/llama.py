@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.kernels import activation
+from gpu_worker.kernels import activation, small_m_linear
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import MergedLinear
@@ -55,12 +55,17 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """x [n, in_features] -> [n, hidden]; writes the layer's K/V of the new tokens."""
         qkv = self.qkv_proj(x)  # [n, (heads + 2 * kv_heads) * d]
+        return self.o_proj(self.attend(qkv, batch, cos_sin_cache))  # [n, hidden]
+
+    def attend(
+        self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """qkv [n, (heads + 2 * kv_heads) * d] -> attention output [n, heads * d], before
+        o_proj; writes the layer's K/V of the new tokens."""
         if self.qk_norm:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            o = self.attn(qkv, batch, cos_sin_cache, *norms)
-        else:
-            o = self.attn(qkv, batch, cos_sin_cache)
-        return self.o_proj(o)  # [n, hidden]
+            return self.attn(qkv, batch, cos_sin_cache, *norms)
+        return self.attn(qkv, batch, cos_sin_cache)
 
 
 class LlamaMLP(nn.Module):
@@ -81,7 +86,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """A pre-norm decoder block over the residual stream, carried as (x, residual) with
-    stream = x + residual so each add is fused into the norm after it."""
+    stream = x + residual so each add is fused into the norm after it.
+
+    With Triton kernels (`use_triton`) and one token (batch-1 decode), the block runs five
+    kernels where the weights are small enough for that to pay: each norm is the prologue of
+    the projection after it, SiLU-and-multiply the prologue of down_proj
+    (`gpu_worker.kernels.small_m_linear`)."""
+
+    use_triton = False
+    fused_max_rows = 1  # 0: never fuse (a benchmark knob)
 
     def __init__(self, config: ArchConfig, layer_id: int, **attn_options: bool) -> None:
         super().__init__()
@@ -99,6 +112,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) [n, hidden] (residual None: x is the whole stream) -> the same pair
         after this layer. input_layernorm None (EAGLE's first layer) feeds x in unnormalised."""
+        if self.use_triton and x.shape[0] <= self.fused_max_rows:
+            return self._forward_fused(x, residual, batch, cos_sin_cache)
         if residual is None:
             residual = x
             if self.input_layernorm is not None:
@@ -109,6 +124,34 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(x, batch, cos_sin_cache)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in five kernels for a few rows; the same values as the unfused path."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv_proj, gate_up_proj = attn.qkv_proj, mlp.gate_up_proj
+        norm = self.input_layernorm
+        if norm is None:
+            assert residual is None, "an un-normed layer must come first"
+            qkv, residual = small_m_linear.linear(x, qkv_proj.weight, qkv_proj.bias), x
+        else:
+            qkv, residual = small_m_linear.rms_norm_linear(
+                x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias
+            )
+        o = attn.attend(qkv, batch, cos_sin_cache)
+        x = small_m_linear.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+        norm = self.post_attention_layernorm
+        gate_up, residual = small_m_linear.rms_norm_linear(
+            x, residual, norm.weight, norm.eps, gate_up_proj.weight, gate_up_proj.bias
+        )
+        down = mlp.down_proj
+        return small_m_linear.silu_mul_linear(gate_up, down.weight, down.bias), residual
 
 
 def run_layers(

@@ -204,3 +204,26 @@ def test_kv_pool_sizing_on_cpu(tiny_dirs):
     explicit = make_runner(tiny_dirs["llama"], page_size=8, max_total_tokens=61)
     assert explicit.max_total_tokens == 56
     assert explicit.req_to_token_pool.req_to_token.shape == (5, 128)
+
+
+def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, monkeypatch):
+    """With the triton backend a forward of one token runs each decoder layer as five kernels
+    (norm+qkv, attention, o_proj, norm+gate_up, silu+down), with the same logits; more tokens
+    take the separate kernels and the library GEMMs."""
+    from gpu_worker.kernels import small_m_linear
+
+    calls = []
+    for name in ("linear", "rms_norm_linear", "silu_mul_linear"):
+        kernel = getattr(small_m_linear, name)
+        monkeypatch.setattr(small_m_linear, name,
+                            lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    runner = make_runner(tiny_dirs["qwen2"], attention_backend="triton")  # biases on q, k, v
+    layers = runner.config.num_layers
+    for length, fused in ((1, True), (2, False)):
+        calls.clear()
+        ids = prompt(length, seed=length)
+        out = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids], shuffled_slots(runner, 1, 2))
+        expected = reference_logits(reference_models("qwen2"), ids)
+        torch.testing.assert_close(all_logits(runner, out), expected, atol=ATOL, rtol=0)
+        per_layer = ["rms_norm_linear", "linear", "rms_norm_linear", "silu_mul_linear"]
+        assert calls == (per_layer * layers if fused else [])

@@ -1,0 +1,86 @@
+"""The fused single-row projections against the torch references (CPU under Triton's
+interpreter, and on CUDA in every model dtype): plain, RMSNorm, residual add + RMSNorm,
+SiLU-and-multiply; with and without bias; the kernel at 1 to 4 rows and launch shapes that do
+and do not divide the widths; and the separate-kernel path the functions take where the fused
+kernel does not pay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.kernels import small_m_linear as sml
+from tests.gpu_worker.kernels.test_layer_kernels import CASES
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    # bfloat16: the kernel and the library GEMM may round a sum of products differently.
+    return {torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+            torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+            torch.float16: {"atol": 3e-3, "rtol": 3e-3}}[dtype]  # fmt: skip
+
+
+def random(gen, device, dtype, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+
+
+# (rows, K, N, config): the chosen launch shape for one row of a narrow and of a wide
+# projection, a forced one for several rows, and None for the separate kernels (16 rows).
+SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (3, 200, 136, sml.Config(4, 64, 2)),
+          (16, 64, 48, None)]  # fmt: skip
+
+
+def config_for(rows, k, n, config):
+    if config == "chosen":
+        config = sml.choose_config(rows, n, k)
+        assert config is not None
+    return config
+
+
+@CASES
+@pytest.mark.parametrize("rows, k, n, config", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(device, dtype, rows, k, n, config, with_bias):
+    gen = torch.Generator().manual_seed(rows * k + n)
+    x = random(gen, device, dtype, rows, 2 * k)[:, :k]  # strided rows
+    w = random(gen, device, dtype, n, k, scale=k**-0.5)
+    b = random(gen, device, dtype, n) if with_bias else None
+    out = sml.linear(x, w, b, config=config_for(rows, k, n, config))
+    assert out.shape == (rows, n) and out.dtype == dtype
+    torch.testing.assert_close(out, sml.linear_reference(x, w, b), **tolerance(dtype))
+
+
+@CASES
+@pytest.mark.parametrize("rows, k, n, config", SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_linear(device, dtype, rows, k, n, config, with_residual):
+    gen = torch.Generator().manual_seed(rows + k * n)
+    x = random(gen, device, dtype, rows, k, scale=3.0)
+    residual = random(gen, device, dtype, rows, k) if with_residual else None
+    nw = random(gen, device, dtype, k)
+    w = random(gen, device, dtype, n, k, scale=k**-0.5)
+    b = random(gen, device, dtype, n)
+    out, summed = sml.rms_norm_linear(x, residual, nw, 1e-5, w, b,
+                                      config=config_for(rows, k, n, config))  # fmt: skip
+    ref_out, ref_summed = sml.rms_norm_linear_reference(x, residual, nw, 1e-5, w, b)
+    torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)  # the same rounding
+    torch.testing.assert_close(out, ref_out, **tolerance(dtype))
+
+
+@CASES
+@pytest.mark.parametrize("rows, k, n, config", SHAPES)
+def test_silu_mul_linear(device, dtype, rows, k, n, config):
+    gen = torch.Generator().manual_seed(k + n + rows)
+    gate_up = random(gen, device, dtype, rows, 2 * k, scale=2.0)
+    w = random(gen, device, dtype, n, k, scale=k**-0.5)
+    out = sml.silu_mul_linear(gate_up, w, config=config_for(rows, k, n, config))
+    torch.testing.assert_close(out, sml.silu_mul_linear_reference(gate_up, w), **tolerance(dtype))
+
+
+def test_the_fused_kernel_runs_only_where_it_pays():
+    assert sml.choose_config(1, 3072, 576) is not None  # the 135M shape's gate_up, batch 1
+    assert sml.choose_config(2, 960, 576) is None  # several rows: the library GEMM
+    assert sml.choose_config(1, 6144, 4096) is None  # the 8B shape's qkv: bandwidth-bound
+    with pytest.raises(AssertionError, match="rows"):
+        sml.linear(torch.zeros(sml.MAX_KERNEL_ROWS + 1, 8), torch.zeros(4, 8),
+                   config=sml.Config(4, 64, 2))  # fmt: skip
