@@ -44,12 +44,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
 from gpu_worker.forward_batch import ForwardMode  # noqa: E402
 from gpu_worker.host_batch import HostBatch  # noqa: E402
+from gpu_worker.kernels import small_m_linear  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.models import read_arch_config  # noqa: E402
-from gpu_worker.models.llama import LlamaDecoderLayer  # noqa: E402
 from gpu_worker.worker import DTYPES  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
+FUSED_WEIGHT = small_m_linear.MAX_FUSED_WEIGHT  # the "unfused" variants set it to 0
 VARIANTS = ("torch_native", "triton", "triton+graph", "unfused", "unfused+graph", "compiled")
 LLAMA31_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -359,7 +360,7 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
         if not wanted:
             continue
         graph_bs = max(sizes) if any(v.endswith("+graph") for v in wanted) else 0
-        LlamaDecoderLayer.fused_max_rows = 0 if group == "unfused" else 1
+        small_m_linear.MAX_FUSED_WEIGHT = 0 if group == "unfused" else FUSED_WEIGHT
         backend = "torch_native" if group == "torch_native" else "triton"
         runner = build_runner(path, load_format, args, backend, graph_bs)
         weight_bytes, num_layers = weight_bytes_per_token(runner), runner.config.num_layers

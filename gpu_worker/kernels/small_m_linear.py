@@ -125,7 +125,7 @@ class Config:
     num_warps: int
 
 
-MAX_FUSED_WEIGHT = 4 << 20  # elements; a benchmark may set 0 to compare with the library path
+MAX_FUSED_WEIGHT = 4 << 20  # elements; 0 never fuses (bench_decode's "unfused" variants)
 
 
 def choose_config(rows: int, n: int, k: int) -> Config | None:

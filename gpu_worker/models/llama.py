@@ -88,13 +88,12 @@ class LlamaDecoderLayer(nn.Module):
     """A pre-norm decoder block over the residual stream, carried as (x, residual) with
     stream = x + residual so each add is fused into the norm after it.
 
-    With Triton kernels (`use_triton`) and one token (batch-1 decode), the block runs five
-    kernels where the weights are small enough for that to pay: each norm is the prologue of
-    the projection after it, SiLU-and-multiply the prologue of down_proj
-    (`gpu_worker.kernels.small_m_linear`)."""
+    With Triton kernels (`use_triton`) the block goes through `gpu_worker.kernels.small_m_linear`,
+    which runs each norm as the prologue of the projection after it, and SiLU-and-multiply as
+    the prologue of down_proj, where that pays (one token, small weights: five kernels per
+    layer), and the separate kernels otherwise."""
 
     use_triton = False
-    fused_max_rows = 1  # 0: never fuse (a benchmark knob)
 
     def __init__(self, config: ArchConfig, layer_id: int, **attn_options: bool) -> None:
         super().__init__()
@@ -112,8 +111,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) [n, hidden] (residual None: x is the whole stream) -> the same pair
         after this layer. input_layernorm None (EAGLE's first layer) feeds x in unnormalised."""
-        if self.use_triton and x.shape[0] <= self.fused_max_rows:
-            return self._forward_fused(x, residual, batch, cos_sin_cache)
+        if self.use_triton:
+            return self._forward_triton(x, residual, batch, cos_sin_cache)
         if residual is None:
             residual = x
             if self.input_layernorm is not None:
@@ -126,14 +125,15 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-    def _forward_fused(
+    def _forward_triton(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` in five kernels for a few rows; the same values as the unfused path."""
+        """`forward` with the norms and SiLU-and-multiply handed to the projections after
+        them; the same values as the reference path."""
         attn, mlp = self.self_attn, self.mlp
         qkv_proj, gate_up_proj = attn.qkv_proj, mlp.gate_up_proj
         norm = self.input_layernorm

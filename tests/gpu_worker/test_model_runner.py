@@ -208,22 +208,24 @@ def test_kv_pool_sizing_on_cpu(tiny_dirs):
 
 def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, monkeypatch):
     """With the triton backend a forward of one token runs each decoder layer as five kernels
-    (norm+qkv, attention, o_proj, norm+gate_up, silu+down), with the same logits; more tokens
-    take the separate kernels and the library GEMMs."""
+    (norm+qkv, attention, o_proj, norm+gate_up, silu+down), with the same logits; more tokens,
+    or fusion switched off, take the separate kernels and the library GEMMs."""
     from gpu_worker.kernels import small_m_linear
 
-    calls = []
-    for name in ("linear", "rms_norm_linear", "silu_mul_linear"):
-        kernel = getattr(small_m_linear, name)
-        monkeypatch.setattr(small_m_linear, name,
-                            lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    launches = []
+    launch = small_m_linear._launch
+    monkeypatch.setattr(small_m_linear, "_launch",
+                        lambda prologue, *a: launches.append(prologue) or launch(prologue, *a))
     runner = make_runner(tiny_dirs["qwen2"], attention_backend="triton")  # biases on q, k, v
-    layers = runner.config.num_layers
-    for length, fused in ((1, True), (2, False)):
-        calls.clear()
+    per_layer = [small_m_linear._NORM, small_m_linear._PLAIN, small_m_linear._ADD_NORM,
+                 small_m_linear._SILU_MUL]  # the first layer's stream has no residual yet
+    per_layer_later = [small_m_linear._ADD_NORM, *per_layer[1:]]
+    expected_fused = per_layer + per_layer_later * (runner.config.num_layers - 1)
+    for length, fuse, expected in ((1, True, expected_fused), (2, True, []), (1, False, [])):
+        monkeypatch.setattr(small_m_linear, "MAX_FUSED_WEIGHT", 4 << 20 if fuse else 0)
+        launches.clear()
         ids = prompt(length, seed=length)
         out = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids], shuffled_slots(runner, 1, 2))
-        expected = reference_logits(reference_models("qwen2"), ids)
-        torch.testing.assert_close(all_logits(runner, out), expected, atol=ATOL, rtol=0)
-        per_layer = ["rms_norm_linear", "linear", "rms_norm_linear", "silu_mul_linear"]
-        assert calls == (per_layer * layers if fused else [])
+        reference = reference_logits(reference_models("qwen2"), ids)
+        torch.testing.assert_close(all_logits(runner, out), reference, atol=ATOL, rtol=0)
+        assert launches == expected
