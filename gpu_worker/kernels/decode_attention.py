@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels import next_power_of_2
+from gpu_worker.kernels.rotary import rotate_halves
 
 BLOCK_N = 64
 LOG2E = 1.4426950408889634
@@ -68,19 +69,6 @@ class DecodeScratch:
             torch.empty(units * num_heads, device=device),
             torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device),
         )
-
-
-@triton.jit
-def _rotate(x1, x2, cos, sin, w1, w2, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rows of halves [R, BLOCK_HALF] -> rotated halves in float32, after an optional
-    per-row RMSNorm (weights w1, w2 [BLOCK_HALF]) with transformers' roundings."""
-    dtype = x1.dtype
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)[:, None]
-        f1 = ((f1 * inv).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
-        f2 = ((f2 * inv).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
-    return f1 * cos[None, :] - f2 * sin[None, :], f2 * cos[None, :] + f1 * sin[None, :]
 
 
 @triton.jit
@@ -144,12 +132,12 @@ def _decode_kernel(
     q1 = tl.load(base + q_offsets, mask=qh_mask, other=0.0)
     q2 = tl.load(base + q_offsets + half, mask=qh_mask, other=0.0)
     dtype = q1.dtype
-    q1, q2 = _rotate(q1, q2, cos, sin, w_q1, w_q2, eps, HEAD_DIM, HAS_NORM)
+    q1, q2 = rotate_halves(q1, q2, cos, sin, w_q1, w_q2, eps, HEAD_DIM, HAS_NORM)
     q1, q2 = q1.to(dtype), q2.to(dtype)  # rounded like q stored by the unfused path
     k_offsets = ((NUM_HEADS + kv_head) * HEAD_DIM + c)[None, :]
     k1 = tl.load(base + k_offsets, mask=c_mask[None, :], other=0.0)
     k2 = tl.load(base + k_offsets + half, mask=c_mask[None, :], other=0.0)
-    k1, k2 = _rotate(k1, k2, cos, sin, w_k1, w_k2, eps, HEAD_DIM, HAS_NORM)
+    k1, k2 = rotate_halves(k1, k2, cos, sin, w_k1, w_k2, eps, HEAD_DIM, HAS_NORM)
     k1, k2 = k1.to(dtype).to(tl.float32), k2.to(dtype).to(tl.float32)  # [1, BLOCK_HALF]
     v_offsets = (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + c
     v1 = tl.load(base + v_offsets, mask=c_mask, other=0.0).to(tl.float32)

@@ -57,6 +57,20 @@ def rope_and_store_kv_reference(
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin, w1, w2, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows of halves [R, BLOCK_HALF] -> rotated halves in float32, after an optional
+    per-row RMSNorm (weights w1, w2 [BLOCK_HALF]) with transformers' roundings. Shared with
+    the fused decode-attention kernel."""
+    dtype = x1.dtype
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)[:, None]
+        f1 = ((f1 * inv).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+        f2 = ((f2 * inv).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
+    return f1 * cos[None, :] - f2 * sin[None, :], f2 * cos[None, :] + f1 * sin[None, :]
+
+
+@triton.jit
 def _rope_store_kernel(
     qkv_ptr,
     positions_ptr,
@@ -78,33 +92,29 @@ def _rope_store_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = HEAD_DIM // 2
-    cols = tl.arange(0, HALF_BLOCK)
-    mask = cols < half
+    c = tl.arange(0, HALF_BLOCK)
+    c_mask = c < half
+    cols, mask = c[None, :], c_mask[None, :]  # one row of halves, as rotate_halves takes them
     is_q = head < NUM_HEADS
     base = qkv_ptr + token * qkv_stride + head * HEAD_DIM
     x1 = tl.load(base + cols, mask=mask, other=0.0)
     x2 = tl.load(base + half + cols, mask=mask, other=0.0)
-    dtype = x1.dtype
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cache_ptr + position * HEAD_DIM + c, mask=c_mask, other=0.0)
+    sin = tl.load(cache_ptr + position * HEAD_DIM + half + c, mask=c_mask, other=0.0)
+    w1, w2 = cos, cos  # unused without norms
     if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
         w1 = tl.where(
             is_q,
-            tl.load(q_norm_ptr + cols, mask=mask, other=0.0).to(tl.float32),
-            tl.load(k_norm_ptr + cols, mask=mask, other=0.0).to(tl.float32),
+            tl.load(q_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32),
+            tl.load(k_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32),
         )
         w2 = tl.where(
             is_q,
-            tl.load(q_norm_ptr + half + cols, mask=mask, other=0.0).to(tl.float32),
-            tl.load(k_norm_ptr + half + cols, mask=mask, other=0.0).to(tl.float32),
+            tl.load(q_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32),
+            tl.load(k_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32),
         )
-        f1 = ((f1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        f2 = ((f2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cache_ptr + position * HEAD_DIM + cols, mask=mask, other=0.0)
-    sin = tl.load(cache_ptr + position * HEAD_DIM + half + cols, mask=mask, other=0.0)
-    out1 = f1 * cos - f2 * sin
-    out2 = f2 * cos + f1 * sin
+    out1, out2 = rotate_halves(x1, x2, cos, sin, w1, w2, eps, HEAD_DIM, HAS_NORM)
     if is_q:
         q_base = q_out_ptr + token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
         tl.store(q_base + cols, out1.to(q_out_ptr.dtype.element_ty), mask=mask)
