@@ -59,6 +59,9 @@ class ForwardBatch:
         q_len = topk, width = topk * S (a row sees the drafts of its own branch so far).
     spec_info: speculative-decoding state for the modes that need it; draft models read its
         `hidden_states` attribute (any object that has one, e.g. `SpecInput`).
+    logits_indices: [bs] token indices whose logits the runner computes, when they are not
+        the default ones (see `sample_indices`): a fixed-shape draft extend runs S+1 tokens
+        per request but wants the logits at each request's last accepted one.
     attn_backend / attn_metadata: set by the runner on its own copy of the batch.
     """
 
@@ -74,6 +77,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     custom_mask: torch.Tensor | None = None
     spec_info: object | None = None
+    logits_indices: torch.Tensor | None = None
     attn_backend: Any = None
     attn_metadata: Any = None
 
@@ -86,8 +90,10 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     def sample_indices(self) -> torch.Tensor:
-        """Token indices whose logits are wanted: every token (modes that sample every token),
-        or each request's last one."""
+        """Token indices whose logits are wanted: `logits_indices` when set, else every token
+        (modes that sample every token) or each request's last one."""
+        if self.logits_indices is not None:
+            return self.logits_indices
         if self.mode.samples_every_token():
             return torch.arange(self.num_tokens, device=self.input_ids.device)
         return self.last_token_indices()
@@ -130,6 +136,7 @@ def make_batch(
     spec_info: object | None = None,
     seq_lens: torch.Tensor | None = None,
     extend_seq_lens: torch.Tensor | None = None,
+    logits_indices: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """The one ForwardBatch constructor: device tensors, plus the lengths on the host (and on
     the device when the caller already has them there; otherwise they are copied)."""
@@ -154,4 +161,5 @@ def make_batch(
         extend_seq_lens_cpu=extend_lens_cpu,
         custom_mask=custom_mask,
         spec_info=spec_info,
+        logits_indices=logits_indices,
     )

@@ -262,7 +262,8 @@ class ModelRunner:
             hidden, aux = self.model.forward_with_aux(batch, self.aux_hidden_layers)
         else:
             hidden = self.model(batch)  # [num_tokens, hidden]
-        sampled = hidden if batch.mode.samples_every_token() else hidden[batch.sample_indices()]
+        every = batch.mode.samples_every_token() and batch.logits_indices is None
+        sampled = hidden if every else hidden[batch.sample_indices()]
         logits = self.model.compute_logits(sampled)  # [num_sampled, V]
         return LogitsOutput(next_token_logits=logits, hidden_states=hidden, aux_hidden_states=aux)
 

@@ -13,6 +13,8 @@ slot ids), runs the step and returns a `StepResult`:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -135,13 +137,11 @@ class GPUWorker:
         )
         self.spec: EagleWorker | MTPWorker | None = None
         if config.speculative.speculative_algorithm == "MTP":
-            self.spec = MTPWorker(
-                config.speculative, self.runner, self.draft_runner_list, self.sampling
-            )
+            self.spec = MTPWorker(config.speculative, self.runner, self.draft_runner_list,
+                                  self.sampling, graph_max_bs(config))  # fmt: skip
         elif self.draft_runner_list:
-            self.spec = EagleWorker(
-                config.speculative, self.runner, self.draft_runner_list[0], self.sampling
-            )
+            self.spec = EagleWorker(config.speculative, self.runner, self.draft_runner_list[0],
+                                    self.sampling, graph_max_bs(config))  # fmt: skip
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
@@ -169,9 +169,10 @@ class GPUWorker:
             if request.start is not None:
                 self._start_request(request)
         arrays = parse_plan(plan, self.max_running_requests)
-        rows, positions, sampled = self._write_slots(arrays)
+        step = self._write_slots(arrays)
+        rows, positions, sampled = step.rows, step.positions, step.sampled
         if plan.mode == "decode" and self.spec is not None:
-            return self._speculative_decode(plan, arrays)
+            return self._speculative_decode(plan, arrays, step)
         host = arrays.host_batch(PLAN_MODES[plan.mode])
         batch = None
         if self.spec is not None:  # the draft prefill reads the batch too
@@ -199,27 +200,27 @@ class GPUWorker:
             logprobs=codec.pack_floats(fetched[1][keep]) if logprobs is not None else b"",
         )
 
-    def _speculative_decode(self, plan: ForwardPlan, arrays: PlanArrays) -> StepResult:
-        requests = plan.requests
-        rows = torch.from_numpy(arrays.rows).to(self.device)
-        bonus = torch.from_numpy(arrays.input_ids).to(self.device)
-        want = any(self.return_logprob[r.req_pool_idx] for r in requests)
+    def _speculative_decode(
+        self, plan: ForwardPlan, arrays: PlanArrays, step: StepInputs
+    ) -> StepResult:
         assert self.spec is not None
-        out = self.spec.decode(rows, arrays.prefix_lens.tolist(), bonus, want)
-        # One copy to the host each; the valid prefix of every row is sliced there.
-        accept_lens = out.accept_lens.cpu()  # [bs]
-        valid = torch.arange(out.tokens.shape[1])[None, :] < accept_lens[:, None]
-        tokens = out.tokens.cpu()[valid]  # [sum(accept_lens)], request by request
-        self.sampling.observe(rows.cpu().repeat_interleave(accept_lens), tokens)
-        logprobs = b""
-        if out.logprobs is not None:
-            logprobs = codec.pack_floats(out.logprobs.cpu()[valid])
+        want = bool(self.return_logprob[arrays.rows].any())
+        out = self.spec.decode(step.rows, arrays.rows, step.prefix_lens,
+                               arrays.prefix_lens.tolist(), step.input_ids, want)  # fmt: skip
+        width = out.tokens.shape[1]
+        valid = torch.arange(width, device=self.device)[None, :] < out.accept_lens[:, None]
+        self.sampling.observe(step.rows[:, None].expand(-1, width).flatten(),
+                              out.tokens.flatten(), weights=valid.flatten())  # fmt: skip
+        # One copy to the host; the valid prefix of every row is sliced there.
+        extra = [out.logprobs] if out.logprobs is not None else []
+        accept_lens, tokens, *logprobs = self.results.fetch(out.accept_lens, out.tokens, *extra)
+        keep = (np.arange(width)[None, :] < accept_lens[:, None]).flatten()
         return StepResult(
             plan_id=plan.plan_id,
             num_tokens=codec.pack_ids(accept_lens),
-            token_ids=codec.pack_ids(tokens),
-            logprobs=logprobs,
-            num_verify=codec.pack_ids([1] * len(requests)),
+            token_ids=codec.pack_ids(tokens[keep]),
+            logprobs=codec.pack_floats(logprobs[0][keep]) if logprobs else b"",
+            num_verify=codec.pack_ids([1] * len(plan.requests)),
         )
 
     def _start_request(self, request: PlanRequest) -> None:
@@ -234,20 +235,32 @@ class GPUWorker:
         )
         self.return_logprob[request.req_pool_idx] = start.return_logprob
 
-    def _write_slots(
-        self, arrays: PlanArrays
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _write_slots(self, arrays: PlanArrays) -> StepInputs:
         """Record every assigned slot (headroom included) in every runner's req_to_token rows,
-        uploading what sampling needs in the same copy. Returns the batch's rows, the position
-        of each request's new token and the sampled mask (int64 0/1), [bs] each on the device."""
+        uploading what the step reads per request in the same copy."""
         slot_rows = np.repeat(arrays.rows, arrays.slot_lens)
         slot_positions = np.repeat(arrays.prefix_lens, arrays.slot_lens)
         slot_positions += segment_offsets(arrays.slot_lens)
         new_positions = arrays.prefix_lens + arrays.extend_lens
-        rows, positions, sampled, r, p, slots = self.staging.upload([
-            arrays.rows, new_positions, arrays.sample.astype(np.int64), slot_rows,
-            slot_positions, arrays.slots,
+        rows, positions, sampled, prefix_lens, input_ids, r, p, slots = self.staging.upload([
+            arrays.rows, new_positions, arrays.sample.astype(np.int64), arrays.prefix_lens,
+            arrays.input_ids, slot_rows, slot_positions, arrays.slots,
         ])  # fmt: skip
         for runner in self.runners:
             runner.req_to_token_pool.assign(r, p, slots)
-        return rows, positions, sampled
+        return StepInputs(rows, positions, sampled, prefix_lens, input_ids)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's per-request arrays on the device, [bs] each (input_ids: [num_tokens]).
+
+    positions: the position of each request's new token (prefix_lens + extend_lens); sampled:
+    1 where the request samples (int64); prefix_lens: the committed KV length before the step.
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    sampled: torch.Tensor
+    prefix_lens: torch.Tensor
+    input_ids: torch.Tensor

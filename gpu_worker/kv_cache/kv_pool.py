@@ -1,4 +1,8 @@
-"""`KVPool`: one runner's physical K and V buffers, one pair per layer, addressed by slot id."""
+"""`KVPool`: one runner's physical K and V buffers, one pair per layer, addressed by slot id.
+
+All layers' K and V live in ONE tensor `[2, num_layers, slots, kv_heads, head_dim]` (the
+per-layer buffers are views of it), so moving slots in every layer at once (accepted-path
+compaction after a tree verify) is a single gather and scatter, not four kernels per layer."""
 
 from __future__ import annotations
 
@@ -38,13 +42,10 @@ class KVPool:
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots + page_size, num_kv_heads, head_dim)
-        self.k_buffers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        shape = (2, num_layers, num_slots + page_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_buffers = list(self.kv[0].unbind(0))
+        self.v_buffers = list(self.kv[1].unbind(0))
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
@@ -57,11 +58,10 @@ class KVPool:
     def move_kv(self, dst_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Copy K/V of slots src_loc `[n]` to dst_loc `[n]` in every layer (in place).
 
-        Sources are read before any destination is written, so the two may overlap.
+        Sources are read before any destination is written, so the two may overlap. One
+        gather and one scatter over the whole pool, whatever the number of layers.
         """
-        for k_buffer, v_buffer in zip(self.k_buffers, self.v_buffers, strict=True):
-            k_buffer[dst_loc] = k_buffer[src_loc]
-            v_buffer[dst_loc] = v_buffer[src_loc]
+        self.kv[:, :, dst_loc] = self.kv[:, :, src_loc]
 
     def bytes_per_token(self) -> int:
         k = self.k_buffers[0]

@@ -1,14 +1,14 @@
 """`EagleWorker`: one EAGLE / EAGLE-3 decode iteration over a target and a draft runner.
 
-Stages (DESIGN §5), each a method:
+The iteration's flow (propose -> accept -> compact -> extend) is `SpeculativeWorker`'s; this
+class supplies the EAGLE parts:
     draft_prefill  after a target extend: the draft runs on the rotated chunk (shift left, append
                    the tail: the next prompt token for a non-final chunk, the sampled token for
                    the last) and leaves, per request row, its first-level top-k for the next step.
-    draft          S levels of topk branches from that state -> a `DraftTree` of ND nodes.
-    verify         one target forward over all ND nodes with the tree mask.
-    accept         greedy or exact speculative sampling -> `VerifyResult`.
+    draft_tree     S levels of topk branches from that state -> a `DraftTree` of ND nodes.
     compact        (topk > 1) move the accepted path's target KV to the front of the block.
-    draft_extend   the draft over the accepted tokens; refreshes the per-row draft state.
+    draft_extend   the draft over the fixed S+1 positions after acceptance; refreshes the
+                   per-row draft state from each request's last accepted position.
 
 Memory layout: a request with committed KV length `seq` owns positions [seq, seq +
 decode_alloc_len) of its req_to_token rows for the step (reserved by the scheduler, the same
@@ -38,9 +38,10 @@ from gpu_worker.speculative.draft_layout import (
     draft_kv_len,
     draft_run_positions,
 )
-from gpu_worker.speculative.target_verify import SpecStepOutput, accepted_rows, verify_and_accept
+from gpu_worker.speculative.iteration import SpeculativeWorker
 from gpu_worker.speculative.tree import (
     DraftRecord,
+    DraftShape,
     DraftTree,
     build_tree,
     organize_draft,
@@ -64,29 +65,36 @@ def rotate_prefill_inputs(
     return rotated
 
 
-class EagleWorker:
+class EagleWorker(SpeculativeWorker):
     def __init__(
         self,
         spec: SpeculativeConfig,
         target: ModelRunner,
         draft: ModelRunner,
         sampling: SamplingState,
+        graph_max_bs: int = 0,
     ) -> None:
-        self.num_steps = spec.speculative_num_steps or 1
-        self.topk = spec.speculative_eagle_topk or 1
-        self.num_draft_tokens = spec.speculative_num_draft_tokens or self.num_steps + 1
-        self.target, self.draft, self.sampling = target, draft, sampling
+        steps = spec.speculative_num_steps or 1
+        shape = DraftShape(spec.speculative_eagle_topk or 1, steps,
+                           spec.speculative_num_draft_tokens or steps + 1)  # fmt: skip
+        super().__init__(target, sampling, shape)
+        self.draft = draft
         self.use_aux = bool(target.aux_hidden_layers)
         rows, device = target.max_running_requests + 1, target.device
         self.topk_p = torch.zeros(rows, self.topk, dtype=torch.float32, device=device)
         self.topk_index = torch.zeros(rows, self.topk, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(rows, draft.config.hidden_size, dtype=target.dtype, device=device)
+        self.build_stages([target, draft], graph_max_bs)
 
     # ------------------------------------------------------------------------------ helpers
 
     def target_features(self, out: LogitsOutput) -> torch.Tensor:
         """What the draft receives from the target: aux states (EAGLE-3) or the final hidden."""
         return out.aux_hidden_states if self.use_aux else out.hidden_states
+
+    def feature_width(self) -> int:
+        layers = len(self.target.aux_hidden_layers or ()) if self.use_aux else 1
+        return layers * self.target.config.hidden_size
 
     def draft_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [n, V_draft] -> (probs [n, topk] float32, token ids [n, topk] in target vocab)."""
@@ -122,8 +130,10 @@ class EagleWorker:
     def draft_tree(
         self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
     ) -> DraftTree:
-        """S draft levels with topk branches from the rows' draft state -> the verify tree."""
+        """S draft levels with topk branches from the rows' draft state -> the verify tree.
+        Fixed shapes: every draft step runs topk rows per request over the same key layout."""
         topk, steps = self.topk, self.num_steps
+        bs = rows.shape[0]
         record = DraftRecord()
         input_ids, hidden, scores = select_first_level(
             self.topk_p[rows], self.topk_index[rows], self.hidden[rows], record
@@ -131,19 +141,16 @@ class EagleWorker:
         cache_locs = draft_cache_locs(
             self.draft.req_to_token_pool.req_to_token, rows, seq_lens, topk, steps
         )  # [S, bs*topk]
-        kv_lens_cpu = draft_kv_len(torch.tensor(seq_cpu), topk, steps).tolist()  # host, no sync
+        kv_lens = draft_kv_len(seq_lens, topk, steps)  # [bs]
+        kv_lens_cpu = [s + topk * steps for s in seq_cpu]
         for step in range(steps - 1):
             batch = make_batch(
-                ForwardMode.DRAFT_DECODE,
-                input_ids,
-                draft_run_positions(seq_lens, topk, step),
-                cache_locs[step],
-                rows,
-                kv_lens_cpu,
-                [topk] * len(seq_cpu),
-                custom_mask=draft_decode_mask(len(seq_cpu), topk, steps, step, rows.device),
-                spec_info=SpecInput(hidden),
-            )
+                ForwardMode.DRAFT_DECODE, input_ids, draft_run_positions(seq_lens, topk, step),
+                cache_locs[step], rows, kv_lens_cpu, [topk] * bs,
+                custom_mask=draft_decode_mask(bs, topk, steps, step, rows.device),
+                spec_info=SpecInput(hidden), seq_lens=kv_lens,
+                extend_seq_lens=torch.full_like(kv_lens, topk),
+            )  # fmt: skip
             out = self.draft.forward(batch)
             topk_p, topk_index = self.draft_top_k(out.next_token_logits)  # [bs*topk, topk]
             input_ids, hidden, scores = select_next_level(
@@ -167,50 +174,21 @@ class EagleWorker:
         )
         self.target.kv_pool.move_kv(dst, src)
 
-    def draft_extend(
-        self,
-        result: VerifyResult,
-        tokens: torch.Tensor,
-        verify_out: LogitsOutput,
-        rows: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_cpu: list[int],
-    ) -> None:
-        """The draft over the accepted path: position seq + k pairs the target feature of
-        accepted node k with the token that follows it; refreshes the rows' draft state."""
-        accept_cpu = result.accept_lens.tolist()
-        width = self.num_steps + 1
-        valid = torch.arange(width, device=tokens.device)[None, :] < result.accept_lens[:, None]
-        features = accepted_rows(self.target_features(verify_out), result)
-        positions = (seq_lens.long()[:, None] + torch.arange(width, device=tokens.device))
-        positions = positions[valid]  # [sum(accept_lens)]
-        req_to_token = self.draft.req_to_token_pool.req_to_token
-        slots = req_to_token[rows.long().repeat_interleave(result.accept_lens), positions]
+    def draft_extend(self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]) -> None:
+        """The draft over positions seq .. seq+S: position seq + k pairs the target feature of
+        accepted node k with the token that follows it; the rows' draft state is read at
+        position seq + accept_len - 1 (what runs past it is overwritten next step)."""
+        rows, seq_lens, accept_lens = inputs["rows"], inputs["seq_lens"], inputs["accept_lens"]
+        bs, width = rows.shape[0], self.num_steps + 1
+        offsets = torch.arange(width, device=rows.device)
+        positions = seq_lens[:, None] + offsets  # [bs, S+1]
+        slots = self.draft.req_to_token_pool.req_to_token[rows[:, None], positions]
+        last = torch.arange(bs, device=rows.device) * width + accept_lens - 1  # [bs]
         batch = make_batch(
-            ForwardMode.DRAFT_EXTEND,
-            tokens[valid],
-            positions,
-            slots,
-            rows,
-            [s + n for s, n in zip(seq_cpu, accept_cpu, strict=True)],
-            accept_cpu,
-            spec_info=SpecInput(features),
-        )
+            ForwardMode.DRAFT_EXTEND, inputs["tokens"].flatten(), positions.flatten(),
+            slots.flatten(), rows, [s + width for s in seq_cpu], [width] * bs,
+            spec_info=SpecInput(inputs["features"].flatten(0, -2)), seq_lens=seq_lens + width,
+            extend_seq_lens=torch.full_like(seq_lens, width), logits_indices=last,
+        )  # fmt: skip
         out = self.draft.forward(batch)
-        self.store_draft_state(rows, out, torch.cumsum(result.accept_lens, 0) - 1)
-
-    # ------------------------------------------------------------------------------ a step
-
-    def decode(
-        self, rows: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor, want_logprobs: bool
-    ) -> SpecStepOutput:
-        """One speculative decode iteration for requests on `rows` (device tensor [bs]) whose
-        committed KV lengths are seq_cpu and whose last emitted token (no KV yet) is `bonus`."""
-        seq_lens = torch.tensor(seq_cpu, dtype=torch.int64).to(rows.device, non_blocking=True)
-        tree = self.draft_tree(rows, seq_lens, seq_cpu, bonus)
-        result, verify_out, step = verify_and_accept(
-            self.target, self.sampling, tree, rows, seq_lens, seq_cpu, want_logprobs
-        )
-        self.compact(result, rows, seq_lens)
-        self.draft_extend(result, step.tokens, verify_out, rows, seq_lens, seq_cpu)
-        return step
+        self.store_draft_state(rows, out, last)

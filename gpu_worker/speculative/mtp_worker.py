@@ -7,162 +7,220 @@ alike, runs on runner k (DESIGN §5.3, SGLang PR #22954).
 
 One mechanism covers prefill chunks and the draft extend after verify ("run the stack"): when
 positions [start, end) become committed, with the true tokens t_{start+1} .. t_{end} known,
-layer k runs over the window [start - k, end). Its token at position p is t_{p+1+k}: a true
-token while p + 1 + k <= end, else the prediction of layer p + k - end made in this same run
-(layer 0's prediction d_1 = t_{end+1}, and so on: runner k sees the input rotated once more
-than runner k-1, with runner k-1's prediction appended). The k positions before `start` are
-recomputed because last time their tokens were predictions (after a non-final prefill chunk,
-guesses for prompt tokens the worker had not seen): layers >= 1 thus replace stale boundary
-KV with KV from the true tokens.
-Their target hidden states come from a per-row stash of the last S-1 committed positions.
+layer k runs over a window of positions that covers [start - k, end). Its token at position p
+is t_{p+1+k}: a true token while p + 1 + k <= end, else the prediction of layer p + k - end
+made in this same run (layer 0's prediction d_1 = t_{end+1}, and so on). The k positions
+before `start` are recomputed because last time their tokens were predictions (after a
+non-final prefill chunk, guesses for prompt tokens the worker had not seen): layers >= 1 thus
+replace stale boundary KV with KV from the true tokens.
 
-Each layer's last row gives the chain for the next decode step: d_1 .. d_S after the bonus
-token t_end. The decode step verifies that chain (a tree of ND = S+1 nodes), accepts, and
-runs the stack over the accepted positions. No compaction is needed: a chain's node k already
-sits at position seq + k.
+Everything is tensors, the same for every request:
+- the token line [bs, W]: line[b, i] = t_{start+1+i}, the known tokens then each layer's
+  prediction as it is made, so layer k's token at position p is line[b, p + k - start];
+- the hidden stash [rows, S-1, H] per request row: the target hidden at the last S-1 committed
+  positions, so a window reaching before `start` finds its features there.
+A prefill chunk's windows are ragged ([max(start-k, 0), end), host lengths from the plan); the
+draft extend after verify runs fixed windows of S+1+k positions from max(seq-k, 0) (past the
+new end they compute garbage KV that the next step overwrites before reading), so it can be
+captured in a CUDA graph. The predictions at each request's position end-1 form the chain
+d_1 .. d_S the next decode step verifies (a tree of ND = S+1 nodes); a chain needs no
+compaction: node k already sits at position seq + k.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from aerie.config import SpeculativeConfig
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
+from gpu_worker.host_batch import Staging
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import SamplingState
-from gpu_worker.speculative.target_verify import (
-    SpecStepOutput,
-    accepted_rows,
-    verify_and_accept,
-)
-from gpu_worker.speculative.tree import build_tree
+from gpu_worker.speculative.iteration import SpeculativeWorker
+from gpu_worker.speculative.tree import DraftShape, DraftTree, build_tree
 
 
-class MTPWorker:
+@dataclass(frozen=True)
+class StackWindow:
+    """The positions one MTP layer runs for every request, tokens back to back.
+
+    token_req / positions [n]: each token's batch index and position; last [bs]: the index of
+    each request's position end-1 (its prediction); seq_lens / extend_lens [bs] on the device
+    and seq_cpu / extend_cpu on the host (KV length after the forward, tokens run)."""
+
+    token_req: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    seq_cpu: list[int]
+    extend_cpu: list[int]
+
+
+def fixed_window(
+    seq_lens: torch.Tensor, accept_lens: torch.Tensor, seq_cpu: list[int], layer: int, steps: int
+) -> StackWindow:
+    """Layer `layer`'s window after a verify: S+1+layer positions from max(seq - layer, 0),
+    which covers [seq - layer, seq + accept_len). Device arithmetic only."""
+    bs, length = seq_lens.shape[0], steps + 1 + layer
+    device = seq_lens.device
+    first = (seq_lens - layer).clamp(min=0)  # [bs]
+    offsets = torch.arange(length, device=device)
+    batch_index = torch.arange(bs, device=device)
+    return StackWindow(
+        token_req=batch_index[:, None].expand(bs, length).flatten(),
+        positions=(first[:, None] + offsets).flatten(),
+        last=batch_index * length + seq_lens + accept_lens - 1 - first,
+        seq_lens=first + length,
+        extend_lens=torch.full_like(seq_lens, length),
+        seq_cpu=[max(s - layer, 0) + length for s in seq_cpu],
+        extend_cpu=[length] * bs,
+    )
+
+
+def ragged_windows(starts: np.ndarray, ends: np.ndarray, steps: int) -> list[list[np.ndarray]]:
+    """Every layer's window over [max(start - k, 0), end) for a prefill chunk, as host arrays
+    in `StackWindow` order (token_req, positions, last, seq_lens, extend_lens)."""
+    windows = []
+    for layer in range(steps):
+        first = np.maximum(starts - layer, 0)
+        lens = ends - first
+        positions = np.concatenate([np.arange(f, e) for f, e in zip(first, ends, strict=True)])
+        windows.append([np.repeat(np.arange(len(lens)), lens), positions, np.cumsum(lens) - 1,
+                        ends, lens])  # fmt: skip
+    return windows
+
+
+class MTPWorker(SpeculativeWorker):
     def __init__(
         self,
         spec: SpeculativeConfig,
         target: ModelRunner,
         draft_runner_list: list[ModelRunner],
         sampling: SamplingState,
+        graph_max_bs: int = 0,
     ) -> None:
-        self.num_steps = len(draft_runner_list)
-        if spec.speculative_num_steps != self.num_steps:
+        steps = len(draft_runner_list)
+        if spec.speculative_num_steps != steps:
             raise ValueError("one MTP runner per draft step is required")
-        self.target, self.draft_runner_list, self.sampling = target, draft_runner_list, sampling
+        super().__init__(target, sampling, DraftShape(1, steps, steps + 1))
+        self.draft_runner_list = draft_runner_list
         rows, device = target.max_running_requests + 1, target.device
         hidden_size = target.config.hidden_size
-        self.chain = torch.zeros(rows, self.num_steps, dtype=torch.int64, device=device)
-        # Target hidden at the last S-1 committed positions (oldest first), per request row.
+        self.chain = torch.zeros(rows, steps, dtype=torch.int64, device=device)
+        # Target hidden at the last `stash_width` committed positions (oldest first), per row.
+        self.stash_width = max(steps - 1, 1)
         self.stash = torch.zeros(
-            rows, max(self.num_steps - 1, 1), hidden_size, dtype=target.dtype, device=device
+            rows, self.stash_width, hidden_size, dtype=target.dtype, device=device
         )
+        self.staging = Staging(device)  # a prefill's window arrays go over in one copy
+        self.build_stages([target, *draft_runner_list], graph_max_bs)
+
+    def target_features(self, out: LogitsOutput) -> torch.Tensor:
+        return out.hidden_states
+
+    def feature_width(self) -> int:
+        return self.target.config.hidden_size
 
     # ------------------------------------------------------------------------------ the stack
 
     def run_stack(
         self,
-        rows: list[int],
-        starts: list[int],
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        line: torch.Tensor,
+        known_lens: torch.Tensor,
         hidden: torch.Tensor,
-        known: list[list[int]],
+        hidden_offsets: torch.Tensor,
+        windows: list[StackWindow],
     ) -> None:
-        """Run every MTP layer over its window after positions [start, start + len(known))
-        were committed (see the module docstring).
+        """Run every MTP layer over its window after positions [start, start + known_len) were
+        committed (see the module docstring); updates the rows' chain and hidden stash.
 
-        rows/starts: per request; hidden [sum(len(known)), H]: target hidden at the new
-        positions, request by request; known[b]: t_{start+1} .. t_{end}.
+        rows, starts, known_lens, hidden_offsets [bs]; line [bs, W] int64 (t_{start+1}, ...;
+        predictions are written into it); hidden [N, H]: the target hidden of position
+        start + j of request b at row hidden_offsets[b] + j.
         """
-        device = self.target.device
-        ends = [s + len(k) for s, k in zip(starts, known, strict=True)]
-        offsets = torch.tensor([0, *[len(k) for k in known]]).cumsum(0).tolist()
-        predictions: list[list[int]] = [[] for _ in rows]
-        for layer, runner in enumerate(self.draft_runner_list):
-            ids, positions, sources, lens = [], [], [], []
-            for b, (row, start, end) in enumerate(zip(rows, starts, ends, strict=True)):
-                first = max(0, start - layer)
-                for p in range(first, end):
-                    t = p + 1 + layer  # the position whose token layer `layer` reads at p
-                    if t <= end:
-                        ids.append(known[b][t - start - 1])
-                    else:  # predicted by layer t - end - 1 in this run
-                        ids.append(predictions[b][t - end - 1])
-                    positions.append(p)
-                    sources.append(self._hidden_source(b, row, p, start, offsets))
-                lens.append(end - first)
-            features = self._gather_hidden(hidden, sources, device)
-            row_t = torch.tensor(rows, device=device)
-            pos_t = torch.tensor(positions, device=device)
-            slots = runner.req_to_token_pool.req_to_token[row_t.repeat_interleave(
-                torch.tensor(lens, device=device)), pos_t]
+        bs, width = line.shape
+        sw = self.stash_width
+        batch_index = torch.arange(bs, device=rows.device)
+        # One table for both sources: the stashed rows first, then this step's hidden.
+        table = torch.cat((self.stash[rows].flatten(0, 1), hidden.to(self.stash.dtype)))
+
+        def hidden_rows(req: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            rel = positions - starts[req]  # < 0: before start, in the stash
+            # Positions past the new end (fixed windows) compute garbage: any row will do.
+            new = (bs * sw + hidden_offsets[req] + rel).clamp(max=table.shape[0] - 1)
+            return torch.where(rel >= 0, new, req * sw + (rel + sw).clamp(min=0))
+
+        for layer, (runner, window) in enumerate(zip(self.draft_runner_list, windows,
+                                                     strict=True)):  # fmt: skip
+            req, positions = window.token_req, window.positions
+            column = (positions + layer - starts[req]).clamp(0, width - 1)
+            slots = runner.req_to_token_pool.req_to_token[rows[req], positions]
             batch = make_batch(
-                ForwardMode.DRAFT_EXTEND, torch.tensor(ids, device=device), pos_t, slots, row_t,
-                ends, lens, spec_info=SpecInput(features),
-            )
-            out = runner.forward(batch)
-            tokens = out.next_token_logits.argmax(dim=-1)  # [bs]
-            self.chain[row_t, layer] = tokens
-            for b, token in enumerate(tokens.tolist()):
-                predictions[b].append(token)
-        self._update_stash(rows, starts, ends, hidden, offsets)
-
-    def _hidden_source(self, b: int, row: int, p: int, start: int, offsets: list[int]):
-        """Where the target hidden of position p comes from: ("new", index) or ("stash", row,
-        index) for the S-1 positions before `start`."""
-        if p >= start:
-            return ("new", offsets[b] + p - start)
-        return ("stash", row, p - start + self.stash.shape[1])
-
-    def _gather_hidden(self, hidden: torch.Tensor, sources: list, device) -> torch.Tensor:
-        """[len(sources), H] rows from this step's hidden or the stash, in order."""
-        new = torch.tensor([s[1] if s[0] == "new" else -1 for s in sources], device=device)
-        stash_rows = torch.tensor([s[1] if s[0] == "stash" else 0 for s in sources], device=device)
-        stash_idx = torch.tensor([s[2] if s[0] == "stash" else 0 for s in sources], device=device)
-        from_stash = self.stash[stash_rows, stash_idx]  # [n, H]
-        from_new = hidden[new.clamp_min(0)]
-        return torch.where((new >= 0)[:, None], from_new, from_stash)
-
-    def _update_stash(self, rows, starts, ends, hidden, offsets) -> None:
-        """Keep the target hidden of each row's last S-1 committed positions."""
-        width = self.stash.shape[1]
-        for b, (row, start, end) in enumerate(zip(rows, starts, ends, strict=True)):
-            sources = [self._hidden_source(b, row, p, start, offsets)
-                       for p in range(end - width, end)]
-            self.stash[row] = self._gather_hidden(hidden, sources, hidden.device)
+                ForwardMode.DRAFT_EXTEND, line[req, column], positions, slots, rows,
+                window.seq_cpu, window.extend_cpu,
+                spec_info=SpecInput(table[hidden_rows(req, positions)]),
+                seq_lens=window.seq_lens, extend_seq_lens=window.extend_lens,
+                logits_indices=window.last,
+            )  # fmt: skip
+            prediction = runner.forward(batch).next_token_logits.argmax(dim=-1)  # [bs]
+            self.chain[rows, layer] = prediction
+            column = (known_lens + layer).clamp(max=width - 1)[:, None]
+            line.scatter_(1, column, prediction[:, None])
+        ends = starts + known_lens
+        recent = ends[:, None] - sw + torch.arange(sw, device=rows.device)  # [bs, sw]
+        req = batch_index[:, None].expand(bs, sw)
+        self.stash[rows] = table[hidden_rows(req, recent)]
 
     # ------------------------------------------------------------------------------ stages
 
     def draft_prefill(
         self, batch: ForwardBatch, target_out: LogitsOutput, tails: torch.Tensor
     ) -> None:
-        """After a target EXTEND: run the stack over each request's chunk."""
-        ids = batch.input_ids.tolist()
-        known, offset = [], 0
-        for n, tail in zip(batch.extend_seq_lens_cpu, tails.tolist(), strict=True):
-            known.append(ids[offset + 1 : offset + n] + [tail])
-            offset += n
-        self.run_stack(
-            batch.req_pool_indices.tolist(), batch.extend_prefix_lens_cpu,
-            target_out.hidden_states, known,
-        )
+        """After a target EXTEND: run the stack over each request's chunk (ragged windows)."""
+        lens = np.asarray(batch.extend_seq_lens_cpu, dtype=np.int64)
+        starts = np.asarray(batch.extend_prefix_lens_cpu, dtype=np.int64)
+        bs, width = len(lens), int(lens.max()) + self.num_steps
+        offsets = np.cumsum(lens) - lens
+        # line[b, i] = t_{start+1+i}: the chunk shifted left by one, then the tail.
+        req = np.repeat(np.arange(bs), lens - 1)
+        within = np.concatenate([np.arange(n - 1) for n in lens])
+        windows = ragged_windows(starts, starts + lens, self.num_steps)
+        uploaded = self.staging.upload([req, within, offsets, starts, lens,
+                                        *[a for w in windows for a in w]])  # fmt: skip
+        dev_req, dev_within, dev_offsets, dev_starts, dev_lens = uploaded[:5]
+        line = torch.zeros(bs, width, dtype=torch.int64, device=tails.device)
+        line[dev_req, dev_within] = batch.input_ids[dev_offsets[dev_req] + dev_within + 1]
+        line[torch.arange(bs, device=tails.device), dev_lens - 1] = tails.long()
+        stack_windows = [
+            StackWindow(*uploaded[5 + 5 * k : 10 + 5 * k], seq_cpu=w[3].tolist(),
+                        extend_cpu=w[4].tolist())
+            for k, w in enumerate(windows)
+        ]  # fmt: skip
+        self.run_stack(batch.req_pool_indices, dev_starts, line, dev_lens,
+                       target_out.hidden_states, dev_offsets, stack_windows)  # fmt: skip
 
-    def decode(
-        self, rows: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor, want_logprobs: bool
-    ) -> SpecStepOutput:
-        """Verify the rows' chains, accept, and run the stack over the accepted positions."""
-        steps = self.num_steps
-        seq_lens = torch.tensor(seq_cpu, dtype=torch.int64).to(rows.device, non_blocking=True)
-        bs = rows.shape[0]
-        chain_parents = torch.arange(-1, steps - 1, device=rows.device).expand(bs, steps)
-        tree = build_tree(
-            bonus, chain_parents, torch.arange(steps, device=rows.device).expand(bs, steps),
-            self.chain[rows], seq_lens, 1, steps, steps + 1,
-        )
-        result, verify_out, step = verify_and_accept(
-            self.target, self.sampling, tree, rows, seq_lens, seq_cpu, want_logprobs
-        )
-        accept, tokens = result.accept_lens.tolist(), step.tokens.tolist()
-        known = [tokens[b][: accept[b]] for b in range(bs)]
-        hidden = accepted_rows(verify_out.hidden_states, result)
-        self.run_stack(rows.tolist(), seq_cpu, hidden, known)
-        return step
+    def draft_tree(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
+    ) -> DraftTree:
+        """The chain the stack left for these rows, after the bonus token."""
+        steps, bs = self.num_steps, rows.shape[0]
+        ids = torch.arange(steps, device=rows.device)
+        return build_tree(bonus, (ids - 1).expand(bs, steps), ids.expand(bs, steps),
+                          self.chain[rows], seq_lens, 1, steps, steps + 1)  # fmt: skip
+
+    def draft_extend(self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]) -> None:
+        """The stack over the accepted positions, in fixed windows."""
+        rows, seq_lens, accept_lens = inputs["rows"], inputs["seq_lens"], inputs["accept_lens"]
+        bs, steps = rows.shape[0], self.num_steps
+        line = torch.zeros(bs, 2 * steps + 1, dtype=torch.int64, device=rows.device)
+        line[:, : steps + 1] = inputs["tokens"]
+        windows = [fixed_window(seq_lens, accept_lens, seq_cpu, k, steps) for k in range(steps)]
+        offsets = torch.arange(bs, device=rows.device) * (steps + 1)
+        self.run_stack(rows, seq_lens, line, accept_lens, inputs["features"].flatten(0, -2),
+                       offsets, windows)  # fmt: skip

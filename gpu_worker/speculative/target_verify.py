@@ -1,11 +1,13 @@
 """The target side of a speculative step, shared by every draft algorithm: one TARGET_VERIFY
 forward over all tree nodes (`verify_tree`) and acceptance (`accept_tree`: greedy, or exact
-speculative sampling of the processed target distribution, seeded by the request's seed)."""
+speculative sampling of the processed target distribution, seeded by the request's seed).
+Everything here has fixed shapes per batch size and never reads the device from the host."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,7 +23,7 @@ from gpu_worker.sampling import (
     uniform_noise,
 )
 from gpu_worker.speculative.compaction import compact_rows
-from gpu_worker.speculative.tree import DraftTree
+from gpu_worker.speculative.tree import DraftShape, DraftTree
 from gpu_worker.speculative.verify import (
     VerifyResult,
     accepted_tokens,
@@ -38,22 +40,33 @@ def verify_tree(
     seq_cpu: list[int],
 ) -> LogitsOutput:
     """One target forward over all ND nodes of every tree; node k's KV goes to the slot of
-    position seq + k (its rotary position is seq + depth)."""
-    nd = tree.num_draft_tokens
+    position seq + k (its rotary position is seq + depth). Fixed shapes, device lengths
+    (seq_cpu only feeds host-planned backends)."""
+    nd, bs = tree.num_draft_tokens, rows.shape[0]
     offsets = torch.arange(nd, device=seq_lens.device)
     positions = seq_lens.long()[:, None] + offsets  # [bs, ND]
     slots = target.req_to_token_pool.req_to_token[rows.long()[:, None], positions]  # [bs, ND]
     batch = make_batch(
-        ForwardMode.TARGET_VERIFY,
-        tree.tokens,
-        tree.positions,
-        slots.flatten(),
-        rows,
-        [s + nd for s in seq_cpu],
-        [nd] * len(seq_cpu),
-        custom_mask=tree.custom_mask,
-    )
+        ForwardMode.TARGET_VERIFY, tree.tokens, tree.positions, slots.flatten(), rows,
+        [s + nd for s in seq_cpu], [nd] * bs, custom_mask=tree.custom_mask,
+        seq_lens=seq_lens + nd, extend_seq_lens=torch.full_like(seq_lens, nd),
+    )  # fmt: skip
     return target.forward(batch)
+
+
+TREE_TENSORS = ("tokens", "positions", "custom_mask", "retrieve_index", "next_token",
+                "next_sibling", "depth", "ancestors")  # fmt: skip
+
+
+def tree_tensors(tree: DraftTree) -> dict[str, torch.Tensor]:
+    """The tree's tensors by name (a stage graph's outputs)."""
+    return {name: getattr(tree, name) for name in TREE_TENSORS}
+
+
+def tree_from_tensors(tensors: dict[str, torch.Tensor], like: DraftShape) -> DraftTree:
+    """The tree back from `tree_tensors` (e.g. views of a stage graph's static outputs)."""
+    return DraftTree(**{name: tensors[name] for name in TREE_TENSORS}, topk=like.topk,
+                     num_steps=like.num_steps, num_draft_tokens=like.num_draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -65,33 +78,24 @@ class SpecStepOutput:
     logprobs: torch.Tensor | None  # [bs, S+1] float32, or None
 
 
-def verify_and_accept(
-    target: ModelRunner,
+def accept_and_read(
     sampling: SamplingState,
     tree: DraftTree,
+    logits: torch.Tensor,
     rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_cpu: list[int],
+    rows_cpu: np.ndarray,
     want_logprobs: bool,
-) -> tuple[VerifyResult, LogitsOutput, SpecStepOutput]:
-    """The target side of one iteration, for every draft algorithm: verify the trees, accept,
-    and read off the emitted tokens (and their logprobs)."""
-    verify_out = verify_tree(target, tree, rows, seq_lens, seq_cpu)
-    result, scores = accept_tree(sampling, tree, verify_out.next_token_logits, rows)
+) -> tuple[VerifyResult, SpecStepOutput]:
+    """The target side of one iteration after the verify forward, for every draft algorithm:
+    accept against the verify logits [bs*ND, V] and read off the emitted tokens (and their
+    logprobs). rows_cpu: the host copy of rows (which sampling stages run). No host sync."""
+    result, scores = accept_tree(sampling, tree, logits, rows, rows_cpu)
     tokens = accepted_tokens(result)  # [bs, S+1]
     logprobs = None
     if want_logprobs:
         node_scores = compact_rows(torch.log_softmax(scores, dim=-1), result)
         logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens).float()
-    return result, verify_out, SpecStepOutput(tokens, result.accept_lens, logprobs)
-
-
-def accepted_rows(x: torch.Tensor, result: VerifyResult) -> torch.Tensor:
-    """x [bs*ND, ...] -> the rows of each request's accepted nodes in path order, request by
-    request: [sum(accept_lens), ...]."""
-    width = result.accept_index.shape[1]
-    valid = torch.arange(width, device=x.device)[None, :] < result.accept_lens[:, None]
-    return compact_rows(x, result)[valid.flatten()]
+    return result, SpecStepOutput(tokens, result.accept_lens, logprobs)
 
 
 def penalize_tree(
@@ -116,14 +120,18 @@ def penalize_tree(
 
 
 def accept_tree(
-    sampling: SamplingState, tree: DraftTree, logits: torch.Tensor, rows: torch.Tensor
+    sampling: SamplingState,
+    tree: DraftTree,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    rows_cpu: np.ndarray,
 ) -> tuple[VerifyResult, torch.Tensor]:
     """Greedy or exact sampling acceptance of the tree against the verify logits [bs*ND, V].
 
     Returns the result and per-node log-scores whose log-softmax is the distribution each
     emitted token was drawn from (for logprobs)."""
     nd = tree.num_draft_tokens
-    params = sampling.gather(rows.cpu())
+    params = sampling.gather(rows, rows_cpu)
     node_params = params.repeat_interleave(nd)
     logits = logits.float()
     if node_params.use_penalty:

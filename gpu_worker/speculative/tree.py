@@ -114,6 +114,16 @@ def organize_chain(
 
 
 @dataclass(frozen=True)
+class DraftShape:
+    """The shape of every tree a speculative worker drafts: S levels of topk branches, ND
+    nodes verified (root included)."""
+
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+
+
+@dataclass(frozen=True)
 class DraftTree:
     """A batch of draft trees of `num_draft_tokens` (ND) nodes each, ready for verify.
 

@@ -8,6 +8,7 @@ takes the next prompt token as a non-final chunk's tail (SGLang #26329).
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -46,26 +47,40 @@ def models(tmp_path_factory) -> dict[str, str]:
     }
 
 
+# AERIE_SPEC_TEST_DEVICE=cuda runs these tests on the GPU, with the Triton backend and the
+# speculative stages in CUDA graphs (tools/device_bench.sh does); CPU runs them directly.
+DEVICE = os.environ.get("AERIE_SPEC_TEST_DEVICE", "cpu")
+on_cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU memory budget")
+
+
 def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_draft=None,
-                page_size=1, chunk=64, backend="torch_native") -> AerieConfig:
+                page_size=1, chunk=64, backend=None, graph_max_bs=None) -> AerieConfig:
+    """backend / graph_max_bs default to the device's: torch_native and no graphs on CPU,
+    triton and graphs up to 8 requests on CUDA."""
+    if backend is None:
+        backend = "torch_native" if DEVICE == "cpu" else "triton"
+    if graph_max_bs is None and DEVICE == "cuda":
+        graph_max_bs = 8
     return AerieConfig().replace(
-        model={"model_path": target, "tokenizer_path": target, "device": "cpu",
+        model={"model_path": target, "tokenizer_path": target, "device": DEVICE,
                "dtype": "float32", "load_format": "safetensors", "context_length": 256},
         cache={"page_size": page_size, "max_total_tokens": 4096},
         scheduler={"max_running_requests": 8, "chunked_prefill_size": chunk},
         speculative={"speculative_algorithm": algorithm, "speculative_draft_model_path": draft,
                      "speculative_num_steps": steps, "speculative_eagle_topk": topk,
                      "speculative_num_draft_tokens": num_draft},
-        runner={"attention_backend": backend},
+        runner={"attention_backend": backend, "cuda_graph_max_bs": graph_max_bs},
     )
 
 
-def run_engine(config: AerieConfig, prompts: list[list[int]], max_new: int):
-    """Serve `prompts` greedily to the end; returns (outputs, verify counts, decode results)."""
+def run_engine(config: AerieConfig, prompts: list[list[int]], max_new: int | list[int]):
+    """Serve `prompts` greedily to the end (max_new: for all, or per prompt); returns
+    (outputs, verify counts, decode results)."""
     worker = GPUWorker(config)
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    limits = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+        params = SamplingParams(max_new_tokens=limit, temperature=0.0, ignore_eos=True)
         sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     verify_ct, decode_counts = {}, []
@@ -183,6 +198,7 @@ def test_rotation_chunked_prefill():
     assert rotated.tolist() == [11, 12, 13, 21, 99, 31]
 
 
+@on_cpu_only
 def test_memory_sized_kv_pools_fit_the_budget_with_a_draft(models, monkeypatch):
     """The draft's pool has the target's slot count, so a memory-sized target pool must leave
     room for it (a shallow target with a one-layer draft needs 1.5x the target's KV alone)."""

@@ -21,7 +21,12 @@ from tests.gpu_worker.mtp_checkpoints import (
     make_tiny_mtp_dir,
     make_tiny_mtp_target,
 )
-from tests.gpu_worker.speculative.test_eagle_worker import make_config, random_prompts, run_engine
+from tests.gpu_worker.speculative.test_eagle_worker import (
+    make_config,
+    on_cpu_only,
+    random_prompts,
+    run_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +127,7 @@ def test_each_layer_uses_its_own_pool_and_recomputes_boundary_kv(mtp_models, chu
                                    atol=1e-5, rtol=1e-5, msg=f"MTP layer {k}")
 
 
+@on_cpu_only
 def test_memory_sized_kv_pools_fit_the_budget_with_mtp_runners(mtp_models, monkeypatch):
     """S one-layer MTP pools share the target's slot count; a memory-sized target pool leaves
     room for all of them."""

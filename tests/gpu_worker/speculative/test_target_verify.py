@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from aerie.messages import SamplingParams
@@ -20,7 +21,7 @@ def test_penalties_count_the_drafts_on_each_nodes_path():
                       torch.tensor([[5, 5]]), torch.tensor([4]), 1, steps, steps + 1)
     logits = torch.zeros(steps + 1, vocab)
     logits[:, 5], logits[:, 6] = 1.0, 0.5
-    result, _ = accept_tree(sampling, tree, logits, torch.tensor([1]))
+    result, _ = accept_tree(sampling, tree, logits, torch.tensor([1]), np.array([1]))
     path = result.accept_index[0][result.accept_index[0] >= 0]
     spec = result.predict[path].tolist()
     plain = []

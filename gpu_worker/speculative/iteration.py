@@ -1,0 +1,157 @@
+"""`SpeculativeWorker`: the decode iteration every draft algorithm shares, in fixed shapes.
+
+One iteration for `bs` requests with committed KV lengths `seq` and last emitted tokens
+`bonus` (no KV yet):
+    propose   (stage graph) the draft proposes a tree of ND nodes per request (EAGLE: S draft
+              steps of topk branches and the tree selection; MTP: the chain its layers left),
+              and the target verifies every node in one TARGET_VERIFY forward;
+    accept    (eager: which sampling stages run is a host decision per batch) greedy or exact
+              speculative sampling on the device -> accepted tokens and accept lengths;
+    compact   (topk > 1) the accepted path's target KV moved to positions seq .. seq+acc-1;
+    extend    (stage graph) the draft runs over the fixed S+1 positions seq .. seq+S, pairing
+              the target feature of accepted node k with the token after it; its state is
+              read at each request's last accepted position (accept_len - 1). KV written for
+              the rejected positions lies past the new committed length and is overwritten
+              before anything reads it.
+No stage reads the device from the host; the only synchronisation of a step is the caller's
+single copy of its results. Stages run through `StageGraph` (CUDA graphs bucketed by batch
+size, padded rows on request row 0 / slot 0) when `graph_max_bs` > 0, else directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.sampling import SamplingState
+from gpu_worker.speculative.compaction import compact_rows
+from gpu_worker.speculative.target_verify import (
+    SpecStepOutput,
+    accept_and_read,
+    tree_from_tensors,
+    tree_tensors,
+    verify_tree,
+)
+from gpu_worker.speculative.tree import DraftShape, DraftTree
+from gpu_worker.speculative.verify import VerifyResult
+from gpu_worker.stage_graph import StageFn, StageGraph, StageInput
+
+PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pads to 0
+
+
+class DirectStage:
+    """A stage run as plain calls on the real batch (no padding, no graphs)."""
+
+    def __init__(self, fn: StageFn) -> None:
+        self.fn = fn
+
+    def __call__(self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]):
+        return self.fn(len(seq_cpu), inputs, seq_cpu)
+
+
+class SpeculativeWorker:
+    """Subclasses implement `draft_tree` (the proposal), `draft_extend` (after acceptance),
+    `target_features` and `draft_prefill`, then call `build_stages`."""
+
+    def __init__(
+        self, target: ModelRunner, sampling: SamplingState, shape: DraftShape
+    ) -> None:
+        self.target, self.sampling, self.shape = target, sampling, shape
+        self.num_steps, self.topk = shape.num_steps, shape.topk
+        self.num_draft_tokens = shape.num_draft_tokens
+
+    # ------------------------------------------------------------------------ subclass API
+
+    def draft_tree(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
+    ) -> DraftTree:
+        raise NotImplementedError
+
+    def draft_extend(
+        self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
+    ) -> None:
+        """inputs: rows, seq_lens, accept_lens [bs]; tokens [bs, S+1] (accepted drafts, then the
+        bonus); features [bs*(S+1), H_f] (the target feature of each accepted node)."""
+        raise NotImplementedError
+
+    def target_features(self, out) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Move the accepted path's target KV into place (only trees need it)."""
+
+    # ------------------------------------------------------------------------ the stages
+
+    def build_stages(self, runners: list[ModelRunner], graph_max_bs: int) -> None:
+        """The propose and extend stages: graphed for batches up to graph_max_bs (captured on
+        CUDA when every runner's attention backend can be), or direct calls when 0."""
+        width = self.num_steps + 1
+        feature_width = self.feature_width()
+        extend_inputs = {
+            "rows": PER_REQUEST, "seq_lens": PER_REQUEST, "accept_lens": StageInput(pad=1),
+            "tokens": StageInput((width,)),
+            "features": StageInput((width, feature_width), self.target.dtype),
+        }  # fmt: skip
+        if graph_max_bs <= 0:
+            self.propose_stage = DirectStage(self.propose)
+            self.extend_stage = DirectStage(self._extend)
+            return
+        device = self.target.device
+        capture = device.type == "cuda" and all(
+            r.attn_backend.supports_cuda_graph for r in runners
+        )
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        proposal_inputs = {"rows": PER_REQUEST, "seq_lens": PER_REQUEST, "bonus": PER_REQUEST}
+        self.propose_stage = StageGraph("draft and verify", self.propose, proposal_inputs,
+                                        graph_max_bs, device, capture, pool)  # fmt: skip
+        self.extend_stage = StageGraph("draft extend", self._extend, extend_inputs,
+                                       graph_max_bs, device, capture, pool)  # fmt: skip
+
+    def feature_width(self) -> int:
+        """Width of the target feature the draft reads per token."""
+        raise NotImplementedError
+
+    def propose(
+        self, bs: int, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """The draft's tree and the target's verify forward over it (one stage)."""
+        rows, seq_lens = inputs["rows"], inputs["seq_lens"]
+        tree = self.draft_tree(rows, seq_lens, seq_cpu, inputs["bonus"])
+        out = verify_tree(self.target, tree, rows, seq_lens, seq_cpu)
+        return {**tree_tensors(tree), "logits": out.next_token_logits,
+                "features": self.target_features(out)}  # fmt: skip
+
+    def _extend(
+        self, bs: int, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
+    ) -> dict[str, torch.Tensor]:
+        self.draft_extend(inputs, seq_cpu)
+        return {}
+
+    # ------------------------------------------------------------------------ an iteration
+
+    def decode(
+        self,
+        rows: torch.Tensor,
+        rows_cpu: np.ndarray,
+        seq_lens: torch.Tensor,
+        seq_cpu: list[int],
+        bonus: torch.Tensor,
+        want_logprobs: bool,
+    ) -> SpecStepOutput:
+        """One iteration for the requests on `rows` ([bs] device, rows_cpu its host copy) with
+        committed KV lengths seq_lens ([bs] device, seq_cpu on the host) whose last emitted
+        token (no KV yet) is `bonus` [bs]."""
+        proposed = self.propose_stage({"rows": rows, "seq_lens": seq_lens, "bonus": bonus},
+                                      seq_cpu)  # fmt: skip
+        tree = tree_from_tensors(proposed, self.shape)
+        result, step = accept_and_read(
+            self.sampling, tree, proposed["logits"], rows, rows_cpu, want_logprobs
+        )
+        self.compact(result, rows, seq_lens)
+        features = compact_rows(proposed["features"], result)  # [bs*(S+1), H_f]
+        self.extend_stage({
+            "rows": rows, "seq_lens": seq_lens, "accept_lens": result.accept_lens,
+            "tokens": step.tokens, "features": features,
+        }, seq_cpu)  # fmt: skip
+        return step

@@ -1,0 +1,144 @@
+"""`StageGraph`: a fixed-shape function of per-request device tensors, replayed as CUDA graphs.
+
+The speculative stages (draft loop and tree verify, draft extend, the MTP stack) are functions
+of a few per-request inputs (request rows, committed lengths, tokens, ...) that run with the
+same shapes for every batch of a given size. A `StageGraph` owns static input buffers for the
+largest batch, one per named input, each `[max_bs, *per_request_shape]`; a call copies the
+batch's inputs into their first `bs` rows, resets the padded rows `bs .. bucket` to the input's
+pad value (request row 0, KV slot 0, length 0: the reserved dummies, so a padded row never
+touches a live request's KV), replays the graph of the smallest bucket >= bs, and returns views
+of static output buffers (valid until the next call). Larger batches run `fn` directly.
+
+The function `fn(bs, inputs, seq_cpu)` receives the bucket's input views and the host copy of
+the committed lengths (padded with 0): kernels that can be captured read only device tensors;
+`seq_cpu` exists for the eager reference backend (torch_native), whose metadata is built on the
+host. Under capture it holds the pad value. `fn` returns a dict of tensors whose first
+dimension is a multiple of bs (rows per request); they are copied into static outputs sized
+for max_bs.
+
+Capture follows `CudaGraphRunner`: buckets largest first, one memory pool, eager warm-up runs
+before each capture. Without capture (CPU, or a backend that cannot be captured) the same
+copies, padding and output buffers run eagerly, so CI covers all but the replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.cuda_graph import NUM_WARMUP_RUNS, batch_size_buckets
+
+log = logging.getLogger(__name__)
+
+StageFn = Callable[[int, dict[str, torch.Tensor], list[int]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """One per-request input: its shape for one request, dtype and the value of padded rows."""
+
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.int64
+    pad: float = 0
+
+
+class StageGraph:
+    def __init__(
+        self,
+        name: str,
+        fn: StageFn,
+        inputs: dict[str, StageInput],
+        max_bs: int,
+        device: torch.device,
+        capture: bool,
+        pool=None,
+    ) -> None:
+        """pool: a CUDA graph memory pool shared with other stages (default: a new one)."""
+        self.name, self.fn = name, fn
+        self.buckets = batch_size_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        self.device = device
+        self.captures = capture
+        self.inputs = {
+            key: torch.full((self.max_bs, *spec.shape), spec.pad, dtype=spec.dtype,
+                            device=device)  # fmt: skip
+            for key, spec in inputs.items()
+        }
+        self.pads = {key: spec.pad for key, spec in inputs.items()}
+        self.outputs: dict[str, torch.Tensor] | None = None
+        self.rows_per_req: dict[str, int] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.filled = 0  # rows holding a real request since the last reset
+        if capture:
+            self.capture_all(pool)
+
+    def bucket_for(self, bs: int) -> int:
+        return next(b for b in self.buckets if b >= bs)
+
+    def __call__(
+        self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """Run the stage for len(seq_cpu) requests on `inputs` (each [bs, ...]); a batch larger
+        than max_bs runs directly (eager, unpadded)."""
+        bs = len(seq_cpu)
+        if bs > self.max_bs:
+            return self.fn(bs, inputs, seq_cpu)
+        bucket = self.bucket_for(bs)
+        for key, value in inputs.items():
+            static = self.inputs[key]
+            static[:bs].copy_(value.reshape(bs, *static.shape[1:]))
+            if self.filled > bs:  # rows of an earlier, larger batch: back to the dummies
+                static[bs : self.filled].fill_(self.pads[key])
+        self.filled = bs
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+        else:
+            self._run(bucket, [*seq_cpu, *[0] * (bucket - bs)])
+        assert self.outputs is not None
+        return {key: out[: bs * self.rows_per_req[key]] for key, out in self.outputs.items()}
+
+    def _run(self, bucket: int, seq_cpu: list[int]) -> None:
+        """The stage on the bucket's static inputs, its results copied to the static outputs."""
+        views = {key: buffer[:bucket] for key, buffer in self.inputs.items()}
+        result = self.fn(bucket, views, seq_cpu)
+        if self.outputs is None:
+            self.outputs = {}
+            for key, value in result.items():
+                if value.shape[0] % bucket:
+                    raise ValueError(f"{self.name}: output {key} has {value.shape[0]} rows, "
+                                     f"not a multiple of the batch size {bucket}")  # fmt: skip
+                self.rows_per_req[key] = value.shape[0] // bucket
+                rows = self.max_bs * self.rows_per_req[key]
+                self.outputs[key] = torch.empty((rows, *value.shape[1:]), dtype=value.dtype,
+                                                device=value.device)  # fmt: skip
+        for key, value in result.items():
+            self.outputs[key][: value.shape[0]].copy_(value)
+
+    def capture_all(self, pool=None) -> None:
+        start = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.buckets):  # largest first: it allocates the static outputs
+            seq_cpu = [0] * bs
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(NUM_WARMUP_RUNS):
+                    self._run(bs, seq_cpu)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._run(bs, seq_cpu)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "captured %d CUDA graphs (%s, batch sizes %d..%d) in %.1f s, %.0f MiB",
+            len(self.graphs), self.name, self.buckets[0], self.max_bs,
+            time.perf_counter() - start,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+        )  # fmt: skip
+

@@ -1,0 +1,142 @@
+"""The speculative stages as `StageGraph`s: padding to the dummy row, static buffers, replays
+that never drift, and unchanged greedy output. On CPU the padded path runs eagerly (what CI
+covers); on CUDA (AERIE_SPEC_TEST_DEVICE=cuda) the stages are captured and replayed, and the
+whole iteration runs under `torch.cuda.set_sync_debug_mode("error")`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aerie.codec import pack_ids
+from aerie.messages import SamplingParams, TokenizedRequest
+from gpu_worker.plan_arrays import parse_plan
+from gpu_worker.speculative.target_verify import TREE_TENSORS
+from gpu_worker.stage_graph import StageGraph, StageInput
+from gpu_worker.worker import GPUWorker
+from scheduler_proc.scheduler import Scheduler
+from tests.gpu_worker.mtp_checkpoints import make_tiny_mtp_target
+from tests.gpu_worker.speculative.test_eagle_worker import (  # noqa: F401 (fixture)
+    DEVICE,
+    make_config,
+    models,
+    random_prompts,
+    run_engine,
+)
+
+
+def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
+    seen = []
+
+    def fn(bs, inputs, seq_cpu):
+        seen.append((bs, inputs["rows"].tolist(), list(seq_cpu)))
+        return {"out": inputs["rows"] * 10 + inputs["seq_lens"],
+                "pair": inputs["tokens"].flatten()}  # fmt: skip
+
+    inputs = {"rows": StageInput(), "seq_lens": StageInput(), "tokens": StageInput((2,), pad=7)}
+    stage = StageGraph("test", fn, inputs, 6, torch.device("cpu"), capture=False)
+    assert stage.buckets == [1, 2, 4, 6]
+    out = stage({"rows": torch.tensor([3, 1, 2, 5, 4]), "seq_lens": torch.tensor([9] * 5),
+                 "tokens": torch.arange(10).view(5, 2)}, [9] * 5)  # fmt: skip
+    assert out["out"].tolist() == [39, 19, 29, 59, 49]
+    assert out["pair"].tolist() == list(range(10))
+    assert seen[-1] == (6, [3, 1, 2, 5, 4, 0], [9] * 5 + [0])  # padded to row 0, length 0
+    out = stage({"rows": torch.tensor([8, 6]), "seq_lens": torch.tensor([1, 2]),
+                 "tokens": torch.ones(2, 2, dtype=torch.int64)}, [1, 2])  # fmt: skip
+    assert out["out"].tolist() == [81, 62] and out["pair"].tolist() == [1] * 4
+    assert seen[-1] == (2, [8, 6], [1, 2])
+    # The rows the larger batch left behind are back to the dummies.
+    assert stage.inputs["rows"].tolist() == [8, 6, 0, 0, 0, 0]
+    assert stage.inputs["tokens"][2:].eq(7).all()
+    big = stage({"rows": torch.arange(1, 8), "seq_lens": torch.zeros(7, dtype=torch.int64),
+                 "tokens": torch.zeros(7, 2, dtype=torch.int64)}, [0] * 7)  # fmt: skip
+    assert big["out"].tolist() == [10 * r for r in range(1, 8)] and seen[-1][0] == 7  # direct
+
+
+def serve_until_decode(config, prompts):
+    """A worker and scheduler with `prompts` prefilled; returns them and the first decode plan."""
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
+    while True:
+        plan = sched.next_plan()
+        if plan.mode == "decode":
+            return worker, sched, plan
+        sched.apply_result(plan, worker.execute(plan))
+
+
+@pytest.mark.parametrize("topk, num_draft", [(1, 4), (2, 6)])
+def test_replayed_proposal_never_drifts(models, topk, num_draft):
+    """The graph-capture restore contract: the proposal stage (S draft steps, tree selection and
+    the verify forward) replayed several times on the same inputs gives the eager stage's tree,
+    positions and logits every time, and leaves its inputs as they were."""
+    config = make_config(models["target"], "EAGLE", models["eagle"], 3, topk, num_draft,
+                         page_size=4, graph_max_bs=4)  # fmt: skip
+    worker, _, plan = serve_until_decode(config, random_prompts(seed=8, n=3))
+    spec = worker.spec
+    step = worker._write_slots(parse_plan(plan, worker.max_running_requests))
+    seq_cpu = [r.prefix_len for r in plan.requests]
+    inputs = {"rows": step.rows, "seq_lens": step.prefix_lens, "bonus": step.input_ids}
+    before = {k: v.clone() for k, v in inputs.items()}
+    eager = {k: v.clone() for k, v in spec.propose(len(seq_cpu), inputs, seq_cpu).items()}
+    for _ in range(3):
+        replayed = spec.propose_stage(inputs, seq_cpu)
+        for name in (*TREE_TENSORS, "features"):
+            assert torch.equal(replayed[name], eager[name]) or torch.allclose(
+                replayed[name].float(), eager[name].float(), atol=1e-4), name
+        torch.testing.assert_close(replayed["logits"], eager["logits"], atol=1e-4, rtol=1e-4)
+        assert all(torch.equal(inputs[k], before[k]) for k in inputs)
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory) -> str:
+    return make_tiny_mtp_target(str(tmp_path_factory.mktemp("mtp") / "target"), num_mtp_layers=3)
+
+
+@pytest.mark.parametrize("algorithm, steps, topk, num_draft, page_size", [
+    ("EAGLE", 3, 1, 4, 1), ("EAGLE", 3, 2, 6, 4), ("EAGLE3", 2, 2, 5, 1), ("MTP", 3, 1, 4, 4),
+])  # fmt: skip
+def test_graphed_stages_keep_greedy_output(models, mtp_target, algorithm, steps, topk, num_draft,
+                                           page_size):
+    """Batches of 6 .. 1 requests (buckets 8, 4, 2, 1: padded rows) through the stage graphs
+    give the target's own greedy output."""
+    target = mtp_target if algorithm == "MTP" else models["target"]
+    draft = {"EAGLE": models["eagle"], "EAGLE3": models["eagle3"], "MTP": None}[algorithm]
+    prompts = random_prompts(seed=31, n=6)
+    lengths = [4, 7, 10, 13, 16, 19]  # requests finish one after another: the batch shrinks
+    base, _, _ = run_engine(make_config(target, page_size=page_size), prompts, lengths)
+    config = make_config(target, algorithm, draft, steps, topk, num_draft, page_size,
+                         graph_max_bs=8)  # fmt: skip
+    spec, _, counts = run_engine(config, prompts, lengths)
+    assert spec == base
+    assert all(1 <= n <= steps + 1 for n in counts)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter")
+@pytest.mark.parametrize("algorithm, topk, num_draft", [("EAGLE", 1, 4), ("EAGLE", 2, 6),
+                                                        ("MTP", 1, 4)])  # fmt: skip
+def test_the_iteration_never_synchronises(models, mtp_target, monkeypatch, algorithm, topk,
+                                          num_draft):
+    target = mtp_target if algorithm == "MTP" else models["target"]
+    draft = None if algorithm == "MTP" else models["eagle"]
+    config = make_config(target, algorithm, draft, 3, topk, num_draft, page_size=4)
+    worker, sched, plan = serve_until_decode(config, random_prompts(seed=9, n=3))
+    original = worker.spec.decode
+    calls = []
+
+    def strict(*args, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(True)
+
+    monkeypatch.setattr(worker.spec, "decode", strict)
+    for _ in range(4):
+        sched.apply_result(plan, worker.execute(plan))
+        plan = sched.next_plan()
+    assert len(calls) == 4
