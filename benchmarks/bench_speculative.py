@@ -1,7 +1,19 @@
-"""Batch-1 decode speed with and without speculative decoding, on MT-bench prompts.
+"""Speculative decoding speed: the cost of one iteration, and batch-1 decode on MT-bench.
 
+    python benchmarks/bench_speculative.py --mode iteration --model-path DIR --load-format dummy
+        [--algorithm EAGLE3] [--shapes "1,1,2 3,1,4 5,1,6 5,4,8 6,8,32"] [--batch-sizes 1,32]
     python benchmarks/bench_speculative.py --model-path DIR [--load-format dummy]
-        [--algorithm EAGLE] [--draft-path DIR] [--steps 3 --topk 1 --num-draft 4 ...]
+        [--algorithm EAGLE] [--draft-path DIR] [--shapes "3,1,4 5,4,8"]
+
+--mode iteration: the cost of one speculative iteration (draft, verify, accept, draft extend;
+graphed on CUDA) in units of one plain graphed decode step of the same batch, both timed as
+`GPUWorker.execute` of the same decode plan over and over (prompts of --context-len random
+tokens). Each ratio is printed next to its lower bound from bytes: 1 + (bytes the draft
+forwards of one iteration read: draft weights + LM head) / (bytes of one target forward). It
+runs twice: with the random draft (accept length about 1), then with a constructed
+always-agreeing draft (the target's final norm zeroed, so its argmax is token 0, and the draft's
+proposals mapped to token 0: every draft is accepted), which gives decode tokens/s at full
+acceptance against plain decoding's.
 
 The engine runs in process (the real `Scheduler` core driving the real `GPUWorker`, no sockets),
 one request at a time: first plain decoding, then each speculative shape given by --shapes
@@ -15,6 +27,7 @@ MTP the target's config gets `num_nextn_predict_layers` random layers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,10 +51,13 @@ from gpu_worker.worker import GPUWorker  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
 
+EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of the published Llama-3.1-8B EAGLE-3 heads
+
 
 def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str, layers: int) -> str:
     """A draft config shaped after the target (weights come from --load-format dummy): one
-    EAGLE layer, or the target's config with `layers` MTP layers."""
+    EAGLE layer (EAGLE-3: with a draft vocabulary of at most 32,000 tokens), or the target's
+    config with `layers` MTP layers."""
     with open(os.path.join(target_dir, "config.json")) as f:
         config = json.load(f)
     if algorithm == "MTP":
@@ -49,6 +65,8 @@ def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str, lay
     else:
         config.update(architectures=[DRAFT_ARCHITECTURES[algorithm]], num_hidden_layers=1,
                       tie_word_embeddings=False)
+        if algorithm == "EAGLE3":
+            config["draft_vocab_size"] = min(EAGLE3_DRAFT_VOCAB, config["vocab_size"])
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
@@ -122,6 +140,137 @@ def measure(args, prompts, shape, draft_dir) -> dict:
             "tokens_per_s": tokens / seconds, "accept_length": tokens / verify if verify else None}
 
 
+# ------------------------------------------------------------------------------ --mode iteration
+
+
+def iteration_config(args, shape, draft_dir, max_bs: int) -> AerieConfig:
+    config = make_config(args, shape, draft_dir)
+    return config.replace(
+        scheduler={"max_running_requests": max_bs},
+        runner={"attention_backend": config.runner.attention_backend,
+                "cuda_graph_max_bs": max_bs},
+    )  # fmt: skip
+
+
+def first_decode_plan(worker: GPUWorker, config: AerieConfig, num: int, context_len: int):
+    """Prefill `num` requests of random prompts; returns the decode plan that follows."""
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(num):
+        prompt = torch.randint(3, worker.runner.vocab_size, (context_len,), generator=gen)
+        params = SamplingParams(max_new_tokens=1024, temperature=0.0, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt.tolist()), params))
+    while True:
+        plan = sched.next_plan()
+        if plan.mode == "decode":
+            return plan
+        sched.apply_result(plan, worker.execute(plan))
+
+
+def time_plan(worker: GPUWorker, plan, device: str, iters: int) -> tuple[float, int]:
+    """Seconds per `execute` of the same plan (its state never advances), and the tokens the
+    last one emitted."""
+    for _ in range(3):
+        result = worker.execute(plan)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        result = worker.execute(plan)
+    sync(device)
+    return (time.perf_counter() - start) / iters, sum(unpack_ids(result.num_tokens))
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """Bytes one forward reads from the weights: every parameter once, but the embedding
+    table only where it is also the LM head (a lookup reads a few rows)."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    embed = getattr(model, "embed_tokens", None) or getattr(getattr(model, "model", None),
+                                                            "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if embed is not None and (head is None or head.weight.data_ptr() != embed.weight.data_ptr()):
+        if embed.weight.data_ptr() in params:
+            total -= embed.weight.numel() * embed.weight.element_size()
+    return total
+
+
+def byte_bound(worker: GPUWorker) -> float:
+    """1 + (bytes the draft forwards of one iteration read) / (bytes of a target forward): an
+    EAGLE draft runs S times (S-1 draft steps and the extend), each MTP layer once."""
+    target = streamed_bytes(worker.runner.model)
+    drafts = worker.draft_runner_list
+    if len(drafts) == 1:
+        draft = worker.spec.num_steps * streamed_bytes(drafts[0].model)
+    else:
+        draft = sum(streamed_bytes(r.model) for r in drafts)
+    return 1 + draft / target
+
+
+def make_agreeing(worker: GPUWorker, max_bs: int) -> None:
+    """Turn the random draft into one the target always accepts, then capture again: the
+    target's final norm weight 0 (its logits are all 0, argmax token 0); EAGLE drafts map every
+    proposal to token 0, MTP layers' final norm weights 0 (argmax 0)."""
+    worker.runner.model.model.norm.weight.data.zero_()
+    for runner in worker.draft_runner_list:
+        if hasattr(runner.model, "final_layernorm"):
+            runner.model.final_layernorm.weight.data.zero_()
+        else:
+            vocab = runner.model.compute_logits(
+                torch.zeros(1, runner.config.hidden_size, device=worker.device,
+                            dtype=worker.runner.dtype)).shape[-1]  # fmt: skip
+            runner.model.hot_token_id = torch.zeros(vocab, dtype=torch.int64, device=worker.device)
+    worker.spec.build_stages(worker.runners, max_bs)
+
+
+def measure_iterations(args, shapes, draft_dir) -> list[dict]:
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_bs = max(sizes)
+    plain_worker = GPUWorker(iteration_config(args, None, None, max_bs))
+    plan = first_decode_plan(plain_worker, plain_worker.config, max_bs, args.context_len)
+    plain = {bs: time_plan(plain_worker, sub_plan(plan, bs), args.device, args.iters)[0]
+             for bs in sizes}  # fmt: skip
+    del plain_worker
+    rows = []
+    for shape in shapes:
+        config = iteration_config(args, shape, draft_dir, max_bs)
+        worker = GPUWorker(config)
+        plan = first_decode_plan(worker, config, max_bs, args.context_len)
+        bound = byte_bound(worker)
+        random_draft = {bs: time_plan(worker, sub_plan(plan, bs), args.device, args.iters)
+                        for bs in sizes}  # fmt: skip
+        make_agreeing(worker, max_bs)
+        for bs in sizes:
+            seconds, _ = random_draft[bs]
+            agreed_s, agreed_tokens = time_plan(worker, sub_plan(plan, bs), args.device,
+                                                args.iters)  # fmt: skip
+            rows.append({
+                "mode": f"{args.algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}",
+                "batch_size": bs, "plain_step_ms": plain[bs] * 1e3,
+                "iteration_ms": seconds * 1e3, "ratio": seconds / plain[bs],
+                "byte_bound": bound, "agreeing_iteration_ms": agreed_s * 1e3,
+                "agreeing_tokens_per_iteration": agreed_tokens / bs,
+                "agreeing_speedup": agreed_tokens / agreed_s / (bs / plain[bs]),
+            })  # fmt: skip
+        del worker
+    return rows
+
+
+def sub_plan(plan, bs: int):
+    """The same decode plan for its first bs requests."""
+    return dataclasses.replace(plan, requests=plan.requests[:bs])
+
+
+def print_iterations(args, rows: list[dict]) -> None:
+    print(f"iteration cost, {args.device} {args.dtype}, {args.model_path}, prompts of "
+          f"{args.context_len} tokens, {args.iters} iterations each")
+    print(f"{'mode':30s} {'bs':>3s} {'plain ms':>9s} {'iter ms':>8s} {'ratio':>6s} "
+          f"{'bound':>6s} {'agree acc':>9s} {'agree tok/s vs plain':>21s}")
+    for r in rows:
+        print(f"{r['mode']:30s} {r['batch_size']:3d} {r['plain_step_ms']:9.3f} "
+              f"{r['iteration_ms']:8.3f} {r['ratio']:6.2f} {r['byte_bound']:6.2f} "
+              f"{r['agreeing_tokens_per_iteration']:9.2f} {r['agreeing_speedup']:20.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
@@ -138,10 +287,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-backend", default="auto",
                         choices=("auto", "torch_native", "triton"))
     parser.add_argument("--output", help="write the results as JSON here")
+    parser.add_argument("--mode", default="requests", choices=("requests", "iteration"))
+    parser.add_argument("--batch-sizes", default="1", help="--mode iteration: batch sizes")
+    parser.add_argument("--context-len", type=int, default=256,
+                        help="--mode iteration: prompt tokens per request")
+    parser.add_argument("--iters", type=int, default=50, help="--mode iteration: timed steps")
     args = parser.parse_args(argv)
     args.device = resolve_device(args.device)
     args.dtype = resolve_dtype(args.dtype, args.device)
-    prompts = load_prompts(args.prompts, args.model_path, args.num_prompts)
     draft_dir = args.draft_path
     if draft_dir is None:
         if args.load_format != "dummy":
@@ -152,6 +305,14 @@ def main(argv: list[str] | None = None) -> None:
         draft_dir = write_random_draft_config(
             args.model_path, args.algorithm, tempfile.mkdtemp(), layers
         )
+    if args.mode == "iteration":
+        rows = measure_iterations(args, shapes, draft_dir)
+        print_iterations(args, rows)
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "results": rows}, f, indent=1)
+        return
+    prompts = load_prompts(args.prompts, args.model_path, args.num_prompts)
     results = [measure(args, prompts, None, None)]
     results += [measure(args, prompts, shape, draft_dir) for shape in shapes]
     base = results[0]["tokens_per_s"]

@@ -4,6 +4,7 @@
 #   call 1 (carry .device-carry/wheels .device-carry/model1): bash tools/device_bench.sh 1
 #   call 2 (carry .device-carry/model2 .device-carry/sharegpt_subset.json): bash tools/device_bench.sh 2
 #   EAGLE: bash tools/device_bench.sh spec (see the branch below for what it carries)
+#   speculative stages in graphs, iteration cost: bash tools/device_bench.sh spec-graphs
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
 # Before the calls, here (no GPU): bash ../shared/device/prepare.sh --model && bash tools/device_bench.sh prepare
@@ -81,6 +82,29 @@ if [[ $1 == spec ]]; then
       --prompts .device-carry/mt_bench_questions.jsonl --num-prompts ${NUM_PROMPTS:-5} \
       --max-new-tokens ${MAX_NEW:-64} --shapes "3,1,4 5,4,8" --output "$OUT/spec_$m.json" 2>&1 \
       | grep -v INFO | tail -5
+  done
+  exit 0
+fi
+if [[ $1 == spec-graphs ]]; then
+  # GPU speed, part 2: the speculative worker tests on CUDA (triton, stages in CUDA graphs, the
+  # iteration under sync-debug "error"), launched-server speculative parity, then the cost of
+  # one iteration against a plain graphed step (carry wheels, smollm2-config, llama8b).
+  # MODELS picks the shapes; SKIP_UNIT=1 / SKIP_E2E=1 skip the tests.
+  [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-300} python -m pytest \
+    tests/gpu_worker/speculative tests/gpu_worker/test_worker.py -q -p no:cacheprovider \
+    > "$OUT/spec_tests.txt" 2>&1; tail -15 "$OUT/spec_tests.txt"
+  [[ ${SKIP_E2E:-0} == 1 ]] || AERIE_E2E_DEVICE=cuda timeout ${E2E_S:-200} python -m pytest \
+    tests/e2e/test_speculative.py -q -p no:cacheprovider -n 4 > "$OUT/spec_e2e.txt" 2>&1
+  [[ ${SKIP_E2E:-0} == 1 ]] || tail -3 "$OUT/spec_e2e.txt"
+  for m in ${MODELS:-smollm2-config llama8b}; do
+    for algo in ${ALGOS:-EAGLE3 MTP}; do
+      shapes=${SHAPES:-"1,1,2 3,1,4 5,1,6 5,4,8 6,8,32"}; [[ $algo == MTP ]] && shapes="1,1,2 3,1,4"
+      timeout ${BENCH_S:-240} python benchmarks/bench_speculative.py --mode iteration \
+        --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" \
+        --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} \
+        --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1
+      grep -v "INFO\|^\[" "$OUT/iter_${m}_$algo.txt" | tail -14
+    done
   done
   exit 0
 fi

@@ -29,3 +29,23 @@ def test_bench_speculative_reports_plain_and_speculative_rows(tmp_path, algorith
     # 2 prompts x 5 decode tokens (the first of 6 comes from prefill) in both modes
     assert [r["decode_tokens"] for r in results] == [10, 10]
     assert 1.0 <= results[1]["accept_length"] <= 3.0
+
+
+@pytest.mark.parametrize("algorithm, shapes", [("EAGLE3", "2,1,3 2,2,4"), ("MTP", "2,1,3")])
+def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, shapes):
+    """--mode iteration: a row per shape and batch size; the constructed always-agreeing draft
+    is accepted in full (S+1 tokens per request per iteration); the byte bound exceeds 1."""
+    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
+                                 max_position_embeddings=512)
+    out = tmp_path / "result.json"
+    bench_speculative.main([
+        "--mode", "iteration", "--model-path", model, "--load-format", "dummy",
+        "--algorithm", algorithm, "--shapes", shapes, "--batch-sizes", "1,3",
+        "--context-len", "12", "--iters", "2", "--device", "cpu", "--output", str(out),
+    ])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["mode"].split()[2], r["batch_size"]) for r in rows] == [
+        (f"topk={s.split(',')[1]}", bs) for s in shapes.split() for bs in (1, 3)]
+    for r in rows:
+        assert r["agreeing_tokens_per_iteration"] == 3  # S + 1
+        assert r["iteration_ms"] > 0 and r["plain_step_ms"] > 0 and r["byte_bound"] > 1

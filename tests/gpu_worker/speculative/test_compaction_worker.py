@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.gpu_worker.speculative.test_eagle_worker import make_config, models  # noqa: F401
+from tests.gpu_worker.speculative.test_eagle_worker import make_config
 from tests.gpu_worker.speculative.test_mtp_worker import serve_one
 
 
@@ -15,7 +15,7 @@ def target_kv(worker, row: int, length: int) -> torch.Tensor:
     return worker.runner.kv_pool.get_kv(0)[0][slots].clone()
 
 
-def test_accepted_path_kv_is_moved_to_the_front(models):  # noqa: F811
+def test_accepted_path_kv_is_moved_to_the_front(models):
     """With topk 3 the accepted nodes are not nodes 1, 2, 3 of the tree (siblings come first),
     so without compaction positions seq + j would keep the KV of the wrong nodes."""
     prompt = [30, 31, 32, 33]

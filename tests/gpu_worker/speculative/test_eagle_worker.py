@@ -21,31 +21,6 @@ from gpu_worker.speculative.eagle_worker import rotate_prefill_inputs
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.devices import skip_unless_triton_runs_on
-from tests.gpu_worker.checkpoints import make_tiny_checkpoint
-from tests.gpu_worker.draft_checkpoints import (
-    make_agreeing_eagle_draft,
-    make_bigram_target,
-    make_tiny_eagle3_draft,
-    make_tiny_eagle_draft,
-)
-
-VOCAB = 384
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("spec-models")
-    target = make_tiny_checkpoint(str(root / "target"), "llama", vocab_size=VOCAB,
-                                  max_position_embeddings=512)
-    bigram = make_bigram_target(str(root / "bigram"), vocab_size=VOCAB)
-    return {
-        "target": target,
-        "eagle": make_tiny_eagle_draft(str(root / "eagle"), target),
-        "eagle3": make_tiny_eagle3_draft(str(root / "eagle3"), target, draft_vocab_size=200),
-        "bigram": bigram,
-        "agreeing": make_agreeing_eagle_draft(str(root / "agreeing"), bigram),
-    }
-
 
 # AERIE_SPEC_TEST_DEVICE=cuda runs these tests on the GPU, with the Triton backend and the
 # speculative stages in CUDA graphs (tools/device_bench.sh does); CPU runs them directly.

@@ -16,10 +16,9 @@ from gpu_worker.stage_graph import StageGraph, StageInput
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.gpu_worker.mtp_checkpoints import make_tiny_mtp_target
-from tests.gpu_worker.speculative.test_eagle_worker import (  # noqa: F401 (fixture)
+from tests.gpu_worker.speculative.test_eagle_worker import (
     DEVICE,
     make_config,
-    models,
     random_prompts,
     run_engine,
 )
