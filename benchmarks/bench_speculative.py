@@ -180,6 +180,20 @@ def time_plan(worker: GPUWorker, plan, device: str, iters: int) -> tuple[float, 
     return (time.perf_counter() - start) / iters, sum(unpack_ids(result.num_tokens))
 
 
+def profile_plan(worker: GPUWorker, plan, iters: int = 5) -> tuple[float, float]:
+    """(GPU kernels, GPU busy milliseconds) per `execute` of the plan, from the profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            worker.execute(plan)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels)
+    return len(kernels) / iters, busy_us / iters / 1e3
+
+
 def streamed_bytes(model: torch.nn.Module) -> int:
     """Bytes one forward reads from the weights: every parameter once, but the embedding
     table only where it is also the LM head (a lookup reads a few rows)."""
@@ -227,8 +241,12 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
     max_bs = max(sizes)
     plain_worker = GPUWorker(iteration_config(args, None, None, max_bs))
     plan = first_decode_plan(plain_worker, plain_worker.config, max_bs, args.context_len)
+    time_plan(plain_worker, plan, args.device, args.iters)  # warm-up: every kernel compiled
     plain = {bs: time_plan(plain_worker, sub_plan(plan, bs), args.device, args.iters)[0]
              for bs in sizes}  # fmt: skip
+    profiles = {}
+    if args.profile:
+        profiles["plain"] = {bs: profile_plan(plain_worker, sub_plan(plan, bs)) for bs in sizes}
     del plain_worker
     rows = []
     for shape in shapes:
@@ -236,8 +254,11 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
         worker = GPUWorker(config)
         plan = first_decode_plan(worker, config, max_bs, args.context_len)
         bound = byte_bound(worker)
+        time_plan(worker, plan, args.device, args.iters)  # warm-up
         random_draft = {bs: time_plan(worker, sub_plan(plan, bs), args.device, args.iters)
                         for bs in sizes}  # fmt: skip
+        if args.profile:
+            profiles[shape] = {bs: profile_plan(worker, sub_plan(plan, bs)) for bs in sizes}
         make_agreeing(worker, max_bs)
         for bs in sizes:
             seconds, _ = random_draft[bs]
@@ -251,6 +272,11 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
                 "agreeing_tokens_per_iteration": agreed_tokens / bs,
                 "agreeing_speedup": agreed_tokens / agreed_s / (bs / plain[bs]),
             })  # fmt: skip
+            if args.profile:
+                (plain_kernels, plain_busy), (kernels, busy) = profiles["plain"][bs], \
+                    profiles[shape][bs]
+                rows[-1].update(plain_kernels=plain_kernels, plain_gpu_ms=plain_busy,
+                                kernels=kernels, gpu_ms=busy)  # fmt: skip
         del worker
     return rows
 
@@ -269,6 +295,9 @@ def print_iterations(args, rows: list[dict]) -> None:
         print(f"{r['mode']:30s} {r['batch_size']:3d} {r['plain_step_ms']:9.3f} "
               f"{r['iteration_ms']:8.3f} {r['ratio']:6.2f} {r['byte_bound']:6.2f} "
               f"{r['agreeing_tokens_per_iteration']:9.2f} {r['agreeing_speedup']:20.2f}x")
+        if "kernels" in r:
+            print(f"{'':34s} kernels {r['plain_kernels']:.0f} -> {r['kernels']:.0f}, GPU busy "
+                  f"{r['plain_gpu_ms']:.3f} -> {r['gpu_ms']:.3f} ms")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-len", type=int, default=256,
                         help="--mode iteration: prompt tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="--mode iteration: timed steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="--mode iteration on CUDA: kernels and GPU busy time per step")
     args = parser.parse_args(argv)
     args.device = resolve_device(args.device)
     args.dtype = resolve_dtype(args.dtype, args.device)

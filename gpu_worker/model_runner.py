@@ -74,6 +74,7 @@ class ModelRunner:
         shared_kv_bytes_per_token: int = 0,
         mtp_layer: int | None = None,
         cuda_graph_max_bs: int = 0,
+        graph_tokens: int = 0,
     ) -> None:
         """Load the model, then size and allocate the KV pool from what memory is left.
 
@@ -91,6 +92,8 @@ class ModelRunner:
         `mimo_mtp.mtp_weights_dir`); needs draft_of. cuda_graph_max_bs: run DECODE through a
         `CudaGraphRunner` for batches up to this size (captured on CUDA when the attention
         backend supports it; the same padded path eagerly otherwise); 0: always eager.
+        graph_tokens: tokens per forward of the CUDA graphs others capture this runner's
+        forwards in (the speculative stages: max batch x ND), budgeted like its own graphs.
         """
         if mtp_layer is not None and draft_of is None:
             raise ValueError("an MTP layer is a draft: pass draft_of")
@@ -115,7 +118,7 @@ class ModelRunner:
         set_use_triton(self.model, attention_backend == "triton")
         self.aux_hidden_layers = self._check_aux_layers(aux_hidden_layers)
         self.graph_reserve_bytes = (
-            estimate_graph_bytes(self.config, cuda_graph_max_bs, dtype)
+            estimate_graph_bytes(self.config, max(cuda_graph_max_bs, graph_tokens), dtype)
             if self.device.type == "cuda" else 0
         )
         self.max_total_tokens = self._size_kv_pool(
@@ -268,12 +271,13 @@ class ModelRunner:
         return LogitsOutput(next_token_logits=logits, hidden_states=hidden, aux_hidden_states=aux)
 
 
-def estimate_graph_bytes(config: ArchConfig, max_bs: int, dtype: torch.dtype) -> int:
-    """Device memory CUDA graphs of decode batches up to max_bs may take (kept out of the KV
-    budget): static float32 logits and the largest activations, with room to spare."""
-    if max_bs <= 0:
+def estimate_graph_bytes(config: ArchConfig, max_tokens: int, dtype: torch.dtype) -> int:
+    """Device memory CUDA graphs of forwards of up to max_tokens tokens (all sampled) may take,
+    kept out of the KV budget: static float32 logits and the largest activations, with room
+    to spare."""
+    if max_tokens <= 0:
         return 0
     element = torch.empty((), dtype=dtype).element_size()
-    logits = max_bs * config.vocab_size * 4 * 2  # static copy + the forward's own
-    activations = max_bs * (2 * config.intermediate_size + 8 * config.hidden_size) * element
+    logits = max_tokens * config.vocab_size * 4 * 2  # static copy + the forward's own
+    activations = max_tokens * (2 * config.intermediate_size + 8 * config.hidden_size) * element
     return logits + 4 * activations + (64 << 20)

@@ -335,6 +335,11 @@ class SamplingState:
         values |= dict(zip(_FLAG_COLUMNS, flags, strict=True))
         return SamplingRows(**values)
 
+    def plain_greedy(self, rows_cpu: np.ndarray) -> bool:
+        """Whether every row of a batch takes the argmax of unpenalised logits (host flags)."""
+        flags = self._flags_cpu[torch.as_tensor(rows_cpu).long()]
+        return not bool(flags[:, :2].any())
+
     def penalize(self, logits: Tensor, req_pool_indices: Tensor, rows: SamplingRows) -> Tensor:
         """logits [bs, V] with the rows' penalties applied (the same tensor when none apply)."""
         if not rows.use_penalty:

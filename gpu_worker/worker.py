@@ -94,8 +94,11 @@ def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
         aux_hidden_layers=eagle3_aux_layers(config),
         req_to_token_extra=spec.decode_alloc_len,
         shared_kv_bytes_per_token=draft_kv_bytes_per_token(config, dtype),
-        # Plain decode only: speculative iterations run their own forwards.
+        # Plain decode only: speculative iterations run their own forwards, captured in the
+        # speculative stage graphs (budgeted through graph_tokens).
         cuda_graph_max_bs=0 if spec.enabled else graph_max_bs(config),
+        graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1)
+        if spec.enabled else 0,
     )
     if not spec.enabled:
         return target, []

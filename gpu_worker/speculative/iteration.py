@@ -5,8 +5,10 @@ One iteration for `bs` requests with committed KV lengths `seq` and last emitted
     propose   (stage graph) the draft proposes a tree of ND nodes per request (EAGLE: S draft
               steps of topk branches and the tree selection; MTP: the chain its layers left),
               and the target verifies every node in one TARGET_VERIFY forward;
-    accept    (eager: which sampling stages run is a host decision per batch) greedy or exact
-              speculative sampling on the device -> accepted tokens and accept lengths;
+    accept    greedy or exact speculative sampling on the device -> accepted tokens and
+              accept lengths. Plain greedy acceptance (no penalties) runs inside the propose
+              stage; otherwise it runs eagerly after it (which sampling stages run is a host
+              decision per batch);
     compact   (topk > 1) the accepted path's target KV moved to positions seq .. seq+acc-1;
     extend    (stage graph) the draft runs over the fixed S+1 positions seq .. seq+S, pairing
               the target feature of accepted node k with the token after it; its state is
@@ -29,12 +31,13 @@ from gpu_worker.speculative.compaction import compact_rows
 from gpu_worker.speculative.target_verify import (
     SpecStepOutput,
     accept_and_read,
+    read_step,
     tree_from_tensors,
     tree_tensors,
     verify_tree,
 )
 from gpu_worker.speculative.tree import DraftShape, DraftTree
-from gpu_worker.speculative.verify import VerifyResult
+from gpu_worker.speculative.verify import VerifyResult, verify_greedy
 from gpu_worker.stage_graph import StageFn, StageGraph, StageInput
 
 PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pads to 0
@@ -119,8 +122,14 @@ class SpeculativeWorker:
         rows, seq_lens = inputs["rows"], inputs["seq_lens"]
         tree = self.draft_tree(rows, seq_lens, seq_cpu, inputs["bonus"])
         out = verify_tree(self.target, tree, rows, seq_lens, seq_cpu)
-        return {**tree_tensors(tree), "logits": out.next_token_logits,
-                "features": self.target_features(out)}  # fmt: skip
+        features = self.target_features(out)
+        # Greedy acceptance without penalties needs nothing from the host: done here, in the
+        # graph, and used whenever the whole batch is plain greedy.
+        greedy = verify_greedy(tree, out.next_token_logits.argmax(dim=-1))
+        return {**tree_tensors(tree), "logits": out.next_token_logits, "features": features,
+                "greedy_predict": greedy.predict, "greedy_accept_index": greedy.accept_index,
+                "greedy_num_correct": greedy.num_correct,
+                "greedy_features": compact_rows(features, greedy)}  # fmt: skip
 
     def _extend(
         self, bs: int, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
@@ -145,11 +154,18 @@ class SpeculativeWorker:
         proposed = self.propose_stage({"rows": rows, "seq_lens": seq_lens, "bonus": bonus},
                                       seq_cpu)  # fmt: skip
         tree = tree_from_tensors(proposed, self.shape)
-        result, step = accept_and_read(
-            self.sampling, tree, proposed["logits"], rows, rows_cpu, want_logprobs
-        )
+        if self.sampling.plain_greedy(rows_cpu):
+            correct = proposed["greedy_num_correct"]
+            result = VerifyResult(proposed["greedy_predict"], proposed["greedy_accept_index"],
+                                  correct, correct + 1)  # fmt: skip
+            step = read_step(result, proposed["logits"], want_logprobs)
+            features = proposed["greedy_features"]  # [bs*(S+1), H_f]
+        else:
+            result, step = accept_and_read(
+                self.sampling, tree, proposed["logits"], rows, rows_cpu, want_logprobs
+            )
+            features = compact_rows(proposed["features"], result)
         self.compact(result, rows, seq_lens)
-        features = compact_rows(proposed["features"], result)  # [bs*(S+1), H_f]
         self.extend_stage({
             "rows": rows, "seq_lens": seq_lens, "accept_lens": result.accept_lens,
             "tokens": step.tokens, "features": features,

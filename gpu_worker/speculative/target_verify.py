@@ -90,12 +90,18 @@ def accept_and_read(
     accept against the verify logits [bs*ND, V] and read off the emitted tokens (and their
     logprobs). rows_cpu: the host copy of rows (which sampling stages run). No host sync."""
     result, scores = accept_tree(sampling, tree, logits, rows, rows_cpu)
+    return result, read_step(result, scores, want_logprobs)
+
+
+def read_step(result: VerifyResult, scores: torch.Tensor, want_logprobs: bool) -> SpecStepOutput:
+    """The emitted tokens of an accepted result, and their logprobs under the per-node
+    log-scores [bs*ND, V] they were drawn from."""
     tokens = accepted_tokens(result)  # [bs, S+1]
     logprobs = None
     if want_logprobs:
         node_scores = compact_rows(torch.log_softmax(scores, dim=-1), result)
         logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens).float()
-    return result, SpecStepOutput(tokens, result.accept_lens, logprobs)
+    return SpecStepOutput(tokens, result.accept_lens, logprobs)
 
 
 def penalize_tree(

@@ -213,6 +213,23 @@ def build_tree(
     bonus_tokens [bs], seq_lens [bs] (committed KV length = root position), the rest as
     returned by `organize_draft`; all on one device. Fixed shapes, no host reads.
     """
+    if topk == 1 and num_draft_tokens == num_steps + 1:
+        return chain_tree(bonus_tokens, draft_tokens, seq_lens, num_steps)
+    return build_general_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens,
+                              seq_lens, topk, num_steps, num_draft_tokens)  # fmt: skip
+
+
+def build_general_tree(
+    bonus_tokens: torch.Tensor,
+    parent_list: torch.Tensor,
+    top_scores_index: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+) -> DraftTree:
+    """`build_tree` for any tree (a chain takes `chain_tree`, which gives the same result)."""
     bs, nd = seq_lens.shape[0], num_draft_tokens
     device = seq_lens.device
     parents = find_parents(parent_list, top_scores_index, topk)  # [bs, ND]
@@ -232,6 +249,49 @@ def build_tree(
         next_sibling=next_sibling,
         depth=depth,
         topk=topk,
+        num_steps=num_steps,
+        num_draft_tokens=nd,
+        ancestors=ancestors,
+    )
+
+
+_CHAIN_CONSTANTS: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+
+def chain_constants(nd: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A chain's structure, the same for every request ([1, ND] / [1, ND, ND]), made once per
+    device so a chain tree costs no kernels to describe."""
+    key = (nd, str(device))
+    if key not in _CHAIN_CONSTANTS:
+        node = torch.arange(nd, device=device, dtype=torch.int64)[None, :]
+        _CHAIN_CONSTANTS[key] = {
+            "node": node,
+            "ancestors": torch.ones(nd, nd, dtype=torch.bool, device=device).tril()[None],
+            "next_token": torch.where(node + 1 < nd, node + 1, -1),
+            "next_sibling": torch.full_like(node, -1),
+        }
+    return _CHAIN_CONSTANTS[key]
+
+
+def chain_tree(
+    bonus_tokens: torch.Tensor, draft_tokens: torch.Tensor, seq_lens: torch.Tensor, num_steps: int
+) -> DraftTree:
+    """topk == 1, ND == S+1: node k is draft k at depth k, every node's only child is the next
+    one. What `build_tree` computes for such a tree, from constants."""
+    bs, nd = seq_lens.shape[0], num_steps + 1
+    c = chain_constants(nd, seq_lens.device)
+    tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
+    rows = torch.arange(bs, device=seq_lens.device, dtype=torch.int64)[:, None] * nd
+    ancestors = c["ancestors"].expand(bs, nd, nd)
+    return DraftTree(
+        tokens=tokens.flatten(),
+        positions=(seq_lens.to(torch.int64)[:, None] + c["node"]).flatten(),
+        custom_mask=ancestors,
+        retrieve_index=c["node"] + rows,
+        next_token=c["next_token"].expand(bs, nd),
+        next_sibling=c["next_sibling"].expand(bs, nd),
+        depth=c["node"].expand(bs, nd),
+        topk=1,
         num_steps=num_steps,
         num_draft_tokens=nd,
         ancestors=ancestors,

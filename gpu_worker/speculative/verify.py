@@ -112,12 +112,32 @@ def verify_greedy(tree: DraftTree, target_predict: torch.Tensor) -> VerifyResult
     """
     bs, nd = tree.next_token.shape
     target = target_predict.to(torch.int64).view(bs, nd)
+    if tree.topk == 1 and nd == tree.num_steps + 1:
+        return verify_greedy_chain(tree, target)
+    return verify_greedy_walk(tree, target)
+
+
+def verify_greedy_walk(tree: DraftTree, target: torch.Tensor) -> VerifyResult:
+    """`verify_greedy` for any tree, one level at a time. target [bs, ND]: argmax per node."""
 
     def accept_child(last, kid_tokens, valid):
         return kid_tokens == target.gather(1, last[:, None])
 
     accept_local, last, _ = walk_accepted_path(tree, accept_child)
     final = target.gather(1, last[:, None]).squeeze(1)
+    return assemble_result(tree, accept_local, final)
+
+
+def verify_greedy_chain(tree: DraftTree, target: torch.Tensor) -> VerifyResult:
+    """`verify_greedy` for a chain (node k's only child is k+1): the accepted drafts are the
+    longest prefix of drafts equal to the target's argmax at their parent. target [bs, ND]."""
+    bs, nd = target.shape
+    tokens = tree.tokens.view(bs, nd)
+    match = (tokens[:, 1:] == target[:, :-1]).to(torch.int64)  # [bs, S]
+    num_correct = match.cumprod(dim=1).sum(dim=1)  # [bs]
+    node = torch.arange(nd, device=target.device, dtype=torch.int64)[None, :]
+    accept_local = torch.where(node <= num_correct[:, None], node, -1)  # [bs, S+1]
+    final = target.gather(1, num_correct[:, None]).squeeze(1)
     return assemble_result(tree, accept_local, final)
 
 

@@ -195,7 +195,8 @@ def test_draft_positions(models, monkeypatch):
     (the one owner of the layout), and the loop leaves its inputs unmodified."""
     from gpu_worker.speculative import draft_layout
 
-    config = make_config(models["target"], "EAGLE", models["eagle"], 4, 2, 8)
+    # Direct stages: the spies below see what runs (a graph replay runs no Python).
+    config = make_config(models["target"], "EAGLE", models["eagle"], 4, 2, 8, graph_max_bs=0)
     worker = GPUWorker(config)
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     for i, prompt in enumerate(random_prompts(seed=2, n=3)):

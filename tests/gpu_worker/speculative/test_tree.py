@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_worker.speculative.compaction import compact_rows, compaction_moves
@@ -184,3 +185,22 @@ def test_chain_fast_path_matches_general():
     for b in range(3):
         assert parents_of(tree, b) == [-1, 0, 1, 2, 3]
         assert tree.depth[b].tolist() == list(range(steps + 1))
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_chain_tree_equals_the_general_construction(steps):
+    """The chain fast path (constants, no kernels) builds exactly the general tree."""
+    from gpu_worker.speculative.tree import build_general_tree, chain_tree
+
+    gen = torch.Generator().manual_seed(steps)
+    bs = 3
+    bonus = torch.randint(0, 50, (bs,), generator=gen)
+    drafts = torch.randint(0, 50, (bs, steps), generator=gen)
+    seq_lens = torch.tensor([4, 9, 17])
+    ids = torch.arange(steps)
+    general = build_general_tree(bonus, (ids - 1).expand(bs, steps), ids.expand(bs, steps),
+                                 drafts, seq_lens, 1, steps, steps + 1)  # fmt: skip
+    chain = chain_tree(bonus, drafts, seq_lens, steps)
+    for name in ("tokens", "positions", "custom_mask", "retrieve_index", "next_token",
+                 "next_sibling", "depth", "ancestors"):  # fmt: skip
+        assert torch.equal(getattr(chain, name), getattr(general, name)), name

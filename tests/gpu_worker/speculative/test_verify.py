@@ -155,3 +155,26 @@ def test_bonus_stride():
         assert emitted[b, : len(path)].tolist() == expected
         assert emitted[b, len(path) :].tolist() == [0] * (steps + 1 - len(path))
         assert result.accept_index[b, : len(path)].tolist() == [b * nd + k for k in path]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_chain_fast_path_equals_the_tree_walk(seed):
+    """Random chains against random target argmaxes (every accept length occurs): the chain
+    fast path gives the level-by-level walk's result."""
+    from gpu_worker.speculative.tree import chain_tree
+    from gpu_worker.speculative.verify import verify_greedy_chain, verify_greedy_walk
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, steps = 16, 4
+    drafts = torch.randint(0, 3, (bs, steps), generator=gen)  # small vocab: many matches
+    tree = chain_tree(torch.randint(0, 3, (bs,), generator=gen), drafts,
+                      torch.randint(1, 30, (bs,), generator=gen), steps)  # fmt: skip
+    # The target agrees with the drafts up to a random cut, then disagrees once.
+    target = torch.cat([drafts, torch.randint(0, 3, (bs, 1), generator=gen)], dim=1)
+    cut = torch.randint(0, steps + 1, (bs,), generator=gen)
+    rows = torch.arange(bs)
+    target[rows, cut] = torch.where(cut < steps, (target[rows, cut] + 1) % 3, target[rows, cut])
+    fast, walk = verify_greedy_chain(tree, target), verify_greedy_walk(tree, target)
+    for name in ("predict", "accept_index", "num_correct", "accept_lens"):
+        assert torch.equal(getattr(fast, name), getattr(walk, name)), name
+    assert fast.accept_lens.tolist() == (cut + 1).tolist()
