@@ -302,15 +302,25 @@ class SamplingState:
             )
 
     def observe(
-        self, req_pool_indices: Tensor, token_ids: Tensor, weights: Tensor | None = None
+        self,
+        req_pool_indices: Tensor,
+        token_ids: Tensor,
+        weights: Tensor | None = None,
+        lengths: Tensor | None = None,
     ) -> None:
-        """Count new output tokens: [n] rows and [n] ids (a row may repeat, e.g. an accepted
-        speculative run); weights [n] (0/1) counts only some of them without a host-side
-        selection. Mutates `counts`; a no-op when no row uses penalties."""
+        """Count new output tokens: [n] rows and [n] ids; weights [n] (0/1) counts only some of
+        them without a host-side selection. With lengths [n], token_ids is [n, W] and row i
+        emitted its first lengths[i] (an accepted speculative run). Mutates `counts`; a no-op
+        when no row uses penalties."""
         if not bool(self._flags_cpu[:, 0].any()):
             return
         rows = req_pool_indices.to(self.device, torch.int64)
         ids = token_ids.to(self.device, torch.int64)
+        if lengths is not None:
+            width = ids.shape[1]
+            weights = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
+            rows, ids, weights = rows[:, None].expand(-1, width).flatten(), ids.flatten(), \
+                weights.flatten()
         counts = torch.ones_like(ids, dtype=torch.int32) if weights is None else weights.int()
         self.counts.index_put_((rows, ids), counts, accumulate=True)
 
@@ -323,10 +333,7 @@ class SamplingState:
         host = rows_cpu if rows_cpu is not None else None
         if host is None and req_pool_indices.device.type == "cpu":
             host = req_pool_indices
-        if host is not None:
-            flags = self._flags_cpu[torch.as_tensor(host).long()].any(dim=0).tolist()
-        else:
-            flags = self._flags_cpu.any(dim=0).tolist()
+        flags = self.stage_flags(host)
         rows = req_pool_indices.to(self.device, torch.int64)
         floats = self._float_params[rows]  # [bs, 6]
         ints = self._int_params[rows]  # [bs, 2]
@@ -335,10 +342,17 @@ class SamplingState:
         values |= dict(zip(_FLAG_COLUMNS, flags, strict=True))
         return SamplingRows(**values)
 
+    def stage_flags(self, rows_cpu: np.ndarray | Tensor | None) -> list[bool]:
+        """`_FLAG_COLUMNS` for a batch: whether any of its rows (host copy; None: any started
+        row) needs each stage. Host only."""
+        flags = self._flags_cpu if rows_cpu is None else self._flags_cpu[
+            torch.as_tensor(rows_cpu).long()]  # fmt: skip
+        return flags.any(dim=0).tolist()
+
     def plain_greedy(self, rows_cpu: np.ndarray) -> bool:
-        """Whether every row of a batch takes the argmax of unpenalised logits (host flags)."""
-        flags = self._flags_cpu[torch.as_tensor(rows_cpu).long()]
-        return not bool(flags[:, :2].any())
+        """Whether every row of a batch takes the argmax of unpenalised logits."""
+        use_penalty, use_sampling = self.stage_flags(rows_cpu)[:2]
+        return not (use_penalty or use_sampling)
 
     def penalize(self, logits: Tensor, req_pool_indices: Tensor, rows: SamplingRows) -> Tensor:
         """logits [bs, V] with the rows' penalties applied (the same tensor when none apply)."""

@@ -172,9 +172,10 @@ class GPUWorker:
             if request.start is not None:
                 self._start_request(request)
         arrays = parse_plan(plan, self.max_running_requests)
-        step = self._write_slots(arrays)
+        speculative = plan.mode == "decode" and self.spec is not None
+        step = self._write_slots(arrays, speculative)
         rows, positions, sampled = step.rows, step.positions, step.sampled
-        if plan.mode == "decode" and self.spec is not None:
+        if speculative:
             return self._speculative_decode(plan, arrays, step)
         host = arrays.host_batch(PLAN_MODES[plan.mode])
         batch = None
@@ -210,14 +211,11 @@ class GPUWorker:
         want = bool(self.return_logprob[arrays.rows].any())
         out = self.spec.decode(step.rows, arrays.rows, step.prefix_lens,
                                arrays.prefix_lens.tolist(), step.input_ids, want)  # fmt: skip
-        width = out.tokens.shape[1]
-        valid = torch.arange(width, device=self.device)[None, :] < out.accept_lens[:, None]
-        self.sampling.observe(step.rows[:, None].expand(-1, width).flatten(),
-                              out.tokens.flatten(), weights=valid.flatten())  # fmt: skip
+        self.sampling.observe(step.rows, out.tokens, lengths=out.accept_lens)
         # One copy to the host; the valid prefix of every row is sliced there.
         extra = [out.logprobs] if out.logprobs is not None else []
         accept_lens, tokens, *logprobs = self.results.fetch(out.accept_lens, out.tokens, *extra)
-        keep = (np.arange(width)[None, :] < accept_lens[:, None]).flatten()
+        keep = (np.arange(out.tokens.shape[1])[None, :] < accept_lens[:, None]).flatten()
         return StepResult(
             plan_id=plan.plan_id,
             num_tokens=codec.pack_ids(accept_lens),
@@ -238,16 +236,19 @@ class GPUWorker:
         )
         self.return_logprob[request.req_pool_idx] = start.return_logprob
 
-    def _write_slots(self, arrays: PlanArrays) -> StepInputs:
+    def _write_slots(self, arrays: PlanArrays, speculative: bool = False) -> StepInputs:
         """Record every assigned slot (headroom included) in every runner's req_to_token rows,
-        uploading what the step reads per request in the same copy."""
+        uploading what the step reads per request in the same copy (the committed lengths and
+        input ids only for a speculative decode: other steps upload their batch separately)."""
+        bs = arrays.batch_size
         slot_rows = np.repeat(arrays.rows, arrays.slot_lens)
         slot_positions = np.repeat(arrays.prefix_lens, arrays.slot_lens)
         slot_positions += segment_offsets(arrays.slot_lens)
         new_positions = arrays.prefix_lens + arrays.extend_lens
         rows, positions, sampled, prefix_lens, input_ids, r, p, slots = self.staging.upload([
-            arrays.rows, new_positions, arrays.sample.astype(np.int64), arrays.prefix_lens,
-            arrays.input_ids, slot_rows, slot_positions, arrays.slots,
+            arrays.rows, new_positions, arrays.sample.astype(np.int64),
+            arrays.prefix_lens[: bs if speculative else 0],
+            arrays.input_ids[: bs if speculative else 0], slot_rows, slot_positions, arrays.slots,
         ])  # fmt: skip
         for runner in self.runners:
             runner.req_to_token_pool.assign(r, p, slots)
@@ -256,10 +257,11 @@ class GPUWorker:
 
 @dataclass(frozen=True)
 class StepInputs:
-    """A step's per-request arrays on the device, [bs] each (input_ids: [num_tokens]).
+    """A step's per-request arrays on the device, [bs] each.
 
     positions: the position of each request's new token (prefix_lens + extend_lens); sampled:
-    1 where the request samples (int64); prefix_lens: the committed KV length before the step.
+    1 where the request samples (int64); prefix_lens: the committed KV length before the step
+    and input_ids: its one input token (both speculative decode only, else empty).
     """
 
     rows: torch.Tensor

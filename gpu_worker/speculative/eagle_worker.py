@@ -43,10 +43,9 @@ from gpu_worker.speculative.tree import (
     DraftRecord,
     DraftShape,
     DraftTree,
-    build_tree,
-    organize_draft,
     select_first_level,
     select_next_level,
+    tree_from_draft,
 )
 from gpu_worker.speculative.verify import VerifyResult
 
@@ -156,13 +155,7 @@ class EagleWorker(SpeculativeWorker):
             input_ids, hidden, scores = select_next_level(
                 scores, topk_p, topk_index, out.hidden_states, step + 1, record
             )
-        top_scores_index, draft_tokens, parent_list = organize_draft(
-            record, self.num_draft_tokens, topk, steps
-        )
-        return build_tree(
-            bonus, parent_list, top_scores_index, draft_tokens, seq_lens, topk, steps,
-            self.num_draft_tokens,
-        )
+        return tree_from_draft(record, bonus, seq_lens, self.shape)
 
     def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Move the accepted path's target KV to positions seq .. seq + accept_len - 1."""

@@ -89,17 +89,16 @@ class SpeculativeWorker:
     def build_stages(self, runners: list[ModelRunner], graph_max_bs: int) -> None:
         """The propose and extend stages: graphed for batches up to graph_max_bs (captured on
         CUDA when every runner's attention backend can be), or direct calls when 0."""
-        width = self.num_steps + 1
-        feature_width = self.feature_width()
-        extend_inputs = {
-            "rows": PER_REQUEST, "seq_lens": PER_REQUEST, "accept_lens": StageInput(pad=1),
-            "tokens": StageInput((width,)),
-            "features": StageInput((width, feature_width), self.target.dtype),
-        }  # fmt: skip
         if graph_max_bs <= 0:
             self.propose_stage = DirectStage(self.propose)
             self.extend_stage = DirectStage(self._extend)
             return
+        width = self.num_steps + 1
+        extend_inputs = {
+            "rows": PER_REQUEST, "seq_lens": PER_REQUEST, "accept_lens": StageInput(pad=1),
+            "tokens": StageInput((width,)),
+            "features": StageInput((width, self.feature_width()), self.target.dtype),
+        }  # fmt: skip
         device = self.target.device
         capture = device.type == "cuda" and all(
             r.attn_backend.supports_cuda_graph for r in runners

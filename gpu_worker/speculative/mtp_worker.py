@@ -40,7 +40,7 @@ from gpu_worker.host_batch import Staging
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.iteration import SpeculativeWorker
-from gpu_worker.speculative.tree import DraftShape, DraftTree, build_tree
+from gpu_worker.speculative.tree import DraftShape, DraftTree, chain_tree
 
 
 @dataclass(frozen=True)
@@ -209,10 +209,7 @@ class MTPWorker(SpeculativeWorker):
         self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
     ) -> DraftTree:
         """The chain the stack left for these rows, after the bonus token."""
-        steps, bs = self.num_steps, rows.shape[0]
-        ids = torch.arange(steps, device=rows.device)
-        return build_tree(bonus, (ids - 1).expand(bs, steps), ids.expand(bs, steps),
-                          self.chain[rows], seq_lens, 1, steps, steps + 1)  # fmt: skip
+        return chain_tree(bonus, self.chain[rows], seq_lens, self.num_steps)
 
     def draft_extend(self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]) -> None:
         """The stack over the accepted positions, in fixed windows."""

@@ -5,7 +5,8 @@ The draft loop runs `S = num_steps` levels over `bs*topk` rows (request-major, b
 ids of the rows it expands into a `DraftRecord`. `organize_draft` keeps the `ND-1` best
 candidates (ids sorted ascending, so the set is ancestor-closed and shallower levels come
 first) and `build_tree` turns them into a `DraftTree`: node 0 is the root (the bonus token,
-no KV yet), node k >= 1 the k-th selected candidate.
+no KV yet), node k >= 1 the k-th selected candidate. A chain (topk 1, ND = S+1) skips both:
+`chain_tree` describes it from constants (`tree_from_draft` picks the way).
 
 Score-space ids per request: level 0 contributes ids `0..topk-1`; level i >= 1 contributes
 `topk + (i-1)*topk^2 + r*topk + c` (r = expanded row, c = child). All functions are pure,
@@ -86,11 +87,8 @@ def organize_draft(
 
     -> (top_scores_index [bs, ND-1] int64 sorted ascending, draft_tokens [bs, ND-1] int64,
     parent_list [bs, topk*(S-1)+1] int64 = levels 0..S-2's parents concatenated). Requires
-    `ND-1 <= topk + (S-1)*topk^2`. topk == 1 with ND == S+1 takes the chain fast path
-    (no topk over scores); its result is identical to the general path.
+    `ND-1 <= topk + (S-1)*topk^2`. (A chain needs none of this: see `tree_from_draft`.)
     """
-    if topk == 1 and num_draft_tokens == num_steps + 1:
-        return organize_chain(record, num_steps)
     scores = torch.cat([s.flatten(1) for s in record.scores], dim=1)  # [bs, topk+(S-1)*topk^2]
     top = torch.topk(scores, num_draft_tokens - 1, dim=1).indices
     top_scores_index = torch.sort(top, dim=1).values  # [bs, ND-1]
@@ -98,18 +96,6 @@ def organize_draft(
     draft_tokens = tokens.gather(1, top_scores_index)
     parent_list = torch.cat(record.parents[: max(num_steps - 1, 1)], dim=1)
     parent_list = parent_list[:, : topk * (num_steps - 1) + 1]  # S == 1: just the root's [-1]
-    return top_scores_index, draft_tokens, parent_list
-
-
-def organize_chain(
-    record: DraftRecord, num_steps: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk == 1, ND == S+1: the tree is the chain of every level's single draft."""
-    draft_tokens = torch.cat(record.tokens, dim=1)  # [bs, S]
-    bs, device = draft_tokens.shape[0], draft_tokens.device
-    ids = torch.arange(num_steps, device=device, dtype=torch.int64)
-    top_scores_index = ids.expand(bs, num_steps)  # [bs, S]
-    parent_list = (ids - 1).expand(bs, num_steps)  # [bs, S]: [-1, 0, .., S-2]
     return top_scores_index, draft_tokens, parent_list
 
 
@@ -213,23 +199,6 @@ def build_tree(
     bonus_tokens [bs], seq_lens [bs] (committed KV length = root position), the rest as
     returned by `organize_draft`; all on one device. Fixed shapes, no host reads.
     """
-    if topk == 1 and num_draft_tokens == num_steps + 1:
-        return chain_tree(bonus_tokens, draft_tokens, seq_lens, num_steps)
-    return build_general_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens,
-                              seq_lens, topk, num_steps, num_draft_tokens)  # fmt: skip
-
-
-def build_general_tree(
-    bonus_tokens: torch.Tensor,
-    parent_list: torch.Tensor,
-    top_scores_index: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: int,
-    num_steps: int,
-    num_draft_tokens: int,
-) -> DraftTree:
-    """`build_tree` for any tree (a chain takes `chain_tree`, which gives the same result)."""
     bs, nd = seq_lens.shape[0], num_draft_tokens
     device = seq_lens.device
     parents = find_parents(parent_list, top_scores_index, topk)  # [bs, ND]
@@ -273,11 +242,24 @@ def chain_constants(nd: int, device: torch.device) -> dict[str, torch.Tensor]:
     return _CHAIN_CONSTANTS[key]
 
 
+def tree_from_draft(
+    record: DraftRecord, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor, shape: DraftShape
+) -> DraftTree:
+    """The verify trees of a finished draft loop: a chain (topk 1, ND = S+1) directly from
+    its tokens, any other shape through `organize_draft` and `build_tree`."""
+    topk, steps, nd = shape.topk, shape.num_steps, shape.num_draft_tokens
+    if topk == 1 and nd == steps + 1:
+        return chain_tree(bonus_tokens, torch.cat(record.tokens, dim=1), seq_lens, steps)
+    top_scores_index, draft_tokens, parent_list = organize_draft(record, nd, topk, steps)
+    return build_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, seq_lens, topk,
+                      steps, nd)  # fmt: skip
+
+
 def chain_tree(
     bonus_tokens: torch.Tensor, draft_tokens: torch.Tensor, seq_lens: torch.Tensor, num_steps: int
 ) -> DraftTree:
     """topk == 1, ND == S+1: node k is draft k at depth k, every node's only child is the next
-    one. What `build_tree` computes for such a tree, from constants."""
+    one (draft_tokens [bs, S]). What `build_tree` computes for such a tree, from constants."""
     bs, nd = seq_lens.shape[0], num_steps + 1
     c = chain_constants(nd, seq_lens.device)
     tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)

@@ -283,3 +283,17 @@ def test_cuda_matches_cpu():
         assert torch.equal(on_device.cpu(), tokens.cpu())
     assert torch.equal(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-4)
+
+
+def test_observe_counts_only_each_rows_accepted_prefix():
+    """An accepted speculative run: row i emitted the first lengths[i] of its tokens; the rest
+    of its [S+1] slots (rejected drafts, padding) must not count for penalties."""
+    from gpu_worker.sampling import SamplingState
+
+    state = SamplingState(3, 10, "cpu")
+    for row in (1, 2):
+        state.start(row, SamplingParams(frequency_penalty=1.0), [0], 0, 0)
+    tokens = torch.tensor([[4, 4, 5, 6], [7, 8, 9, 9]])
+    state.observe(torch.tensor([1, 2]), tokens, lengths=torch.tensor([3, 1]))
+    assert state.counts[1].tolist() == [0, 0, 0, 0, 2, 1, 0, 0, 0, 0]
+    assert state.counts[2].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]

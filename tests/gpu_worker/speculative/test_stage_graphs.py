@@ -75,7 +75,7 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
                          page_size=4, graph_max_bs=4)  # fmt: skip
     worker, _, plan = serve_until_decode(config, random_prompts(seed=8, n=3))
     spec = worker.spec
-    step = worker._write_slots(parse_plan(plan, worker.max_running_requests))
+    step = worker._write_slots(parse_plan(plan, worker.max_running_requests), speculative=True)
     seq_cpu = [r.prefix_len for r in plan.requests]
     inputs = {"rows": step.rows, "seq_lens": step.prefix_lens, "bonus": step.input_ids}
     before = {k: v.clone() for k, v in inputs.items()}

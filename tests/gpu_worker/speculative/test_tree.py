@@ -7,7 +7,6 @@ from gpu_worker.speculative.compaction import compact_rows, compaction_moves
 from gpu_worker.speculative.tree import (
     DraftRecord,
     build_tree,
-    organize_chain,
     organize_draft,
     select_first_level,
     select_next_level,
@@ -160,47 +159,20 @@ def test_organize_selects_best_scores():
         assert draft_tokens[b].tolist() == [tokens[i] for i in sorted(best)]
 
 
-def test_chain_fast_path_matches_general():
-    steps = 4
-    record = run_draft_loop(3, 1, steps, 30, seed=2)
-    fast = organize_draft(record, steps + 1, 1, steps)
-    scores = torch.cat([s.flatten(1) for s in record.scores], 1)
-    general_top = torch.sort(torch.topk(scores, steps, dim=1).indices, dim=1).values
-    general_tokens = torch.cat(record.tokens, 1).gather(1, general_top)
-    general_parents = torch.cat(record.parents[: steps - 1], 1)
-    assert torch.equal(fast[0], general_top)
-    assert torch.equal(fast[1], general_tokens)
-    assert torch.equal(fast[2], general_parents)
-    assert torch.equal(fast[2], organize_chain(record, steps)[2])
-    tree = build_tree(
-        torch.tensor([1, 2, 3]),
-        fast[2],
-        fast[0],
-        fast[1],
-        torch.tensor([4, 5, 6]),
-        1,
-        steps,
-        steps + 1,
-    )
-    for b in range(3):
-        assert parents_of(tree, b) == [-1, 0, 1, 2, 3]
-        assert tree.depth[b].tolist() == list(range(steps + 1))
-
-
 @pytest.mark.parametrize("steps", [1, 2, 5])
 def test_chain_tree_equals_the_general_construction(steps):
-    """The chain fast path (constants, no kernels) builds exactly the general tree."""
-    from gpu_worker.speculative.tree import build_general_tree, chain_tree
+    """A chain draft loop's tree from constants (`tree_from_draft`'s fast path) equals the
+    general selection and construction (`organize_draft` + `build_tree`)."""
+    from gpu_worker.speculative.tree import DraftShape, tree_from_draft
 
-    gen = torch.Generator().manual_seed(steps)
     bs = 3
-    bonus = torch.randint(0, 50, (bs,), generator=gen)
-    drafts = torch.randint(0, 50, (bs, steps), generator=gen)
-    seq_lens = torch.tensor([4, 9, 17])
-    ids = torch.arange(steps)
-    general = build_general_tree(bonus, (ids - 1).expand(bs, steps), ids.expand(bs, steps),
-                                 drafts, seq_lens, 1, steps, steps + 1)  # fmt: skip
-    chain = chain_tree(bonus, drafts, seq_lens, steps)
+    record = run_draft_loop(bs, 1, steps, 30, seed=steps)
+    bonus, seq_lens = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 17])
+    top, draft_tokens, parent_list = organize_draft(record, steps + 1, 1, steps)
+    general = build_tree(bonus, parent_list, top, draft_tokens, seq_lens, 1, steps, steps + 1)
+    chain = tree_from_draft(record, bonus, seq_lens, DraftShape(1, steps, steps + 1))
     for name in ("tokens", "positions", "custom_mask", "retrieve_index", "next_token",
                  "next_sibling", "depth", "ancestors"):  # fmt: skip
         assert torch.equal(getattr(chain, name), getattr(general, name)), name
+    for b in range(bs):
+        assert parents_of(chain, b) == list(range(-1, steps))
