@@ -124,7 +124,6 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-
     def _forward_triton(
         self,
         x: torch.Tensor,
