@@ -39,9 +39,6 @@ class HeartbeatResponder:
     def __call__(self, message: Heartbeat) -> None:
         self.sender.send(HeartbeatAck(self.name, message.seq))
 
-    def close(self) -> None:
-        self.sender.close()
-
 
 def process_alive(pid: int) -> bool:
     """Whether process pid exists and is not a zombie (a dead child its parent has not reaped

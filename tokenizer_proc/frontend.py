@@ -120,30 +120,29 @@ class Frontend:
         """Token ids of a text prompt, computed off the event loop (a long prompt would stall
         every other request and /health). A text too long for the context in any
         tokenization is refused without tokenizing."""
-        num_bytes = len(text.encode("utf-8"))
-        if num_bytes > self.limits.max_prompt_bytes:
-            raise ValidationError(
-                f"{param} is {num_bytes} bytes: more than fits in the context of "
-                f"{self.limits.context_length} tokens", param,
-            )  # fmt: skip
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.tokenizer.encode, text
-        )
+        return await self._encode(self.tokenizer.encode, text, len(text.encode("utf-8")),
+                                  f"{param} is", param)  # fmt: skip
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the chat template applied to messages, off the event loop."""
         num_bytes = sum(len(m["content"].encode("utf-8")) for m in messages)
-        if num_bytes > self.limits.max_prompt_bytes:
-            raise ValidationError(
-                f"the messages are {num_bytes} bytes: more than fits in the context of "
-                f"{self.limits.context_length} tokens", "messages",
-            )  # fmt: skip
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.tokenizer.encode_chat, messages
-            )
+            return await self._encode(self.tokenizer.encode_chat, messages, num_bytes,
+                                      "the messages are", "messages")  # fmt: skip
+        except ValidationError:
+            raise
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise ValidationError(f"cannot apply the chat template: {e}", "messages") from e
+
+    async def _encode(self, encode, value, num_bytes: int, what: str, param: str) -> list[int]:
+        """encode(value) in the tokenizer thread pool, after the byte pre-check (what: the
+        subject of the error message, e.g. "text is")."""
+        if num_bytes > self.limits.max_prompt_bytes:
+            raise ValidationError(
+                f"{what} {num_bytes} bytes: more than fits in the context of "
+                f"{self.limits.context_length} tokens", param,
+            )  # fmt: skip
+        return await asyncio.get_running_loop().run_in_executor(self.executor, encode, value)
 
     async def prepare(
         self,
@@ -181,7 +180,11 @@ class Frontend:
     async def submit(
         self, prepared: list[Prepared], stream: bool, return_logprob: bool
     ) -> list[RequestState]:
-        """Register and send each request; returns their states in order."""
+        """Register and send each request; returns their states in order. The overload and
+        drain check runs here, with no await before the requests are registered, so requests
+        that were tokenizing concurrently cannot all pass it (the routes check early too, to
+        refuse before tokenizing)."""
+        self.check_accepting(len(prepared))
         client_rids = [p.client_rid for p in prepared if p.client_rid is not None]
         if len(set(client_rids)) != len(client_rids):
             raise ValidationError("rids in a batch must be distinct", "rid")

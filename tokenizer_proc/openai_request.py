@@ -47,13 +47,15 @@ UNSUPPORTED = (
     "reasoning_effort", "web_search_options", "store", "metadata", "service_tier",
 )  # fmt: skip
 
+_KNOWN = {kind: fields | frozenset(UNSUPPORTED) for kind, fields in FIELDS.items()}
+
 
 def check_fields(body: dict[str, Any], kind: str) -> None:
     """400 for a parameter Aerie does not implement, then for any unknown field."""
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, [], {}):
             raise ValidationError(f"{name} is not supported by this server", name)
-    reject_unknown_fields(body, FIELDS[kind] | set(UNSUPPORTED))
+    reject_unknown_fields(body, _KNOWN[kind])
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -118,14 +117,15 @@ class TokenizerProcess:
     def __init__(self, config: AerieConfig) -> None:
         self.config = config
         model = config.model
-        if not (model.model_path and model.tokenizer_path and model.context_length):
+        if not (model.model_path and model.tokenizer_path and model.context_length
+                and config.server.served_model_name):
             raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
         tokenizer = Tokenizer.from_config(config)
         self.scheduler = AsyncSender(endpoints.inbox(config, "scheduler"))
         self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
         self.frontend = Frontend(
             tokenizer, frontend_limits(config, tokenizer), SchedulerBackend(self.scheduler),
-            config.server.served_model_name or os.path.basename(model.model_path),
+            config.server.served_model_name,  # resolved: the model directory's name by default
         )  # fmt: skip
         self.http_socket = bind_http_socket(config.server.host, config.server.port)
         self.zmq = ZmqFrontend(

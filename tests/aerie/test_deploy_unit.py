@@ -55,6 +55,16 @@ def test_the_unit_is_hardened():
     assert service.get("User") not in (None, "root")
 
 
+def test_every_cache_a_server_writes_is_in_its_writable_cache_directory():
+    """ProtectSystem=strict and ProtectHome=yes leave only CacheDirectory writable: Triton's
+    kernel cache (default ~/.triton) and everything under HOME must point there."""
+    service = _unit()["Service"]
+    writable = "/var/cache/" + _values(service, "CacheDirectory")[0]
+    environment = dict(v.split("=", 1) for v in _values(service, "Environment"))
+    for name in ("AERIE_CACHE", "HOME", "TRITON_CACHE_DIR"):
+        assert environment[name].startswith(writable), name
+
+
 @pytest.mark.parametrize("env_host, key, refused", [
     (None, None, False), ("0.0.0.0", "secret", False), ("0.0.0.0", None, True),
 ])  # fmt: skip

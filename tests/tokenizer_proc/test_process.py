@@ -34,7 +34,7 @@ def config(tokenizer_dir, tmp_path) -> AerieConfig:
     return AerieConfig(runtime_dir=str(tmp_path)).replace(
         model={"model_path": tokenizer_dir, "tokenizer_path": tokenizer_dir,
                "context_length": 64},
-        server={"port": 0, "zmq_port": 0, "log_level": "warning"},
+        server={"port": 0, "zmq_port": 0, "log_level": "warning", "served_model_name": "tiny"},
     )
 
 

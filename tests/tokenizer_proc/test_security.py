@@ -232,6 +232,42 @@ def test_batches_are_bounded_and_an_overloaded_server_says_when_to_retry(live):
     assert "overloaded" in r.json()["error"]["message"]
 
 
+def test_requests_that_tokenize_concurrently_cannot_overrun_the_cap(live, monkeypatch):
+    """Both requests pass the early check while the first is still tokenizing (nothing is in
+    flight yet); the check when they are registered admits one and refuses the other."""
+    server, frontend, engine = live
+    engine.hold = True
+    frontend.limits = frontend.limits.__class__(**{**frontend.limits.__dict__,
+                                                   "max_in_flight": 1})  # fmt: skip
+    release, checks = threading.Event(), []
+    original_encode, original_check = frontend.tokenizer.encode, frontend.check_accepting
+
+    def slow_encode(text):
+        release.wait(10)
+        return original_encode(text)
+
+    def counted_check(num_new=1):
+        checks.append(num_new)
+        original_check(num_new)
+
+    monkeypatch.setattr(frontend.tokenizer, "encode", slow_encode)
+    monkeypatch.setattr(frontend, "check_accepting", counted_check)
+    results = []
+
+    def post():
+        results.append(httpx.post(server.url + "/generate", json={
+            "text": "hello", "sampling_params": {"max_new_tokens": 2}}, timeout=30))  # fmt: skip
+
+    threads = [threading.Thread(target=post, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: len(checks) >= 2)  # both admitted before either is tokenized
+    release.set()
+    assert wait_until(lambda: len(results) == 1)
+    assert results[0].status_code == 503 and "overloaded" in results[0].json()["error"]["message"]
+    assert frontend.tracker.num_in_flight == 1
+
+
 def test_tokenizing_a_long_prompt_does_not_stall_the_server(live, monkeypatch):
     """Tokenization runs off the event loop: /health answers while it runs; a text that
     cannot fit the context is refused by its byte length without tokenizing at all."""
