@@ -42,12 +42,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
+from gpu_worker.build import DTYPES  # noqa: E402
 from gpu_worker.forward_batch import ForwardMode  # noqa: E402
 from gpu_worker.host_batch import HostBatch  # noqa: E402
 from gpu_worker.kernels import small_m_linear  # noqa: E402
-from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec  # noqa: E402
 from gpu_worker.models import read_arch_config  # noqa: E402
-from gpu_worker.worker import DTYPES  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
 FUSED_WEIGHT = small_m_linear.MAX_FUSED_WEIGHT  # the "unfused" variants set it to 0
@@ -221,12 +221,12 @@ def build_runner(path: str, load_format: str, args, backend: str, graph_bs: int)
     device = resolve_device(args.device)
     max_bs = max(parse_sizes(args.batch_size))
     max_len = sequence_len(args)
-    return ModelRunner(
-        path, device=device, dtype=DTYPES[resolve_dtype(args.dtype, device)],
-        load_format=load_format, seed=args.seed, page_size=1, max_total_tokens=max_bs * max_len,
-        max_running_requests=max_bs, context_length=max_len, attention_backend=backend,
-        cuda_graph_max_bs=graph_bs,
-    )  # fmt: skip
+    spec = RunnerSpec(path, device=device, dtype=DTYPES[resolve_dtype(args.dtype, device)],
+                      load_format=load_format, seed=args.seed, attention_backend=backend,
+                      cuda_graph_max_bs=graph_bs)  # fmt: skip
+    pools = PoolSpec(max_running_requests=max_bs, context_length=max_len,
+                     max_total_tokens=max_bs * max_len)  # fmt: skip
+    return ModelRunner(spec, pools)
 
 
 @dataclass

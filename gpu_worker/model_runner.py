@@ -5,12 +5,14 @@ ids but never storage, so a runner holds no global state. The scheduler decides 
 slots a request uses; the caller writes them into `req_to_token_pool` and builds the
 `ForwardBatch`; `forward` runs the model and returns logits for the sampled positions.
 
-A draft runner (`draft_of=target_runner`) loads an EAGLE / EAGLE-3 draft: it has its own pools
-and backend sized like the target's (same max_total_tokens and page size, so the same slot ids
-address both pools), and its model shares the target's embedding / LM head Parameters. With
-`mtp_layer=i` the draft is MTP layer i in MiMo's layout (`models/mimo_mtp.py`), read from the
-target's checkpoint or a separate MTP directory, with a one-layer KV pool. A target runner with
-`aux_hidden_layers` also returns the EAGLE-3 aux hidden states.
+A runner is described by a `RunnerSpec` (what it loads, how it runs) and a `PoolSpec` (the
+rows and slots its pools hold). A draft runner (`draft_of=target_runner`, given the target's
+`pools`) loads an EAGLE / EAGLE-3 draft: it has its own pools and backend with the target's
+rows and slots (so the same slot ids address both pools), and its model shares the target's
+embedding / LM head Parameters. With `RunnerSpec.mtp_layer=i` the draft is MTP layer i in
+MiMo's layout (`models/mimo_mtp.py`), read from the target's checkpoint or a separate MTP
+directory, with a one-layer KV pool. A target runner with `aux_hidden_layers` also returns the
+EAGLE-3 aux hidden states. `gpu_worker.build` makes the runners of a served configuration.
 """
 
 from __future__ import annotations
@@ -54,106 +56,113 @@ class LogitsOutput:
     aux_hidden_states: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What one runner loads and how it runs it.
+
+    model_dir: a checkpoint directory (config.json, safetensors). load_format: auto /
+    safetensors, or dummy (random weights from `seed`). mtp_layer: build MTP layer i of the
+    checkpoint (the target's directory or a separate MTP directory, see
+    `mimo_mtp.mtp_weights_dir`); a draft. aux_hidden_layers: target layers whose input stream
+    `forward` also returns (EAGLE-3, see `eagle3_aux_layer_ids`). cuda_graph_max_bs: run DECODE
+    through a `CudaGraphRunner` for batches up to this size (captured on CUDA when the
+    attention backend supports it; the same padded path eagerly otherwise); 0: always eager.
+    graph_tokens: tokens per forward of the CUDA graphs others capture this runner's forwards
+    in (the speculative stages: max batch x ND), kept out of the KV budget like its own graphs.
+    """
+
+    model_dir: str
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    load_format: str = "auto"
+    seed: int = 0
+    attention_backend: str = "torch_native"
+    mtp_layer: int | None = None
+    aux_hidden_layers: tuple[int, ...] = ()
+    cuda_graph_max_bs: int = 0
+    graph_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The request rows and KV slots a runner's pools hold.
+
+    req_to_token rows are context_length + req_to_token_extra wide (speculative headroom past
+    the context); context_length None: the model's max_position_embeddings. max_total_tokens:
+    usable KV slots (rounded down to page_size); None sizes the pool from memory: the
+    mem_fraction_static share of the device, less the weights, the graphs and
+    shared_kv_bytes_per_token per slot for the pools that share this slot count (the drafts').
+    A runner's `pools` is this spec resolved (both lengths concrete); a draft is given its
+    target's `pools` unchanged, so one slot id addresses the same position in every pool.
+    """
+
+    max_running_requests: int = 64
+    context_length: int | None = None
+    req_to_token_extra: int = 0
+    page_size: int = 1
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    shared_kv_bytes_per_token: int = 0
+
+
 class ModelRunner:
     def __init__(
-        self,
-        model: str,
-        device: torch.device | str,
-        dtype: torch.dtype,
-        load_format: str = "auto",
-        seed: int = 0,
-        page_size: int = 1,
-        max_total_tokens: int | None = None,
-        max_running_requests: int = 64,
-        context_length: int | None = None,
-        attention_backend: str = "torch_native",
-        mem_fraction_static: float | None = None,
-        aux_hidden_layers: list[int] | None = None,
-        draft_of: ModelRunner | None = None,
-        req_to_token_extra: int = 0,
-        shared_kv_bytes_per_token: int = 0,
-        mtp_layer: int | None = None,
-        cuda_graph_max_bs: int = 0,
-        graph_tokens: int = 0,
+        self, spec: RunnerSpec, pools: PoolSpec, draft_of: ModelRunner | None = None
     ) -> None:
         """Load the model, then size and allocate the KV pool from what memory is left.
 
-        max_total_tokens: usable KV slots (rounded down to page_size); None sizes it from
-        memory. context_length: the longest sequence; None uses the model's
-        max_position_embeddings. req_to_token rows are context_length + req_to_token_extra wide
-        (speculative headroom past the context). aux_hidden_layers: target layers whose input
-        stream `forward` also returns (EAGLE-3, see `eagle3_aux_layer_ids`). draft_of: the
-        target runner of this draft; page_size, max_total_tokens, max_running_requests and
-        context_length are then taken from it (those arguments are ignored) and
-        req_to_token_extra is at least the target's. shared_kv_bytes_per_token: KV bytes per
-        token of the runners that will share this runner's slot count (its drafts), so a
-        memory-sized pool leaves room for their pools too. mtp_layer: build MTP layer i of the
-        checkpoint in `model` (the target's directory or a separate MTP directory, see
-        `mimo_mtp.mtp_weights_dir`); needs draft_of. cuda_graph_max_bs: run DECODE through a
-        `CudaGraphRunner` for batches up to this size (captured on CUDA when the attention
-        backend supports it; the same padded path eagerly otherwise); 0: always eager.
-        graph_tokens: tokens per forward of the CUDA graphs others capture this runner's
-        forwards in (the speculative stages: max batch x ND), budgeted like its own graphs.
+        draft_of: the target runner of this draft (EAGLE / EAGLE-3 / an MTP layer); `pools`
+        must then be the target's `pools`.
         """
-        if mtp_layer is not None and draft_of is None:
+        if spec.mtp_layer is not None and draft_of is None:
             raise ValueError("an MTP layer is a draft: pass draft_of")
-        if draft_of is not None:
-            page_size, max_total_tokens = draft_of.page_size, draft_of.max_total_tokens
-            max_running_requests = draft_of.max_running_requests
-            context_length = draft_of.context_length
-            req_to_token_extra = max(req_to_token_extra, draft_of.req_to_token_extra)
-        self.model_dir = model
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.page_size = page_size
+        if draft_of is not None and pools != draft_of.pools:
+            raise ValueError("a draft shares its target's slots: pass draft_of.pools")
+        self.spec = spec
+        self.model_dir, self.mtp_layer = spec.model_dir, spec.mtp_layer
+        self.device, self.dtype = torch.device(spec.device), spec.dtype
         self.config: ArchConfig = read_arch_config(self.model_dir)
-        self.mtp_layer = mtp_layer
-        if mtp_layer is not None:
-            self.config = mtp_arch_config(self.config, mtp_layer)
-        self.context_length = context_length or self.config.max_position_embeddings
-        self.req_to_token_extra = req_to_token_extra
-        self.max_running_requests = max_running_requests
-        self.model = self._load_model(load_format, seed, draft_of)
-        init_cos_sin_caches(self.model, self.context_length + req_to_token_extra, self.device)
-        set_use_triton(self.model, attention_backend == "triton")
-        self.aux_hidden_layers = self._check_aux_layers(aux_hidden_layers)
+        if self.mtp_layer is not None:
+            self.config = mtp_arch_config(self.config, self.mtp_layer)
+        self.page_size = pools.page_size
+        self.max_running_requests = pools.max_running_requests
+        self.context_length = pools.context_length or self.config.max_position_embeddings
+        self.req_to_token_extra = pools.req_to_token_extra
+        row_width = self.context_length + self.req_to_token_extra
+        self.model = self._load_model(spec.load_format, spec.seed, draft_of)
+        init_cos_sin_caches(self.model, row_width, self.device)
+        set_use_triton(self.model, spec.attention_backend == "triton")
+        self.aux_hidden_layers = self._check_aux_layers(list(spec.aux_hidden_layers))
+        graph_tokens = max(spec.cuda_graph_max_bs, spec.graph_tokens)
         self.graph_reserve_bytes = (
-            estimate_graph_bytes(self.config, max(cuda_graph_max_bs, graph_tokens), dtype)
+            estimate_graph_bytes(self.config, graph_tokens, self.dtype)
             if self.device.type == "cuda" else 0
-        )
+        )  # fmt: skip
         self.max_total_tokens = self._size_kv_pool(
-            max_total_tokens, mem_fraction_static, shared_kv_bytes_per_token
+            pools.max_total_tokens, pools.mem_fraction_static, pools.shared_kv_bytes_per_token
         )
-        self.req_to_token_pool = ReqToTokenPool(
-            max_running_requests, self.context_length + req_to_token_extra, self.device
+        self.pools = dataclasses.replace(
+            pools, context_length=self.context_length, max_total_tokens=self.max_total_tokens
         )
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, row_width, self.device)
+        config = self.config
         self.kv_pool = KVPool(
-            self.max_total_tokens,
-            page_size,
-            self.config.num_layers,
-            self.config.num_kv_heads,
-            self.config.head_dim,
-            dtype,
-            self.device,
-        )
+            self.max_total_tokens, self.page_size, config.num_layers, config.num_kv_heads,
+            config.head_dim, self.dtype, self.device,
+        )  # fmt: skip
         self.staging = Staging(self.device)
         self.attn_backend = create_attention_backend(
-            attention_backend, self.req_to_token_pool, self.kv_pool, self.config.num_heads
+            spec.attention_backend, self.req_to_token_pool, self.kv_pool, config.num_heads
         )
         self.graph_runner: CudaGraphRunner | None = None
-        if cuda_graph_max_bs > 0:
+        if spec.cuda_graph_max_bs > 0:
             capture = self.device.type == "cuda" and self.attn_backend.supports_cuda_graph
             if self.device.type == "cuda" and not capture:
                 log.warning("%s attention cannot be captured in CUDA graphs: decode runs "
-                            "eagerly", attention_backend)  # fmt: skip
-            self.graph_runner = CudaGraphRunner(self, cuda_graph_max_bs, capture=capture)
-        log.info(
-            "%s on %s (%s): KV pool of %d tokens",
-            self.config.architecture,
-            self.device,
-            dtype,
-            self.max_total_tokens,
-        )
+                            "eagerly", spec.attention_backend)  # fmt: skip
+            self.graph_runner = CudaGraphRunner(self, spec.cuda_graph_max_bs, capture=capture)
+        log.info("%s on %s (%s): KV pool of %d tokens", config.architecture, self.device,
+                 self.dtype, self.max_total_tokens)  # fmt: skip
 
     @property
     def vocab_size(self) -> int:

@@ -1,10 +1,10 @@
 """`GPUWorker`: the socket-free core of the GPU worker process.
 
-It owns the target `ModelRunner`; with speculation the `draft_runner_list` (one EAGLE draft,
-or one runner per MTP layer) and the `EagleWorker` / `MTPWorker` that drives them; and the
-per-row `SamplingState`. `execute(plan)` applies the scheduler's
-slot assignments to the req_to_token pool of every runner (all pools address KV by the same
-slot ids), runs the step and returns a `StepResult`:
+It owns what `build.build_models` makes from the configuration: the target `ModelRunner`; with
+speculation the `draft_runner_list` (one EAGLE draft, or one runner per MTP layer) and the
+speculative worker that drives them; and the per-row `SamplingState`. `execute(plan)` applies
+the scheduler's slot assignments to the req_to_token pool of every runner (all pools address KV
+by the same slot ids), runs the step and returns a `StepResult`:
 - extend: one target forward; requests on their last chunk sample a token; with speculation
   the draft then runs on the rotated chunk.
 - decode: one target forward and a sample per request, or one speculative iteration (draft
@@ -21,130 +21,24 @@ import torch
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, PlanRequest, StepResult
+from gpu_worker.build import build_models
 from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.host_batch import HostCopy, Staging, segment_offsets
-from gpu_worker.kv_cache import kv_bytes_per_token
-from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner
-from gpu_worker.models import read_arch_config
-from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
-from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir
 from gpu_worker.plan_arrays import PlanArrays, parse_plan
-from gpu_worker.sampling import SamplingState
-from gpu_worker.speculative.eagle_worker import EagleWorker
-from gpu_worker.speculative.mtp_worker import MTPWorker
 
 PLAN_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# With a draft, the target leaves this share of its memory budget to the draft's weights and
-# activations (the draft's KV pool is budgeted exactly, through shared_kv_bytes_per_token).
-DRAFT_MEMORY_SHARE = 0.05
-
-
-def eagle3_aux_layers(config: AerieConfig) -> list[int] | None:
-    """Target layers whose input stream an EAGLE-3 draft reads (None for other algorithms)."""
-    spec = config.speculative
-    if spec.speculative_algorithm != "EAGLE3":
-        return None
-    draft = read_arch_config(spec.speculative_draft_model_path or "")
-    num_layers = read_arch_config(config.model.model_path or "").num_layers
-    return eagle3_aux_layer_ids(draft.raw, num_layers)
-
-
-def draft_kv_bytes_per_token(config: AerieConfig, dtype: torch.dtype) -> int:
-    """KV bytes per token of all draft pools together (0 without speculation)."""
-    spec = config.speculative
-    if not spec.enabled:
-        return 0
-    if spec.speculative_algorithm == "MTP":  # S one-layer runners shaped like the target
-        steps = spec.speculative_num_steps
-        return mtp_kv_bytes_per_token(config.model.model_path or "", dtype, steps)
-    draft = read_arch_config(spec.speculative_draft_model_path or "")
-    return kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
-
-
-def graph_max_bs(config: AerieConfig) -> int:
-    """The largest decode batch run through the CUDA graph runner (0: none)."""
-    if config.runner.disable_cuda_graph:
-        return 0
-    return config.runner.cuda_graph_max_bs or 0
-
-
-def build_runners(config: AerieConfig) -> tuple[ModelRunner, list[ModelRunner]]:
-    """The target runner and its draft runner list (same slot ids, each with its own pools):
-    empty without speculation, one EAGLE draft, or one runner per MTP layer."""
-    model, spec = config.model, config.speculative
-    if "auto" in (model.device, model.dtype, config.runner.attention_backend):
-        raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
-    device, dtype = torch.device(model.device), DTYPES[model.dtype]
-    mem_fraction = config.cache.mem_fraction_static
-    if spec.enabled:
-        mem_fraction = (mem_fraction or DEFAULT_MEM_FRACTION_STATIC) * (1 - DRAFT_MEMORY_SHARE)
-    target = ModelRunner(
-        model.model_path or "",
-        device=device,
-        dtype=dtype,
-        load_format=model.load_format,
-        seed=model.random_seed,
-        page_size=config.cache.page_size,
-        max_total_tokens=config.cache.max_total_tokens,
-        max_running_requests=config.scheduler.max_running_requests or 64,
-        context_length=model.context_length,
-        attention_backend=config.runner.attention_backend,
-        mem_fraction_static=mem_fraction,
-        aux_hidden_layers=eagle3_aux_layers(config),
-        req_to_token_extra=spec.decode_alloc_len,
-        shared_kv_bytes_per_token=draft_kv_bytes_per_token(config, dtype),
-        # Plain decode only: speculative iterations run their own forwards, captured in the
-        # speculative stage graphs (budgeted through graph_tokens).
-        cuda_graph_max_bs=0 if spec.enabled else graph_max_bs(config),
-        graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1)
-        if spec.enabled else 0,
-    )
-    if not spec.enabled:
-        return target, []
-    # --load-format dummy (benchmarks) gives the drafts random weights too.
-    options = dict(
-        device=device,
-        dtype=dtype,
-        load_format="dummy" if model.load_format == "dummy" else "auto",
-        seed=model.random_seed,
-        attention_backend=config.runner.attention_backend,
-        draft_of=target,
-    )
-    if spec.speculative_algorithm == "MTP":
-        target_dir, draft_dir = model.model_path or "", spec.speculative_draft_model_path
-        if model.load_format == "dummy":  # random weights: only a config is needed
-            where = draft_dir or target_dir
-        else:
-            where = mtp_weights_dir(target_dir, draft_dir)
-        steps = spec.speculative_num_steps or 1
-        return target, [
-            ModelRunner(where, mtp_layer=i, **{**options, "seed": model.random_seed + 1 + i})
-            for i in range(steps)
-        ]
-    return target, [ModelRunner(spec.speculative_draft_model_path or "", **options)]
 
 
 class GPUWorker:
     def __init__(self, config: AerieConfig) -> None:
         """config: resolved (model_path a local directory; device and dtype concrete)."""
-        if not config.model.model_path:
-            raise ValueError("config.model.model_path is not resolved")
         self.config = config
-        self.runner, self.draft_runner_list = build_runners(config)
+        models = build_models(config)
+        self.runner, self.draft_runner_list = models.target, models.draft_runner_list
         self.runners = [self.runner, *self.draft_runner_list]
+        self.sampling, self.spec = models.sampling, models.speculative
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
-        self.sampling = SamplingState(
-            self.max_running_requests, self.runner.vocab_size, self.device
-        )
-        self.spec: EagleWorker | MTPWorker | None = None
-        if config.speculative.speculative_algorithm == "MTP":
-            self.spec = MTPWorker(config.speculative, self.runner, self.draft_runner_list,
-                                  self.sampling, graph_max_bs(config))  # fmt: skip
-        elif self.draft_runner_list:
-            self.spec = EagleWorker(config.speculative, self.runner, self.draft_runner_list[0],
-                                    self.sampling, graph_max_bs(config))  # fmt: skip
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy

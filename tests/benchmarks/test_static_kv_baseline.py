@@ -7,15 +7,15 @@ from __future__ import annotations
 import torch
 
 from benchmarks.static_kv_baseline import StaticKVDecoder
-from gpu_worker.model_runner import ModelRunner
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint, reference_logits
+from tests.gpu_worker.runner_utils import runner_from_options
 
 
 def test_static_kv_decoder_matches_transformers(tmp_path):
     for arch in ("llama", "qwen2"):
         path = make_tiny_checkpoint(str(tmp_path / arch), arch)
-        runner = ModelRunner(path, "cpu", torch.float32, max_total_tokens=64,
-                             max_running_requests=2, context_length=32)  # fmt: skip
+        runner = runner_from_options(path, max_total_tokens=64, max_running_requests=2,
+                                     context_length=32)  # fmt: skip
         decoder = StaticKVDecoder(runner.model, batch_size=2, max_seq_len=32)
         ids = [[5, 17, 3, 99, 42, 7, 11], [8, 8, 1, 2, 200, 31, 4]]
         with torch.inference_mode():

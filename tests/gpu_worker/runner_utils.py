@@ -1,13 +1,32 @@
-"""Helpers that drive a ModelRunner the way the worker does: shuffled pages, chunked extends."""
+"""Helpers that build a ModelRunner from flat options and drive it the way the worker does:
+shuffled pages, chunked extends."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
 
 from gpu_worker.forward_batch import ForwardMode, build_forward_batch
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec
+
+SPEC_FIELDS = {f.name for f in dataclasses.fields(RunnerSpec)}
+
+
+def runner_from_options(
+    model_dir: str, draft_of: ModelRunner | None = None, **options
+) -> ModelRunner:
+    """A runner over model_dir from keyword options split into `RunnerSpec` and `PoolSpec`
+    fields; a draft (draft_of given) takes its target's pools, so only RunnerSpec options may
+    be passed for it."""
+    spec = RunnerSpec(model_dir, **{k: v for k, v in options.items() if k in SPEC_FIELDS})
+    pool_options = {k: v for k, v in options.items() if k not in SPEC_FIELDS}
+    if draft_of is None:
+        return ModelRunner(spec, PoolSpec(**pool_options))
+    if pool_options:
+        raise TypeError(f"a draft takes its target's pools, not {sorted(pool_options)}")
+    return ModelRunner(spec, draft_of.pools, draft_of=draft_of)
 
 
 def shuffled_slots(runner: ModelRunner, num_requests: int, seq_len: int, seed: int = 0):

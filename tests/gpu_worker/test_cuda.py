@@ -12,7 +12,7 @@ from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.model_runner import ModelRunner
 from tests.gpu_worker.checkpoints import reference_logits
 from tests.gpu_worker.models.test_config import LLAMA_31_8B
-from tests.gpu_worker.runner_utils import run_step, shuffled_slots
+from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,9 +37,9 @@ def test_cuda_matches_hf(tiny_dirs, reference_models, name, backend):
     expected = reference_logits(reference_models(name), ids)[-1]
     options = dict(page_size=4, max_total_tokens=256, max_running_requests=2, context_length=64,
                    attention_backend=backend)  # fmt: skip
-    fp32 = ModelRunner(tiny_dirs[name], "cuda", torch.float32, **options)
+    fp32 = runner_from_options(tiny_dirs[name], device="cuda", **options)
     torch.testing.assert_close(decode_after_prefill(fp32, ids), expected, atol=1e-3, rtol=0)
-    bf16 = ModelRunner(tiny_dirs[name], "cuda", torch.bfloat16, **options)
+    bf16 = runner_from_options(tiny_dirs[name], device="cuda", dtype=torch.bfloat16, **options)
     assert bf16.kv_pool.k_buffers[0].dtype == torch.bfloat16
     torch.testing.assert_close(decode_after_prefill(bf16, ids), expected, atol=0.1, rtol=0)
 
@@ -47,10 +47,10 @@ def test_cuda_matches_hf(tiny_dirs, reference_models, name, backend):
 @pytest.mark.slow
 def test_llama31_8b_dummy_sizes_kv_from_free_memory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    runner = ModelRunner(
+    runner = runner_from_options(
         str(tmp_path),
-        "cuda",
-        torch.bfloat16,
+        device="cuda",
+        dtype=torch.bfloat16,
         load_format="dummy",
         page_size=16,
         max_running_requests=8,

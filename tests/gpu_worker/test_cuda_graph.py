@@ -13,7 +13,7 @@ from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.host_batch import HostBatch
 from gpu_worker.model_runner import ModelRunner
 from tests.devices import skip_unless_triton_runs_on
-from tests.gpu_worker.runner_utils import run_step, shuffled_slots
+from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
 
 
 def devices():
@@ -30,10 +30,9 @@ def test_buckets():
 def make_runner(model_dir: str, device: str, graph_max_bs: int, backend: str) -> ModelRunner:
     if backend == "triton":
         skip_unless_triton_runs_on(device)
-    return ModelRunner(
-        model_dir, device, torch.float32, page_size=4, max_total_tokens=512,
-        max_running_requests=8, context_length=64, attention_backend=backend,
-        cuda_graph_max_bs=graph_max_bs,
+    return runner_from_options(
+        model_dir, device=device, page_size=4, max_total_tokens=512, max_running_requests=8,
+        context_length=64, attention_backend=backend, cuda_graph_max_bs=graph_max_bs,
     )  # fmt: skip
 
 

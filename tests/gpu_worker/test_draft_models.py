@@ -4,6 +4,7 @@ against HF transformers, and the agreeing target/draft pairs the end-to-end test
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from gpu_worker.forward_batch import ForwardMode, SpecInput, build_forward_batch
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.model_runner import ModelRunner, RunnerSpec
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
 from gpu_worker.weights import iterate_tensors, list_weight_files
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint
@@ -27,7 +28,7 @@ from tests.gpu_worker.draft_checkpoints import (
     make_tiny_eagle_draft,
     read_config,
 )
-from tests.gpu_worker.runner_utils import run_step, shuffled_slots
+from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
 
 ATOL = 1e-4
 H = 64  # hidden size of the tiny checkpoints
@@ -47,9 +48,9 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def make_runner(model_dir: str, draft_of: ModelRunner | None = None, **kwargs) -> ModelRunner:
-    options = dict(max_total_tokens=1024, max_running_requests=4, context_length=512)
-    options |= dict(device="cpu", dtype=torch.float32)
-    return ModelRunner(model_dir, draft_of=draft_of, **{**options, **kwargs})
+    if draft_of is None:
+        kwargs = dict(max_total_tokens=1024, max_running_requests=4, context_length=512) | kwargs
+    return runner_from_options(model_dir, draft_of, **kwargs)
 
 
 def tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
@@ -188,11 +189,15 @@ def test_eagle3_own_embedding_is_loaded_not_shared(dirs, tmp_path):
 
 def test_draft_runner_mirrors_target_pool_geometry(dirs):
     target = make_runner(dirs["target"], page_size=4, req_to_token_extra=16)
-    draft = make_runner(dirs["eagle"], draft_of=target, max_total_tokens=8, page_size=1)
+    draft = make_runner(dirs["eagle"], draft_of=target)
     assert (draft.max_total_tokens, draft.page_size) == (target.max_total_tokens, 4)
     assert draft.req_to_token_pool.req_to_token.shape == (5, 512 + 16)
     assert draft.kv_pool is not target.kv_pool
     assert draft.req_to_token_pool is not target.req_to_token_pool
+    # Nothing is silently overridden: a draft given other pools than its target's is refused.
+    other = dataclasses.replace(target.pools, page_size=1)
+    with pytest.raises(ValueError, match="target's slots"):
+        ModelRunner(RunnerSpec(dirs["eagle"]), other, draft_of=target)
 
 
 def test_draft_and_target_roles_are_checked(dirs):

@@ -12,7 +12,7 @@ from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.model_runner import ModelRunner
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import reference_logits
-from tests.gpu_worker.runner_utils import run_step, shuffled_slots
+from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
 
 ATOL = 1e-4
 
@@ -28,9 +28,7 @@ def make_runner(model_dir: str, page_size: int = 1, **kwargs) -> ModelRunner:
     if kwargs.get("attention_backend") == "triton":
         skip_unless_triton_runs_on("cpu")
     options = dict(max_total_tokens=256, max_running_requests=4, context_length=128)
-    return ModelRunner(
-        model_dir, "cpu", torch.float32, page_size=page_size, **{**options, **kwargs}
-    )
+    return runner_from_options(model_dir, page_size=page_size, **{**options, **kwargs})
 
 
 def prompt(length: int, seed: int = 0, vocab: int = 256) -> list[int]:

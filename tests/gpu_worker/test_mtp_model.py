@@ -24,7 +24,7 @@ from tests.gpu_worker.mtp_checkpoints import (
     make_tiny_mtp_dir,
     make_tiny_mtp_target,
 )
-from tests.gpu_worker.runner_utils import run_step, shuffled_slots
+from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
 
 ATOL = 1e-4
 VOCAB = 384
@@ -48,9 +48,9 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def make_runner(model_dir: str, draft_of: ModelRunner | None = None, **kwargs) -> ModelRunner:
-    options = dict(max_total_tokens=256, max_running_requests=4, context_length=128)
-    options |= dict(device="cpu", dtype=torch.float32)
-    return ModelRunner(model_dir, draft_of=draft_of, **{**options, **kwargs})
+    if draft_of is None:
+        kwargs = dict(max_total_tokens=256, max_running_requests=4, context_length=128) | kwargs
+    return runner_from_options(model_dir, draft_of, **kwargs)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -1,0 +1,153 @@
+"""Build what a GPU worker runs from a resolved configuration: the one place that knows how.
+
+`build_models(config)` makes the target runner, the draft runner list (none, one EAGLE /
+EAGLE-3 draft, or one runner per MTP layer, each with its own pools over the target's slot
+ids), the per-row `SamplingState` and the speculative worker that drives the drafts. The
+memory plan lives here too: a draft's KV bytes per slot are budgeted into the target's pool
+sizing (the pools share one slot count), the drafts' weights and activations get a fixed share
+of the static memory fraction, and CUDA-graph memory is reserved for the speculative stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from aerie.config import AerieConfig
+from gpu_worker.kv_cache import kv_bytes_per_token
+from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner, PoolSpec, RunnerSpec
+from gpu_worker.models import read_arch_config
+from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
+from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir
+from gpu_worker.sampling import SamplingState
+from gpu_worker.speculative.eagle_worker import EagleWorker
+from gpu_worker.speculative.iteration import SpeculativeWorker
+from gpu_worker.speculative.mtp_worker import MTPWorker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# With a draft, the target leaves this share of its memory budget to the draft's weights and
+# activations (the draft's KV pool is budgeted exactly, through shared_kv_bytes_per_token).
+DRAFT_MEMORY_SHARE = 0.05
+
+
+@dataclass
+class Models:
+    """target: the served model; draft_runner_list: its drafts (empty without speculation);
+    sampling: per-row sampling state; speculative: the worker that runs a speculative decode
+    iteration over them (None without speculation)."""
+
+    target: ModelRunner
+    draft_runner_list: list[ModelRunner]
+    sampling: SamplingState
+    speculative: SpeculativeWorker | None
+
+
+def build_models(config: AerieConfig) -> Models:
+    if "auto" in (config.model.device, config.model.dtype, config.runner.attention_backend):
+        raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
+    if not config.model.model_path:
+        raise ValueError("config.model.model_path is not resolved")
+    target = ModelRunner(target_spec(config), target_pools(config))
+    sampling = SamplingState(target.max_running_requests, target.vocab_size, target.device)
+    spec = config.speculative
+    if not spec.enabled:
+        return Models(target, [], sampling, None)
+    drafts = [ModelRunner(s, target.pools, draft_of=target) for s in draft_specs(config)]
+    worker: SpeculativeWorker
+    if spec.speculative_algorithm == "MTP":
+        worker = MTPWorker(spec, target, drafts, sampling, graph_max_bs(config))
+    else:
+        worker = EagleWorker(spec, target, drafts[0], sampling, graph_max_bs(config))
+    return Models(target, drafts, sampling, worker)
+
+
+def graph_max_bs(config: AerieConfig) -> int:
+    """The largest decode batch run through CUDA graphs (0: none)."""
+    if config.runner.disable_cuda_graph:
+        return 0
+    return config.runner.cuda_graph_max_bs or 0
+
+
+def target_spec(config: AerieConfig) -> RunnerSpec:
+    model, spec = config.model, config.speculative
+    return RunnerSpec(
+        model.model_path or "",
+        device=model.device,
+        dtype=DTYPES[model.dtype],
+        load_format=model.load_format,
+        seed=model.random_seed,
+        attention_backend=config.runner.attention_backend,
+        aux_hidden_layers=tuple(eagle3_aux_layers(config)),
+        # Plain decode only: speculative iterations run their own forwards, captured in the
+        # speculative stage graphs (budgeted through graph_tokens).
+        cuda_graph_max_bs=0 if spec.enabled else graph_max_bs(config),
+        graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1)
+        if spec.enabled else 0,
+    )  # fmt: skip
+
+
+def target_pools(config: AerieConfig) -> PoolSpec:
+    """The target's rows and slots; with speculation its memory-sized pool leaves room for the
+    draft pools (same slot count) and the drafts' weights."""
+    spec = config.speculative
+    mem_fraction = config.cache.mem_fraction_static
+    if spec.enabled:
+        mem_fraction = (mem_fraction or DEFAULT_MEM_FRACTION_STATIC) * (1 - DRAFT_MEMORY_SHARE)
+    return PoolSpec(
+        max_running_requests=config.scheduler.max_running_requests or 64,
+        context_length=config.model.context_length,
+        req_to_token_extra=spec.decode_alloc_len,
+        page_size=config.cache.page_size,
+        max_total_tokens=config.cache.max_total_tokens,
+        mem_fraction_static=mem_fraction,
+        shared_kv_bytes_per_token=draft_kv_bytes_per_token(config, DTYPES[config.model.dtype]),
+    )
+
+
+def draft_specs(config: AerieConfig) -> list[RunnerSpec]:
+    """One EAGLE / EAGLE-3 draft, or one runner per MTP layer (each its own seed, so random
+    layers differ). --load-format dummy (benchmarks) gives the drafts random weights too."""
+    model, spec = config.model, config.speculative
+    common = RunnerSpec(
+        spec.speculative_draft_model_path or "",
+        device=model.device,
+        dtype=DTYPES[model.dtype],
+        load_format="dummy" if model.load_format == "dummy" else "auto",
+        seed=model.random_seed,
+        attention_backend=config.runner.attention_backend,
+    )
+    if spec.speculative_algorithm != "MTP":
+        return [common]
+    target_dir, draft_dir = model.model_path or "", spec.speculative_draft_model_path
+    if model.load_format == "dummy":  # random weights: only a config is needed
+        where = draft_dir or target_dir
+    else:
+        where = mtp_weights_dir(target_dir, draft_dir)
+    return [
+        dataclasses.replace(common, model_dir=where, mtp_layer=i, seed=model.random_seed + 1 + i)
+        for i in range(spec.speculative_num_steps or 1)
+    ]
+
+
+def eagle3_aux_layers(config: AerieConfig) -> list[int]:
+    """Target layers whose input stream an EAGLE-3 draft reads (none for other algorithms)."""
+    spec = config.speculative
+    if spec.speculative_algorithm != "EAGLE3":
+        return []
+    draft = read_arch_config(spec.speculative_draft_model_path or "")
+    num_layers = read_arch_config(config.model.model_path or "").num_layers
+    return eagle3_aux_layer_ids(draft.raw, num_layers)
+
+
+def draft_kv_bytes_per_token(config: AerieConfig, dtype: torch.dtype) -> int:
+    """KV bytes per slot of all draft pools together (0 without speculation)."""
+    spec = config.speculative
+    if not spec.enabled:
+        return 0
+    if spec.speculative_algorithm == "MTP":  # S one-layer runners shaped like the target
+        steps = spec.speculative_num_steps
+        return mtp_kv_bytes_per_token(config.model.model_path or "", dtype, steps)
+    draft = read_arch_config(spec.speculative_draft_model_path or "")
+    return kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
