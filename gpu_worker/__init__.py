@@ -2,6 +2,9 @@
 
 Owns model runners (one model + its own KV pool, req_to_token pool and attention backend
 state each), the explicit `ForwardBatch` passed into every model forward, weight loading,
-model architectures, layers, attention backends and KV storage, and per-row sampling.
-`worker.GPUWorker` is the socket-free core; `process.run_gpu_worker_process` moves messages.
+model architectures, layers, attention backends and KV storage, per-row sampling, CUDA graphs
+(`cuda_graph` for the plain decode forward, `stage_graph` for the speculative stages) and
+speculative decoding (`speculative`). `build.build_models` makes all of it from the
+configuration; `worker.GPUWorker` is the socket-free core that runs plans on it;
+`process.run_gpu_worker_process` moves messages.
 """

@@ -8,9 +8,12 @@ Glossary (one name per quantity, for a batch of `bs` requests):
     seq_lens         keys each request attends: positions [0, seq_lens) of its req_to_token
                      row. For EXTEND / DECODE / TARGET_VERIFY / DRAFT_EXTEND this is the KV
                      length AFTER the forward (= prefix_lens + extend_seq_lens); for
-                     DRAFT_DECODE it also covers every branch's draft slots (seq + topk * S).
+                     DRAFT_DECODE it also covers every branch's draft slots
+                     (prefix + topk * S).
     prefix_lens      seq_lens - extend_seq_lens: keys already in the pool before the forward
-                     (host only, `extend_prefix_lens_cpu`).
+                     (host only, `extend_prefix_lens_cpu`). Outside a batch this is the
+                     committed length everywhere: the scheduler's `Request.prefix_len`, the
+                     plan's `prefix_len`, the speculative worker's `prefix_lens`.
 Tokens are concatenated request by request (`[num_tokens]` tensors); `*_cpu` are host copies
 that came with the plan (never read back from the device).
 """

@@ -9,9 +9,9 @@ pad value (request row 0, KV slot 0, length 0: the reserved dummies, so a padded
 touches a live request's KV), replays the graph of the smallest bucket >= bs, and returns views
 of static output buffers (valid until the next call). Larger batches run `fn` directly.
 
-The function `fn(bs, inputs, seq_cpu)` receives the bucket's input views and the host copy of
+The function `fn(bs, inputs, prefix_cpu)` receives the bucket's input views and the host copy of
 the committed lengths (padded with 0): kernels that can be captured read only device tensors;
-`seq_cpu` exists for the eager reference backend (torch_native), whose metadata is built on the
+`prefix_cpu` exists for the eager reference backend (torch_native), whose metadata is built on the
 host. Under capture it holds the pad value. `fn` returns a dict of tensors whose first
 dimension is a multiple of bs (rows per request); they are copied into static outputs sized
 for max_bs.
@@ -64,8 +64,9 @@ class StageGraph:
         self.device = device
         self.captures = capture
         self.inputs = {
-            key: torch.full((self.max_bs, *spec.shape), spec.pad, dtype=spec.dtype,
-                            device=device)  # fmt: skip
+            key: torch.full(
+                (self.max_bs, *spec.shape), spec.pad, dtype=spec.dtype, device=device
+            )  # fmt: skip
             for key, spec in inputs.items()
         }
         self.pads = {key: spec.pad for key, spec in inputs.items()}
@@ -80,13 +81,13 @@ class StageGraph:
         return next(b for b in self.buckets if b >= bs)
 
     def __call__(
-        self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
+        self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
-        """Run the stage for len(seq_cpu) requests on `inputs` (each [bs, ...]); a batch larger
+        """Run the stage for len(prefix_cpu) requests on `inputs` (each [bs, ...]); a batch larger
         than max_bs runs directly (eager, unpadded)."""
-        bs = len(seq_cpu)
+        bs = len(prefix_cpu)
         if bs > self.max_bs:
-            return self.fn(bs, inputs, seq_cpu)
+            return self.fn(bs, inputs, prefix_cpu)
         bucket = self.bucket_for(bs)
         for key, value in inputs.items():
             static = self.inputs[key]
@@ -97,14 +98,14 @@ class StageGraph:
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
-            self._run(bucket, [*seq_cpu, *[0] * (bucket - bs)])
+            self._run(bucket, [*prefix_cpu, *[0] * (bucket - bs)])
         assert self.outputs is not None
         return {key: out[: bs * self.rows_per_req[key]] for key, out in self.outputs.items()}
 
-    def _run(self, bucket: int, seq_cpu: list[int]) -> None:
+    def _run(self, bucket: int, prefix_cpu: list[int]) -> None:
         """The stage on the bucket's static inputs, its results copied to the static outputs."""
         views = {key: buffer[:bucket] for key, buffer in self.inputs.items()}
-        result = self.fn(bucket, views, seq_cpu)
+        result = self.fn(bucket, views, prefix_cpu)
         if self.outputs is None:
             self.outputs = {}
             for key, value in result.items():
@@ -124,15 +125,15 @@ class StageGraph:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(self.buckets):  # largest first: it allocates the static outputs
-            seq_cpu = [0] * bs
+            prefix_cpu = [0] * bs
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(NUM_WARMUP_RUNS):
-                    self._run(bs, seq_cpu)
+                    self._run(bs, prefix_cpu)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._run(bs, seq_cpu)
+                self._run(bs, prefix_cpu)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         log.info(
@@ -141,4 +142,3 @@ class StageGraph:
             time.perf_counter() - start,
             (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )  # fmt: skip
-

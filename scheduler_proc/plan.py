@@ -1,9 +1,9 @@
 """Turn a chosen batch into the `ForwardPlan` message the GPU worker runs. Pure.
 
-Extend: each request runs `fill_ids[kv_len : kv_len + chunk_len]` at positions
-kv_len, kv_len + 1, ... and writes KV at `out_slots`; it samples on its final chunk only.
-Decode: each request runs its newest output token at position kv_len; `out_slots` covers
-[kv_len, kv_len + decode_alloc_len), the headroom speculation writes into.
+Extend: each request runs `fill_ids[prefix_len : prefix_len + chunk_len]` at positions
+prefix_len, prefix_len + 1, ... and writes KV at `out_slots`; it samples on its final chunk only.
+Decode: each request runs its newest output token at position prefix_len; `out_slots` covers
+[prefix_len, prefix_len + decode_alloc_len), the headroom speculation writes into.
 A request carries a `RequestStart` the first time it runs on its row (again after retraction).
 """
 
@@ -34,13 +34,13 @@ def _take_start(req: Request) -> RequestStart | None:
 
 
 def build_extend_plan(plan_id: int, chunks: list[tuple[Request, int, np.ndarray]]) -> ForwardPlan:
-    """chunks: (request, chunk_len, out_slots int32 [chunk_len]), before kv_len advances.
+    """chunks: (request, chunk_len, out_slots int32 [chunk_len]), before prefix_len advances.
 
     Clears `needs_start` on the requests it starts.
     """
     requests = []
     for req, chunk_len, slots in chunks:
-        start, end = req.kv_len, req.kv_len + chunk_len
+        start, end = req.prefix_len, req.prefix_len + chunk_len
         requests.append(
             PlanRequest(
                 rid=req.rid,
@@ -62,7 +62,7 @@ def build_decode_plan(plan_id: int, batch: list[tuple[Request, np.ndarray]]) -> 
         PlanRequest(
             rid=req.rid,
             req_pool_idx=req.req_pool_idx,
-            prefix_len=req.kv_len,
+            prefix_len=req.prefix_len,
             input_ids=pack_ids(req.output_ids[-1:]),
             out_slots=pack_ids(slots),
             sample=True,

@@ -110,7 +110,7 @@ class SchedulePolicy:
 
     def decode_pages_needed(self, decoding: Sequence[Request], allocator: KVAllocator) -> int:
         return sum(
-            allocator.pages_needed(r.req_pool_idx, r.kv_len + self.decode_alloc_len)
+            allocator.pages_needed(r.req_pool_idx, r.prefix_len + self.decode_alloc_len)
             for r in decoding
         )
 
@@ -135,7 +135,7 @@ class SchedulePolicy:
             chunk_len = self._fit_chunk(req, wanted, free_pages, allocator)
             if chunk_len == 0:
                 continue
-            free_pages -= allocator.pages_needed(req.req_pool_idx, req.kv_len + chunk_len)
+            free_pages -= allocator.pages_needed(req.req_pool_idx, req.prefix_len + chunk_len)
             decision.chunks.append((req, chunk_len))
             budget -= chunk_len
         num_rows = min(allocator.num_free_rows, self.max_running_requests - len(running))
@@ -166,10 +166,10 @@ class SchedulePolicy:
     ) -> int:
         """The longest chunk <= chunk_len whose pages fit in free_pages."""
         row, page_size = req.req_pool_idx, allocator.page_size
-        if allocator.pages_needed(row, req.kv_len + chunk_len) <= free_pages:
+        if allocator.pages_needed(row, req.prefix_len + chunk_len) <= free_pages:
             return chunk_len
         capacity = (allocator.num_held_pages(row) + max(free_pages, 0)) * page_size
-        return max(0, min(chunk_len, capacity - req.kv_len))
+        return max(0, min(chunk_len, capacity - req.prefix_len))
 
     def plan_decode(self, running: Sequence[Request], allocator: KVAllocator) -> DecodeDecision:
         """Every decoding request, after retracting the newest running ones until KV fits.
@@ -188,7 +188,9 @@ class SchedulePolicy:
                 break
             kept.remove(req)
             if not req.is_prefilling:
-                need -= allocator.pages_needed(req.req_pool_idx, req.kv_len + self.decode_alloc_len)
+                need -= allocator.pages_needed(
+                    req.req_pool_idx, req.prefix_len + self.decode_alloc_len
+                )
             free_pages += allocator.num_held_pages(req.req_pool_idx)
             retracted.append(req)
         batch = [r for r in kept if not r.is_prefilling]

@@ -4,10 +4,10 @@
        ^                  |
        +----retract-------+   (back to the front of the queue, outputs kept)
 
-A RUNNING request holds a request row (`req_pool_idx`) and KV for positions [0, kv_len).
+A RUNNING request holds a request row (`req_pool_idx`) and KV for positions [0, prefix_len).
 `fill_ids` is what prefill runs: the prompt, or prompt + outputs so far after a retraction.
-While `kv_len < len(fill_ids)` it is prefilling; afterwards it decodes, and then
-`kv_len == len(prompt_ids) + len(output_ids) - 1`: every token but the newest has KV.
+While `prefix_len < len(fill_ids)` it is prefilling; afterwards it decodes, and then
+`prefix_len == len(prompt_ids) + len(output_ids) - 1`: every token but the newest has KV.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)  # aligned with output_ids
     state: ReqState = ReqState.WAITING
     req_pool_idx: int = 0  # 0: holds no row
-    kv_len: int = 0  # positions [0, kv_len) have KV written
+    # The committed length: positions [0, prefix_len) have KV written (the plan's prefix_len,
+    # the worker's prefix_lens; ForwardBatch.seq_lens is the length after a forward).
+    prefix_len: int = 0
     fill_ids: list[int] = field(default_factory=list)
     spec_verify_ct: int = 0
     finish: FinishReason | None = None
@@ -53,11 +55,11 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.kv_len < len(self.fill_ids)
+        return self.prefix_len < len(self.fill_ids)
 
     @property
     def num_remaining_fill(self) -> int:
-        return len(self.fill_ids) - self.kv_len
+        return len(self.fill_ids) - self.prefix_len
 
     @property
     def num_remaining_new_tokens(self) -> int:
@@ -73,6 +75,6 @@ class Request:
         """Back to WAITING without a row or KV; the next prefill recomputes prompt + outputs."""
         self.state = ReqState.WAITING
         self.req_pool_idx = 0
-        self.kv_len = 0
+        self.prefix_len = 0
         self.fill_ids = self.prompt_ids + self.output_ids
         self.needs_start = True

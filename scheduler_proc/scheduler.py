@@ -164,7 +164,7 @@ class Scheduler:
             self.running.append(req)
         chunks = []
         for req, chunk_len in decision.chunks:
-            slots = self.allocator.grow(req.req_pool_idx, req.kv_len + chunk_len)
+            slots = self.allocator.grow(req.req_pool_idx, req.prefix_len + chunk_len)
             assert slots is not None, "policy admitted more than the free KV"
             chunks.append((req, chunk_len, slots))
         return build_extend_plan(self._take_plan_id(), chunks)
@@ -178,7 +178,8 @@ class Scheduler:
             self._retract(req)
         batch = []
         for req in decision.batch:
-            slots = self.allocator.grow(req.req_pool_idx, req.kv_len + self.policy.decode_alloc_len)
+            end = req.prefix_len + self.policy.decode_alloc_len
+            slots = self.allocator.grow(req.req_pool_idx, end)
             assert slots is not None, "policy kept more decoders than the free KV"
             batch.append((req, slots))
         return build_decode_plan(self._take_plan_id(), batch)
@@ -244,10 +245,10 @@ class Scheduler:
             return
         req.spec_verify_ct += num_verify
         if mode == "extend":
-            req.kv_len += num_input
+            req.prefix_len += num_input
         else:
             # The input token and the accepted drafts now have KV; the newest token has none.
-            req.kv_len += len(new_ids)
+            req.prefix_len += len(new_ids)
             self._count_accepts(len(new_ids), num_verify)
         if len(new_ids) == 0:
             return
@@ -262,7 +263,7 @@ class Scheduler:
             self._finish(req, finish)
             return
         if mode == "decode":
-            self.allocator.shrink(req.req_pool_idx, req.kv_len)
+            self.allocator.shrink(req.req_pool_idx, req.prefix_len)
         self._emit(req)
 
     def _count_accepts(self, num_accepted: int, num_verify: int) -> None:

@@ -1,8 +1,8 @@
 """Accepted-path compaction after verify (DESIGN §5 invariant 5, notes §3.11 B and §5.3).
 
 With topk > 1 the accepted nodes of a request are scattered over its verify block
-`seq .. seq+ND-1`; accepted node k must end up at position `seq + j` (j = its index along the
-path, which is also its depth). `compaction_moves` lists the target-pool KV copies that do
+`prefix .. prefix+ND-1`; accepted node k must end up at position `prefix + j` (j = its index
+along the path, which is also its depth). `compaction_moves` lists the target-pool KV copies that do
 that; `compact_rows` reorders per-node rows (verify hidden states,
 predict) the same way. Moves and rows are sized by `bs*(S+1)` (the accept_index width), never
 `bs*ND`, and unused entries are zero (slot 0 -> slot 0 is a harmless dummy move).
@@ -21,7 +21,7 @@ from gpu_worker.speculative.verify import VerifyResult
 
 def compaction_moves(
     result: VerifyResult,
-    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     num_draft_tokens: int,
@@ -29,24 +29,24 @@ def compaction_moves(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KV moves that put the accepted path at the front of each verify block.
 
-    seq_lens [bs] (pre-verify committed length), req_to_token [rows, max_context_len],
+    prefix_lens [bs] (pre-verify committed length), req_to_token [rows, max_context_len],
     req_pool_indices [bs], all on one device -> (dst_slots, src_slots), each [bs*(S+1)] int64
     with request b's entries at `b*(S+1) + j`: for j < accept_lens[b], dst = slot at position
-    `seq + j`, src = slot at `seq + (accept_index[b, j] - b*ND)`; 0 past the accept length.
+    `prefix + j`, src = slot at `prefix + (accept_index[b, j] - b*ND)`; 0 past the accept length.
     Identity moves (node_j == j) are included. Reads only.
     """
-    bs = seq_lens.shape[0]
-    device = seq_lens.device
+    bs = prefix_lens.shape[0]
+    device = prefix_lens.device
     width = num_steps + 1
     step = torch.arange(width, device=device, dtype=torch.int64)  # [S+1]
     valid = step[None, :] < result.accept_lens[:, None]  # [bs, S+1]
     base = torch.arange(bs, device=device, dtype=torch.int64)[:, None] * num_draft_tokens
     node = torch.where(valid, result.accept_index - base, 0)  # [bs, S+1] local node ids
-    seq = seq_lens.to(torch.int64)[:, None]
+    prefix = prefix_lens.to(torch.int64)[:, None]
     rows = req_pool_indices.to(torch.int64)[:, None]
     max_pos = req_to_token.shape[1] - 1
-    dst = req_to_token[rows, (seq + step[None, :]).clamp(max=max_pos)].to(torch.int64)
-    src = req_to_token[rows, (seq + node).clamp(max=max_pos)].to(torch.int64)
+    dst = req_to_token[rows, (prefix + step[None, :]).clamp(max=max_pos)].to(torch.int64)
+    src = req_to_token[rows, (prefix + node).clamp(max=max_pos)].to(torch.int64)
     zero = torch.zeros_like(dst)
     return torch.where(valid, dst, zero).flatten(), torch.where(valid, src, zero).flatten()
 

@@ -1,11 +1,11 @@
 """The multi-step draft cache layout: the single owner of where draft KV lives (DESIGN §5, inv. 4).
 
 Each request's draft scratch lives at LOGICAL positions of its `req_to_token` row, starting at
-`seq` (the committed KV length, i.e. the position of the bonus/root token). Branch `j` owns
-the `num_steps` positions `seq + j*num_steps + 0..num_steps-1` (branch-major, the
+`prefix` (the committed KV length, i.e. the position of the bonus/root token). Branch `j` owns
+the `num_steps` positions `prefix + j*num_steps + 0..num_steps-1` (branch-major, the
 `[bs*topk*S]` layout viewed as `[S, bs*topk]`), and draft step `i` of branch `j` writes its
-draft KV at `seq + j*num_steps + i`. The verify tree reuses `seq .. seq+ND-1` of the same row
-(draft KV goes to the draft pool, verify KV to the target pool), so the scheduler reserves
+draft KV at `prefix + j*num_steps + i`. The verify tree reuses `prefix .. prefix+ND-1` of the
+same row (draft KV goes to the draft pool, verify KV to the target pool), so the scheduler reserves
 `draft_alloc_len(...)` positions of headroom per request per decode step.
 
 Every user (draft loop, attention metadata, CUDA-graph and eager paths) goes through these
@@ -22,32 +22,33 @@ from aerie.config import draft_alloc_len
 __all__ = ["draft_alloc_len"]  # owned by aerie.config so the torch-free scheduler shares it
 
 
-def draft_kv_len(seq_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
-    """Keys attended in draft decode per request: `seq + topk*S` (prefix + every branch slot).
+def draft_seq_lens(prefix_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+    """Keys attended in draft decode per request: `prefix + topk*S` (prefix + every branch slot).
 
-    seq_lens [bs] (any int dtype, any device) -> [bs] int64 on the same device.
+    prefix_lens [bs] (any int dtype, any device) -> [bs] int64 on the same device.
     """
-    return seq_lens.to(torch.int64) + topk * num_steps
+    return prefix_lens.to(torch.int64) + topk * num_steps
 
 
-def draft_run_positions(seq_lens: torch.Tensor, topk: int, step: int) -> torch.Tensor:
-    """Position every row is RUN at in draft decode step `step`: `seq + step` -> [bs*topk] int64.
+def draft_run_positions(prefix_lens: torch.Tensor, topk: int, step: int) -> torch.Tensor:
+    """Position every row is RUN at in draft decode step `step`: `prefix + step` -> [bs*topk] int64.
 
-    Step 0 runs at `seq` (the bonus position; draft position = target position of the input
-    token - 1); positions advance only after each forward (SGLang PR #25015 put step 0 at seq+1).
+    Step 0 runs at `prefix` (the bonus position; draft position = target position of the input
+    token - 1); positions advance only after each forward (SGLang PR #25015 put step 0 at prefix+1).
     """
-    return seq_lens.to(torch.int64).repeat_interleave(topk) + step
+    return prefix_lens.to(torch.int64).repeat_interleave(topk) + step
 
 
-def draft_step_positions(seq_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+def draft_step_positions(prefix_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
     """Logical positions where each draft step writes its KV: [S, bs*topk] int64.
 
-    Entry `[i, b*topk + j]` = `seq_b + j*S + i`. seq_lens [bs] on any device; output on it too.
+    Entry `[i, b*topk + j]` = `prefix_b + j*S + i`. prefix_lens [bs] on any device; output on
+    it too.
     """
-    device = seq_lens.device
-    bs = seq_lens.shape[0]
+    device = prefix_lens.device
+    bs = prefix_lens.shape[0]
     branch_base = torch.arange(topk, device=device, dtype=torch.int64) * num_steps  # [topk]
-    row_base = seq_lens.to(torch.int64)[:, None] + branch_base[None, :]  # [bs, topk]
+    row_base = prefix_lens.to(torch.int64)[:, None] + branch_base[None, :]  # [bs, topk]
     steps = torch.arange(num_steps, device=device, dtype=torch.int64)  # [S]
     return row_base.view(1, bs * topk) + steps[:, None]  # [S, bs*topk]
 
@@ -55,29 +56,29 @@ def draft_step_positions(seq_lens: torch.Tensor, topk: int, num_steps: int) -> t
 def draft_cache_locs(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
     topk: int,
     num_steps: int,
 ) -> torch.Tensor:
     """KV slot ids the draft steps write: [S, bs*topk] int64 = req_to_token[row, position].
 
-    req_to_token [rows, max_context_len] (int32 or int64), req_pool_indices [bs], seq_lens
+    req_to_token [rows, max_context_len] (int32 or int64), req_pool_indices [bs], prefix_lens
     [bs], all on one device. Positions come from `draft_step_positions`. Reads only.
     """
-    positions = draft_step_positions(seq_lens, topk, num_steps)  # [S, bs*topk]
+    positions = draft_step_positions(prefix_lens, topk, num_steps)  # [S, bs*topk]
     rows = req_pool_indices.to(torch.int64).repeat_interleave(topk)  # [bs*topk]
     return req_to_token[rows[None, :], positions].to(torch.int64)
 
 
 def draft_decode_mask(bs: int, topk: int, num_steps: int, step: int, device) -> torch.Tensor:
     """Tree-local custom mask of draft decode step `step`: [bs, topk, topk*S] bool over the
-    draft keys [seq, seq + topk*S) of each request (the prefix before them is visible).
+    draft keys [prefix, prefix + topk*S) of each request (the prefix before them is visible).
 
-    Row `j` sees the positions of its own branch written so far, `seq + j*S + i'` for
+    Row `j` sees the positions of its own branch written so far, `prefix + j*S + i'` for
     `i' <= step` (row-local, as SGLang: a re-parented row still sees its own earlier draft KV).
-    The same for every request, so it needs neither seq_lens nor a host read.
+    The same for every request, so it needs neither prefix_lens nor a host read.
     """
-    keys = torch.arange(topk * num_steps, device=device)  # offset j*S + i from seq
+    keys = torch.arange(topk * num_steps, device=device)  # offset j*S + i from prefix
     rows = torch.arange(topk, device=device)
     mask = (keys[None, :] // num_steps == rows[:, None]) & (keys[None, :] % num_steps <= step)
     return mask.expand(bs, topk, topk * num_steps)

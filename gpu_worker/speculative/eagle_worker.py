@@ -10,11 +10,11 @@ class supplies the EAGLE parts:
     draft_extend   the draft over the fixed S+1 positions after acceptance; refreshes the
                    per-row draft state from each request's last accepted position.
 
-Memory layout: a request with committed KV length `seq` owns positions [seq, seq +
+Memory layout: a request with committed KV length `prefix` owns positions [prefix, prefix +
 decode_alloc_len) of its req_to_token rows for the step (reserved by the scheduler, the same
 slot ids in every runner's pool). Draft scratch KV goes to the draft pool at the positions of
-`draft_step_positions`; the verify nodes to the target pool at seq .. seq + ND - 1. After the
-step, positions seq .. seq + accept_len - 1 hold the target and draft KV of the root and the
+`draft_step_positions`; the verify nodes to the target pool at prefix .. prefix + ND - 1. After the
+step, positions prefix .. prefix + accept_len - 1 hold the target and draft KV of the root and the
 accepted drafts; the scheduler keeps exactly those (it advances by the accept length).
 
 Draft state per request row (kept between steps, like SGLang's FutureMap indexed by row):
@@ -35,8 +35,8 @@ from gpu_worker.speculative.compaction import compaction_moves
 from gpu_worker.speculative.draft_layout import (
     draft_cache_locs,
     draft_decode_mask,
-    draft_kv_len,
     draft_run_positions,
+    draft_seq_lens,
 )
 from gpu_worker.speculative.iteration import SpeculativeWorker
 from gpu_worker.speculative.tree import (
@@ -127,7 +127,11 @@ class EagleWorker(SpeculativeWorker):
         self.store_draft_state(batch.req_pool_indices, out, last)
 
     def draft_tree(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        prefix_cpu: list[int],
+        bonus: torch.Tensor,
     ) -> DraftTree:
         """S draft levels with topk branches from the rows' draft state -> the verify tree.
         Fixed shapes: every draft step runs topk rows per request over the same key layout."""
@@ -138,50 +142,58 @@ class EagleWorker(SpeculativeWorker):
             self.topk_p[rows], self.topk_index[rows], self.hidden[rows], record
         )
         cache_locs = draft_cache_locs(
-            self.draft.req_to_token_pool.req_to_token, rows, seq_lens, topk, steps
+            self.draft.req_to_token_pool.req_to_token, rows, prefix_lens, topk, steps
         )  # [S, bs*topk]
-        kv_lens = draft_kv_len(seq_lens, topk, steps)  # [bs]
-        kv_lens_cpu = [s + topk * steps for s in seq_cpu]
+        seq_lens = draft_seq_lens(prefix_lens, topk, steps)  # [bs], keys each draft row attends
+        seq_lens_cpu = [s + topk * steps for s in prefix_cpu]
         for step in range(steps - 1):
             batch = make_batch(
-                ForwardMode.DRAFT_DECODE, input_ids, draft_run_positions(seq_lens, topk, step),
-                cache_locs[step], rows, kv_lens_cpu, [topk] * bs,
+                ForwardMode.DRAFT_DECODE, input_ids, draft_run_positions(prefix_lens, topk, step),
+                cache_locs[step], rows, seq_lens_cpu, [topk] * bs,
                 custom_mask=draft_decode_mask(bs, topk, steps, step, rows.device),
-                spec_info=SpecInput(hidden), seq_lens=kv_lens,
-                extend_seq_lens=torch.full_like(kv_lens, topk),
+                spec_info=SpecInput(hidden), seq_lens=seq_lens,
+                extend_seq_lens=torch.full_like(seq_lens, topk),
             )  # fmt: skip
             out = self.draft.forward(batch)
             topk_p, topk_index = self.draft_top_k(out.next_token_logits)  # [bs*topk, topk]
             input_ids, hidden, scores = select_next_level(
                 scores, topk_p, topk_index, out.hidden_states, step + 1, record
             )
-        return tree_from_draft(record, bonus, seq_lens, self.shape)
+        return tree_from_draft(record, bonus, prefix_lens, self.shape)
 
-    def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Move the accepted path's target KV to positions seq .. seq + accept_len - 1."""
-        if self.topk == 1:  # a chain: node k already sits at position seq + k
+    def compact(self, result: VerifyResult, rows: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+        """Move the accepted path's target KV to positions prefix .. prefix + accept_len - 1."""
+        if self.topk == 1:  # a chain: node k already sits at position prefix + k
             return
         dst, src = compaction_moves(
-            result, seq_lens, self.target.req_to_token_pool.req_to_token, rows,
-            self.num_draft_tokens, self.num_steps,
+            result,
+            prefix_lens,
+            self.target.req_to_token_pool.req_to_token,
+            rows,
+            self.num_draft_tokens,
+            self.num_steps,
         )
         self.target.kv_pool.move_kv(dst, src)
 
-    def draft_extend(self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]) -> None:
-        """The draft over positions seq .. seq+S: position seq + k pairs the target feature of
-        accepted node k with the token that follows it; the rows' draft state is read at
-        position seq + accept_len - 1 (what runs past it is overwritten next step)."""
-        rows, seq_lens, accept_lens = inputs["rows"], inputs["seq_lens"], inputs["accept_lens"]
+    def draft_extend(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]) -> None:
+        """The draft over positions prefix .. prefix+S: position prefix + k pairs the target
+        feature of accepted node k with the token that follows it; the rows' draft state is read
+        at position prefix + accept_len - 1 (what runs past it is overwritten next step)."""
+        rows, prefix_lens, accept_lens = (
+            inputs["rows"],
+            inputs["prefix_lens"],
+            inputs["accept_lens"],
+        )
         bs, width = rows.shape[0], self.num_steps + 1
         offsets = torch.arange(width, device=rows.device)
-        positions = seq_lens[:, None] + offsets  # [bs, S+1]
+        positions = prefix_lens[:, None] + offsets  # [bs, S+1]
         slots = self.draft.req_to_token_pool.req_to_token[rows[:, None], positions]
         last = torch.arange(bs, device=rows.device) * width + accept_lens - 1  # [bs]
         batch = make_batch(
             ForwardMode.DRAFT_EXTEND, inputs["tokens"].flatten(), positions.flatten(),
-            slots.flatten(), rows, [s + width for s in seq_cpu], [width] * bs,
-            spec_info=SpecInput(inputs["features"].flatten(0, -2)), seq_lens=seq_lens + width,
-            extend_seq_lens=torch.full_like(seq_lens, width), logits_indices=last,
+            slots.flatten(), rows, [s + width for s in prefix_cpu], [width] * bs,
+            spec_info=SpecInput(inputs["features"].flatten(0, -2)), seq_lens=prefix_lens + width,
+            extend_seq_lens=torch.full_like(prefix_lens, width), logits_indices=last,
         )  # fmt: skip
         out = self.draft.forward(batch)
         self.store_draft_state(rows, out, last)

@@ -1,6 +1,6 @@
 """`SpeculativeWorker`: the decode iteration every draft algorithm shares, in fixed shapes.
 
-One iteration for `bs` requests with committed KV lengths `seq` and last emitted tokens
+One iteration for `bs` requests with committed KV lengths `prefix` and last emitted tokens
 `bonus` (no KV yet):
     propose   (stage graph) the draft proposes a tree of ND nodes per request (EAGLE: S draft
               steps of topk branches and the tree selection; MTP: the chain its layers left),
@@ -9,8 +9,8 @@ One iteration for `bs` requests with committed KV lengths `seq` and last emitted
               accept lengths. Plain greedy acceptance (no penalties) runs inside the propose
               stage; otherwise it runs eagerly after it (which sampling stages run is a host
               decision per batch);
-    compact   (topk > 1) the accepted path's target KV moved to positions seq .. seq+acc-1;
-    extend    (stage graph) the draft runs over the fixed S+1 positions seq .. seq+S, pairing
+    compact   (topk > 1) the accepted path's target KV moved to positions prefix .. prefix+acc-1;
+    extend    (stage graph) the draft runs over the fixed S+1 positions prefix .. prefix+S, pairing
               the target feature of accepted node k with the token after it; its state is
               read at each request's last accepted position (accept_len - 1). KV written for
               the rejected positions lies past the new committed length and is overwritten
@@ -49,17 +49,15 @@ class DirectStage:
     def __init__(self, fn: StageFn) -> None:
         self.fn = fn
 
-    def __call__(self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]):
-        return self.fn(len(seq_cpu), inputs, seq_cpu)
+    def __call__(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]):
+        return self.fn(len(prefix_cpu), inputs, prefix_cpu)
 
 
 class SpeculativeWorker:
     """Subclasses implement `draft_tree` (the proposal), `draft_extend` (after acceptance),
     `target_features` and `draft_prefill`, then call `build_stages`."""
 
-    def __init__(
-        self, target: ModelRunner, sampling: SamplingState, shape: DraftShape
-    ) -> None:
+    def __init__(self, target: ModelRunner, sampling: SamplingState, shape: DraftShape) -> None:
         self.target, self.sampling, self.shape = target, sampling, shape
         self.num_steps, self.topk = shape.num_steps, shape.topk
         self.num_draft_tokens = shape.num_draft_tokens
@@ -67,21 +65,23 @@ class SpeculativeWorker:
     # ------------------------------------------------------------------------ subclass API
 
     def draft_tree(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        prefix_cpu: list[int],
+        bonus: torch.Tensor,
     ) -> DraftTree:
         raise NotImplementedError
 
-    def draft_extend(
-        self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
-    ) -> None:
-        """inputs: rows, seq_lens, accept_lens [bs]; tokens [bs, S+1] (accepted drafts, then the
+    def draft_extend(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]) -> None:
+        """inputs: rows, prefix_lens, accept_lens [bs]; tokens [bs, S+1] (accepted drafts, then the
         bonus); features [bs*(S+1), H_f] (the target feature of each accepted node)."""
         raise NotImplementedError
 
     def target_features(self, out) -> torch.Tensor:
         raise NotImplementedError
 
-    def compact(self, result: VerifyResult, rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    def compact(self, result: VerifyResult, rows: torch.Tensor, prefix_lens: torch.Tensor) -> None:
         """Move the accepted path's target KV into place (only trees need it)."""
 
     # ------------------------------------------------------------------------ the stages
@@ -95,16 +95,14 @@ class SpeculativeWorker:
             return
         width = self.num_steps + 1
         extend_inputs = {
-            "rows": PER_REQUEST, "seq_lens": PER_REQUEST, "accept_lens": StageInput(pad=1),
+            "rows": PER_REQUEST, "prefix_lens": PER_REQUEST, "accept_lens": StageInput(pad=1),
             "tokens": StageInput((width,)),
             "features": StageInput((width, self.feature_width()), self.target.dtype),
         }  # fmt: skip
         device = self.target.device
-        capture = device.type == "cuda" and all(
-            r.attn_backend.supports_cuda_graph for r in runners
-        )
+        capture = device.type == "cuda" and all(r.attn_backend.supports_cuda_graph for r in runners)
         pool = torch.cuda.graph_pool_handle() if capture else None
-        proposal_inputs = {"rows": PER_REQUEST, "seq_lens": PER_REQUEST, "bonus": PER_REQUEST}
+        proposal_inputs = {"rows": PER_REQUEST, "prefix_lens": PER_REQUEST, "bonus": PER_REQUEST}
         self.propose_stage = StageGraph("draft and verify", self.propose, proposal_inputs,
                                         graph_max_bs, device, capture, pool)  # fmt: skip
         self.extend_stage = StageGraph("draft extend", self._extend, extend_inputs,
@@ -115,12 +113,12 @@ class SpeculativeWorker:
         raise NotImplementedError
 
     def propose(
-        self, bs: int, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
+        self, bs: int, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
         """The draft's tree and the target's verify forward over it (one stage)."""
-        rows, seq_lens = inputs["rows"], inputs["seq_lens"]
-        tree = self.draft_tree(rows, seq_lens, seq_cpu, inputs["bonus"])
-        out = verify_tree(self.target, tree, rows, seq_lens, seq_cpu)
+        rows, prefix_lens = inputs["rows"], inputs["prefix_lens"]
+        tree = self.draft_tree(rows, prefix_lens, prefix_cpu, inputs["bonus"])
+        out = verify_tree(self.target, tree, rows, prefix_lens, prefix_cpu)
         features = self.target_features(out)
         # Greedy acceptance without penalties needs nothing from the host: done here, in the
         # graph, and used whenever the whole batch is plain greedy.
@@ -131,9 +129,9 @@ class SpeculativeWorker:
                 "greedy_features": compact_rows(features, greedy)}  # fmt: skip
 
     def _extend(
-        self, bs: int, inputs: dict[str, torch.Tensor], seq_cpu: list[int]
+        self, bs: int, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
-        self.draft_extend(inputs, seq_cpu)
+        self.draft_extend(inputs, prefix_cpu)
         return {}
 
     # ------------------------------------------------------------------------ an iteration
@@ -142,16 +140,16 @@ class SpeculativeWorker:
         self,
         rows: torch.Tensor,
         rows_cpu: np.ndarray,
-        seq_lens: torch.Tensor,
-        seq_cpu: list[int],
+        prefix_lens: torch.Tensor,
+        prefix_cpu: list[int],
         bonus: torch.Tensor,
         want_logprobs: bool,
     ) -> SpecStepOutput:
         """One iteration for the requests on `rows` ([bs] device, rows_cpu its host copy) with
-        committed KV lengths seq_lens ([bs] device, seq_cpu on the host) whose last emitted
+        committed KV lengths prefix_lens ([bs] device, prefix_cpu on the host) whose last emitted
         token (no KV yet) is `bonus` [bs]."""
-        proposed = self.propose_stage({"rows": rows, "seq_lens": seq_lens, "bonus": bonus},
-                                      seq_cpu)  # fmt: skip
+        proposed = self.propose_stage({"rows": rows, "prefix_lens": prefix_lens, "bonus": bonus},
+                                      prefix_cpu)  # fmt: skip
         tree = tree_from_tensors(proposed, self.shape)
         if self.sampling.plain_greedy(rows_cpu):
             correct = proposed["greedy_num_correct"]
@@ -164,9 +162,9 @@ class SpeculativeWorker:
                 self.sampling, tree, proposed["logits"], rows, rows_cpu, want_logprobs
             )
             features = compact_rows(proposed["features"], result)
-        self.compact(result, rows, seq_lens)
+        self.compact(result, rows, prefix_lens)
         self.extend_stage({
-            "rows": rows, "seq_lens": seq_lens, "accept_lens": result.accept_lens,
+            "rows": rows, "prefix_lens": prefix_lens, "accept_lens": result.accept_lens,
             "tokens": step.tokens, "features": features,
-        }, seq_cpu)  # fmt: skip
+        }, prefix_cpu)  # fmt: skip
         return step

@@ -20,11 +20,11 @@ Everything is tensors, the same for every request:
 - the hidden stash [rows, S-1, H] per request row: the target hidden at the last S-1 committed
   positions, so a window reaching before `start` finds its features there.
 A prefill chunk's windows are ragged ([max(start-k, 0), end), host lengths from the plan); the
-draft extend after verify runs fixed windows of S+1+k positions from max(seq-k, 0) (past the
+draft extend after verify runs fixed windows of S+1+k positions from max(prefix-k, 0) (past the
 new end they compute garbage KV that the next step overwrites before reading), so it can be
 captured in a CUDA graph. The predictions at each request's position end-1 form the chain
 d_1 .. d_S the next decode step verifies (a tree of ND = S+1 nodes); a chain needs no
-compaction: node k already sits at position seq + k.
+compaction: node k already sits at position prefix + k.
 """
 
 from __future__ import annotations
@@ -61,22 +61,26 @@ class StackWindow:
 
 
 def fixed_window(
-    seq_lens: torch.Tensor, accept_lens: torch.Tensor, seq_cpu: list[int], layer: int, steps: int
+    prefix_lens: torch.Tensor,
+    accept_lens: torch.Tensor,
+    prefix_cpu: list[int],
+    layer: int,
+    steps: int,
 ) -> StackWindow:
-    """Layer `layer`'s window after a verify: S+1+layer positions from max(seq - layer, 0),
-    which covers [seq - layer, seq + accept_len). Device arithmetic only."""
-    bs, length = seq_lens.shape[0], steps + 1 + layer
-    device = seq_lens.device
-    first = (seq_lens - layer).clamp(min=0)  # [bs]
+    """Layer `layer`'s window after a verify: S+1+layer positions from max(prefix - layer, 0),
+    which covers [prefix - layer, prefix + accept_len). Device arithmetic only."""
+    bs, length = prefix_lens.shape[0], steps + 1 + layer
+    device = prefix_lens.device
+    first = (prefix_lens - layer).clamp(min=0)  # [bs]
     offsets = torch.arange(length, device=device)
     batch_index = torch.arange(bs, device=device)
     return StackWindow(
         token_req=batch_index[:, None].expand(bs, length).flatten(),
         positions=(first[:, None] + offsets).flatten(),
-        last=batch_index * length + seq_lens + accept_lens - 1 - first,
+        last=batch_index * length + prefix_lens + accept_lens - 1 - first,
         seq_lens=first + length,
-        extend_lens=torch.full_like(seq_lens, length),
-        seq_cpu=[max(s - layer, 0) + length for s in seq_cpu],
+        extend_lens=torch.full_like(prefix_lens, length),
+        seq_cpu=[max(s - layer, 0) + length for s in prefix_cpu],
         extend_cpu=[length] * bs,
     )
 
@@ -206,18 +210,28 @@ class MTPWorker(SpeculativeWorker):
                        target_out.hidden_states, dev_offsets, stack_windows)  # fmt: skip
 
     def draft_tree(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_cpu: list[int], bonus: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        prefix_cpu: list[int],
+        bonus: torch.Tensor,
     ) -> DraftTree:
         """The chain the stack left for these rows, after the bonus token."""
-        return chain_tree(bonus, self.chain[rows], seq_lens, self.num_steps)
+        return chain_tree(bonus, self.chain[rows], prefix_lens, self.num_steps)
 
-    def draft_extend(self, inputs: dict[str, torch.Tensor], seq_cpu: list[int]) -> None:
+    def draft_extend(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]) -> None:
         """The stack over the accepted positions, in fixed windows."""
-        rows, seq_lens, accept_lens = inputs["rows"], inputs["seq_lens"], inputs["accept_lens"]
+        rows, prefix_lens, accept_lens = (
+            inputs["rows"],
+            inputs["prefix_lens"],
+            inputs["accept_lens"],
+        )
         bs, steps = rows.shape[0], self.num_steps
         line = torch.zeros(bs, 2 * steps + 1, dtype=torch.int64, device=rows.device)
         line[:, : steps + 1] = inputs["tokens"]
-        windows = [fixed_window(seq_lens, accept_lens, seq_cpu, k, steps) for k in range(steps)]
+        windows = [
+            fixed_window(prefix_lens, accept_lens, prefix_cpu, k, steps) for k in range(steps)
+        ]
         offsets = torch.arange(bs, device=rows.device) * (steps + 1)
-        self.run_stack(rows, seq_lens, line, accept_lens, inputs["features"].flatten(0, -2),
+        self.run_stack(rows, prefix_lens, line, accept_lens, inputs["features"].flatten(0, -2),
                        offsets, windows)  # fmt: skip

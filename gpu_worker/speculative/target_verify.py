@@ -36,20 +36,20 @@ def verify_tree(
     target: ModelRunner,
     tree: DraftTree,
     rows: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_cpu: list[int],
+    prefix_lens: torch.Tensor,
+    prefix_cpu: list[int],
 ) -> LogitsOutput:
     """One target forward over all ND nodes of every tree; node k's KV goes to the slot of
-    position seq + k (its rotary position is seq + depth). Fixed shapes, device lengths
-    (seq_cpu only feeds host-planned backends)."""
+    position prefix + k (its rotary position is prefix + depth). Fixed shapes, device lengths
+    (prefix_cpu only feeds host-planned backends)."""
     nd, bs = tree.num_draft_tokens, rows.shape[0]
-    offsets = torch.arange(nd, device=seq_lens.device)
-    positions = seq_lens.long()[:, None] + offsets  # [bs, ND]
+    offsets = torch.arange(nd, device=prefix_lens.device)
+    positions = prefix_lens.long()[:, None] + offsets  # [bs, ND]
     slots = target.req_to_token_pool.req_to_token[rows.long()[:, None], positions]  # [bs, ND]
     batch = make_batch(
         ForwardMode.TARGET_VERIFY, tree.tokens, tree.positions, slots.flatten(), rows,
-        [s + nd for s in seq_cpu], [nd] * bs, custom_mask=tree.custom_mask,
-        seq_lens=seq_lens + nd, extend_seq_lens=torch.full_like(seq_lens, nd),
+        [s + nd for s in prefix_cpu], [nd] * bs, custom_mask=tree.custom_mask,
+        seq_lens=prefix_lens + nd, extend_seq_lens=torch.full_like(prefix_lens, nd),
     )  # fmt: skip
     return target.forward(batch)
 
@@ -65,8 +65,12 @@ def tree_tensors(tree: DraftTree) -> dict[str, torch.Tensor]:
 
 def tree_from_tensors(tensors: dict[str, torch.Tensor], like: DraftShape) -> DraftTree:
     """The tree back from `tree_tensors` (e.g. views of a stage graph's static outputs)."""
-    return DraftTree(**{name: tensors[name] for name in TREE_TENSORS}, topk=like.topk,
-                     num_steps=like.num_steps, num_draft_tokens=like.num_draft_tokens)
+    return DraftTree(
+        **{name: tensors[name] for name in TREE_TENSORS},
+        topk=like.topk,
+        num_steps=like.num_steps,
+        num_draft_tokens=like.num_draft_tokens,
+    )
 
 
 @dataclass(frozen=True)

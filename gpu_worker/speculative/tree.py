@@ -113,7 +113,7 @@ class DraftShape:
 class DraftTree:
     """A batch of draft trees of `num_draft_tokens` (ND) nodes each, ready for verify.
 
-    tokens [bs*ND] int64 (node 0 = bonus/root); positions [bs*ND] int64 (= seq + depth);
+    tokens [bs*ND] int64 (node 0 = bonus/root); positions [bs*ND] int64 (= prefix + depth);
     custom_mask [bs, ND, ND] bool, the tree-local verify mask over the ND node keys (row k:
     node k itself and its ancestors; the prefix before the nodes is always visible);
     retrieve_index, next_token, next_sibling [bs, ND] int64 (-1 = none; retrieve_index[b, k]
@@ -189,18 +189,18 @@ def build_tree(
     parent_list: torch.Tensor,
     top_scores_index: torch.Tensor,
     draft_tokens: torch.Tensor,
-    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
     topk: int,
     num_steps: int,
     num_draft_tokens: int,
 ) -> DraftTree:
     """Build the verify trees from `organize_draft`'s output.
 
-    bonus_tokens [bs], seq_lens [bs] (committed KV length = root position), the rest as
+    bonus_tokens [bs], prefix_lens [bs] (committed KV length = root position), the rest as
     returned by `organize_draft`; all on one device. Fixed shapes, no host reads.
     """
-    bs, nd = seq_lens.shape[0], num_draft_tokens
-    device = seq_lens.device
+    bs, nd = prefix_lens.shape[0], num_draft_tokens
+    device = prefix_lens.device
     parents = find_parents(parent_list, top_scores_index, topk)  # [bs, ND]
     ancestors, depth = find_ancestors(parents, num_steps)
     next_token, next_sibling = link_children(parents)
@@ -211,7 +211,7 @@ def build_tree(
     )
     return DraftTree(
         tokens=tokens.flatten(),
-        positions=(seq_lens.to(torch.int64)[:, None] + depth).flatten(),
+        positions=(prefix_lens.to(torch.int64)[:, None] + depth).flatten(),
         custom_mask=ancestors,
         retrieve_index=retrieve_index,
         next_token=next_token,
@@ -243,31 +243,34 @@ def chain_constants(nd: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def tree_from_draft(
-    record: DraftRecord, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor, shape: DraftShape
+    record: DraftRecord, bonus_tokens: torch.Tensor, prefix_lens: torch.Tensor, shape: DraftShape
 ) -> DraftTree:
     """The verify trees of a finished draft loop: a chain (topk 1, ND = S+1) directly from
     its tokens, any other shape through `organize_draft` and `build_tree`."""
     topk, steps, nd = shape.topk, shape.num_steps, shape.num_draft_tokens
     if topk == 1 and nd == steps + 1:
-        return chain_tree(bonus_tokens, torch.cat(record.tokens, dim=1), seq_lens, steps)
+        return chain_tree(bonus_tokens, torch.cat(record.tokens, dim=1), prefix_lens, steps)
     top_scores_index, draft_tokens, parent_list = organize_draft(record, nd, topk, steps)
-    return build_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, seq_lens, topk,
+    return build_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, prefix_lens, topk,
                       steps, nd)  # fmt: skip
 
 
 def chain_tree(
-    bonus_tokens: torch.Tensor, draft_tokens: torch.Tensor, seq_lens: torch.Tensor, num_steps: int
+    bonus_tokens: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    num_steps: int,
 ) -> DraftTree:
     """topk == 1, ND == S+1: node k is draft k at depth k, every node's only child is the next
     one (draft_tokens [bs, S]). What `build_tree` computes for such a tree, from constants."""
-    bs, nd = seq_lens.shape[0], num_steps + 1
-    c = chain_constants(nd, seq_lens.device)
+    bs, nd = prefix_lens.shape[0], num_steps + 1
+    c = chain_constants(nd, prefix_lens.device)
     tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
-    rows = torch.arange(bs, device=seq_lens.device, dtype=torch.int64)[:, None] * nd
+    rows = torch.arange(bs, device=prefix_lens.device, dtype=torch.int64)[:, None] * nd
     ancestors = c["ancestors"].expand(bs, nd, nd)
     return DraftTree(
         tokens=tokens.flatten(),
-        positions=(seq_lens.to(torch.int64)[:, None] + c["node"]).flatten(),
+        positions=(prefix_lens.to(torch.int64)[:, None] + c["node"]).flatten(),
         custom_mask=ancestors,
         retrieve_index=c["node"] + rows,
         next_token=c["next_token"].expand(bs, nd),

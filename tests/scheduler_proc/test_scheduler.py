@@ -245,7 +245,7 @@ def test_decode_headroom_is_reserved_then_shrunk():
     plan = sched.next_plan()  # prefill
     collector.add(sched.apply_result(plan, worker.run(plan)))
     req = sched.running[0]
-    assert req.kv_len == 3 and sched.allocator.allocated_len(req.req_pool_idx) == 3
+    assert req.prefix_len == 3 and sched.allocator.allocated_len(req.req_pool_idx) == 3
     plan = sched.next_plan()
     entry = plan.requests[0]
     assert plan.mode == "decode" and entry.prefix_len == 3
@@ -254,7 +254,7 @@ def test_decode_headroom_is_reserved_then_shrunk():
     assert sched.allocator.allocated_len(req.req_pool_idx) == 8
     assert sched.allocator.num_held_pages(req.req_pool_idx) == 4
     collector.add(sched.apply_result(plan, worker.run(plan)))
-    assert req.kv_len == 5 and sched.allocator.allocated_len(req.req_pool_idx) == 5
+    assert req.prefix_len == 5 and sched.allocator.allocated_len(req.req_pool_idx) == 5
     assert sched.allocator.num_held_pages(req.req_pool_idx) == 3
     assert collector.outputs["a"] == reference_output(prompt, 3)
     stats = sched.stats()

@@ -214,16 +214,16 @@ def test_draft_positions(models, monkeypatch):
     original_tree = worker.spec.draft_tree
     checked = []
 
-    def tree_spy(rows, seq_lens, seq_cpu, bonus):
+    def tree_spy(rows, prefix_lens, seq_cpu, bonus):
         seen.clear()
-        before = seq_lens.clone()
-        tree = original_tree(rows, seq_lens, seq_cpu, bonus)
-        assert torch.equal(seq_lens, before)
+        before = prefix_lens.clone()
+        tree = original_tree(rows, prefix_lens, seq_cpu, bonus)
+        assert torch.equal(prefix_lens, before)
         locs = draft_layout.draft_cache_locs(
-            worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, seq_lens, 2, 4)
+            worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, prefix_lens, 2, 4)
         assert len(seen) == 3  # S - 1 forwards
         for step, (positions, slots) in enumerate(seen):
-            assert positions.tolist() == (seq_lens.repeat_interleave(2) + step).tolist()
+            assert positions.tolist() == (prefix_lens.repeat_interleave(2) + step).tolist()
             assert torch.equal(slots, locs[step])
         checked.append(True)
         return tree

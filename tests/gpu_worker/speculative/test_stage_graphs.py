@@ -29,25 +29,25 @@ def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
 
     def fn(bs, inputs, seq_cpu):
         seen.append((bs, inputs["rows"].tolist(), list(seq_cpu)))
-        return {"out": inputs["rows"] * 10 + inputs["seq_lens"],
+        return {"out": inputs["rows"] * 10 + inputs["prefix_lens"],
                 "pair": inputs["tokens"].flatten()}  # fmt: skip
 
-    inputs = {"rows": StageInput(), "seq_lens": StageInput(), "tokens": StageInput((2,), pad=7)}
+    inputs = {"rows": StageInput(), "prefix_lens": StageInput(), "tokens": StageInput((2,), pad=7)}
     stage = StageGraph("test", fn, inputs, 6, torch.device("cpu"), capture=False)
     assert stage.buckets == [1, 2, 4, 6]
-    out = stage({"rows": torch.tensor([3, 1, 2, 5, 4]), "seq_lens": torch.tensor([9] * 5),
+    out = stage({"rows": torch.tensor([3, 1, 2, 5, 4]), "prefix_lens": torch.tensor([9] * 5),
                  "tokens": torch.arange(10).view(5, 2)}, [9] * 5)  # fmt: skip
     assert out["out"].tolist() == [39, 19, 29, 59, 49]
     assert out["pair"].tolist() == list(range(10))
     assert seen[-1] == (6, [3, 1, 2, 5, 4, 0], [9] * 5 + [0])  # padded to row 0, length 0
-    out = stage({"rows": torch.tensor([8, 6]), "seq_lens": torch.tensor([1, 2]),
+    out = stage({"rows": torch.tensor([8, 6]), "prefix_lens": torch.tensor([1, 2]),
                  "tokens": torch.ones(2, 2, dtype=torch.int64)}, [1, 2])  # fmt: skip
     assert out["out"].tolist() == [81, 62] and out["pair"].tolist() == [1] * 4
     assert seen[-1] == (2, [8, 6], [1, 2])
     # The rows the larger batch left behind are back to the dummies.
     assert stage.inputs["rows"].tolist() == [8, 6, 0, 0, 0, 0]
     assert stage.inputs["tokens"][2:].eq(7).all()
-    big = stage({"rows": torch.arange(1, 8), "seq_lens": torch.zeros(7, dtype=torch.int64),
+    big = stage({"rows": torch.arange(1, 8), "prefix_lens": torch.zeros(7, dtype=torch.int64),
                  "tokens": torch.zeros(7, 2, dtype=torch.int64)}, [0] * 7)  # fmt: skip
     assert big["out"].tolist() == [10 * r for r in range(1, 8)] and seen[-1][0] == 7  # direct
 
@@ -77,7 +77,7 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
     spec = worker.spec
     step = worker._write_slots(parse_plan(plan, worker.max_running_requests), speculative=True)
     seq_cpu = [r.prefix_len for r in plan.requests]
-    inputs = {"rows": step.rows, "seq_lens": step.prefix_lens, "bonus": step.input_ids}
+    inputs = {"rows": step.rows, "prefix_lens": step.prefix_lens, "bonus": step.input_ids}
     before = {k: v.clone() for k, v in inputs.items()}
     eager = {k: v.clone() for k, v in spec.propose(len(seq_cpu), inputs, seq_cpu).items()}
     for _ in range(3):
