@@ -180,8 +180,9 @@ def time_plan(worker: GPUWorker, plan, device: str, iters: int) -> tuple[float, 
     return (time.perf_counter() - start) / iters, sum(unpack_ids(result.num_tokens))
 
 
-def profile_plan(worker: GPUWorker, plan, iters: int = 5) -> tuple[float, float]:
-    """(GPU kernels, GPU busy milliseconds) per `execute` of the plan, from the profiler."""
+def profile_plan(worker: GPUWorker, plan, iters: int = 5) -> dict:
+    """Per `execute` of the plan, from the profiler: GPU kernels, GPU busy milliseconds, and
+    the kernels by name (count and microseconds per execute, the most expensive first)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,8 +191,15 @@ def profile_plan(worker: GPUWorker, plan, iters: int = 5) -> tuple[float, float]
             worker.execute(plan)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
+    table = [{"kernel": name, "count": n / iters, "us": us / iters}
+             for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]  # fmt: skip
     busy_us = sum(e.device_time for e in kernels)
-    return len(kernels) / iters, busy_us / iters / 1e3
+    return {"kernels": len(kernels) / iters, "gpu_ms": busy_us / iters / 1e3, "table": table}
 
 
 def streamed_bytes(model: torch.nn.Module) -> int:
@@ -273,10 +281,11 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
                 "agreeing_speedup": agreed_tokens / agreed_s / (bs / plain[bs]),
             })  # fmt: skip
             if args.profile:
-                (plain_kernels, plain_busy), (kernels, busy) = profiles["plain"][bs], \
-                    profiles[shape][bs]
-                rows[-1].update(plain_kernels=plain_kernels, plain_gpu_ms=plain_busy,
-                                kernels=kernels, gpu_ms=busy)  # fmt: skip
+                plain_profile, profile = profiles["plain"][bs], profiles[shape][bs]
+                rows[-1].update(plain_kernels=plain_profile["kernels"],
+                                plain_gpu_ms=plain_profile["gpu_ms"], kernels=profile["kernels"],
+                                gpu_ms=profile["gpu_ms"], kernel_table=profile["table"],
+                                plain_kernel_table=plain_profile["table"])  # fmt: skip
         del worker
     return rows
 
@@ -298,6 +307,9 @@ def print_iterations(args, rows: list[dict]) -> None:
         if "kernels" in r:
             print(f"{'':34s} kernels {r['plain_kernels']:.0f} -> {r['kernels']:.0f}, GPU busy "
                   f"{r['plain_gpu_ms']:.3f} -> {r['gpu_ms']:.3f} ms")
+            for k in r["kernel_table"][: args.profile_top]:
+                print(f"{'':38s} {k['count']:5.0f} x {k['us'] / max(k['count'], 1):7.1f} us  "
+                      f"{k['kernel'][:70]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-len", type=int, default=256,
                         help="--mode iteration: prompt tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="--mode iteration: timed steps")
+    parser.add_argument("--profile-top", type=int, default=0,
+                        help="with --profile: print the N most expensive kernels of each row")
     parser.add_argument("--profile", action="store_true",
                         help="--mode iteration on CUDA: kernels and GPU busy time per step")
     args = parser.parse_args(argv)

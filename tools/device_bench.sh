@@ -101,7 +101,7 @@ if [[ $1 == spec-graphs ]]; then
       shapes=${SHAPES:-"1,1,2 3,1,4 5,1,6 5,4,8 6,8,32"}; [[ $algo == MTP ]] && shapes="1,1,2 3,1,4"
       timeout ${BENCH_S:-240} python benchmarks/bench_speculative.py --mode iteration \
         --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" \
-        --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} ${PROFILE:+--profile} \
+        --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} ${PROFILE:+--profile --profile-top ${PROFILE_TOP:-0}} \
         --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1
       grep -v "INFO\|^\[" "$OUT/iter_${m}_$algo.txt" | tail -14
     done
