@@ -2,12 +2,15 @@
 
 Decode (one query per request, no custom mask) runs `kernels.decode_attention`: RoPE, the K/V
 store and split-K GQA attention with its combine, in ONE kernel per layer. Every other mode
-(extend / prefill over a prefix in the pool, tree verify and multi-step draft decode through
-the tree-local custom mask) runs `kernels.rotary.rope_and_store_kv` then
-`kernels.extend_attention`. The kernels read KV positions through req_to_token on the device
-and take every length from device tensors, so metadata needs no host read of seq_lens and the
-same launches replay in CUDA graphs; the host values they use (`max_extend_len`) come with
-the plan. On CPU the kernels run under TRITON_INTERPRET=1 (slow; how CI checks them).
+runs `kernels.rotary.rope_and_store_kv`, then attention over the pool: a batch in which every
+request runs the same few queries (tree verify, multi-step draft decode through the tree-local
+custom mask, the speculative draft extend over fixed windows) takes
+`kernels.few_query_attention`, split-K and GQA-grouped like decode; anything else (extend /
+prefill over a prefix in the pool, ragged lengths) takes `kernels.extend_attention`. The
+kernels read KV positions through req_to_token on the device and take every length from device
+tensors, so metadata needs no host read of seq_lens and the same launches replay in CUDA
+graphs; the host values they use (`max_extend_len`, the number of queries) come with the plan.
+On CPU the kernels run under TRITON_INTERPRET=1 (slow; how CI checks them).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from gpu_worker.kernels.decode_attention import (
     decode_attention,
 )
 from gpu_worker.kernels.extend_attention import extend_attention
+from gpu_worker.kernels.few_query_attention import (
+    FewQueryScratch,
+    few_query_attention,
+    fits,
+)
 from gpu_worker.kernels.rotary import rope_and_store_kv
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
 
@@ -37,6 +45,12 @@ CPU_NUM_SMS = 32  # the interpreter has no SMs; enough splits to exercise the co
 
 @dataclass(frozen=True)
 class DecodeMetadata:
+    num_splits: int
+
+
+@dataclass(frozen=True)
+class FewQueryMetadata:
+    num_queries: int  # per request, the same for every request
     num_splits: int
 
 
@@ -64,6 +78,11 @@ class TritonBackend(AttentionBackend):
         )
         self.num_kv_heads, self.head_dim = kv_pool.k_buffers[0].shape[1:]
         self.scratch = self._scratch(req_to_token_pool.num_rows)
+        # One per number of queries, allocated on first use (before any capture: stage graphs
+        # run each bucket eagerly first, the largest first); one outgrown by a larger batch is
+        # kept alive, since captured launches may still point into it.
+        self.few_query_scratch: dict[int, FewQueryScratch] = {}
+        self.retired_scratch: list[FewQueryScratch] = []
 
     def _scratch(self, max_bs: int) -> DecodeScratch:
         return DecodeScratch.allocate(max_bs, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -71,12 +90,29 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------- metadata
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
+    def init_forward_metadata(
+        self, batch: ForwardBatch
+    ) -> DecodeMetadata | FewQueryMetadata | ExtendMetadata:
         if batch.mode == ForwardMode.DECODE and batch.custom_mask is None:
             bs = batch.batch_size
             if bs > self.scratch.max_bs:
                 self.scratch = self._scratch(bs)
             return DecodeMetadata(choose_num_splits(bs, self.num_kv_heads, self.num_sms))
+        lens_cpu = batch.extend_seq_lens_cpu
+        if batch.mode != ForwardMode.EXTEND and lens_cpu and len(set(lens_cpu)) == 1:
+            queries = lens_cpu[0]
+            if fits(queries, self.num_heads, self.num_kv_heads):
+                bs = len(lens_cpu)
+                scratch = self.few_query_scratch.get(queries)
+                if scratch is None or scratch.max_bs < bs:
+                    if scratch is not None:  # captured graphs may still point into it
+                        self.retired_scratch.append(scratch)
+                    self.few_query_scratch[queries] = FewQueryScratch.allocate(
+                        max(bs, self.req_to_token_pool.num_rows), queries, self.num_heads,
+                        self.num_kv_heads, self.head_dim, self.num_sms, self.kv_pool.device,
+                    )  # fmt: skip
+                splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
+                return FewQueryMetadata(queries, splits)
         lens = batch.extend_seq_lens.to(torch.int64)
         start_loc = torch.cumsum(lens, 0) - lens  # [bs], on the device
         return ExtendMetadata(start_loc, max(batch.extend_seq_lens_cpu, default=0))
@@ -86,7 +122,9 @@ class TritonBackend(AttentionBackend):
         if max_bs > self.scratch.max_bs:
             self.scratch = self._scratch(max_bs)
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
+    def init_forward_metadata_capture(
+        self, batch: ForwardBatch
+    ) -> DecodeMetadata | FewQueryMetadata | ExtendMetadata:
         return self.init_forward_metadata(batch)  # device work only: it is captured too
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
@@ -112,6 +150,12 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
         meta = batch.attn_metadata
+        if isinstance(meta, FewQueryMetadata):
+            return few_query_attention(
+                q, k_buffer, v_buffer, self.req_to_token_pool.req_to_token,
+                batch.req_pool_indices, batch.seq_lens, meta.num_queries, layer.scaling,
+                meta.num_splits, self.few_query_scratch[meta.num_queries], batch.custom_mask,
+            )  # fmt: skip
         return extend_attention(
             q, k_buffer, v_buffer, self.req_to_token_pool.req_to_token, batch.req_pool_indices,
             batch.seq_lens, batch.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len,

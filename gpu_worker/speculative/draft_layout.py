@@ -15,6 +15,8 @@ branch-minor: `row = b*topk + j`. All functions are pure and keep tensors on the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from aerie.config import draft_alloc_len
@@ -36,7 +38,8 @@ def draft_run_positions(prefix_lens: torch.Tensor, topk: int, step: int) -> torc
     Step 0 runs at `prefix` (the bonus position; draft position = target position of the input
     token - 1); positions advance only after each forward (SGLang PR #25015 put step 0 at prefix+1).
     """
-    return prefix_lens.to(torch.int64).repeat_interleave(topk) + step
+    positions = prefix_lens.to(torch.int64)
+    return (positions if topk == 1 else positions.repeat_interleave(topk)) + step
 
 
 def draft_step_positions(prefix_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
@@ -66,7 +69,8 @@ def draft_cache_locs(
     [bs], all on one device. Positions come from `draft_step_positions`. Reads only.
     """
     positions = draft_step_positions(prefix_lens, topk, num_steps)  # [S, bs*topk]
-    rows = req_pool_indices.to(torch.int64).repeat_interleave(topk)  # [bs*topk]
+    rows = req_pool_indices.to(torch.int64)
+    rows = rows if topk == 1 else rows.repeat_interleave(topk)  # [bs*topk]
     return req_to_token[rows[None, :], positions].to(torch.int64)
 
 
@@ -78,7 +82,15 @@ def draft_decode_mask(bs: int, topk: int, num_steps: int, step: int, device) -> 
     `i' <= step` (row-local, as SGLang: a re-parented row still sees its own earlier draft KV).
     The same for every request, so it needs neither prefix_lens nor a host read.
     """
+    return _branch_mask(topk, num_steps, step, torch.device(device)).expand(
+        bs, topk, topk * num_steps
+    )
+
+
+@functools.cache
+def _branch_mask(topk: int, num_steps: int, step: int, device: torch.device) -> torch.Tensor:
+    """[topk, topk*S] of `draft_decode_mask`, made once per shape (a constant: a captured
+    graph reads it and no kernel rebuilds it every step)."""
     keys = torch.arange(topk * num_steps, device=device)  # offset j*S + i from prefix
     rows = torch.arange(topk, device=device)
-    mask = (keys[None, :] // num_steps == rows[:, None]) & (keys[None, :] % num_steps <= step)
-    return mask.expand(bs, topk, topk * num_steps)
+    return (keys[None, :] // num_steps == rows[:, None]) & (keys[None, :] % num_steps <= step)

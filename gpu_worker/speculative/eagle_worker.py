@@ -97,7 +97,11 @@ class EagleWorker(SpeculativeWorker):
 
     def draft_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [n, V_draft] -> (probs [n, topk] float32, token ids [n, topk] in target vocab)."""
-        topk_p, topk_index = torch.softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1)
+        if self.topk == 1:  # a max is one reduction; a top-k over the vocabulary several
+            topk_p, topk_index = probs.max(dim=-1, keepdim=True)
+        else:
+            topk_p, topk_index = probs.topk(self.topk, dim=-1)
         if self.draft.hot_token_id is not None:
             topk_index = self.draft.hot_token_id[topk_index]
         return topk_p, topk_index

@@ -48,7 +48,8 @@ def select_first_level(
     record.scores.append(topk_p.unsqueeze(1))  # [bs, 1, topk]
     record.tokens.append(topk_index)
     record.parents.append(parents.expand(bs, topk + 1))
-    return topk_index.flatten(), hidden.repeat_interleave(topk, dim=0), topk_p
+    rows = hidden if topk == 1 else hidden.repeat_interleave(topk, dim=0)
+    return topk_index.flatten(), rows, topk_p
 
 
 def select_next_level(
@@ -69,6 +70,11 @@ def select_next_level(
     """
     bs, topk = path_scores.shape
     expand = path_scores[:, :, None] * topk_p.view(bs, topk, topk)  # [bs, topk, topk]
+    if topk == 1:  # a chain: each row's one child, on the same row
+        record.scores.append(expand)
+        record.tokens.append(topk_index)
+        record.parents.append(torch.full_like(topk_index, step))  # = the general formula's
+        return topk_index.flatten(), hidden, expand.view(bs, 1)
     new_scores, choice = torch.topk(expand.flatten(1), topk, dim=1)  # [bs, topk]
     tokens = topk_index.view(bs, topk * topk)  # [bs, topk*topk]
     input_ids = tokens.gather(1, choice).flatten()  # [bs*topk]

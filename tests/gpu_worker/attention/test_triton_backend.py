@@ -1,7 +1,8 @@
 """The triton backend against the torch_native reference, for every mode, page size and GQA
 shape: decode (split-K), extend over a prefix in the pool, tree verify and multi-step draft
-decode through tree-local masks. CPU runs the kernels in Triton's interpreter (float32, small
-sizes); CUDA adds bfloat16 and longer sequences."""
+decode through tree-local masks, fixed query windows (the few-query kernel) and the batches
+that kernel leaves to the extend kernel. CPU runs the kernels in Triton's interpreter
+(float32, small sizes); CUDA adds bfloat16 and longer sequences."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from gpu_worker.attention import RopeArgs, create_attention_backend
+from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
 from gpu_worker.layers.rotary import RotaryEmbedding
@@ -148,6 +150,7 @@ def test_tree_verify_with_a_tree_local_mask(device, dtype, heads, kv_heads, head
                 node = parents[node]
     batch = batch_of(pools, ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], prefix_lens, [nd] * 4,
                      custom_mask=masks)  # fmt: skip
+    assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
     check(pools, batch)
 
 
@@ -163,4 +166,37 @@ def test_draft_decode_over_branch_local_keys(device, dtype, page_size, step):
     width = topk * steps
     batch = batch_of(pools, ForwardMode.DRAFT_DECODE, [2, 3, 1],
                      [s + width - topk for s in seq], [topk] * 3, custom_mask=mask)  # fmt: skip
+    assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
     check(pools, batch)
+
+
+def few_query_metadata(pools: Pools, batch: ForwardBatch):
+    backend = create_attention_backend("triton", pools.req, pools.kv, pools.layer.num_heads)
+    return backend.init_forward_metadata(batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fixed_windows_run_the_few_query_kernel(device, dtype, heads, kv_heads, head_dim,
+                                                page_size):  # fmt: skip
+    """The same number of queries per request, causal (the draft extend's fixed S+1 windows):
+    split-K over the keys, GQA grouped; twice in a row, since the last program of each
+    (request, KV head) resets its counter for the next launch."""
+    pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=3 * heads)
+    batch = batch_of(pools, ForwardMode.DRAFT_EXTEND, [4, 2, 3, 1], [0, 17, 64, 100], [4] * 4)
+    assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
+    check(pools, batch)
+    check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+def test_batches_the_few_query_kernel_does_not_take(device, dtype):
+    """Ragged query counts, and more queries than one tile holds, run the extend kernel."""
+    pools = Pools(device, dtype, 8, 2, 32, 1, seed=5)
+    ragged = batch_of(pools, ForwardMode.DRAFT_EXTEND, [1, 2], [10, 30], [3, 4])
+    wide = batch_of(pools, ForwardMode.DRAFT_EXTEND, [1, 2], [10, 30], [17, 17])  # 68 rows
+    prefill = batch_of(pools, ForwardMode.EXTEND, [1, 2], [10, 30], [4, 4])
+    for batch in (ragged, wide, prefill):
+        assert isinstance(few_query_metadata(pools, batch), ExtendMetadata)
+        check(pools, batch)

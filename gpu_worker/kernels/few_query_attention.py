@@ -1,0 +1,240 @@
+"""Paged split-K attention for a few queries per request, the same number for every request.
+
+    o = few_query_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                            num_queries, scaling, num_splits, scratch, custom_mask=None)
+
+The speculative forwards have this shape: a tree verify runs ND queries per request, a draft
+decode step topk, a draft extend S+1, each over a request's whole KV. `extend_attention` gives
+such a batch one program per (request, query head, block of queries), so at batch 1 a layer
+runs H programs that each read every key, and the H / KH heads of a KV group read it again.
+This kernel is `decode_attention`'s work split instead: a program per (request, KV head,
+split) serves every query of the request for all heads of its KV group (num_queries x H / KH
+rows of one tile), reads a contiguous run of whole key blocks once, and writes a partial
+output and log-sum-exp; the last program of (request, KV head) to arrive combines the splits
+and resets its counter, so the launch replays in a CUDA graph.
+
+q [bs * num_queries, H * D] (rotated, request b's queries at rows b*num_queries ..); the new
+tokens' K/V are already in the pool (`rotary.rope_and_store_kv`); request b attends the keys at
+req_to_token[req_pool_indices[b], :seq_lens[b]]. Visibility is `extend_attention`'s: causal
+(query j sits at position seq_len - num_queries + j) or a tree-local custom_mask
+[bs, num_queries, width] (uint8 or bool) over the last `width` keys, earlier keys visible.
+Every length comes from device tensors; `FewQueryScratch` holds the partials and counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels import next_power_of_2
+from gpu_worker.kernels.decode_attention import choose_num_splits, dot_precision
+
+BLOCK_N = 64
+LOG2E = 1.4426950408889634
+MAX_ROWS = 64  # num_queries x (H / KH) rows in one program's tile
+
+
+def fits(num_queries: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a batch of num_queries queries per request fits one program's tile."""
+    return 0 < num_queries * (num_heads // num_kv_heads) <= MAX_ROWS
+
+
+@dataclass(frozen=True)
+class FewQueryScratch:
+    """Partials and arrival counters for batches of up to max_bs requests of num_queries
+    queries (the splits of a batch of bs requests are `choose_num_splits(bs, ...)`)."""
+
+    max_bs: int
+    num_queries: int
+    partial_o: torch.Tensor  # [units * num_queries * H * D] float32
+    partial_lse: torch.Tensor  # [units * num_queries * H] float32
+    counters: torch.Tensor  # [max_bs * KH] int32, zero between launches
+
+    @classmethod
+    def allocate(
+        cls, max_bs: int, num_queries: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        num_sms: int, device: torch.device,
+    ) -> FewQueryScratch:  # fmt: skip
+        units = max(bs * choose_num_splits(bs, num_kv_heads, num_sms)
+                    for bs in range(1, max_bs + 1))  # fmt: skip
+        rows = units * num_queries * num_heads
+        return cls(
+            max_bs,
+            num_queries,
+            torch.empty(rows * head_dim, device=device),
+            torch.empty(rows, device=device),
+            torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device),
+        )
+
+
+@triton.jit
+def _few_query_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    mask_ptr,
+    partial_o_ptr,
+    partial_lse_ptr,
+    counter_ptr,
+    q_stride,
+    req_to_token_stride,
+    mask_batch_stride,
+    scale_log2,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_QUERIES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MASK_WIDTH: tl.constexpr,  # 0: causal
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    group = NUM_HEADS // NUM_KV_HEADS
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
+
+    # Tile rows: query t of head kv_head * group + h at row t * group + h.
+    m = tl.arange(0, BLOCK_M)
+    query = m // group
+    heads = kv_head * group + m % group
+    row_mask = m < NUM_QUERIES * group
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    token = req * NUM_QUERIES + query  # [BLOCK_M] row of q / o
+    q_offsets = token[:, None] * q_stride + heads[:, None] * HEAD_DIM + d[None, :]
+    qd_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=qd_mask, other=0.0)
+    if MASK_WIDTH > 0:
+        window = seq_len - MASK_WIDTH  # keys before it are visible to every query
+    else:
+        window = seq_len - NUM_QUERIES
+    query_pos = seq_len - NUM_QUERIES + query  # causal: the query's own position
+
+    num_blocks = tl.cdiv(seq_len, BLOCK_N)
+    active = tl.minimum(num_blocks, NUM_SPLITS)  # splits with keys: short sequences use few
+    if split >= active:
+        return
+    blocks_per_split = tl.cdiv(num_blocks, active)
+    start = split * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for block_start in range(start, end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        pos_mask = pos < end
+        slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
+        kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        in_window = pos >= window
+        if MASK_WIDTH > 0:
+            local = tl.where(in_window, pos - window, 0)
+            bits = tl.load(
+                mask_ptr + req * mask_batch_stride + query[:, None] * MASK_WIDTH + local[None, :],
+                mask=row_mask[:, None] & (in_window & pos_mask)[None, :], other=0,
+            )  # fmt: skip
+            visible = (~in_window)[None, :] | (bits != 0)
+        else:
+            visible = pos[None, :] <= query_pos[:, None]
+        visible = visible & pos_mask[None, :] & row_mask[:, None]
+        qk = tl.where(visible, qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Partial result, then the last program of (request, KV head) combines all splits.
+    has_keys = l_i > 0
+    inv_l = 1.0 / tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    unit = token * NUM_HEADS + heads  # [BLOCK_M] (query, head) of this request
+    partial = unit * NUM_SPLITS + split
+    po_offsets = partial[:, None] * HEAD_DIM + d[None, :]
+    tl.store(partial_o_ptr + po_offsets, acc * inv_l[:, None], mask=qd_mask)
+    tl.store(partial_lse_ptr + partial, lse, mask=row_mask)
+    tl.debug_barrier()  # every thread's partials are written before the arrival is counted
+    counter = counter_ptr + req * NUM_KV_HEADS + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == active - 1:
+        m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(0, active):
+            lse_s = tl.load(partial_lse_ptr + unit * NUM_SPLITS + s, mask=row_mask,
+                            other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+            m_max = tl.maximum(m_max, lse_s)
+        m_max = tl.where(row_mask & (m_max > float("-inf")), m_max, 0.0)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(0, active):
+            index = unit * NUM_SPLITS + s
+            lse_s = tl.load(partial_lse_ptr + index, mask=row_mask, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+            w = tl.exp2(lse_s - m_max)  # empty splits weigh 0
+            out += w[:, None] * tl.load(partial_o_ptr + index[:, None] * HEAD_DIM + d[None, :],
+                                        mask=qd_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+            total += w
+        inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+        o_offsets = token[:, None] * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + d[None, :]
+        tl.store(o_ptr + o_offsets, (out * inv_total[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=qd_mask)  # fmt: skip
+        tl.atomic_xchg(counter, 0)  # ready for the next launch
+
+
+def few_query_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_queries: int,
+    scaling: float,
+    num_splits: int,
+    scratch: FewQueryScratch,
+    custom_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See the module docstring; returns o [bs * num_queries, H * D] in q's dtype."""
+    num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
+    num_heads = q.shape[1] // head_dim
+    bs = req_pool_indices.shape[0]
+    assert q.shape[0] == bs * num_queries and fits(num_queries, num_heads, num_kv_heads)
+    assert bs <= scratch.max_bs and num_queries == scratch.num_queries
+    o = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if bs == 0:
+        return o
+    if custom_mask is not None:  # rows of each request contiguous; requests may share one
+        mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+        if mask.stride(2) != 1 or mask.stride(1) != mask.shape[2]:
+            mask = mask.contiguous()
+        mask_batch_stride, mask_width = mask.stride(0), mask.shape[2]
+    else:
+        mask, mask_batch_stride, mask_width = q, 0, 0  # unused
+    group = num_heads // num_kv_heads
+    _few_query_kernel[(bs, num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, mask,
+        scratch.partial_o, scratch.partial_lse, scratch.counters, q.stride(0),
+        req_to_token.stride(0), mask_batch_stride, scaling * LOG2E,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim), NUM_QUERIES=num_queries,
+        BLOCK_M=max(16, next_power_of_2(num_queries * group)), BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, MASK_WIDTH=mask_width, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+    )  # fmt: skip
+    return o
