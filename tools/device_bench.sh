@@ -91,7 +91,8 @@ if [[ $1 == spec-graphs ]]; then
   # one iteration against a plain graphed step (carry wheels, smollm2-config, llama8b).
   # MODELS picks the shapes; SKIP_UNIT=1 / SKIP_E2E=1 skip the tests.
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-300} python -m pytest \
-    tests/gpu_worker/speculative tests/gpu_worker/test_worker.py -q -p no:cacheprovider \
+    tests/gpu_worker/speculative tests/gpu_worker/test_worker.py tests/gpu_worker/attention \
+    -q -p no:cacheprovider \
     > "$OUT/spec_tests.txt" 2>&1; tail -15 "$OUT/spec_tests.txt"
   [[ ${SKIP_E2E:-0} == 1 ]] || AERIE_E2E_DEVICE=cuda timeout ${E2E_S:-200} python -m pytest \
     tests/e2e/test_speculative.py -q -p no:cacheprovider -n 4 > "$OUT/spec_e2e.txt" 2>&1
