@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker import constants
 from gpu_worker.speculative.verify import VerifyResult
 
 
@@ -38,9 +39,9 @@ def compaction_moves(
     bs = prefix_lens.shape[0]
     device = prefix_lens.device
     width = num_steps + 1
-    step = torch.arange(width, device=device, dtype=torch.int64)  # [S+1]
+    step = constants.arange(width, device)  # [S+1]
     valid = step[None, :] < result.accept_lens[:, None]  # [bs, S+1]
-    base = torch.arange(bs, device=device, dtype=torch.int64)[:, None] * num_draft_tokens
+    base = constants.arange(bs, device)[:, None] * num_draft_tokens
     node = torch.where(valid, result.accept_index - base, 0)  # [bs, S+1] local node ids
     prefix = prefix_lens.to(torch.int64)[:, None]
     rows = req_pool_indices.to(torch.int64)[:, None]

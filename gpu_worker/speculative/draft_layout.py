@@ -15,11 +15,10 @@ branch-minor: `row = b*topk + j`. All functions are pure and keep tensors on the
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from aerie.config import draft_alloc_len
+from gpu_worker import constants
 
 __all__ = ["draft_alloc_len"]  # owned by aerie.config so the torch-free scheduler shares it
 
@@ -50,9 +49,9 @@ def draft_step_positions(prefix_lens: torch.Tensor, topk: int, num_steps: int) -
     """
     device = prefix_lens.device
     bs = prefix_lens.shape[0]
-    branch_base = torch.arange(topk, device=device, dtype=torch.int64) * num_steps  # [topk]
+    branch_base = constants.arange(topk, device) * num_steps  # [topk]
     row_base = prefix_lens.to(torch.int64)[:, None] + branch_base[None, :]  # [bs, topk]
-    steps = torch.arange(num_steps, device=device, dtype=torch.int64)  # [S]
+    steps = constants.arange(num_steps, device)  # [S]
     return row_base.view(1, bs * topk) + steps[:, None]  # [S, bs*topk]
 
 
@@ -87,10 +86,12 @@ def draft_decode_mask(bs: int, topk: int, num_steps: int, step: int, device) -> 
     )
 
 
-@functools.cache
 def _branch_mask(topk: int, num_steps: int, step: int, device: torch.device) -> torch.Tensor:
-    """[topk, topk*S] of `draft_decode_mask`, made once per shape (a constant: a captured
-    graph reads it and no kernel rebuilds it every step)."""
-    keys = torch.arange(topk * num_steps, device=device)  # offset j*S + i from prefix
-    rows = torch.arange(topk, device=device)
-    return (keys[None, :] // num_steps == rows[:, None]) & (keys[None, :] % num_steps <= step)
+    """[topk, topk*S] of `draft_decode_mask`, a constant made once per shape."""
+
+    def make() -> torch.Tensor:
+        keys = torch.arange(topk * num_steps, device=device)  # offset j*S + i from prefix
+        rows = torch.arange(topk, device=device)
+        return (keys[None, :] // num_steps == rows[:, None]) & (keys[None, :] % num_steps <= step)
+
+    return constants.cached(("draft_decode_mask", topk, num_steps, step), device, make)

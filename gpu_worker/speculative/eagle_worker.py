@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from aerie.config import SpeculativeConfig
+from gpu_worker import constants
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import SamplingState
@@ -156,7 +157,7 @@ class EagleWorker(SpeculativeWorker):
                 cache_locs[step], rows, seq_lens_cpu, [topk] * bs,
                 custom_mask=draft_decode_mask(bs, topk, steps, step, rows.device),
                 spec_info=SpecInput(hidden), seq_lens=seq_lens,
-                extend_seq_lens=torch.full_like(seq_lens, topk),
+                extend_seq_lens=constants.full(bs, topk, rows.device),
             )  # fmt: skip
             out = self.draft.forward(batch)
             topk_p, topk_index = self.draft_top_k(out.next_token_logits)  # [bs*topk, topk]
@@ -189,15 +190,15 @@ class EagleWorker(SpeculativeWorker):
             inputs["accept_lens"],
         )
         bs, width = rows.shape[0], self.num_steps + 1
-        offsets = torch.arange(width, device=rows.device)
+        offsets = constants.arange(width, rows.device)
         positions = prefix_lens[:, None] + offsets  # [bs, S+1]
         slots = self.draft.req_to_token_pool.req_to_token[rows[:, None], positions]
-        last = torch.arange(bs, device=rows.device) * width + accept_lens - 1  # [bs]
+        last = constants.arange(bs, rows.device) * width + accept_lens - 1  # [bs]
         batch = make_batch(
             ForwardMode.DRAFT_EXTEND, inputs["tokens"].flatten(), positions.flatten(),
             slots.flatten(), rows, [s + width for s in prefix_cpu], [width] * bs,
             spec_info=SpecInput(inputs["features"].flatten(0, -2)), seq_lens=prefix_lens + width,
-            extend_seq_lens=torch.full_like(prefix_lens, width), logits_indices=last,
+            extend_seq_lens=constants.full(bs, width, rows.device), logits_indices=last,
         )  # fmt: skip
         out = self.draft.forward(batch)
         self.store_draft_state(rows, out, last)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from aerie.config import SpeculativeConfig
+from gpu_worker import constants
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
 from gpu_worker.host_batch import Staging
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
@@ -72,14 +73,14 @@ def fixed_window(
     bs, length = prefix_lens.shape[0], steps + 1 + layer
     device = prefix_lens.device
     first = (prefix_lens - layer).clamp(min=0)  # [bs]
-    offsets = torch.arange(length, device=device)
-    batch_index = torch.arange(bs, device=device)
+    offsets = constants.arange(length, device)
+    batch_index = constants.arange(bs, device)
     return StackWindow(
         token_req=batch_index[:, None].expand(bs, length).flatten(),
         positions=(first[:, None] + offsets).flatten(),
         last=batch_index * length + prefix_lens + accept_lens - 1 - first,
         seq_lens=first + length,
-        extend_lens=torch.full_like(prefix_lens, length),
+        extend_lens=constants.full(bs, length, device),
         seq_cpu=[max(s - layer, 0) + length for s in prefix_cpu],
         extend_cpu=[length] * bs,
     )
@@ -150,7 +151,7 @@ class MTPWorker(SpeculativeWorker):
         """
         bs, width = line.shape
         sw = self.stash_width
-        batch_index = torch.arange(bs, device=rows.device)
+        batch_index = constants.arange(bs, rows.device)
         # One table for both sources: the stashed rows first, then this step's hidden.
         table = torch.cat((self.stash[rows].flatten(0, 1), hidden.to(self.stash.dtype)))
 
@@ -177,7 +178,7 @@ class MTPWorker(SpeculativeWorker):
             column = (known_lens + layer).clamp(max=width - 1)[:, None]
             line.scatter_(1, column, prediction[:, None])
         ends = starts + known_lens
-        recent = ends[:, None] - sw + torch.arange(sw, device=rows.device)  # [bs, sw]
+        recent = ends[:, None] - sw + constants.arange(sw, rows.device)  # [bs, sw]
         req = batch_index[:, None].expand(bs, sw)
         self.stash[rows] = table[hidden_rows(req, recent)]
 
@@ -232,6 +233,6 @@ class MTPWorker(SpeculativeWorker):
         windows = [
             fixed_window(prefix_lens, accept_lens, prefix_cpu, k, steps) for k in range(steps)
         ]
-        offsets = torch.arange(bs, device=rows.device) * (steps + 1)
+        offsets = constants.arange(bs, rows.device) * (steps + 1)
         self.run_stack(rows, prefix_lens, line, accept_lens, inputs["features"].flatten(0, -2),
                        offsets, windows)  # fmt: skip

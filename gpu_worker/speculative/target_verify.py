@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu_worker import constants
 from gpu_worker.forward_batch import ForwardMode, make_batch
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import (
@@ -43,13 +44,13 @@ def verify_tree(
     position prefix + k (its rotary position is prefix + depth). Fixed shapes, device lengths
     (prefix_cpu only feeds host-planned backends)."""
     nd, bs = tree.num_draft_tokens, rows.shape[0]
-    offsets = torch.arange(nd, device=prefix_lens.device)
+    offsets = constants.arange(nd, prefix_lens.device)
     positions = prefix_lens.long()[:, None] + offsets  # [bs, ND]
     slots = target.req_to_token_pool.req_to_token[rows.long()[:, None], positions]  # [bs, ND]
     batch = make_batch(
         ForwardMode.TARGET_VERIFY, tree.tokens, tree.positions, slots.flatten(), rows,
         [s + nd for s in prefix_cpu], [nd] * bs, custom_mask=tree.custom_mask,
-        seq_lens=prefix_lens + nd, extend_seq_lens=torch.full_like(prefix_lens, nd),
+        seq_lens=prefix_lens + nd, extend_seq_lens=constants.full(bs, nd, prefix_lens.device),
     )  # fmt: skip
     return target.forward(batch)
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker import constants
+
 
 @dataclass
 class DraftRecord:
@@ -73,12 +75,13 @@ def select_next_level(
     if topk == 1:  # a chain: each row's one child, on the same row
         record.scores.append(expand)
         record.tokens.append(topk_index)
-        record.parents.append(torch.full_like(topk_index, step))  # = the general formula's
+        parent = constants.full(1, step, topk_index.device)  # = the general formula's
+        record.parents.append(parent.expand(bs, 1))
         return topk_index.flatten(), hidden, expand.view(bs, 1)
     new_scores, choice = torch.topk(expand.flatten(1), topk, dim=1)  # [bs, topk]
     tokens = topk_index.view(bs, topk * topk)  # [bs, topk*topk]
     input_ids = tokens.gather(1, choice).flatten()  # [bs*topk]
-    offsets = torch.arange(bs, device=choice.device, dtype=torch.int64)[:, None] * topk
+    offsets = constants.arange(bs, choice.device)[:, None] * topk
     parent_rows = (choice // topk + offsets).flatten()  # [bs*topk]
     record.scores.append(expand)
     record.tokens.append(tokens)
@@ -211,9 +214,9 @@ def build_tree(
     ancestors, depth = find_ancestors(parents, num_steps)
     next_token, next_sibling = link_children(parents)
     tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
-    node = torch.arange(nd, device=device, dtype=torch.int64)
+    node = constants.arange(nd, device)
     retrieve_index = (
-        node[None, :] + torch.arange(bs, device=device, dtype=torch.int64)[:, None] * nd
+        node[None, :] + constants.arange(bs, device)[:, None] * nd
     )
     return DraftTree(
         tokens=tokens.flatten(),
@@ -230,22 +233,20 @@ def build_tree(
     )
 
 
-_CHAIN_CONSTANTS: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-
-
 def chain_constants(nd: int, device: torch.device) -> dict[str, torch.Tensor]:
     """A chain's structure, the same for every request ([1, ND] / [1, ND, ND]), made once per
     device so a chain tree costs no kernels to describe."""
-    key = (nd, str(device))
-    if key not in _CHAIN_CONSTANTS:
+
+    def make() -> dict[str, torch.Tensor]:
         node = torch.arange(nd, device=device, dtype=torch.int64)[None, :]
-        _CHAIN_CONSTANTS[key] = {
+        return {
             "node": node,
             "ancestors": torch.ones(nd, nd, dtype=torch.bool, device=device).tril()[None],
             "next_token": torch.where(node + 1 < nd, node + 1, -1),
             "next_sibling": torch.full_like(node, -1),
         }
-    return _CHAIN_CONSTANTS[key]
+
+    return constants.cached(("chain", nd), device, make)
 
 
 def tree_from_draft(
@@ -272,7 +273,7 @@ def chain_tree(
     bs, nd = prefix_lens.shape[0], num_steps + 1
     c = chain_constants(nd, prefix_lens.device)
     tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
-    rows = torch.arange(bs, device=prefix_lens.device, dtype=torch.int64)[:, None] * nd
+    rows = constants.arange(bs, prefix_lens.device)[:, None] * nd
     ancestors = c["ancestors"].expand(bs, nd, nd)
     return DraftTree(
         tokens=tokens.flatten(),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker import constants
 from gpu_worker.speculative.tree import DraftTree
 
 # (last [bs] current node, kid_tokens [bs, topk], valid [bs, topk]) -> accept [bs, topk] bool
@@ -98,7 +99,7 @@ def assemble_result(
     follow = tokens.gather(1, accept_local[:, 1:].clamp(min=0))  # [bs, S]
     follow = torch.cat([follow, torch.zeros_like(follow[:, :1])], dim=1)  # [bs, S+1]
     follow.scatter_(1, num_correct[:, None], final_tokens.to(torch.int64)[:, None])
-    base = torch.arange(bs, device=device, dtype=torch.int64)[:, None] * nd
+    base = constants.arange(bs, device)[:, None] * nd
     accept_index = torch.where(accepted, accept_local + base, -1)
     predict = torch.zeros(bs * nd + 1, device=device, dtype=torch.int64)  # last = dummy sink
     predict.scatter_(0, torch.where(accepted, accept_index, bs * nd).flatten(), follow.flatten())
@@ -135,7 +136,7 @@ def verify_greedy_chain(tree: DraftTree, target: torch.Tensor) -> VerifyResult:
     tokens = tree.tokens.view(bs, nd)
     match = (tokens[:, 1:] == target[:, :-1]).to(torch.int64)  # [bs, S]
     num_correct = match.cumprod(dim=1).sum(dim=1)  # [bs]
-    node = torch.arange(nd, device=target.device, dtype=torch.int64)[None, :]
+    node = constants.arange(nd, target.device)[None, :]
     accept_local = torch.where(node <= num_correct[:, None], node, -1)  # [bs, S+1]
     final = target.gather(1, num_correct[:, None]).squeeze(1)
     return assemble_result(tree, accept_local, final)
