@@ -5,7 +5,7 @@ Each message is a frozen dataclass. Token arrays travel as raw little-endian int
 (`pack_floats` / `unpack_floats`). `MESSAGE_TYPES` at the bottom is the codec's registry: a
 type that is not listed there cannot be sent.
 
-Edges (see DESIGN §1):
+Edges:
     tokenizer   -> scheduler    TokenizedRequest, AbortRequest
     scheduler   -> gpu worker   ForwardPlan
     gpu worker  -> scheduler    StepResult

@@ -1,4 +1,4 @@
-"""Accepted-path compaction after verify (DESIGN §5 invariant 5, notes §3.11 B and §5.3).
+"""Accepted-path compaction after verify.
 
 With topk > 1 the accepted nodes of a request are scattered over its verify block
 `prefix .. prefix+ND-1`; accepted node k must end up at position `prefix + j` (j = its index

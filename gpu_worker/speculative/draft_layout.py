@@ -1,4 +1,4 @@
-"""The multi-step draft cache layout: the single owner of where draft KV lives (DESIGN §5, inv. 4).
+"""The multi-step draft cache layout: the single owner of where draft KV lives.
 
 Each request's draft scratch lives at LOGICAL positions of its `req_to_token` row, starting at
 `prefix` (the committed KV length, i.e. the position of the bonus/root token). Branch `j` owns

@@ -3,7 +3,7 @@
 MTP layer k at position p reads (target hidden h_p, token t_{p+1+k}) and predicts t_{p+2+k}.
 `draft_runner_list[k]` holds layer k with its own KV pool and its own req_to_token_pool (the
 same slot ids as every other runner); every forward of layer k, prefill and draft extend
-alike, runs on runner k (DESIGN §5.3, SGLang PR #22954).
+alike, runs on runner k (SGLang PR #22954).
 
 One mechanism covers prefill chunks and the draft extend after verify ("run the stack"): when
 positions [start, end) become committed, with the true tokens t_{start+1} .. t_{end} known,

@@ -1,4 +1,4 @@
-"""Draft-loop bookkeeping and draft-tree construction (reference notes §3.3, §3.4).
+"""Draft-loop bookkeeping and draft-tree construction.
 
 The draft loop runs `S = num_steps` levels over `bs*topk` rows (request-major, branch-minor:
 `row = b*topk + j`). Each level records its candidate path scores, tokens and the score-space

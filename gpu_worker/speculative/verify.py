@@ -3,9 +3,9 @@
 Both walk each request's tree from the root one level at a time (S levels, vectorised over
 the batch), visiting the current node's children in list order (`next_token`, then
 `next_sibling`). Greedy accepts the first child whose token equals the target's argmax at the
-current node (notes §3.6). Sampling accepts child c when the coin of the current node is
-<= the target probability mass of the children tried so far, c included (notes §3.7 with
-thresholds 1.0); when no child is accepted the next token is drawn from the target
+current node. Sampling accepts child c when the coin of the current node is
+<= the target probability mass of the children tried so far, c included (thresholds
+1.0); when no child is accepted the next token is drawn from the target
 distribution with the rejected children's tokens removed (renormalised), which makes every
 emitted token an exact sample of the target.
 
@@ -107,7 +107,7 @@ def assemble_result(
 
 
 def verify_greedy(tree: DraftTree, target_predict: torch.Tensor) -> VerifyResult:
-    """Accept the longest path whose drafts equal the target's argmax (notes §3.6).
+    """Accept the longest path whose drafts equal the target's argmax.
 
     target_predict [bs*ND] int: the target's argmax at every node. No host sync.
     """
@@ -157,7 +157,7 @@ def verify_sampling(
     coins: torch.Tensor,
     final_coins: torch.Tensor,
 ) -> VerifyResult:
-    """Sample the accepted path so every emitted token follows the target exactly (notes §3.7).
+    """Sample the accepted path so every emitted token follows the target exactly.
 
     target_probs [bs*ND, V] float32: processed target distribution at each node (one-hot rows
     for greedy requests, which then reproduce `verify_greedy`); coins [bs, ND] uniform in

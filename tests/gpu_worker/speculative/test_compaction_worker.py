@@ -1,5 +1,5 @@
-"""EagleWorker pieces whose mistakes greedy parity cannot see: accepted-path compaction (DESIGN
-§5.5: after tree verification the target KV of the accepted path sits at seq .. seq +
+"""EagleWorker pieces whose mistakes greedy parity cannot see: accepted-path compaction
+(after tree verification the target KV of the accepted path sits at seq .. seq +
 accept_len - 1) and the EAGLE-3 draft-to-target vocabulary mapping."""
 
 from __future__ import annotations

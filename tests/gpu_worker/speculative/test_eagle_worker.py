@@ -1,7 +1,7 @@
 """The speculative GPU worker driven by the real scheduler core, in process (no sockets).
 
-Greedy output with EAGLE / EAGLE-3 must equal the target's own greedy output token for token
-(DESIGN §5.6), for chains and trees, page sizes 1 and 4 and small prefill chunks; a draft that
+Greedy output with EAGLE / EAGLE-3 must equal the target's own greedy output token for token,
+for chains and trees, page sizes 1 and 4 and small prefill chunks; a draft that
 always agrees with its target is accepted in full (S+1 tokens per verify); the prefill rotation
 takes the next prompt token as a non-final chunk's tail (SGLang #26329).
 """

@@ -1,8 +1,8 @@
 """Multi-layer EAGLE (MTP) in the GPU worker, driven by the real scheduler core in process.
 
-Greedy output equals the target's own (DESIGN §5.6); an MTP stack that always agrees with its
+Greedy output equals the target's own; an MTP stack that always agrees with its
 target is accepted in full; every forward of layer k uses runner k's pools, and layers >= 1
-recompute their boundary KV from the true tokens (§5.3): each layer's KV at the committed
+recompute their boundary KV from the true tokens: each layer's KV at the committed
 positions equals a one-shot recomputation over the final sequence.
 """
 

@@ -20,7 +20,7 @@ def rows_of(bits: list[str]) -> torch.Tensor:
 
 
 def test_build_tree_golden():
-    # Notes §3.4 (SGLang test_build_eagle_tree.py): bs=2, topk=4, S=4, ND=8.
+    # The vector of SGLang's test_build_eagle_tree.py: bs=2, topk=4, S=4, ND=8.
     prefix_lens = [5, 10]
     top_scores_index = torch.tensor([[0, 1, 4, 8, 20, 24, 36], [0, 4, 5, 6, 7, 24, 36]])
     parent_list = torch.tensor(
@@ -68,7 +68,7 @@ def test_build_tree_golden():
 
 
 def test_tree_example_B():
-    # Notes §3.11 B: topk=2, S=2, ND=4; a=10 (.6), b=11 (.3); a->c=12 (.36), a->d=13 (.12),
+    # A hand-worked tree: topk=2, S=2, ND=4; a=10 (.6), b=11 (.3); a->c=12 (.36), a->d=13 (.12),
     # b->e=14 (.24), b->f=15 (.03). The target prefers b after the root, then y=99.
     record = DraftRecord()
     hidden0 = torch.tensor([[1.0]])

@@ -16,7 +16,8 @@ CHI2_CRIT = {3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88}
 
 
 def kernel_vector_tree() -> DraftTree:
-    """Notes §3.6 greedy-verify kernel vector: bs=2, ND=6, S=3 (child lists not ascending)."""
+    """A greedy-verify vector (the public SGLang kernel test's): bs=2, ND=6, S=3 (child lists not
+    ascending)."""
     nd = 6
     return DraftTree(
         tokens=torch.tensor([0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]),
