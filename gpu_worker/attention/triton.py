@@ -34,6 +34,8 @@ from gpu_worker.kernels.decode_attention import (
 from gpu_worker.kernels.extend_attention import extend_attention
 from gpu_worker.kernels.few_query_attention import (
     FewQueryScratch,
+    NewTokens,
+    few_query_attend,
     few_query_attention,
     fits,
 )
@@ -137,9 +139,21 @@ class TritonBackend(AttentionBackend):
         self, qkv: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, rope: RopeArgs
     ) -> torch.Tensor:
         meta = batch.attn_metadata
+        k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
+        mask = batch.custom_mask
+        if isinstance(meta, FewQueryMetadata) and (
+            mask is None or mask.shape[-1] == meta.num_queries
+        ):  # the new tokens are the last keys: RoPE and the K/V store in the same kernel
+            new = NewTokens(batch.positions, batch.out_cache_loc, rope.cos_sin_cache,
+                            rope.q_norm, rope.k_norm, rope.eps)  # fmt: skip
+            return few_query_attend(
+                qkv, layer.num_heads, new, k_buffer, v_buffer,
+                self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                meta.num_queries, layer.scaling, meta.num_splits,
+                self.few_query_scratch[meta.num_queries], mask,
+            )  # fmt: skip
         if not isinstance(meta, DecodeMetadata):
             return super().attend(qkv, layer, batch, rope)
-        k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
         return decode_attention(
             qkv, batch.positions, rope.cos_sin_cache, k_buffer, v_buffer, batch.out_cache_loc,
             self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,

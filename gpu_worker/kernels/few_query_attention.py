@@ -19,6 +19,12 @@ req_to_token[req_pool_indices[b], :seq_lens[b]]. Visibility is `extend_attention
 (query j sits at position seq_len - num_queries + j) or a tree-local custom_mask
 [bs, num_queries, width] (uint8 or bool) over the last `width` keys, earlier keys visible.
 Every length comes from device tensors; `FewQueryScratch` holds the partials and counters.
+
+`few_query_attend` is the fused form for batches whose new tokens are each request's last
+num_queries keys (tree verify, the draft extend): it takes qkv straight from the projection,
+rotates q and k (after the optional q/k RMSNorm) by the tokens' positions, and the split that
+holds the last position attends the new keys from registers and stores their K/V; the other
+splits read only the keys before them. One kernel per layer, as in decode.
 """
 
 from __future__ import annotations
@@ -71,8 +77,25 @@ class FewQueryScratch:
 
 
 @triton.jit
+def _rotate_rows(x1, x2, cos, sin, w1, w2, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """`rotary.rotate_halves` with a position per row: cos / sin [R, BLOCK_HALF]."""
+    dtype = x1.dtype
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)[:, None]
+        f1 = ((f1 * inv).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+        f2 = ((f2 * inv).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
+    return (f1 * cos - f2 * sin).to(dtype), (f2 * cos + f1 * sin).to(dtype)
+
+
+@triton.jit
 def _few_query_kernel(
     q_ptr,
+    positions_ptr,
+    cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    loc_ptr,
     k_ptr,
     v_ptr,
     o_ptr,
@@ -87,40 +110,59 @@ def _few_query_kernel(
     req_to_token_stride,
     mask_batch_stride,
     scale_log2,
+    eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
     NUM_QUERIES: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MASK_WIDTH: tl.constexpr,  # 0: causal
+    FUSED: tl.constexpr,  # q_ptr is qkv: rotate, store the new K/V, attend them from registers
+    HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     group = NUM_HEADS // NUM_KV_HEADS
+    half = HEAD_DIM // 2
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
 
-    # Tile rows: query t of head kv_head * group + h at row t * group + h.
+    # Tile rows: query t of head kv_head * group + h at row t * group + h; head dims as halves.
     m = tl.arange(0, BLOCK_M)
     query = m // group
     heads = kv_head * group + m % group
     row_mask = m < NUM_QUERIES * group
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
+    c = tl.arange(0, BLOCK_HALF)
+    c_mask = c < half
     token = req * NUM_QUERIES + query  # [BLOCK_M] row of q / o
-    q_offsets = token[:, None] * q_stride + heads[:, None] * HEAD_DIM + d[None, :]
-    qd_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=qd_mask, other=0.0)
+    q_offsets = token[:, None] * q_stride + heads[:, None] * HEAD_DIM + c[None, :]
+    qc_mask = row_mask[:, None] & c_mask[None, :]
+    q1 = tl.load(q_ptr + q_offsets, mask=qc_mask, other=0.0)
+    q2 = tl.load(q_ptr + q_offsets + half, mask=qc_mask, other=0.0)
     if MASK_WIDTH > 0:
         window = seq_len - MASK_WIDTH  # keys before it are visible to every query
     else:
         window = seq_len - NUM_QUERIES
     query_pos = seq_len - NUM_QUERIES + query  # causal: the query's own position
+    pool_end = seq_len  # keys read from the pool: [0, pool_end)
+    if FUSED:  # the new tokens are the last NUM_QUERIES keys; they come from registers
+        pool_end = seq_len - NUM_QUERIES
+        w1, w2 = c.to(tl.float32), c.to(tl.float32)  # unused without norms
+        if HAS_NORM:
+            w1 = tl.load(q_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+            w2 = tl.load(q_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
+        position = tl.load(positions_ptr + token, mask=row_mask, other=0).to(tl.int64)
+        cos = tl.load(cache_ptr + position[:, None] * HEAD_DIM + c[None, :], mask=qc_mask,
+                      other=0.0)  # fmt: skip
+        sin = tl.load(cache_ptr + position[:, None] * HEAD_DIM + half + c[None, :],
+                      mask=qc_mask, other=0.0)  # fmt: skip
+        q1, q2 = _rotate_rows(q1, q2, cos, sin, w1, w2, eps, HEAD_DIM, HAS_NORM)
 
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
     active = tl.minimum(num_blocks, NUM_SPLITS)  # splits with keys: short sequences use few
@@ -128,18 +170,21 @@ def _few_query_kernel(
         return
     blocks_per_split = tl.cdiv(num_blocks, active)
     start = split * blocks_per_split * BLOCK_N
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, pool_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_mask = pos < end
         slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
-        kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + c[None, :]
+        kv_mask = pos_mask[:, None] & c_mask[None, :]
+        k1 = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k2 = tl.load(k_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
+        qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         in_window = pos >= window
         if MASK_WIDTH > 0:
             local = tl.where(in_window, pos - window, 0)
@@ -157,9 +202,62 @@ def _few_query_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v1 = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v2 = tl.load(v_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
+        p = p.to(v1.dtype)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
+        acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
         m_i = m_new
+
+    if FUSED:
+        if split == active - 1:  # the split that holds the last position: the new keys
+            j = tl.arange(0, BLOCK_Q)
+            j_mask = j < NUM_QUERIES
+            jc_mask = j_mask[:, None] & c_mask[None, :]
+            new_token = req * NUM_QUERIES + j
+            k_offsets = new_token[:, None] * q_stride + (NUM_HEADS + kv_head) * HEAD_DIM
+            k1 = tl.load(q_ptr + k_offsets + c[None, :], mask=jc_mask, other=0.0)
+            k2 = tl.load(q_ptr + k_offsets + half + c[None, :], mask=jc_mask, other=0.0)
+            if HAS_NORM:
+                w1 = tl.load(k_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+                w2 = tl.load(k_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
+            key_pos = tl.load(positions_ptr + new_token, mask=j_mask, other=0).to(tl.int64)
+            cos = tl.load(cache_ptr + key_pos[:, None] * HEAD_DIM + c[None, :], mask=jc_mask,
+                          other=0.0)  # fmt: skip
+            sin = tl.load(cache_ptr + key_pos[:, None] * HEAD_DIM + half + c[None, :],
+                          mask=jc_mask, other=0.0)  # fmt: skip
+            k1, k2 = _rotate_rows(k1, k2, cos, sin, w1, w2, eps, HEAD_DIM, HAS_NORM)
+            v_head = NUM_HEADS + NUM_KV_HEADS + kv_head
+            v_offsets = new_token[:, None] * q_stride + v_head * HEAD_DIM
+            v1 = tl.load(q_ptr + v_offsets + c[None, :], mask=jc_mask, other=0.0)
+            v2 = tl.load(q_ptr + v_offsets + half + c[None, :], mask=jc_mask, other=0.0)
+            qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_Q]
+            if MASK_WIDTH > 0:
+                bits = tl.load(
+                    mask_ptr + req * mask_batch_stride + query[:, None] * MASK_WIDTH + j[None, :],
+                    mask=row_mask[:, None] & j_mask[None, :], other=0,
+                )  # fmt: skip
+                visible = bits != 0
+            else:
+                visible = j[None, :] <= query[:, None]
+            visible = visible & j_mask[None, :] & row_mask[:, None]
+            qk = tl.where(visible, qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p.to(v1.dtype)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
+            m_i = m_new
+            slot = tl.load(loc_ptr + new_token, mask=j_mask, other=0).to(tl.int64)
+            dst = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + c[None, :]
+            tl.store(k_ptr + dst, k1.to(k_ptr.dtype.element_ty), mask=jc_mask)
+            tl.store(k_ptr + dst + half, k2.to(k_ptr.dtype.element_ty), mask=jc_mask)
+            tl.store(v_ptr + dst, v1.to(v_ptr.dtype.element_ty), mask=jc_mask)
+            tl.store(v_ptr + dst + half, v2.to(v_ptr.dtype.element_ty), mask=jc_mask)
 
     # Partial result, then the last program of (request, KV head) combines all splits.
     has_keys = l_i > 0
@@ -167,8 +265,9 @@ def _few_query_kernel(
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     unit = token * NUM_HEADS + heads  # [BLOCK_M] (query, head) of this request
     partial = unit * NUM_SPLITS + split
-    po_offsets = partial[:, None] * HEAD_DIM + d[None, :]
-    tl.store(partial_o_ptr + po_offsets, acc * inv_l[:, None], mask=qd_mask)
+    po_offsets = partial[:, None] * HEAD_DIM + c[None, :]
+    tl.store(partial_o_ptr + po_offsets, acc1 * inv_l[:, None], mask=qc_mask)
+    tl.store(partial_o_ptr + po_offsets + half, acc2 * inv_l[:, None], mask=qc_mask)
     tl.store(partial_lse_ptr + partial, lse, mask=row_mask)
     tl.debug_barrier()  # every thread's partials are written before the arrival is counted
     counter = counter_ptr + req * NUM_KV_HEADS + kv_head
@@ -181,19 +280,24 @@ def _few_query_kernel(
             m_max = tl.maximum(m_max, lse_s)
         m_max = tl.where(row_mask & (m_max > float("-inf")), m_max, 0.0)
         total = tl.zeros([BLOCK_M], tl.float32)
-        out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        out1 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+        out2 = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
         for s in range(0, active):
             index = unit * NUM_SPLITS + s
             lse_s = tl.load(partial_lse_ptr + index, mask=row_mask, other=float("-inf"),
                             cache_modifier=".cg")  # fmt: skip
             w = tl.exp2(lse_s - m_max)  # empty splits weigh 0
-            out += w[:, None] * tl.load(partial_o_ptr + index[:, None] * HEAD_DIM + d[None, :],
-                                        mask=qd_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+            offsets = index[:, None] * HEAD_DIM + c[None, :]
+            out1 += w[:, None] * tl.load(partial_o_ptr + offsets, mask=qc_mask, other=0.0,
+                                         cache_modifier=".cg")  # fmt: skip
+            out2 += w[:, None] * tl.load(partial_o_ptr + offsets + half, mask=qc_mask,
+                                         other=0.0, cache_modifier=".cg")  # fmt: skip
             total += w
         inv_total = 1.0 / tl.where(total > 0, total, 1.0)
-        o_offsets = token[:, None] * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + d[None, :]
-        tl.store(o_ptr + o_offsets, (out * inv_total[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=qd_mask)  # fmt: skip
+        o_offsets = token[:, None] * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + c[None, :]
+        o_type = o_ptr.dtype.element_ty
+        tl.store(o_ptr + o_offsets, (out1 * inv_total[:, None]).to(o_type), mask=qc_mask)
+        tl.store(o_ptr + o_offsets + half, (out2 * inv_total[:, None]).to(o_type), mask=qc_mask)
         tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
@@ -210,9 +314,55 @@ def few_query_attention(
     scratch: FewQueryScratch,
     custom_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See the module docstring; returns o [bs * num_queries, H * D] in q's dtype."""
+    """See the module docstring; q is rotated and the new K/V stored. Returns o
+    [bs * num_queries, H * D] in q's dtype."""
+    return _launch(q, q.shape[1] // k_buffer.shape[2], None, k_buffer, v_buffer, req_to_token,
+                   req_pool_indices, seq_lens, num_queries, scaling, num_splits, scratch,
+                   custom_mask)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """What the fused launch needs to rotate and store the new tokens itself: their positions
+    and KV slots [bs * num_queries], the cos | sin cache, optional q / k RMSNorm weights."""
+
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+def few_query_attend(
+    qkv: torch.Tensor,
+    num_heads: int,
+    new: NewTokens,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_queries: int,
+    scaling: float,
+    num_splits: int,
+    scratch: FewQueryScratch,
+    custom_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same attention from qkv [bs * num_queries, (H + 2*KH) * D] when the new tokens are
+    each request's last num_queries keys (custom_mask None or [bs, num_queries, num_queries]):
+    q and k are rotated (and normalised) in the kernel, the new K/V stored at
+    new.out_cache_loc by the split that attends them from registers (numerics of
+    `rotary.rope_and_store_kv` followed by `few_query_attention`). Returns o as above."""
+    assert custom_mask is None or custom_mask.shape[-1] == num_queries
+    return _launch(qkv, num_heads, new, k_buffer, v_buffer, req_to_token, req_pool_indices,
+                   seq_lens, num_queries, scaling, num_splits, scratch, custom_mask)  # fmt: skip
+
+
+def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_token,
+            req_pool_indices, seq_lens, num_queries, scaling, num_splits, scratch,
+            custom_mask):  # fmt: skip
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
-    num_heads = q.shape[1] // head_dim
     bs = req_pool_indices.shape[0]
     assert q.shape[0] == bs * num_queries and fits(num_queries, num_heads, num_kv_heads)
     assert bs <= scratch.max_bs and num_queries == scratch.num_queries
@@ -226,15 +376,21 @@ def few_query_attention(
         mask_batch_stride, mask_width = mask.stride(0), mask.shape[2]
     else:
         mask, mask_batch_stride, mask_width = q, 0, 0  # unused
+    fused = new is not None
+    has_norm = fused and new.q_norm is not None
     group = num_heads // num_kv_heads
     _few_query_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, mask,
-        scratch.partial_o, scratch.partial_lse, scratch.counters, q.stride(0),
-        req_to_token.stride(0), mask_batch_stride, scaling * LOG2E,
+        q, new.positions if fused else q, new.cos_sin_cache if fused else q,
+        new.q_norm if has_norm else q, new.k_norm if has_norm else q,
+        new.out_cache_loc if fused else q, k_buffer, v_buffer, o, req_to_token,
+        req_pool_indices, seq_lens, mask, scratch.partial_o, scratch.partial_lse,
+        scratch.counters, q.stride(0), req_to_token.stride(0), mask_batch_stride,
+        scaling * LOG2E, new.eps if fused else 0.0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=next_power_of_2(head_dim), NUM_QUERIES=num_queries,
-        BLOCK_M=max(16, next_power_of_2(num_queries * group)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, MASK_WIDTH=mask_width, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)), NUM_QUERIES=num_queries,
+        BLOCK_M=max(16, next_power_of_2(num_queries * group)),
+        BLOCK_Q=max(16, next_power_of_2(num_queries)), BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, MASK_WIDTH=mask_width, FUSED=fused, HAS_NORM=has_norm,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )  # fmt: skip
     return o

@@ -178,12 +178,15 @@ def few_query_metadata(pools: Pools, batch: ForwardBatch):
 @pytest.mark.parametrize("device, dtype", setups())
 @pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
 @pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("qk_norm", [False, True])
 def test_fixed_windows_run_the_few_query_kernel(device, dtype, heads, kv_heads, head_dim,
-                                                page_size):  # fmt: skip
+                                                page_size, qk_norm):  # fmt: skip
     """The same number of queries per request, causal (the draft extend's fixed S+1 windows):
-    split-K over the keys, GQA grouped; twice in a row, since the last program of each
-    (request, KV head) resets its counter for the next launch."""
+    RoPE (and q/k norm) and the K/V store in the kernel, split-K over the keys, GQA grouped;
+    twice in a row, since the last program of each (request, KV head) resets its counter."""
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=3 * heads)
+    if qk_norm:
+        pools.with_qk_norm()
     batch = batch_of(pools, ForwardMode.DRAFT_EXTEND, [4, 2, 3, 1], [0, 17, 64, 100], [4] * 4)
     assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
     check(pools, batch)
