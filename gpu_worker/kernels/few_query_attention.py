@@ -153,16 +153,16 @@ def _few_query_kernel(
     pool_end = seq_len  # keys read from the pool: [0, pool_end)
     if FUSED:  # the new tokens are the last NUM_QUERIES keys; they come from registers
         pool_end = seq_len - NUM_QUERIES
-        w1, w2 = c.to(tl.float32), c.to(tl.float32)  # unused without norms
+        qw1, qw2 = c.to(tl.float32), c.to(tl.float32)  # unused without norms
         if HAS_NORM:
-            w1 = tl.load(q_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-            w2 = tl.load(q_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
+            qw1 = tl.load(q_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+            qw2 = tl.load(q_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
         position = tl.load(positions_ptr + token, mask=row_mask, other=0).to(tl.int64)
-        cos = tl.load(cache_ptr + position[:, None] * HEAD_DIM + c[None, :], mask=qc_mask,
-                      other=0.0)  # fmt: skip
-        sin = tl.load(cache_ptr + position[:, None] * HEAD_DIM + half + c[None, :],
-                      mask=qc_mask, other=0.0)  # fmt: skip
-        q1, q2 = _rotate_rows(q1, q2, cos, sin, w1, w2, eps, HEAD_DIM, HAS_NORM)
+        qcos = tl.load(cache_ptr + position[:, None] * HEAD_DIM + c[None, :], mask=qc_mask,
+                       other=0.0)  # fmt: skip
+        qsin = tl.load(cache_ptr + position[:, None] * HEAD_DIM + half + c[None, :],
+                       mask=qc_mask, other=0.0)  # fmt: skip
+        q1, q2 = _rotate_rows(q1, q2, qcos, qsin, qw1, qw2, eps, HEAD_DIM, HAS_NORM)
 
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
     active = tl.minimum(num_blocks, NUM_SPLITS)  # splits with keys: short sequences use few
@@ -211,53 +211,55 @@ def _few_query_kernel(
 
     if FUSED:
         if split == active - 1:  # the split that holds the last position: the new keys
+            # (names of their own: a runtime branch may not retype the loop's tensors)
             j = tl.arange(0, BLOCK_Q)
             j_mask = j < NUM_QUERIES
             jc_mask = j_mask[:, None] & c_mask[None, :]
             new_token = req * NUM_QUERIES + j
-            k_offsets = new_token[:, None] * q_stride + (NUM_HEADS + kv_head) * HEAD_DIM
-            k1 = tl.load(q_ptr + k_offsets + c[None, :], mask=jc_mask, other=0.0)
-            k2 = tl.load(q_ptr + k_offsets + half + c[None, :], mask=jc_mask, other=0.0)
+            nk_offsets = new_token[:, None] * q_stride + (NUM_HEADS + kv_head) * HEAD_DIM
+            nk1 = tl.load(q_ptr + nk_offsets + c[None, :], mask=jc_mask, other=0.0)
+            nk2 = tl.load(q_ptr + nk_offsets + half + c[None, :], mask=jc_mask, other=0.0)
+            nw1, nw2 = c.to(tl.float32), c.to(tl.float32)  # unused without norms
             if HAS_NORM:
-                w1 = tl.load(k_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-                w2 = tl.load(k_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
+                nw1 = tl.load(k_norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+                nw2 = tl.load(k_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32)
             key_pos = tl.load(positions_ptr + new_token, mask=j_mask, other=0).to(tl.int64)
-            cos = tl.load(cache_ptr + key_pos[:, None] * HEAD_DIM + c[None, :], mask=jc_mask,
-                          other=0.0)  # fmt: skip
-            sin = tl.load(cache_ptr + key_pos[:, None] * HEAD_DIM + half + c[None, :],
-                          mask=jc_mask, other=0.0)  # fmt: skip
-            k1, k2 = _rotate_rows(k1, k2, cos, sin, w1, w2, eps, HEAD_DIM, HAS_NORM)
+            ncos = tl.load(cache_ptr + key_pos[:, None] * HEAD_DIM + c[None, :], mask=jc_mask,
+                           other=0.0)  # fmt: skip
+            nsin = tl.load(cache_ptr + key_pos[:, None] * HEAD_DIM + half + c[None, :],
+                           mask=jc_mask, other=0.0)  # fmt: skip
+            nk1, nk2 = _rotate_rows(nk1, nk2, ncos, nsin, nw1, nw2, eps, HEAD_DIM, HAS_NORM)
             v_head = NUM_HEADS + NUM_KV_HEADS + kv_head
-            v_offsets = new_token[:, None] * q_stride + v_head * HEAD_DIM
-            v1 = tl.load(q_ptr + v_offsets + c[None, :], mask=jc_mask, other=0.0)
-            v2 = tl.load(q_ptr + v_offsets + half + c[None, :], mask=jc_mask, other=0.0)
-            qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_Q]
+            nv_offsets = new_token[:, None] * q_stride + v_head * HEAD_DIM
+            nv1 = tl.load(q_ptr + nv_offsets + c[None, :], mask=jc_mask, other=0.0)
+            nv2 = tl.load(q_ptr + nv_offsets + half + c[None, :], mask=jc_mask, other=0.0)
+            s_new = tl.dot(q1, tl.trans(nk1), input_precision=DOT_PRECISION)
+            s_new += tl.dot(q2, tl.trans(nk2), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_Q]
             if MASK_WIDTH > 0:
-                bits = tl.load(
+                new_bits = tl.load(
                     mask_ptr + req * mask_batch_stride + query[:, None] * MASK_WIDTH + j[None, :],
                     mask=row_mask[:, None] & j_mask[None, :], other=0,
                 )  # fmt: skip
-                visible = bits != 0
+                sees = new_bits != 0
             else:
-                visible = j[None, :] <= query[:, None]
-            visible = visible & j_mask[None, :] & row_mask[:, None]
-            qk = tl.where(visible, qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+                sees = j[None, :] <= query[:, None]
+            sees = sees & j_mask[None, :] & row_mask[:, None]
+            s_new = tl.where(sees, s_new * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_new, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_safe[:, None])
+            p_new = tl.exp2(s_new - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p = p.to(v1.dtype)
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
+            l_i = l_i * alpha + tl.sum(p_new, 1)
+            p_new = p_new.to(nv1.dtype)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p_new, nv1, input_precision=DOT_PRECISION)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p_new, nv2, input_precision=DOT_PRECISION)
             m_i = m_new
             slot = tl.load(loc_ptr + new_token, mask=j_mask, other=0).to(tl.int64)
             dst = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + c[None, :]
-            tl.store(k_ptr + dst, k1.to(k_ptr.dtype.element_ty), mask=jc_mask)
-            tl.store(k_ptr + dst + half, k2.to(k_ptr.dtype.element_ty), mask=jc_mask)
-            tl.store(v_ptr + dst, v1.to(v_ptr.dtype.element_ty), mask=jc_mask)
-            tl.store(v_ptr + dst + half, v2.to(v_ptr.dtype.element_ty), mask=jc_mask)
+            tl.store(k_ptr + dst, nk1.to(k_ptr.dtype.element_ty), mask=jc_mask)
+            tl.store(k_ptr + dst + half, nk2.to(k_ptr.dtype.element_ty), mask=jc_mask)
+            tl.store(v_ptr + dst, nv1.to(v_ptr.dtype.element_ty), mask=jc_mask)
+            tl.store(v_ptr + dst + half, nv2.to(v_ptr.dtype.element_ty), mask=jc_mask)
 
     # Partial result, then the last program of (request, KV head) combines all splits.
     has_keys = l_i > 0
