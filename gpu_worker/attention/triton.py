@@ -33,11 +33,11 @@ from gpu_worker.kernels.decode_attention import (
 )
 from gpu_worker.kernels.extend_attention import extend_attention
 from gpu_worker.kernels.few_query_attention import (
-    FewQueryScratch,
     NewTokens,
     few_query_attend,
     few_query_attention,
     fits,
+    scratch_for,
 )
 from gpu_worker.kernels.rotary import rope_and_store_kv
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
@@ -83,8 +83,8 @@ class TritonBackend(AttentionBackend):
         # One per number of queries, allocated on first use (before any capture: stage graphs
         # run each bucket eagerly first, the largest first); one outgrown by a larger batch is
         # kept alive, since captured launches may still point into it.
-        self.few_query_scratch: dict[int, FewQueryScratch] = {}
-        self.retired_scratch: list[FewQueryScratch] = []
+        self.few_query_scratch: dict[int, DecodeScratch] = {}
+        self.retired_scratch: list[DecodeScratch] = []
 
     def _scratch(self, max_bs: int) -> DecodeScratch:
         return DecodeScratch.allocate(max_bs, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -109,7 +109,7 @@ class TritonBackend(AttentionBackend):
                 if scratch is None or scratch.max_bs < bs:
                     if scratch is not None:  # captured graphs may still point into it
                         self.retired_scratch.append(scratch)
-                    self.few_query_scratch[queries] = FewQueryScratch.allocate(
+                    self.few_query_scratch[queries] = scratch_for(
                         max(bs, self.req_to_token_pool.num_rows), queries, self.num_heads,
                         self.num_kv_heads, self.head_dim, self.num_sms, self.kv_pool.device,
                     )  # fmt: skip

@@ -72,6 +72,92 @@ class DecodeScratch:
 
 
 @triton.jit
+def load_key_block(q1, q2, k_ptr, v_ptr, req_to_token_ptr, row, req_to_token_stride, pos,
+                   pos_mask, kv_head, c, c_mask, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Keys at positions pos [N] of a request's req_to_token row (pos_mask: which exist) for
+    the query rows q1 / q2 [R, BLOCK_HALF] (head-dim halves): -> (q.k [R, N] float32, the
+    value halves [N, BLOCK_HALF])."""
+    slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
+    kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + c[None, :]
+    kv_mask = pos_mask[:, None] & c_mask[None, :]
+    half = HEAD_DIM // 2
+    k1 = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    k2 = tl.load(k_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
+    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+    qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+    v1 = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v2 = tl.load(v_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
+    return qk, v1, v2
+
+
+@triton.jit
+def online_update(s, v1, v2, m_i, l_i, acc1, acc2, DOT_PRECISION: tl.constexpr):
+    """Fold a block of keys into the running softmax of each row: s [R, N] scores in log2
+    units, -inf where a key is not visible; v1 / v2 [N, BLOCK_HALF] -> (m_i, l_i, acc1, acc2)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v1.dtype)
+    acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
+    acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc1, acc2
+
+
+@triton.jit
+def finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active, counter,
+                 partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """Write this split's partial output and log-sum-exp for its rows (unit [R]: the
+    (token, head) index of each row; o rows are unit * HEAD_DIM), count the split in; the last
+    split of the counter to arrive combines them all into o and resets the counter, so the
+    same launch replays in a CUDA graph."""
+    half = HEAD_DIM // 2
+    rc_mask = row_mask[:, None] & c_mask[None, :]
+    has_keys = l_i > 0
+    inv_l = 1.0 / tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    partial = unit * NUM_SPLITS + split
+    po_offsets = partial[:, None] * HEAD_DIM + c[None, :]
+    tl.store(partial_o_ptr + po_offsets, acc1 * inv_l[:, None], mask=rc_mask)
+    tl.store(partial_o_ptr + po_offsets + half, acc2 * inv_l[:, None], mask=rc_mask)
+    tl.store(partial_lse_ptr + partial, lse, mask=row_mask)
+    tl.debug_barrier()  # every thread's partials are written before the arrival is counted
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == active - 1:
+        m_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for s in range(0, active):
+            lse_s = tl.load(partial_lse_ptr + unit * NUM_SPLITS + s, mask=row_mask,
+                            other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+            m_max = tl.maximum(m_max, lse_s)
+        # padded rows and rows with no keys: no -inf minus -inf
+        m_max = tl.where(row_mask & (m_max > float("-inf")), m_max, 0.0)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        out1 = tl.zeros([BLOCK_R, BLOCK_HALF], tl.float32)
+        out2 = tl.zeros([BLOCK_R, BLOCK_HALF], tl.float32)
+        for s in range(0, active):
+            index = unit * NUM_SPLITS + s
+            lse_s = tl.load(partial_lse_ptr + index, mask=row_mask, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+            w = tl.exp2(lse_s - m_max)  # empty splits weigh 0
+            offsets = index[:, None] * HEAD_DIM + c[None, :]
+            out1 += w[:, None] * tl.load(partial_o_ptr + offsets, mask=rc_mask, other=0.0,
+                                         cache_modifier=".cg")  # fmt: skip
+            out2 += w[:, None] * tl.load(partial_o_ptr + offsets + half, mask=rc_mask,
+                                         other=0.0, cache_modifier=".cg")  # fmt: skip
+            total += w
+        inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+        o_offsets = unit[:, None] * HEAD_DIM + c[None, :]
+        o_type = o_ptr.dtype.element_ty
+        tl.store(o_ptr + o_offsets, (out1 * inv_total[:, None]).to(o_type), mask=rc_mask)
+        tl.store(o_ptr + o_offsets + half, (out2 * inv_total[:, None]).to(o_type), mask=rc_mask)
+        tl.atomic_xchg(counter, 0)  # ready for the next launch
+
+
+@triton.jit
 def _decode_kernel(
     qkv_ptr,
     positions_ptr,
@@ -132,12 +218,14 @@ def _decode_kernel(
     q1 = tl.load(base + q_offsets, mask=qh_mask, other=0.0)
     q2 = tl.load(base + q_offsets + half, mask=qh_mask, other=0.0)
     dtype = q1.dtype
-    q1, q2 = rotate_halves(q1, q2, cos, sin, w_q1, w_q2, eps, HEAD_DIM, HAS_NORM)
+    q1, q2 = rotate_halves(q1, q2, cos[None, :], sin[None, :], w_q1, w_q2, eps, HEAD_DIM,
+                           HAS_NORM)  # fmt: skip
     q1, q2 = q1.to(dtype), q2.to(dtype)  # rounded like q stored by the unfused path
     k_offsets = ((NUM_HEADS + kv_head) * HEAD_DIM + c)[None, :]
     k1 = tl.load(base + k_offsets, mask=c_mask[None, :], other=0.0)
     k2 = tl.load(base + k_offsets + half, mask=c_mask[None, :], other=0.0)
-    k1, k2 = rotate_halves(k1, k2, cos, sin, w_k1, w_k2, eps, HEAD_DIM, HAS_NORM)
+    k1, k2 = rotate_halves(k1, k2, cos[None, :], sin[None, :], w_k1, w_k2, eps, HEAD_DIM,
+                           HAS_NORM)  # fmt: skip
     k1, k2 = k1.to(dtype).to(tl.float32), k2.to(dtype).to(tl.float32)  # [1, BLOCK_HALF]
     v_offsets = (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + c
     v1 = tl.load(base + v_offsets, mask=c_mask, other=0.0).to(tl.float32)
@@ -158,25 +246,11 @@ def _decode_kernel(
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_mask = (pos < end) & (pos != new_pos)
-        slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
-        kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + c[None, :]
-        kv_mask = pos_mask[:, None] & c_mask[None, :]
-        pk1 = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        pk2 = tl.load(k_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
-        qk = tl.dot(q1, tl.trans(pk1), input_precision=DOT_PRECISION)
-        qk += tl.dot(q2, tl.trans(pk2), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(pos_mask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv1 = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        pv2 = tl.load(v_ptr + kv_offsets + half, mask=kv_mask, other=0.0)
-        p = p.to(pv1.dtype)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, pv1, input_precision=DOT_PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p, pv2, input_precision=DOT_PRECISION)
-        m_i = m_new
+        qk, pv1, pv2 = load_key_block(q1, q2, k_ptr, v_ptr, req_to_token_ptr, row,
+                                      req_to_token_stride, pos, pos_mask, kv_head, c, c_mask,
+                                      NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)  # fmt: skip
+        qk = tl.where(pos_mask[None, :], qk * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_i, l_i, acc1, acc2 = online_update(qk, pv1, pv2, m_i, l_i, acc1, acc2, DOT_PRECISION)
 
     # The new key, in the split that holds its position; that program also stores K/V.
     holds = (new_pos >= start) & (new_pos < end)
@@ -201,45 +275,10 @@ def _decode_kernel(
     tl.store(v_ptr + kv_dst + half, v2.to(v_ptr.dtype.element_ty), mask=store_mask)
 
     # Partial result, then the last program of (request, KV head) combines all splits.
-    has_keys = l_i > 0
-    inv_l = 1.0 / tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    partial = (req * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_H]
-    po_offsets = partial[:, None] * HEAD_DIM + c[None, :]
-    tl.store(partial_o_ptr + po_offsets, acc1 * inv_l[:, None], mask=qh_mask)
-    tl.store(partial_o_ptr + po_offsets + half, acc2 * inv_l[:, None], mask=qh_mask)
-    tl.store(partial_lse_ptr + partial, lse, mask=head_mask)
-    tl.debug_barrier()  # every thread's partials are written before the arrival is counted
     counter = counter_ptr + req * NUM_KV_HEADS + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == active - 1:
-        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in range(0, active):
-            lse_s = tl.load(partial_lse_ptr + (req * NUM_HEADS + heads) * NUM_SPLITS + s,
-                            mask=head_mask, other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-            m_max = tl.maximum(m_max, lse_s)
-        m_max = tl.where(head_mask, m_max, 0.0)  # padded heads: no -inf minus -inf
-        total = tl.zeros([BLOCK_H], tl.float32)
-        out1 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
-        out2 = tl.zeros([BLOCK_H, BLOCK_HALF], tl.float32)
-        for s in range(0, active):
-            index = (req * NUM_HEADS + heads) * NUM_SPLITS + s
-            lse_s = tl.load(partial_lse_ptr + index, mask=head_mask, other=float("-inf"),
-                            cache_modifier=".cg")  # fmt: skip
-            w = tl.exp2(lse_s - m_max)  # empty splits weigh 0
-            offsets = index[:, None] * HEAD_DIM + c[None, :]
-            out1 += w[:, None] * tl.load(partial_o_ptr + offsets, mask=qh_mask, other=0.0,
-                                         cache_modifier=".cg")  # fmt: skip
-            out2 += w[:, None] * tl.load(partial_o_ptr + offsets + half, mask=qh_mask,
-                                         other=0.0, cache_modifier=".cg")  # fmt: skip
-            total += w
-        o_offsets = req * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + c[None, :]
-        inv_total = 1.0 / tl.where(total > 0, total, 1.0)
-        tl.store(o_ptr + o_offsets, (out1 * inv_total[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=qh_mask)  # fmt: skip
-        out2 = out2 * inv_total[:, None]
-        tl.store(o_ptr + o_offsets + half, out2.to(o_ptr.dtype.element_ty), mask=qh_mask)
-        tl.atomic_xchg(counter, 0)  # ready for the next launch
+    finish_split(acc1, acc2, m_i, l_i, req * NUM_HEADS + heads, head_mask, c, c_mask, split,
+                 active, counter, partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM, NUM_SPLITS,
+                 BLOCK_H, BLOCK_HALF)  # fmt: skip
 
 
 def decode_attention(

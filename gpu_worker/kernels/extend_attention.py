@@ -121,6 +121,18 @@ def _extend_kernel(
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
+def kernel_mask(custom_mask: torch.Tensor | None, dummy: torch.Tensor):
+    """A tree-local custom mask [bs, q_len, width] as the attention kernels read it -> (uint8
+    mask with each request's rows contiguous (requests may share one: batch stride 0), batch
+    stride, width); without a mask: (dummy, 0, 0), never read."""
+    if custom_mask is None:
+        return dummy, 0, 0
+    mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+    if mask.stride(2) != 1 or mask.stride(1) != mask.shape[2]:
+        mask = mask.contiguous()
+    return mask, mask.stride(0), mask.shape[2]
+
+
 def extend_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -143,13 +155,7 @@ def extend_attention(
         return o
     block_m = 16 if max_extend_len <= 16 else 64
     has_mask = custom_mask is not None
-    if has_mask:  # rows of each request contiguous; requests may share one (stride 0)
-        mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
-        if mask.stride(2) != 1 or mask.stride(1) != mask.shape[2]:
-            mask = mask.contiguous()
-        mask_batch_stride, mask_width = mask.stride(0), mask.shape[2]
-    else:
-        mask, mask_batch_stride, mask_width = q, 0, 0  # unused
+    mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_seq_lens,

@@ -59,15 +59,16 @@ def rope_and_store_kv_reference(
 @triton.jit
 def rotate_halves(x1, x2, cos, sin, w1, w2, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
     """Rows of halves [R, BLOCK_HALF] -> rotated halves in float32, after an optional
-    per-row RMSNorm (weights w1, w2 [BLOCK_HALF]) with transformers' roundings. Shared with
-    the fused decode-attention kernel."""
+    per-row RMSNorm (weights w1, w2 [BLOCK_HALF]) with transformers' roundings. cos / sin:
+    [1, BLOCK_HALF] (one position for every row) or [R, BLOCK_HALF] (a position per row).
+    Shared with the fused attention kernels."""
     dtype = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
         inv = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)[:, None]
         f1 = ((f1 * inv).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
         f2 = ((f2 * inv).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
-    return f1 * cos[None, :] - f2 * sin[None, :], f2 * cos[None, :] + f1 * sin[None, :]
+    return f1 * cos - f2 * sin, f2 * cos + f1 * sin
 
 
 @triton.jit
@@ -114,7 +115,8 @@ def _rope_store_kernel(
             tl.load(q_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32),
             tl.load(k_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32),
         )
-    out1, out2 = rotate_halves(x1, x2, cos, sin, w1, w2, eps, HEAD_DIM, HAS_NORM)
+    out1, out2 = rotate_halves(x1, x2, cos[None, :], sin[None, :], w1, w2, eps, HEAD_DIM,
+                               HAS_NORM)  # fmt: skip
     if is_q:
         q_base = q_out_ptr + token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
         tl.store(q_base + cols, out1.to(q_out_ptr.dtype.element_ty), mask=mask)

@@ -17,7 +17,16 @@ SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gpu_worker.kernels.few_query_attention import _few_query_kernel as fn
+from gpu_worker.kernels.decode_attention import _decode_kernel
+from gpu_worker.kernels.few_query_attention import _few_query_kernel
+
+
+def compile_for_sm90(fn, types, const):
+    signature = {**types, **{name: "constexpr" for name in const}}
+    constexprs = {(fn.arg_names.index(name),): value for name, value in const.items()}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", 90, 32))
+
 
 types = {"q_ptr": "*bf16", "positions_ptr": "*i64", "cache_ptr": "*bf16", "q_norm_ptr": "*bf16",
          "k_norm_ptr": "*bf16", "loc_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
@@ -31,15 +40,19 @@ for fused, width, norm in [(True, 0, False), (True, 8, True), (False, 24, False)
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, NUM_QUERIES=8,
                  BLOCK_M=32, BLOCK_Q=16, BLOCK_N=64, NUM_SPLITS=16, MASK_WIDTH=width,
                  FUSED=fused, HAS_NORM=norm, DOT_PRECISION="tf32")
-    signature = {**types, **{name: "constexpr" for name in const}}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in const.items()}
-    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                   target=GPUTarget("cuda", 90, 32))
+    compile_for_sm90(_few_query_kernel, types, const)
+decode_types = {**{k: v for k, v in types.items() if k not in ("q_ptr", "mask_ptr",
+                                                                "q_stride", "mask_batch_stride")},
+                "qkv_ptr": "*bf16", "qkv_stride": "i32"}
+for norm in (False, True):
+    compile_for_sm90(_decode_kernel, decode_types, dict(
+        NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_H=16, BLOCK_N=64,
+        NUM_SPLITS=16, HAS_NORM=norm, DOT_PRECISION="tf32"))
 print("compiled")
 """
 
 
-def test_few_query_kernel_compiles_for_sm90():
+def test_attention_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
