@@ -79,16 +79,24 @@ class TritonBackend(AttentionBackend):
             else CPU_NUM_SMS
         )
         self.num_kv_heads, self.head_dim = kv_pool.k_buffers[0].shape[1:]
-        self.scratch = self._scratch(req_to_token_pool.num_rows)
-        # One per number of queries, allocated on first use (before any capture: stage graphs
-        # run each bucket eagerly first, the largest first); one outgrown by a larger batch is
-        # kept alive, since captured launches may still point into it.
-        self.few_query_scratch: dict[int, DecodeScratch] = {}
+        # Split-K partials and counters per number of queries per request (decode: 1), for
+        # every request row at least; allocated on first use, before any capture (graphs run
+        # each batch size eagerly first). One outgrown by a larger batch is kept alive:
+        # captured launches may still point into it.
+        self.scratch: dict[int, DecodeScratch] = {}
         self.retired_scratch: list[DecodeScratch] = []
+        self._scratch(1, req_to_token_pool.num_rows)
 
-    def _scratch(self, max_bs: int) -> DecodeScratch:
-        return DecodeScratch.allocate(max_bs, self.num_heads, self.num_kv_heads, self.head_dim,
-                                      self.num_sms, self.kv_pool.device)  # fmt: skip
+    def _scratch(self, queries: int, bs: int) -> DecodeScratch:
+        scratch = self.scratch.get(queries)
+        if scratch is None or scratch.max_bs < bs:
+            if scratch is not None:
+                self.retired_scratch.append(scratch)
+            scratch = self.scratch[queries] = scratch_for(
+                max(bs, self.req_to_token_pool.num_rows), queries, self.num_heads,
+                self.num_kv_heads, self.head_dim, self.num_sms, self.kv_pool.device,
+            )  # fmt: skip
+        return scratch
 
     # ------------------------------------------------------------------------- metadata
 
@@ -97,22 +105,14 @@ class TritonBackend(AttentionBackend):
     ) -> DecodeMetadata | FewQueryMetadata | ExtendMetadata:
         if batch.mode == ForwardMode.DECODE and batch.custom_mask is None:
             bs = batch.batch_size
-            if bs > self.scratch.max_bs:
-                self.scratch = self._scratch(bs)
+            self._scratch(1, bs)
             return DecodeMetadata(choose_num_splits(bs, self.num_kv_heads, self.num_sms))
         lens_cpu = batch.extend_seq_lens_cpu
         if batch.mode != ForwardMode.EXTEND and lens_cpu and len(set(lens_cpu)) == 1:
             queries = lens_cpu[0]
             if fits(queries, self.num_heads, self.num_kv_heads):
                 bs = len(lens_cpu)
-                scratch = self.few_query_scratch.get(queries)
-                if scratch is None or scratch.max_bs < bs:
-                    if scratch is not None:  # captured graphs may still point into it
-                        self.retired_scratch.append(scratch)
-                    self.few_query_scratch[queries] = scratch_for(
-                        max(bs, self.req_to_token_pool.num_rows), queries, self.num_heads,
-                        self.num_kv_heads, self.head_dim, self.num_sms, self.kv_pool.device,
-                    )  # fmt: skip
+                self._scratch(queries, bs)
                 splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
                 return FewQueryMetadata(queries, splits)
         lens = batch.extend_seq_lens.to(torch.int64)
@@ -121,8 +121,7 @@ class TritonBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
         """Decode scratch for the largest batch, shared by every captured graph."""
-        if max_bs > self.scratch.max_bs:
-            self.scratch = self._scratch(max_bs)
+        self._scratch(1, max_bs)
 
     def init_forward_metadata_capture(
         self, batch: ForwardBatch
@@ -150,14 +149,14 @@ class TritonBackend(AttentionBackend):
                 qkv, layer.num_heads, new, k_buffer, v_buffer,
                 self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 meta.num_queries, layer.scaling, meta.num_splits,
-                self.few_query_scratch[meta.num_queries], mask,
+                self.scratch[meta.num_queries], mask,
             )  # fmt: skip
         if not isinstance(meta, DecodeMetadata):
             return super().attend(qkv, layer, batch, rope)
         return decode_attention(
             qkv, batch.positions, rope.cos_sin_cache, k_buffer, v_buffer, batch.out_cache_loc,
             self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-            layer.num_heads, layer.scaling, meta.num_splits, self.scratch, rope.q_norm,
+            layer.num_heads, layer.scaling, meta.num_splits, self.scratch[1], rope.q_norm,
             rope.k_norm, rope.eps,
         )  # fmt: skip
 
@@ -168,7 +167,7 @@ class TritonBackend(AttentionBackend):
             return few_query_attention(
                 q, k_buffer, v_buffer, self.req_to_token_pool.req_to_token,
                 batch.req_pool_indices, batch.seq_lens, meta.num_queries, layer.scaling,
-                meta.num_splits, self.few_query_scratch[meta.num_queries], batch.custom_mask,
+                meta.num_splits, self.scratch[meta.num_queries], batch.custom_mask,
             )  # fmt: skip
         return extend_attention(
             q, k_buffer, v_buffer, self.req_to_token_pool.req_to_token, batch.req_pool_indices,

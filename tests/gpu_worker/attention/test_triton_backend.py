@@ -203,3 +203,18 @@ def test_batches_the_few_query_kernel_does_not_take(device, dtype):
     for batch in (ragged, wide, prefill):
         assert isinstance(few_query_metadata(pools, batch), ExtendMetadata)
         check(pools, batch)
+
+
+def test_outgrown_split_scratch_stays_alive():
+    """A batch larger than the scratch gets a larger one; the old one is kept, since a captured
+    graph's launches may still write into it (decode's scratch is the one-query entry)."""
+    if "cpu" not in triton_devices():
+        pytest.skip("triton does not run on CPU here")
+    pools = Pools("cpu", torch.float32, 8, 2, 32, 1, seed=1)
+    backend = create_attention_backend("triton", pools.req, pools.kv, pools.layer.num_heads)
+    for queries in (1, 4):
+        first = backend._scratch(queries, 2)
+        assert first.max_bs >= pools.req.num_rows and backend._scratch(queries, 1) is first
+        grown = backend._scratch(queries, first.max_bs + 3)
+        assert grown.max_bs >= first.max_bs + 3 and backend.scratch[queries] is grown
+        assert any(old is first for old in backend.retired_scratch)
