@@ -65,6 +65,12 @@ class SchedulerConfig:
         "outputs. Lower admits more at the risk of retracting (and recomputing) requests "
         "when KV runs out; 0 admits on free KV alone.",
     )
+    disable_overlap_schedule: bool = _opt(
+        False,
+        "Plan each step only after the previous one's result (one plan in flight); by default "
+        "the scheduler plans step N+1 while the GPU runs step N.",
+        flag=True,
+    )
 
 
 @dataclass(frozen=True)

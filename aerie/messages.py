@@ -87,6 +87,7 @@ class RequestStart:
     so the worker can build penalty state; output_len: how many of those are outputs.
     """
 
+    row: int
     sampling: SamplingParams
     return_logprob: bool
     prompt_ids: bytes
@@ -94,36 +95,38 @@ class RequestStart:
 
 
 @dataclass(frozen=True)
-class PlanRequest:
-    """One request's share of a forward step.
-
-    input_ids: int32 LE, the tokens run this step (an extend chunk, or the last token for a
-        decode). Their positions are prefix_len, prefix_len + 1, ...
-    out_slots: int32 LE, KV slot ids for positions [prefix_len, prefix_len + len(out_slots)).
-        For decode with speculation this holds the reserved headroom, longer than input_ids.
-    sample: whether this step produces new tokens for the request (False for a non-final
-        prefill chunk).
-    next_input_id: for a non-final prefill chunk, the fill token right after the chunk (the
-        draft's prefill rotation needs it as the chunk's tail); -1 otherwise.
-    """
-
-    rid: str
-    req_pool_idx: int
-    prefix_len: int
-    input_ids: bytes
-    out_slots: bytes
-    sample: bool
-    start: RequestStart | None = None
-    next_input_id: int = -1
-
-
-@dataclass(frozen=True)
 class ForwardPlan:
-    """One scheduler step. mode: "extend" (prefill chunks) or "decode"."""
+    """One scheduler step, columnar: every array is int32 LE bytes with one entry per request
+    of the step (its row), in the order the StepResult answers.
+
+    mode: "extend" (prefill chunks) or "decode".
+    rows: [bs] request rows (req_pool_idx).
+    slot_starts, slot_lens: [bs] KV slots assigned this step cover positions
+        [slot_starts[i], slot_starts[i] + slot_lens[i]) of row i; slots: [sum(slot_lens)] their
+        ids, back to back. A decode step assigns only the positions no earlier plan assigned
+        (often none), including the speculative headroom.
+    Extend only (a decode step reads each row's last token and committed length on the
+    device, so it needs neither):
+    prefix_lens: [bs] committed KV length before the chunk; extend_lens: [bs] chunk lengths;
+    input_ids: [sum(extend_lens)] the chunks, back to back, at positions prefix_len, +1, ...;
+    sample: [bs] 1 when the chunk is the last of the request's fill (it samples a token);
+    next_input_ids: [bs] the fill token right after a non-final chunk (the draft's prefill
+        rotation needs it as the chunk's tail), -1 otherwise.
+    starts: the rows (re)started by this step.
+    """
 
     plan_id: int
     mode: str
-    requests: list[PlanRequest]
+    rows: bytes
+    slot_starts: bytes = b""
+    slot_lens: bytes = b""
+    slots: bytes = b""
+    prefix_lens: bytes = b""
+    extend_lens: bytes = b""
+    input_ids: bytes = b""
+    sample: bytes = b""
+    next_input_ids: bytes = b""
+    starts: list[RequestStart] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +280,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TokenizedRequest,
     AbortRequest,
     RequestStart,
-    PlanRequest,
     ForwardPlan,
     StepResult,
     DetokenizeStart,

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from aerie.codec import pack_ids, unpack_ids  # noqa: E402
 from aerie.config import AerieConfig  # noqa: E402
-from aerie.messages import SamplingParams, TokenizedRequest  # noqa: E402
+from aerie.messages import ForwardPlan, SamplingParams, TokenizedRequest  # noqa: E402
 from aerie.resolve import (  # noqa: E402
     DRAFT_ARCHITECTURES,
     resolve_attention_backend,
@@ -152,35 +152,47 @@ def iteration_config(args, shape, draft_dir, max_bs: int) -> AerieConfig:
     )  # fmt: skip
 
 
-def first_decode_plan(worker: GPUWorker, config: AerieConfig, num: int, context_len: int):
-    """Prefill `num` requests of random prompts; returns the decode plan that follows."""
-    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
-    gen = torch.Generator().manual_seed(0)
-    for i in range(num):
-        prompt = torch.randint(3, worker.runner.vocab_size, (context_len,), generator=gen)
-        params = SamplingParams(max_new_tokens=1024, temperature=0.0, ignore_eos=True)
-        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt.tolist()), params))
-    while True:
-        plan = sched.next_plan()
-        if plan.mode == "decode":
-            return plan
-        sched.apply_result(plan, worker.execute(plan))
+class Replayer:
+    """The first decode plan after prefilling `num` random prompts, run again and again from
+    the same per-row state: the worker's committed lengths and last tokens are put back
+    before every run (two small copies), so the state never advances."""
+
+    def __init__(self, worker: GPUWorker, config: AerieConfig, num: int, context_len: int):
+        self.worker = worker
+        sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+        gen = torch.Generator().manual_seed(0)
+        for i in range(num):
+            prompt = torch.randint(3, worker.runner.vocab_size, (context_len,), generator=gen)
+            params = SamplingParams(max_new_tokens=1024, temperature=0.0, ignore_eos=True)
+            sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt.tolist()), params))
+        while True:
+            plan = sched.next_plan()
+            if plan.mode == "decode":
+                break
+            sched.apply_result(plan, worker.execute(plan))
+        self.plan = plan
+        self.saved = worker.rows.prefix_lens.clone(), worker.rows.tokens.clone()
+
+    def execute(self, bs: int | None = None):
+        """Run the plan (its first bs requests) from the saved state."""
+        self.worker.rows.prefix_lens.copy_(self.saved[0])
+        self.worker.rows.tokens.copy_(self.saved[1])
+        return self.worker.execute(self.plan if bs is None else sub_plan(self.plan, bs))
 
 
-def time_plan(worker: GPUWorker, plan, device: str, iters: int) -> tuple[float, int]:
-    """Seconds per `execute` of the same plan (its state never advances), and the tokens the
-    last one emitted."""
+def time_plan(replay: Replayer, bs: int | None, device: str, iters: int) -> tuple[float, int]:
+    """Seconds per run of the plan for bs requests, and the tokens the last run emitted."""
     for _ in range(3):
-        result = worker.execute(plan)
+        result = replay.execute(bs)
     sync(device)
     start = time.perf_counter()
     for _ in range(iters):
-        result = worker.execute(plan)
+        result = replay.execute(bs)
     sync(device)
     return (time.perf_counter() - start) / iters, sum(unpack_ids(result.num_tokens))
 
 
-def profile_plan(worker: GPUWorker, plan, iters: int = 5) -> dict:
+def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
     """Per `execute` of the plan, from the profiler: GPU kernels, GPU busy milliseconds, and
     the kernels by name (count and microseconds per execute, the most expensive first)."""
     from torch.autograd import DeviceType
@@ -188,7 +200,7 @@ def profile_plan(worker: GPUWorker, plan, iters: int = 5) -> dict:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            worker.execute(plan)
+            replay.execute(bs)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     by_name: dict[str, list[float]] = {}
@@ -248,30 +260,27 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_bs = max(sizes)
     plain_worker = GPUWorker(iteration_config(args, None, None, max_bs))
-    plan = first_decode_plan(plain_worker, plain_worker.config, max_bs, args.context_len)
-    time_plan(plain_worker, plan, args.device, args.iters)  # warm-up: every kernel compiled
-    plain = {bs: time_plan(plain_worker, sub_plan(plan, bs), args.device, args.iters)[0]
-             for bs in sizes}  # fmt: skip
+    replay = Replayer(plain_worker, plain_worker.config, max_bs, args.context_len)
+    time_plan(replay, None, args.device, args.iters)  # warm-up: every kernel compiled
+    plain = {bs: time_plan(replay, bs, args.device, args.iters)[0] for bs in sizes}
     profiles = {}
     if args.profile:
-        profiles["plain"] = {bs: profile_plan(plain_worker, sub_plan(plan, bs)) for bs in sizes}
-    del plain_worker
+        profiles["plain"] = {bs: profile_plan(replay, bs) for bs in sizes}
+    del plain_worker, replay
     rows = []
     for shape in shapes:
         config = iteration_config(args, shape, draft_dir, max_bs)
         worker = GPUWorker(config)
-        plan = first_decode_plan(worker, config, max_bs, args.context_len)
+        replay = Replayer(worker, config, max_bs, args.context_len)
         bound = byte_bound(worker)
-        time_plan(worker, plan, args.device, args.iters)  # warm-up
-        random_draft = {bs: time_plan(worker, sub_plan(plan, bs), args.device, args.iters)
-                        for bs in sizes}  # fmt: skip
+        time_plan(replay, None, args.device, args.iters)  # warm-up
+        random_draft = {bs: time_plan(replay, bs, args.device, args.iters) for bs in sizes}
         if args.profile:
-            profiles[shape] = {bs: profile_plan(worker, sub_plan(plan, bs)) for bs in sizes}
+            profiles[shape] = {bs: profile_plan(replay, bs) for bs in sizes}
         make_agreeing(worker, max_bs)
         for bs in sizes:
             seconds, _ = random_draft[bs]
-            agreed_s, agreed_tokens = time_plan(worker, sub_plan(plan, bs), args.device,
-                                                args.iters)  # fmt: skip
+            agreed_s, agreed_tokens = time_plan(replay, bs, args.device, args.iters)
             rows.append({
                 "mode": f"{args.algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}",
                 "batch_size": bs, "plain_step_ms": plain[bs] * 1e3,
@@ -286,13 +295,17 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
                                 plain_gpu_ms=plain_profile["gpu_ms"], kernels=profile["kernels"],
                                 gpu_ms=profile["gpu_ms"], kernel_table=profile["table"],
                                 plain_kernel_table=plain_profile["table"])  # fmt: skip
-        del worker
+        del worker, replay
     return rows
 
 
-def sub_plan(plan, bs: int):
+def sub_plan(plan: ForwardPlan, bs: int) -> ForwardPlan:
     """The same decode plan for its first bs requests."""
-    return dataclasses.replace(plan, requests=plan.requests[:bs])
+    slot_lens = unpack_ids(plan.slot_lens)[:bs]
+    return dataclasses.replace(
+        plan, rows=plan.rows[: 4 * bs], slot_starts=plan.slot_starts[: 4 * bs],
+        slot_lens=plan.slot_lens[: 4 * bs], slots=plan.slots[: 4 * sum(slot_lens)],
+    )  # fmt: skip
 
 
 def print_iterations(args, rows: list[dict]) -> None:

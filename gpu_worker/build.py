@@ -98,7 +98,10 @@ def target_pools(config: AerieConfig) -> PoolSpec:
     return PoolSpec(
         max_running_requests=config.scheduler.max_running_requests or 64,
         context_length=config.model.context_length,
-        req_to_token_extra=spec.decode_alloc_len,
+        # Headroom past the context: the step's own, and the one of a decode step still in
+        # flight under the overlap schedule (its accepted tokens are not known when the next
+        # step is planned).
+        req_to_token_extra=2 * spec.decode_alloc_len,
         page_size=config.cache.page_size,
         max_total_tokens=config.cache.max_total_tokens,
         mem_fraction_static=mem_fraction,

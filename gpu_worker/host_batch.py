@@ -3,9 +3,9 @@
 `HostBatch` holds a forward's integer inputs as numpy int64 arrays. `Staging.upload` packs any
 number of such arrays into one pinned host buffer and copies it to the device in ONE
 non-blocking copy, returning device views: a step's inputs cost one transfer, not one per
-field. Staging alternates between two pinned buffers and, before refilling one, waits for the
-copy that last read it (a CUDA event), so the host may run ahead of the GPU safely. On CPU
-the copy is a plain memcpy.
+field. Staging rotates over RING pinned buffers and, before refilling one, waits for the copy
+that last read it (a CUDA event), so the host may run ahead of the GPU safely (by more than
+one step under the overlap schedule). On CPU the copy is a plain memcpy.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def _flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
 
 
 class Staging:
-    """Pinned host buffers (two, alternating) and a device buffer for uploads of int64 arrays."""
+    """Pinned host buffers (RING, in turn) and device buffers for uploads of int64 arrays."""
+
+    RING = 4
 
     def __init__(self, device: torch.device | str, capacity: int = 4096) -> None:
         self.device = torch.device(device)
@@ -98,10 +100,10 @@ class Staging:
 
     def _allocate(self, capacity: int) -> None:
         self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned)
-                      for _ in range(2)]  # fmt: skip
+                      for _ in range(self.RING)]  # fmt: skip
         self._device = [torch.empty(capacity, dtype=torch.int64, device=self.device)
-                        for _ in range(2)]  # fmt: skip
-        self._events = [None, None]
+                        for _ in range(self.RING)]  # fmt: skip
+        self._events = [None] * self.RING
 
     def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Device int64 views of arrays, in order, after one host-to-device copy."""
@@ -125,7 +127,7 @@ class Staging:
                     event.synchronize()
             self._allocate(max(total, 2 * self._host[0].numel()))
         slot = self._next
-        self._next = 1 - slot
+        self._next = (slot + 1) % self.RING
         if self._events[slot] is not None:
             self._events[slot].synchronize()  # the copy that last read this buffer is done
         host = self._host[slot]
@@ -142,19 +144,25 @@ class Staging:
 
 class HostCopy:
     """Results back to the host in one pass: each tensor is copied (non-blocking) into pinned
-    memory of its own, one event marks the end, and the host waits once for all of them."""
+    memory of its own and one event marks the end; `start` returns a `PendingCopy` whose
+    `wait` is the host's single synchronisation. Buffers rotate over RING sets, so a copy
+    may be started while earlier ones (up to RING - 1) are still pending."""
+
+    RING = 4
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._buffers: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
+        self._next = 0
 
-    def fetch(self, *tensors: torch.Tensor) -> list[np.ndarray]:
-        """numpy copies of tensors (flattened), after a single synchronisation."""
+    def start(self, *tensors: torch.Tensor) -> PendingCopy:
+        """Begin copying tensors (flattened) to the host, after the work queued so far."""
         if self.device.type != "cuda":
-            return [t.detach().reshape(-1).numpy().copy() for t in tensors]
+            return PendingCopy([t.detach().reshape(-1).clone() for t in tensors], None)
+        ring, self._next = self._next, (self._next + 1) % self.RING
         staged = []
         for i, t in enumerate(tensors):
-            key = (t.dtype, i)
+            key = (ring, t.dtype, i)
             buffer = self._buffers.get(key)
             if buffer is None or buffer.numel() < t.numel():
                 buffer = torch.empty(max(t.numel(), 256), dtype=t.dtype, pin_memory=True)
@@ -164,8 +172,26 @@ class HostCopy:
             staged.append(view)
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()
-        return [view.numpy().copy() for view in staged]
+        return PendingCopy(staged, done)
+
+    def fetch(self, *tensors: torch.Tensor) -> list[np.ndarray]:
+        """numpy copies of tensors (flattened), after a single synchronisation."""
+        return self.start(*tensors).wait()
+
+
+class PendingCopy:
+    """Host copies on their way; `wait` blocks until they landed and returns numpy copies."""
+
+    def __init__(self, staged: list[torch.Tensor], done: torch.cuda.Event | None) -> None:
+        self._staged, self._done = staged, done
+
+    def ready(self) -> bool:
+        return self._done is None or self._done.query()
+
+    def wait(self) -> list[np.ndarray]:
+        if self._done is not None:
+            self._done.synchronize()
+        return [view.numpy().copy() for view in self._staged]
 
 
 def segment_offsets(lens: np.ndarray) -> np.ndarray:

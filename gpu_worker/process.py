@@ -1,12 +1,17 @@
 """`run_gpu_worker_process`: moves messages between the scheduler and the `GPUWorker` core.
 
-Loop: ForwardPlan from the inbox -> `GPUWorker.execute` -> StepResult to the scheduler;
-Shutdown ends the loop. Handlers are dispatched by message type through a table.
+Loop: a ForwardPlan from the inbox is launched at once (`GPUWorker.launch` queues its work on
+the device); launched steps are finished in order (`GPUWorker.finish`) and their StepResults
+sent to the scheduler. While a step runs on the device the loop keeps reading the inbox, so
+the next plan (the scheduler keeps up to two in flight) is queued behind it before it ends:
+the device does not wait for the host between steps. Shutdown ends the loop. Handlers are
+dispatched by message type through a table.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +22,8 @@ from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, Heartbeat, Shutdown
 from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
-from gpu_worker.worker import GPUWorker
+from gpu_worker.step_profile import StepProfiler
+from gpu_worker.worker import GPUWorker, Launched
 
 
 class WorkerLoop:
@@ -30,6 +36,8 @@ class WorkerLoop:
         self.inbox = Receiver(endpoints.inbox(config, "gpu_worker"))
         self.scheduler = Sender(endpoints.inbox(config, "scheduler"))
         self.running = True
+        self.launched: deque[Launched] = deque()
+        self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
             Shutdown: self.handle_shutdown,
@@ -37,20 +45,35 @@ class WorkerLoop:
         }
 
     def handle_plan(self, plan: ForwardPlan) -> None:
-        self.scheduler.send(self.worker.execute(plan))
+        if self.profiler is not None:
+            self.profiler.on_launch()
+        self.launched.append(self.worker.launch(plan))
 
     def handle_shutdown(self, message: Shutdown) -> None:
         self.running = False
 
     def run(self) -> None:
         while self.running:
-            message = self.inbox.recv()
-            handler = self.handlers.get(type(message))
-            if handler is None:
-                raise TypeError(f"gpu_worker got an unexpected message {type(message).__name__}")
-            handler(message)
+            if not self.launched:
+                self.dispatch(self.inbox.recv())
+                continue
+            # A step is on the device: take the next plan if one came, else send the oldest
+            # result as soon as it is ready (polling both: a step lasts a millisecond or two).
+            message = self.inbox.recv(timeout_s=0)
+            if message is not None:
+                self.dispatch(message)
+            elif self.launched[0].ready():
+                self.scheduler.send(self.worker.finish(self.launched.popleft()))
+                if self.profiler is not None:
+                    self.profiler.on_finish()
         self.inbox.close()
         self.scheduler.close()
+
+    def dispatch(self, message: Any) -> None:
+        handler = self.handlers.get(type(message))
+        if handler is None:
+            raise TypeError(f"gpu_worker got an unexpected message {type(message).__name__}")
+        handler(message)
 
 
 def run_gpu_worker_process(config: AerieConfig) -> None:

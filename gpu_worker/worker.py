@@ -2,17 +2,26 @@
 
 It owns what `build.build_models` makes from the configuration: the target `ModelRunner`; with
 speculation the `draft_runner_list` (one EAGLE draft, or one runner per MTP layer) and the
-speculative worker that drives them; and the per-row `SamplingState`. `execute(plan)` applies
-the scheduler's slot assignments to the req_to_token pool of every runner (all pools address KV
-by the same slot ids), runs the step and returns a `StepResult`:
-- extend: one target forward; requests on their last chunk sample a token; with speculation
-  the draft then runs on the rotated chunk.
-- decode: one target forward and a sample per request, or one speculative iteration (draft
-  tree, verify, accept, draft extend) that emits 1 .. S+1 tokens per request.
+speculative worker that drives them; the per-row `SamplingState`; and the per-row `RowState`
+(each row's last token and committed length, on the device).
+
+A step is split in two so that the next one can be queued before this one is done:
+- `launch(plan)` applies the plan's slot assignments to the req_to_token pool of every runner
+  (all pools address KV by the same slot ids), queues the step's work on the device, and
+  starts one non-blocking copy of its results to the host:
+    extend: one target forward; requests on their last chunk sample a token; with
+      speculation the draft then runs on the rotated chunk.
+    decode: one target forward and a sample per row, or one speculative iteration (draft
+      tree, verify, accept, draft extend) that emits 1 .. S+1 tokens per row; either reads
+      its inputs from `RowState` and writes the new tokens and lengths back there.
+- `finish(launched)` waits for that copy (with speculation it is started right after
+  acceptance, so it does not wait for the draft extend) and packs the `StepResult`.
+`execute(plan)` does both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,13 +29,27 @@ import torch
 
 from aerie import codec
 from aerie.config import AerieConfig
-from aerie.messages import ForwardPlan, PlanRequest, StepResult
+from aerie.messages import ForwardPlan, RequestStart, StepResult
 from gpu_worker.build import build_models
-from gpu_worker.forward_batch import ForwardMode
-from gpu_worker.host_batch import HostCopy, Staging, segment_offsets
+from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
 from gpu_worker.plan_arrays import PlanArrays, parse_plan
+from gpu_worker.row_state import RowState
+from gpu_worker.speculative.target_verify import SpecStepOutput
 
-PLAN_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
+PLAN_MODES = ("extend", "decode")
+
+
+@dataclass
+class Launched:
+    """A step whose work is queued: `pack` turns its copied results into the StepResult."""
+
+    plan_id: int
+    copy: PendingCopy | None
+    pack: Callable[[list[np.ndarray]], StepResult]
+
+    def ready(self) -> bool:
+        """Whether `GPUWorker.finish` would return without waiting."""
+        return self.copy is None or self.copy.ready()
 
 
 class GPUWorker:
@@ -39,6 +62,7 @@ class GPUWorker:
         self.sampling, self.spec = models.sampling, models.speculative
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
+        self.rows = RowState(self.max_running_requests + 1, self.device)
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
@@ -57,109 +81,147 @@ class GPUWorker:
         }
 
     def execute(self, plan: ForwardPlan) -> StepResult:
-        """Run one scheduler step; returns the new tokens in plan order."""
+        """Run one scheduler step to the end; returns the new tokens in plan order."""
+        return self.finish(self.launch(plan))
+
+    def finish(self, launched: Launched) -> StepResult:
+        """Wait for a launched step's results and pack them (steps finish in launch order)."""
+        return launched.pack(launched.copy.wait() if launched.copy is not None else [])
+
+    @torch.inference_mode()
+    def launch(self, plan: ForwardPlan) -> Launched:
+        """Queue one scheduler step on the device (see the module docstring)."""
         if plan.mode not in PLAN_MODES:
             raise ValueError(f"unknown plan mode {plan.mode!r}")
-        if not plan.requests:
-            return StepResult(plan_id=plan.plan_id, num_tokens=b"", token_ids=b"")
-        for request in plan.requests:
-            if request.start is not None:
-                self._start_request(request)
         arrays = parse_plan(plan, self.max_running_requests)
-        speculative = plan.mode == "decode" and self.spec is not None
-        step = self._write_slots(arrays, speculative)
-        rows, positions, sampled = step.rows, step.positions, step.sampled
-        if speculative:
-            return self._speculative_decode(plan, arrays, step)
-        host = arrays.host_batch(PLAN_MODES[plan.mode])
-        batch = None
-        if self.spec is not None:  # the draft prefill reads the batch too
-            batch = host.to_device(self.device, self.runner.staging)
-            out = self.runner.forward(batch)
-        else:
-            out = self.runner.forward_host(host)  # a CUDA graph for decode batches that fit
+        for start in plan.starts:
+            self._start_request(start)
+        if arrays.batch_size == 0:
+            empty = StepResult(plan_id=plan.plan_id, num_tokens=b"", token_ids=b"")
+            return Launched(plan.plan_id, None, lambda _: empty)
+        rows = self._write_slots(arrays)
+        if plan.mode == "extend":
+            return self._launch_extend(plan.plan_id, arrays, rows)
+        if self.spec is not None:
+            return self._launch_speculative(plan.plan_id, arrays, rows)
+        return self._launch_decode(plan.plan_id, arrays, rows)
+
+    # ------------------------------------------------------------------------------ modes
+
+    def _launch_extend(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
+        host = arrays.extend_batch()
+        batch = host.to_device(self.device, self.runner.staging)
+        out = self.runner.forward(batch)
+        sampled = torch.from_numpy(arrays.sample).to(self.device, non_blocking=True)
+        positions = batch.seq_lens  # the position of each request's next token
         want = bool(self.return_logprob[arrays.rows[arrays.sample]].any())
         token_ids, logprobs = self.sampling.sample(
             out.next_token_logits, rows, positions, want, rows_cpu=arrays.rows
         )
         if arrays.sample.any():
-            self.sampling.observe(rows, token_ids, weights=sampled)
+            self.sampling.observe(rows, token_ids, weights=sampled.long())
+        self.rows.commit_extend(rows, batch.seq_lens, token_ids, sampled)
         if self.spec is not None:
-            assert batch is not None
             # The draft's tail: the next prompt token for a non-final chunk, else the sample.
             next_ids = torch.from_numpy(arrays.next_input_ids).to(self.device)
             self.spec.draft_prefill(batch, out, torch.where(next_ids >= 0, next_ids, token_ids))
-        fetched = self.results.fetch(token_ids, *([logprobs] if logprobs is not None else []))
+        copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
         keep = arrays.sample  # host mask: requests that sampled this step
-        return StepResult(
-            plan_id=plan.plan_id,
-            num_tokens=codec.pack_ids(keep.astype(np.int32)),
-            token_ids=codec.pack_ids(fetched[0][keep]),
-            logprobs=codec.pack_floats(fetched[1][keep]) if logprobs is not None else b"",
-        )
 
-    def _speculative_decode(
-        self, plan: ForwardPlan, arrays: PlanArrays, step: StepInputs
-    ) -> StepResult:
+        def pack(fetched: list[np.ndarray]) -> StepResult:
+            return StepResult(
+                plan_id=plan_id,
+                num_tokens=codec.pack_ids(keep.astype(np.int32)),
+                token_ids=codec.pack_ids(fetched[0][keep]),
+                logprobs=codec.pack_floats(fetched[1][keep]) if len(fetched) > 1 else b"",
+            )
+
+        return Launched(plan_id, copy, pack)
+
+    def _launch_decode(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
+        positions = self.rows.prefix_lens[rows] + 1  # where each sampled token will sit
+        out = self.runner.decode_rows(arrays.rows, rows, self.rows)
+        want = bool(self.return_logprob[arrays.rows].any())
+        token_ids, logprobs = self.sampling.sample(
+            out.next_token_logits, rows, positions, want, rows_cpu=arrays.rows
+        )
+        self.sampling.observe(rows, token_ids)
+        self.rows.commit_decode(rows, 1, token_ids)
+        copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
+        bs = arrays.batch_size
+
+        def pack(fetched: list[np.ndarray]) -> StepResult:
+            return StepResult(
+                plan_id=plan_id,
+                num_tokens=codec.pack_ids(np.ones(bs, dtype=np.int32)),
+                token_ids=codec.pack_ids(fetched[0]),
+                logprobs=codec.pack_floats(fetched[1]) if len(fetched) > 1 else b"",
+            )
+
+        return Launched(plan_id, copy, pack)
+
+    def _launch_speculative(
+        self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor
+    ) -> Launched:
         assert self.spec is not None
         want = bool(self.return_logprob[arrays.rows].any())
-        out = self.spec.decode(step.rows, arrays.rows, step.prefix_lens,
-                               arrays.prefix_lens.tolist(), step.input_ids, want)  # fmt: skip
-        self.sampling.observe(step.rows, out.tokens, lengths=out.accept_lens)
-        # One copy to the host; the valid prefix of every row is sliced there.
-        extra = [out.logprobs] if out.logprobs is not None else []
-        accept_lens, tokens, *logprobs = self.results.fetch(out.accept_lens, out.tokens, *extra)
-        keep = (np.arange(out.tokens.shape[1])[None, :] < accept_lens[:, None]).flatten()
-        return StepResult(
-            plan_id=plan.plan_id,
-            num_tokens=codec.pack_ids(accept_lens),
-            token_ids=codec.pack_ids(tokens[keep]),
-            logprobs=codec.pack_floats(logprobs[0][keep]) if logprobs else b"",
-            num_verify=codec.pack_ids([1] * len(plan.requests)),
-        )
+        prefix_lens, bonus = self.rows.prefix_lens[rows], self.rows.tokens[rows]
+        if self.runner.attn_backend.reads_host_lengths:
+            prefix_cpu = prefix_lens.tolist()  # a device read: the reference backend only
+        else:
+            prefix_cpu = [0] * arrays.batch_size  # placeholders (see `reads_host_lengths`)
+        copy: PendingCopy | None = None
 
-    def _start_request(self, request: PlanRequest) -> None:
-        start = request.start
-        assert start is not None
+        def accepted(out: SpecStepOutput) -> None:
+            """Runs once acceptance is queued, before the draft extend: the results go to the
+            host and the scheduler can plan while the draft runs."""
+            nonlocal copy
+            self.sampling.observe(rows, out.tokens, lengths=out.accept_lens)
+            last = out.tokens.gather(1, (out.accept_lens - 1)[:, None]).squeeze(1)
+            self.rows.commit_decode(rows, out.accept_lens, last)
+            extra = [out.logprobs] if out.logprobs is not None else []
+            copy = self.results.start(out.accept_lens, out.tokens, *extra)
+
+        self.spec.decode(rows, arrays.rows, prefix_lens, prefix_cpu, bonus, want,
+                         on_accepted=accepted)  # fmt: skip
+        bs = arrays.batch_size
+
+        def pack(fetched: list[np.ndarray]) -> StepResult:
+            accept_lens, tokens, *logprobs = fetched
+            width = tokens.size // bs
+            keep = (np.arange(width)[None, :] < accept_lens[:, None]).flatten()
+            return StepResult(
+                plan_id=plan_id,
+                num_tokens=codec.pack_ids(accept_lens),
+                token_ids=codec.pack_ids(tokens[keep]),
+                logprobs=codec.pack_floats(logprobs[0][keep]) if logprobs else b"",
+                num_verify=codec.pack_ids(np.ones(bs, dtype=np.int32)),
+            )
+
+        return Launched(plan_id, copy, pack)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _start_request(self, start: RequestStart) -> None:
+        if not 0 < start.row <= self.max_running_requests:
+            raise ValueError(f"RequestStart for invalid request row {start.row}")
         self.sampling.start(
-            request.req_pool_idx,
+            start.row,
             start.sampling,
             codec.unpack_ids(start.prompt_ids),
             start.output_len,
             self.config.model.random_seed,
         )
-        self.return_logprob[request.req_pool_idx] = start.return_logprob
+        self.return_logprob[start.row] = start.return_logprob
 
-    def _write_slots(self, arrays: PlanArrays, speculative: bool = False) -> StepInputs:
+    def _write_slots(self, arrays: PlanArrays) -> torch.Tensor:
         """Record every assigned slot (headroom included) in every runner's req_to_token rows,
-        uploading what the step reads per request in the same copy (the committed lengths and
-        input ids only for a speculative decode: other steps upload their batch separately)."""
-        bs = arrays.batch_size
-        slot_rows = np.repeat(arrays.rows, arrays.slot_lens)
-        slot_positions = np.repeat(arrays.prefix_lens, arrays.slot_lens)
-        slot_positions += segment_offsets(arrays.slot_lens)
-        new_positions = arrays.prefix_lens + arrays.extend_lens
-        rows, positions, sampled, prefix_lens, input_ids, r, p, slots = self.staging.upload([
-            arrays.rows, new_positions, arrays.sample.astype(np.int64),
-            arrays.prefix_lens[: bs if speculative else 0],
-            arrays.input_ids[: bs if speculative else 0], slot_rows, slot_positions, arrays.slots,
-        ])  # fmt: skip
-        for runner in self.runners:
-            runner.req_to_token_pool.assign(r, p, slots)
-        return StepInputs(rows, positions, sampled, prefix_lens, input_ids)
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """A step's per-request arrays on the device, [bs] each.
-
-    positions: the position of each request's new token (prefix_lens + extend_lens); sampled:
-    1 where the request samples (int64); prefix_lens: the committed KV length before the step
-    and input_ids: its one input token (both speculative decode only, else empty).
-    """
-
-    rows: torch.Tensor
-    positions: torch.Tensor
-    sampled: torch.Tensor
-    prefix_lens: torch.Tensor
-    input_ids: torch.Tensor
+        uploading the step's rows in the same copy; returns the rows [bs] on the device."""
+        slot_rows, slot_positions = arrays.slot_positions()
+        rows, r, p, slots = self.staging.upload(
+            [arrays.rows, slot_rows, slot_positions, arrays.slots]
+        )
+        if len(slots):
+            for runner in self.runners:
+                runner.req_to_token_pool.assign(r, p, slots)
+        return rows

@@ -1,10 +1,12 @@
-"""Turn a chosen batch into the `ForwardPlan` message the GPU worker runs. Pure.
+"""Turn a chosen batch into the columnar `ForwardPlan` the GPU worker runs. Pure.
 
 Extend: each request runs `fill_ids[prefix_len : prefix_len + chunk_len]` at positions
-prefix_len, prefix_len + 1, ... and writes KV at `out_slots`; it samples on its final chunk only.
-Decode: each request runs its newest output token at position prefix_len; `out_slots` covers
-[prefix_len, prefix_len + decode_alloc_len), the headroom speculation writes into.
-A request carries a `RequestStart` the first time it runs on its row (again after retraction).
+prefix_len, prefix_len + 1, ... and writes KV at the chunk's slots; it samples on its final
+chunk only.
+Decode: the worker reads each row's last token and committed length on the device, so the
+plan carries only rows and the KV slots newly assigned to them (positions no earlier plan
+assigned: the next step's headroom, see `SchedulePolicy.decode_end`).
+A request's row is (re)started (a `RequestStart`) the first time it runs on it.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 from aerie.codec import pack_ids
-from aerie.messages import ForwardPlan, PlanRequest, RequestStart
+from aerie.messages import ForwardPlan, RequestStart
 from scheduler_proc.request import Request
 
 
 def make_start(req: Request) -> RequestStart:
     """What the worker keeps per row: sampling state and the full fill for penalties."""
     return RequestStart(
+        row=req.req_pool_idx,
         sampling=req.sampling,
         return_logprob=req.return_logprob,
         prompt_ids=pack_ids(req.fill_ids),
@@ -26,48 +29,59 @@ def make_start(req: Request) -> RequestStart:
     )
 
 
-def _take_start(req: Request) -> RequestStart | None:
-    if not req.needs_start:
-        return None
-    req.needs_start = False
-    return make_start(req)
+def _take_starts(requests: list[Request]) -> list[RequestStart]:
+    starts = []
+    for req in requests:
+        if req.needs_start:
+            req.needs_start = False
+            starts.append(make_start(req))
+    return starts
+
+
+def _slot_columns(assigned: list[tuple[int, np.ndarray]]) -> dict[str, bytes]:
+    """(first position, slots int32) per request -> the plan's slot columns."""
+    return {
+        "slot_starts": pack_ids([start for start, _ in assigned]),
+        "slot_lens": pack_ids([len(slots) for _, slots in assigned]),
+        "slots": pack_ids(np.concatenate([s for _, s in assigned]) if assigned else []),
+    }
 
 
 def build_extend_plan(plan_id: int, chunks: list[tuple[Request, int, np.ndarray]]) -> ForwardPlan:
-    """chunks: (request, chunk_len, out_slots int32 [chunk_len]), before prefix_len advances.
+    """chunks: (request, chunk_len, slots int32 [chunk_len]), before prefix_len advances.
 
     Clears `needs_start` on the requests it starts.
     """
-    requests = []
-    for req, chunk_len, slots in chunks:
+    requests = [req for req, _, _ in chunks]
+    input_ids, sample, next_ids = [], [], []
+    for req, chunk_len, _ in chunks:
         start, end = req.prefix_len, req.prefix_len + chunk_len
-        requests.append(
-            PlanRequest(
-                rid=req.rid,
-                req_pool_idx=req.req_pool_idx,
-                prefix_len=start,
-                input_ids=pack_ids(req.fill_ids[start:end]),
-                out_slots=pack_ids(slots),
-                sample=end == len(req.fill_ids),
-                start=_take_start(req),
-                next_input_id=req.fill_ids[end] if end < len(req.fill_ids) else -1,
-            )
-        )
-    return ForwardPlan(plan_id=plan_id, mode="extend", requests=requests)
+        input_ids.extend(req.fill_ids[start:end])
+        sample.append(int(end == len(req.fill_ids)))
+        next_ids.append(req.fill_ids[end] if end < len(req.fill_ids) else -1)
+    return ForwardPlan(
+        plan_id=plan_id,
+        mode="extend",
+        rows=pack_ids([req.req_pool_idx for req in requests]),
+        **_slot_columns([(req.prefix_len, slots) for req, _, slots in chunks]),
+        prefix_lens=pack_ids([req.prefix_len for req in requests]),
+        extend_lens=pack_ids([chunk_len for _, chunk_len, _ in chunks]),
+        input_ids=pack_ids(input_ids),
+        sample=pack_ids(sample),
+        next_input_ids=pack_ids(next_ids),
+        starts=_take_starts(requests),
+    )
 
 
-def build_decode_plan(plan_id: int, batch: list[tuple[Request, np.ndarray]]) -> ForwardPlan:
-    """batch: (request, out_slots int32 [decode_alloc_len]) for decoding requests."""
-    requests = [
-        PlanRequest(
-            rid=req.rid,
-            req_pool_idx=req.req_pool_idx,
-            prefix_len=req.prefix_len,
-            input_ids=pack_ids(req.output_ids[-1:]),
-            out_slots=pack_ids(slots),
-            sample=True,
-            start=_take_start(req),
-        )
-        for req, slots in batch
-    ]
-    return ForwardPlan(plan_id=plan_id, mode="decode", requests=requests)
+def build_decode_plan(
+    plan_id: int, batch: list[tuple[Request, int, np.ndarray]]
+) -> ForwardPlan:
+    """batch: (request, first new position, newly assigned slots int32) per decoding request."""
+    requests = [req for req, _, _ in batch]
+    return ForwardPlan(
+        plan_id=plan_id,
+        mode="decode",
+        rows=pack_ids([req.req_pool_idx for req in requests]),
+        **_slot_columns([(start, slots) for _, start, slots in batch]),
+        starts=_take_starts(requests),
+    )

@@ -10,8 +10,11 @@ nothing (the `Scheduler` applies the decision).
   `new_token_ratio` times its remaining max_new_tokens (`NewTokenEstimate`, after SGLang).
   Admitting on free KV alone lets a burst of requests fill the cache, and once their outputs
   grow they are retracted and recomputed over and over.
-- A decode step runs every decoding request with `decode_alloc_len` positions of headroom;
-  when KV runs short the newest running requests are retracted until it fits.
+- A decode step runs every decoding request with `decode_alloc_len` positions of headroom
+  past where it will stand when the plans in flight are done: each decode step in flight may
+  advance it by up to `decode_alloc_len`, so the step reserves up to
+  `prefix_len + decode_alloc_len * (1 + decodes_in_flight)` (`decode_end`). When KV runs short
+  the newest running requests are retracted until it fits.
 """
 
 from __future__ import annotations
@@ -91,15 +94,42 @@ class SchedulePolicy:
         chunked_prefill_size: int,
         decode_alloc_len: int,
         max_running_requests: int,
+        max_in_flight: int = 1,
+        context_length: int | None = None,
     ) -> None:
+        """max_in_flight: plans the scheduler keeps in flight (2 with overlap)."""
+        self.context_length = context_length
         self.chunked_prefill_size = chunked_prefill_size
         self.decode_alloc_len = decode_alloc_len
         self.max_running_requests = max_running_requests
+        self.max_in_flight = max_in_flight
 
     def max_positions(self, req: Request) -> int:
-        """The most positions the request can ever hold: its last decode plus headroom."""
+        """The most positions the request can ever hold: its last decode plus headroom.
+
+        A request decodes while out + k < max_new (out: outputs known, k: steps in flight that
+        sample for it, at most max_in_flight - 1) and reserves `decode_end` =
+        prompt + out - 1 + alloc * (1 + k), so at most prompt + max_new - 2 + alloc +
+        k * (alloc - 1): plain decoding (alloc 1) never needs more than without overlap."""
         max_new = max(req.sampling.max_new_tokens, 1)
-        return len(req.prompt_ids) + max_new - 1 + self.decode_alloc_len
+        alloc, k = self.decode_alloc_len, self.max_in_flight - 1
+        return len(req.prompt_ids) + max_new - 1 + alloc + k * (alloc - 1)
+
+    def finishes_in_flight(self, req: Request) -> bool:
+        """Whether the plans in flight finish it for sure (each one that samples for it adds
+        at least one token): it must not decode again, its extra tokens would be dropped."""
+        produced = req.seq_len + req.samples_in_flight
+        if self.context_length is not None and produced >= self.context_length:
+            return True
+        return len(req.output_ids) + req.samples_in_flight >= req.sampling.max_new_tokens
+
+    def is_decoding(self, req: Request) -> bool:
+        """Prefilled, and not certain to finish before its next decode step could run."""
+        return not req.is_prefilling and not self.finishes_in_flight(req)
+
+    def decode_end(self, req: Request) -> int:
+        """Positions a decoding request must have slots for before its next decode step."""
+        return req.prefix_len + self.decode_alloc_len * (1 + req.decodes_in_flight)
 
     def never_fits(self, req: Request, allocator: KVAllocator) -> bool:
         return ceil_div(self.max_positions(req), allocator.page_size) > allocator.num_pages
@@ -109,10 +139,7 @@ class SchedulePolicy:
         return has_prefill and (not has_decode or last_mode != "extend")
 
     def decode_pages_needed(self, decoding: Sequence[Request], allocator: KVAllocator) -> int:
-        return sum(
-            allocator.pages_needed(r.req_pool_idx, r.prefix_len + self.decode_alloc_len)
-            for r in decoding
-        )
+        return sum(allocator.pages_needed(r.req_pool_idx, self.decode_end(r)) for r in decoding)
 
     def plan_extend(
         self,
@@ -125,7 +152,7 @@ class SchedulePolicy:
         (keeping back `estimate`'s expected growth of every running request)."""
         decision = ExtendDecision()
         budget = self.chunked_prefill_size
-        decoding = [r for r in running if not r.is_prefilling]
+        decoding = [r for r in running if self.is_decoding(r)]
         free_pages = allocator.num_free_pages - self.decode_pages_needed(decoding, allocator)
         future = sum(estimate.future_tokens(r) for r in running) if estimate else 0
         for req in running:
@@ -177,7 +204,7 @@ class SchedulePolicy:
         `running` is in admission order. At least one decoding request always stays (a
         request that fits alone was checked at admission by `never_fits`).
         """
-        decoding = [r for r in running if not r.is_prefilling]
+        decoding = [r for r in running if self.is_decoding(r)]
         need = self.decode_pages_needed(decoding, allocator)
         free_pages = allocator.num_free_pages
         kept = list(running)
@@ -187,18 +214,16 @@ class SchedulePolicy:
             if req is None:
                 break
             kept.remove(req)
-            if not req.is_prefilling:
-                need -= allocator.pages_needed(
-                    req.req_pool_idx, req.prefix_len + self.decode_alloc_len
-                )
+            if self.is_decoding(req):
+                need -= allocator.pages_needed(req.req_pool_idx, self.decode_end(req))
             free_pages += allocator.num_held_pages(req.req_pool_idx)
             retracted.append(req)
-        batch = [r for r in kept if not r.is_prefilling]
+        batch = [r for r in kept if self.is_decoding(r)]
         return DecodeDecision(batch=batch, retracted=retracted)
 
     def _pick_victim(self, kept: Sequence[Request]) -> Request | None:
         """The newest request, unless it is the last decoding one (then the newest prefill)."""
-        num_decoding = sum(not r.is_prefilling for r in kept)
+        num_decoding = sum(self.is_decoding(r) for r in kept)
         for req in reversed(kept):
             if req.is_prefilling or num_decoding > 1:
                 return req

@@ -2,7 +2,10 @@
 
 Inbox: TokenizedRequest / AbortRequest (tokenizer), StepResult (GPU worker), Shutdown
 (launcher). Out: ForwardPlan -> gpu_worker, TokenDeltas -> detokenizer, SchedulerStats ->
-tokenizer. One plan is in flight at a time; the loop blocks on its inbox while idle.
+tokenizer. Up to `Scheduler.max_in_flight` plans are in flight (two with the overlap
+schedule): when a result arrives the loop applies it, sends the next plan, and only then the
+token deltas, so the worker has its next step queued while the scheduler does the rest. The
+loop blocks on its inbox while it cannot plan.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +24,7 @@ from aerie.messages import (
     AbortRequest,
     ForwardPlan,
     Heartbeat,
+    RequestDelta,
     SchedulerStats,
     Shutdown,
     StepResult,
@@ -88,7 +93,8 @@ class SchedulerLoop:
         self.to_worker = Sender(endpoints.inbox(config, "gpu_worker"))
         self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
         self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
-        self.in_flight: ForwardPlan | None = None
+        self.in_flight: deque[ForwardPlan] = deque()
+        self.applied: list[RequestDelta] = []  # from results, sent after the next plan
         self.running = True
         self.stalled = False  # has work, but no plan could be made
         self._last_stats: SchedulerStats | None = None
@@ -102,10 +108,12 @@ class SchedulerLoop:
         }
 
     def handle_result(self, result: StepResult) -> None:
-        if self.in_flight is None:
+        """Apply it; its deltas stay queued until the next plan has been sent (`step`)."""
+        if not self.in_flight:
             raise RuntimeError(f"StepResult {result.plan_id} arrived with no plan in flight")
-        plan, self.in_flight = self.in_flight, None
-        self.send_deltas(self.core.apply_result(plan, result))
+        deltas = self.core.apply_result(self.in_flight.popleft(), result)
+        if deltas is not None:
+            self.applied.extend(deltas.deltas)
 
     def handle_shutdown(self, msg: Shutdown) -> None:
         logger.info("shutting down (%s)", msg.reason or "no reason given")
@@ -119,7 +127,7 @@ class SchedulerLoop:
 
     def run(self) -> None:
         while self.running:
-            idle = self.in_flight is not None or not self.core.has_work() or self.stalled
+            idle = not self.core.can_plan() or not self.core.has_work() or self.stalled
             first = self.inbox.recv(timeout_s=STATS_INTERVAL_S) if idle else None
             messages = ([first] if first is not None else []) + self.inbox.drain()
             self.stalled = self.stalled and not messages
@@ -130,13 +138,20 @@ class SchedulerLoop:
             self.step()
 
     def step(self) -> None:
-        """Send the next plan if none is in flight, then queued deltas, then stats when due."""
-        if self.in_flight is None and self.core.has_work():
-            self.in_flight = self.core.next_plan()
-            if self.in_flight is not None:
-                self.to_worker.send(self.in_flight)
-            self.stalled = self.in_flight is None  # wait for a message before trying again
-        self.send_deltas(self.core.take_deltas())
+        """Send plans while fewer than max_in_flight are in flight, then queued deltas, then
+        stats when due."""
+        while self.core.can_plan() and self.core.has_work() and not self.stalled:
+            plan = self.core.next_plan()
+            if plan is None:
+                self.stalled = True  # wait for a message (a result, a request) to try again
+                break
+            self.in_flight.append(plan)
+            self.to_worker.send(plan)
+        queued = self.core.take_deltas()
+        self.applied.extend(queued.deltas if queued is not None else [])
+        if self.applied:
+            self.send_deltas(TokenDeltas(deltas=self.applied))
+            self.applied = []
         self.send_stats()
 
     def send_deltas(self, deltas: TokenDeltas | None) -> None:
@@ -151,7 +166,11 @@ class SchedulerLoop:
             stats.num_running,
             stats.num_waiting,
         )
-        if changed or (now - self._last_stats_time >= STATS_INTERVAL_S and stats != last):
+        # Once idle (nothing to run, nothing in flight) the last step's frees are reported at
+        # once: /server_info must read kv_used_tokens == 0 as soon as the engine is idle.
+        idle = not self.core.has_work() and not self.in_flight
+        due = now - self._last_stats_time >= STATS_INTERVAL_S or idle
+        if changed or (due and stats != last):
             self.to_tokenizer.send(stats)
             self._last_stats, self._last_stats_time = stats, now
 

@@ -4,7 +4,9 @@
        ^                  |
        +----retract-------+   (back to the front of the queue, outputs kept)
 
-A RUNNING request holds a request row (`req_pool_idx`) and KV for positions [0, prefix_len).
+A RUNNING request holds a request row (`req_pool_idx`) and KV for positions [0, prefix_len)
+(plus the headroom reserved for the decode steps in flight). A request that finishes while a
+plan in flight still holds it keeps its row and KV until that plan's result is applied.
 `fill_ids` is what prefill runs: the prompt, or prompt + outputs so far after a retraction.
 While `prefix_len < len(fill_ids)` it is prefilling; afterwards it decodes, and then
 `prefix_len == len(prompt_ids) + len(output_ids) - 1`: every token but the newest has KV.
@@ -37,8 +39,10 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)  # aligned with output_ids
     state: ReqState = ReqState.WAITING
     req_pool_idx: int = 0  # 0: holds no row
-    # The committed length: positions [0, prefix_len) have KV written (the plan's prefix_len,
-    # the worker's prefix_lens; ForwardBatch.seq_lens is the length after a forward).
+    # The committed length: positions [0, prefix_len) have KV written, or are written by a
+    # prefill chunk in flight (a chunk counts when it is planned, decode tokens when their
+    # result is applied). The plan's prefix_lens and the worker's per-row committed length
+    # are the same quantity; ForwardBatch.seq_lens is the length after a forward.
     prefix_len: int = 0
     fill_ids: list[int] = field(default_factory=list)
     spec_verify_ct: int = 0
@@ -46,7 +50,11 @@ class Request:
     num_sent: int = 0  # output tokens already sent to the detokenizer
     needs_start: bool = True  # next plan entry carries a RequestStart (new row)
     detok_started: bool = False  # a delta with DetokenizeStart was sent
-    abort_pending: bool = False  # aborted while in a plan in flight; finish on its result
+    # Plans in flight (sent, result not applied) that hold the request: all of them, those
+    # that sample a token for it, and its decode steps among them.
+    in_flight: int = 0
+    samples_in_flight: int = 0
+    decodes_in_flight: int = 0
     stop_ids: frozenset[int] | None = None  # ids that end it (FinishChecker fills it once)
 
     def __post_init__(self) -> None:

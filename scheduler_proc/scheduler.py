@@ -1,10 +1,24 @@
 """The socket-free scheduler core: requests in, one ForwardPlan per step out, results back in,
 token deltas out. CPU only; tests drive it directly with a fake model.
 
-Step protocol (one plan in flight): `next_plan()` -> the worker runs it -> `apply_result(plan,
-result)`. Requests, aborts and stats can be handled at any time in between. Every delta
-(new tokens, finishes, aborts) is queued and handed out by `take_deltas()`; `apply_result`
-returns them too.
+Step protocol: `next_plan()` -> the worker runs it -> `apply_result(plan, result)`, with up to
+`max_in_flight` plans sent and not yet applied (2 with the overlap schedule: the worker runs
+step N+1 while the scheduler applies step N and plans N+2; 1 with --disable-overlap-schedule).
+Results are applied in plan order. Requests, aborts and stats can be handled at any time in
+between. Every delta (new tokens, finishes, aborts) is queued and handed out by
+`take_deltas()`; `apply_result` returns them too.
+
+With plans in flight the scheduler plans without knowing their results:
+- a decode plan carries no tokens (the worker keeps each row's last token and committed
+  length); KV is reserved for the worst case of every decode step in flight
+  (`SchedulePolicy.decode_end`) and shrunk, once a result is known, only down to what the
+  later plans in flight may still write;
+- a request that finishes (or is aborted) while a later plan still holds it is reported at
+  once, but keeps its row and KV until that plan's result is applied; the tokens that plan
+  made for it are dropped, so outputs do not depend on the overlap;
+- requests the plans in flight finish for sure are left out of the next decode step;
+- retraction (which frees KV other plans may be writing) only happens with nothing in
+  flight: a plan that would need one waits for the results instead.
 """
 
 from __future__ import annotations
@@ -55,10 +69,13 @@ class Scheduler:
         page_size = config.cache.page_size
         max_running = config.scheduler.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.allocator = KVAllocator(max_total_tokens // page_size, page_size, max_running)
+        self.max_in_flight = 1 if config.scheduler.disable_overlap_schedule else 2
         self.policy = SchedulePolicy(
             chunked_prefill_size=config.scheduler.chunked_prefill_size,
             decode_alloc_len=decode_alloc_len or decode_alloc_len_for(config),
             max_running_requests=max_running,
+            max_in_flight=self.max_in_flight,
+            context_length=config.model.context_length,
         )
         self.finish_checker = FinishChecker(
             eos_token_ids, decode_tokens, config.model.context_length
@@ -67,8 +84,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: newest last
         self._requests: dict[str, Request] = {}  # every unfinished request by rid
         self._deltas: list[RequestDelta] = []
-        self._in_flight: ForwardPlan | None = None
-        self._in_flight_rids: set[str] = set()
+        self._in_flight: deque[tuple[ForwardPlan, list[Request]]] = deque()
         self._next_plan_id = 0
         self._last_mode = ""
         self._num_decode_tokens = 0  # tokens from decode entries with verify counts
@@ -107,50 +123,65 @@ class Scheduler:
             self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        """Abort a request; one in the plan in flight finishes when its result arrives."""
+        """Abort a request at once (a plan in flight that holds it keeps its row until done)."""
         req = self._requests.get(rid)
         if req is None:
             return
         if req.state == ReqState.WAITING:
             self.waiting.remove(req)
-        elif rid in self._in_flight_rids:
-            req.abort_pending = True
-            return
         self._finish(req, FinishReason("abort", message="aborted by the client"))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def can_plan(self) -> bool:
+        """Whether another plan may be sent now (fewer than max_in_flight in flight)."""
+        return len(self._in_flight) < self.max_in_flight
+
     # ------------------------------------------------------------------ plans out
 
     def next_plan(self) -> ForwardPlan | None:
-        """The next step's plan, or None when nothing can run. Allocates its KV."""
-        if self._in_flight is not None:
-            raise RuntimeError("a plan is already in flight")
-        plan = self._schedule()
-        if plan is not None:
-            self._in_flight = plan
-            self._in_flight_rids = {r.rid for r in plan.requests}
-            self._last_mode = plan.mode
+        """The next step's plan, or None when nothing can run now. Allocates its KV."""
+        if not self.can_plan():
+            raise RuntimeError(f"{len(self._in_flight)} plans are already in flight")
+        scheduled = self._schedule()
+        if scheduled is None:
+            return None
+        plan, requests = scheduled
+        self._in_flight.append((plan, requests))
+        self._last_mode = plan.mode
+        samples = (
+            [True] * len(requests)
+            if plan.mode == "decode"
+            else unpack_ids_array(plan.sample).astype(bool).tolist()
+        )
+        for req, sample in zip(requests, samples, strict=True):
+            req.in_flight += 1
+            req.samples_in_flight += sample
+            req.decodes_in_flight += plan.mode == "decode"
         return plan
 
-    def _schedule(self) -> ForwardPlan | None:
+    def _schedule(self) -> tuple[ForwardPlan, list[Request]] | None:
         while True:
             has_prefill = bool(self.waiting) or any(r.is_prefilling for r in self.running)
-            has_decode = any(not r.is_prefilling for r in self.running)
+            has_decode = any(self.policy.is_decoding(r) for r in self.running)
             if self.policy.choose_extend_first(has_prefill, has_decode, self._last_mode):
                 plan = self._plan_extend()
                 if plan is not None:
                     return plan
             if has_decode:
                 return self._plan_decode()
-            if len(self.running) <= 1:
-                return None
+            if len(self.running) <= 1 or self._in_flight:
+                return None  # (in flight: their results may free KV or finish requests)
             # Prefill is stuck on KV held by other mid-prefill requests: give the newest's back.
             self.new_tokens.on_retract(self.running)
             self._retract(self.running[-1])
 
-    def _plan_extend(self) -> ForwardPlan | None:
+    def _plan_extend(self) -> tuple[ForwardPlan, list[Request]] | None:
         decision = self.policy.plan_extend(
             self.running, self.waiting, self.allocator, self.new_tokens
         )
@@ -167,10 +198,15 @@ class Scheduler:
             slots = self.allocator.grow(req.req_pool_idx, req.prefix_len + chunk_len)
             assert slots is not None, "policy admitted more than the free KV"
             chunks.append((req, chunk_len, slots))
-        return build_extend_plan(self._take_plan_id(), chunks)
+        plan = build_extend_plan(self._take_plan_id(), chunks)
+        for req, chunk_len, _ in chunks:  # chunks are committed when planned
+            req.prefix_len += chunk_len
+        return plan, [req for req, _, _ in chunks]
 
-    def _plan_decode(self) -> ForwardPlan:
+    def _plan_decode(self) -> tuple[ForwardPlan, list[Request]] | None:
         decision = self.policy.plan_decode(self.running, self.allocator)
+        if decision.retracted and self._in_flight:
+            return None  # retract only with nothing in flight: wait for the results
         self.new_tokens.on_decode_step()
         if decision.retracted:
             self.new_tokens.on_retract(self.running)
@@ -178,11 +214,12 @@ class Scheduler:
             self._retract(req)
         batch = []
         for req in decision.batch:
-            end = req.prefix_len + self.policy.decode_alloc_len
-            slots = self.allocator.grow(req.req_pool_idx, end)
+            start = self.allocator.allocated_len(req.req_pool_idx)
+            slots = self.allocator.grow(req.req_pool_idx, max(start, self.policy.decode_end(req)))
             assert slots is not None, "policy kept more decoders than the free KV"
-            batch.append((req, slots))
-        return build_decode_plan(self._take_plan_id(), batch)
+            batch.append((req, start, slots))
+        plan = build_decode_plan(self._take_plan_id(), batch)
+        return plan, decision.batch
 
     def _retract(self, req: Request) -> None:
         """Free its row and KV and put it at the front of the queue; outputs are kept."""
@@ -197,56 +234,65 @@ class Scheduler:
         self._next_plan_id += 1
         return self._next_plan_id
 
+    def plan_rids(self, plan: ForwardPlan) -> list[str]:
+        """The rids of a plan in flight, in plan order (for logs and tests)."""
+        for sent, requests in self._in_flight:
+            if sent is plan:
+                return [req.rid for req in requests]
+        raise KeyError(f"plan {plan.plan_id} is not in flight")
+
     # ------------------------------------------------------------------ results in
 
     def apply_result(self, plan: ForwardPlan, result: StepResult) -> TokenDeltas | None:
-        """Advance every request of `plan` by its tokens in `result`; finish, release KV.
-
-        Returns the deltas queued so far (`take_deltas`).
-        """
-        if plan is not self._in_flight or result.plan_id != plan.plan_id:
-            raise RuntimeError(f"result {result.plan_id} does not match the plan in flight")
+        """Advance every request of `plan` (the oldest in flight) by its tokens in `result`;
+        finish, release KV. Returns the deltas queued so far (`take_deltas`)."""
+        if not self._in_flight or plan is not self._in_flight[0][0]:
+            raise RuntimeError(f"plan {plan.plan_id} is not the oldest plan in flight")
+        if result.plan_id != plan.plan_id:
+            raise RuntimeError(f"result {result.plan_id} does not answer plan {plan.plan_id}")
+        _, requests = self._in_flight.popleft()
         num_tokens = unpack_ids_array(result.num_tokens)  # [num_requests]
         token_ids = unpack_ids_array(result.token_ids)  # [sum(num_tokens)]
         logprobs = np.frombuffer(result.logprobs, dtype="<f4") if result.logprobs else None
         num_verify = (
             unpack_ids_array(result.num_verify)
             if result.num_verify
-            else np.zeros(len(plan.requests), dtype=np.int32)
+            else np.zeros(len(requests), dtype=np.int32)
+        )
+        samples = (
+            np.ones(len(requests), dtype=bool)
+            if plan.mode == "decode"
+            else unpack_ids_array(plan.sample).astype(bool)
         )
         ends = np.cumsum(num_tokens)
-        for i, entry in enumerate(plan.requests):
-            req = self._requests.get(entry.rid)
-            if req is None:
+        for i, req in enumerate(requests):
+            req.in_flight -= 1
+            req.samples_in_flight -= bool(samples[i])
+            req.decodes_in_flight -= plan.mode == "decode"
+            if req.state == ReqState.FINISHED:  # finished while this plan was in flight
+                if req.in_flight == 0:
+                    self._release(req)
                 continue
             start, end = int(ends[i] - num_tokens[i]), int(ends[i])
             self._apply_entry(
                 req,
                 plan.mode,
-                len(entry.input_ids) // 4,
                 int(num_verify[i]),
                 token_ids[start:end],
                 None if logprobs is None else logprobs[start:end],
             )
-        self._in_flight, self._in_flight_rids = None, set()
         return self.take_deltas()
 
     def _apply_entry(
         self,
         req: Request,
         mode: str,
-        num_input: int,
         num_verify: int,
         new_ids: np.ndarray,
         new_logprobs: np.ndarray | None,
     ) -> None:
-        if req.abort_pending:
-            self._finish(req, FinishReason("abort", message="aborted by the client"))
-            return
         req.spec_verify_ct += num_verify
-        if mode == "extend":
-            req.prefix_len += num_input
-        else:
+        if mode == "decode":
             # The input token and the accepted drafts now have KV; the newest token has none.
             req.prefix_len += len(new_ids)
             self._count_accepts(len(new_ids), num_verify)
@@ -262,8 +308,10 @@ class Scheduler:
         if finish is not None:
             self._finish(req, finish)
             return
-        if mode == "decode":
-            self.allocator.shrink(req.req_pool_idx, req.prefix_len)
+        if mode == "decode":  # keep what the decode steps still in flight may write
+            keep = req.prefix_len + self.policy.decode_alloc_len * req.decodes_in_flight
+            self.allocator.shrink(req.req_pool_idx, min(keep, self.allocator.allocated_len(
+                req.req_pool_idx)))  # fmt: skip
         self._emit(req)
 
     def _count_accepts(self, num_accepted: int, num_verify: int) -> None:
@@ -278,14 +326,20 @@ class Scheduler:
                 self._accepted_per_position[k] += 1
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        """Mark finished, release its row and KV, and queue its last delta."""
-        req.finish, req.state = reason, ReqState.FINISHED
-        if req.req_pool_idx:
-            self.allocator.free(req.req_pool_idx)
+        """Mark finished and queue its last delta; release its row and KV now, or when the
+        last plan in flight that holds it is applied."""
+        if req.state == ReqState.RUNNING:
             self.running.remove(req)
-            req.req_pool_idx = 0
+        req.finish, req.state = reason, ReqState.FINISHED
+        if req.in_flight == 0:
+            self._release(req)
         del self._requests[req.rid]
         self._emit(req)
+
+    def _release(self, req: Request) -> None:
+        if req.req_pool_idx:
+            self.allocator.free(req.req_pool_idx)
+            req.req_pool_idx = 0
 
     # ------------------------------------------------------------------ deltas and stats out
 

@@ -60,6 +60,10 @@ class AttentionBackend:
     name = "base"
     supports_cuda_graph = False
     cuda_graph_seq_len_fill_value = 1
+    # Whether metadata is planned from the host copies of the lengths (`seq_lens_cpu`); a
+    # backend that plans on the device (False) gets placeholders there, so a step whose
+    # lengths live on the device never waits for them.
+    reads_host_lengths = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int) -> None:
         """num_heads: query heads of the model's attention layers."""

@@ -66,6 +66,7 @@ class ExtendMetadata:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    reads_host_lengths = False  # only the extend lengths, which every plan knows
     rope_and_store = staticmethod(rope_and_store_kv)
 
     def __init__(

@@ -22,6 +22,8 @@ size, padded rows on request row 0 / slot 0) when `graph_max_bs` > 0, else direc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -144,10 +146,14 @@ class SpeculativeWorker:
         prefix_cpu: list[int],
         bonus: torch.Tensor,
         want_logprobs: bool,
+        on_accepted: Callable[[SpecStepOutput], None] | None = None,
     ) -> SpecStepOutput:
         """One iteration for the requests on `rows` ([bs] device, rows_cpu its host copy) with
-        committed KV lengths prefix_lens ([bs] device, prefix_cpu on the host) whose last emitted
-        token (no KV yet) is `bonus` [bs]."""
+        committed KV lengths prefix_lens ([bs] device, prefix_cpu on the host: placeholders
+        for backends that do not read them) whose last emitted token (no KV yet) is `bonus`
+        [bs]. on_accepted(step) runs once acceptance is queued, before the draft extend (the
+        caller starts copying the results there; prefix_lens, already gathered, may then be
+        updated in its source)."""
         proposed = self.propose_stage({"rows": rows, "prefix_lens": prefix_lens, "bonus": bonus},
                                       prefix_cpu)  # fmt: skip
         tree = tree_from_tensors(proposed, self.shape)
@@ -163,6 +169,8 @@ class SpeculativeWorker:
             )
             features = compact_rows(proposed["features"], result)
         self.compact(result, rows, prefix_lens)
+        if on_accepted is not None:
+            on_accepted(step)
         self.extend_stage({
             "rows": rows, "prefix_lens": prefix_lens, "accept_lens": result.accept_lens,
             "tokens": step.tokens, "features": features,

@@ -10,7 +10,6 @@ from aerie.messages import (
     MESSAGE_TYPES,
     FinishReason,
     ForwardPlan,
-    PlanRequest,
     RequestStart,
     SamplingParams,
     StepResult,
@@ -18,18 +17,18 @@ from aerie.messages import (
 
 
 def test_nested_message_round_trips():
-    start = RequestStart(SamplingParams(stop=["\n\n"], seed=7), True, codec.pack_ids([5, 6]), 1)
+    start = RequestStart(3, SamplingParams(stop=["\n\n"], seed=7), True, codec.pack_ids([5, 6]), 1)
     plan = ForwardPlan(
         plan_id=9,
         mode="extend",
-        requests=[
-            PlanRequest("r1", 3, 0, codec.pack_ids([1, 2]), codec.pack_ids([8, 9]), True, start)
-        ],
+        rows=codec.pack_ids([3]),
+        input_ids=codec.pack_ids([1, 2]),
+        starts=[start],
     )
     decoded = codec.decode(codec.encode(plan))
     assert decoded == plan
-    assert codec.unpack_ids(decoded.requests[0].input_ids) == [1, 2]
-    assert decoded.requests[0].start.sampling.stop == ["\n\n"]
+    assert codec.unpack_ids(decoded.input_ids) == [1, 2]
+    assert decoded.starts[0].sampling.stop == ["\n\n"] and decoded.starts[0].row == 3
 
 
 def test_every_registered_type_round_trips_with_defaults():

@@ -72,8 +72,9 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     the one wait is the event of the final copy of the results."""
     from aerie.codec import pack_ids
     from aerie.config import AerieConfig
-    from aerie.messages import ForwardPlan, PlanRequest, RequestStart, SamplingParams
+    from aerie.messages import RequestStart, SamplingParams
     from gpu_worker.worker import GPUWorker
+    from tests.plan_builders import decode_plan, extend_plan
 
     config = AerieConfig().replace(
         model={"model_path": tiny_dirs["llama"], "device": "cuda", "dtype": "float32"},
@@ -84,16 +85,17 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     worker = GPUWorker(config)
     assert worker.runner.graph_runner is not None and worker.runner.graph_runner.graphs
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3)
-    start = RequestStart(params, True, pack_ids([5, 6, 7]))
-    prefill = ForwardPlan(1, "extend", [PlanRequest("a", 1, 0, pack_ids([5, 6, 7]),
-                                                   pack_ids([1, 2, 3]), True, start)])  # fmt: skip
-    token = codec_first(worker.execute(prefill))
+    start = RequestStart(1, params, True, pack_ids([5, 6, 7]))
+    prefill = extend_plan(1, [(1, 0, [5, 6, 7], [1, 2, 3], True)], [start])
+    worker.execute(prefill)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(3):
-            plan = ForwardPlan(2 + step, "decode", [PlanRequest(
-                "a", 1, 3 + step, pack_ids([token]), pack_ids([4 + step]), True)])  # fmt: skip
-            token = codec_first(worker.execute(plan))
+        launched = []
+        for step in range(3):  # two steps in flight, like the overlap schedule
+            launched.append(worker.launch(decode_plan(2 + step, [1], [(3 + step, [4 + step])])))
+            if len(launched) == 2:
+                codec_first(worker.finish(launched.pop(0)))
+        codec_first(worker.finish(launched.pop(0)))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

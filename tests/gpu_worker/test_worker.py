@@ -10,18 +10,12 @@ import torch
 
 from aerie import codec
 from aerie.config import AerieConfig
-from aerie.messages import (
-    ForwardPlan,
-    PlanRequest,
-    RequestStart,
-    SamplingParams,
-    Shutdown,
-    StepResult,
-)
+from aerie.messages import RequestStart, SamplingParams, Shutdown, StepResult
 from aerie.transport import Receiver, Sender
 from gpu_worker.process import WorkerLoop
 from gpu_worker.worker import GPUWorker
 from tests.gpu_worker.checkpoints import reference_logits
+from tests.plan_builders import decode_plan, extend_plan
 
 PAGE_SIZE = 4
 
@@ -49,21 +43,13 @@ class FakeScheduler:
             slots.extend(range(page * PAGE_SIZE, (page + 1) * PAGE_SIZE))
         return slots[start : start + n]
 
-    def request(self, rid, row, prefix_len, ids, sample, start=None) -> PlanRequest:
-        return PlanRequest(
-            rid=rid,
-            req_pool_idx=row,
-            prefix_len=prefix_len,
-            input_ids=codec.pack_ids(ids),
-            out_slots=codec.pack_ids(self.slots_for(rid, prefix_len, len(ids))),
-            sample=sample,
-            start=start,
-        )
+    def chunk(self, rid, row, prefix_len, ids, sample):
+        return (row, prefix_len, ids, self.slots_for(rid, prefix_len, len(ids)), sample)
 
 
-def greedy_start(ids: list[int], return_logprob: bool = False) -> RequestStart:
+def greedy_start(row: int, ids: list[int], return_logprob: bool = False) -> RequestStart:
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
-    return RequestStart(params, return_logprob, codec.pack_ids(ids))
+    return RequestStart(row, params, return_logprob, codec.pack_ids(ids))
 
 
 def hf_greedy(reference, ids: list[int], num_new: int) -> tuple[list[int], list[float]]:
@@ -82,29 +68,24 @@ def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference
     sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
     a, b = [5, 17, 99, 3, 42, 7, 8], [200, 1, 64]
     # Step 1: a's first chunk (no token) and all of b.
-    plan = ForwardPlan(
+    plan = extend_plan(
         1,
-        "extend",
-        [
-            sched.request("a", 2, 0, a[:4], False, greedy_start(a, return_logprob=True)),
-            sched.request("b", 3, 0, b, True, greedy_start(b)),
-        ],
+        [sched.chunk("a", 2, 0, a[:4], False), sched.chunk("b", 3, 0, b, True)],
+        starts=[greedy_start(2, a, return_logprob=True), greedy_start(3, b)],
     )
     result = worker.execute(plan)
     assert codec.unpack_ids(result.num_tokens) == [0, 1]
     out = {"a": [], "b": codec.unpack_ids(result.token_ids)}
     assert result.logprobs == b""  # only a (not sampled this step) asked for logprobs
     # Step 2: a's last chunk.
-    result = worker.execute(ForwardPlan(2, "extend", [sched.request("a", 2, 4, a[4:], True)]))
+    result = worker.execute(extend_plan(2, [sched.chunk("a", 2, 4, a[4:], True)]))
     out["a"] += codec.unpack_ids(result.token_ids)
     logprobs_a = codec.unpack_floats(result.logprobs)
-    # Steps 3..6: decode both.
+    # Steps 3..6: decode both; the worker has each row's last token and length.
     for step in range(4):
-        reqs = [
-            sched.request(rid, row, len(p) + len(out[rid]) - 1, out[rid][-1:], True)
-            for rid, row, p in (("a", 2, a), ("b", 3, b))
-        ]
-        result = worker.execute(ForwardPlan(3 + step, "decode", reqs))
+        positions = [len(p) + len(out[rid]) - 1 for rid, p in (("a", a), ("b", b))]
+        new = [(n, sched.slots_for(rid, n, 1)) for rid, n in zip("ab", positions, strict=True)]
+        result = worker.execute(decode_plan(3 + step, [2, 3], new))
         assert codec.unpack_ids(result.num_tokens) == [1, 1]
         token_a, token_b = codec.unpack_ids(result.token_ids)
         out["a"].append(token_a)
@@ -128,9 +109,7 @@ def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, r
     to_worker = Sender(f"ipc://{tmp_path}/gpu_worker.sock")
     ids = [3, 1, 4, 1, 5]
     sched = FakeScheduler(pages=[4, 9])
-    to_worker.send(
-        ForwardPlan(7, "extend", [sched.request("r", 1, 0, ids, True, greedy_start(ids))])
-    )
+    to_worker.send(extend_plan(7, [sched.chunk("r", 1, 0, ids, True)], [greedy_start(1, ids)]))
     result = scheduler_inbox.recv(timeout_s=30)
     assert isinstance(result, StepResult) and result.plan_id == 7
     assert codec.unpack_ids(result.token_ids) == hf_greedy(reference_models("qwen2"), ids, 1)[0]
@@ -145,3 +124,11 @@ def test_worker_requires_a_resolved_config(tiny_dirs):
     config = make_config(tiny_dirs["llama"]).replace(model={"device": "auto"})
     with pytest.raises(ValueError, match="not resolved"):
         GPUWorker(config)
+
+
+def test_busy_and_span_merge_overlapping_kernel_intervals():
+    from gpu_worker.step_profile import busy_and_span_us
+
+    assert busy_and_span_us([]) == (0.0, 0.0)
+    # [0, 4) and [2, 5) overlap; [7, 8) after a gap of 2; [7.5, 7.6) inside it
+    assert busy_and_span_us([(7.0, 8.0), (0.0, 4.0), (2.0, 5.0), (7.5, 7.6)]) == (6.0, 8.0)

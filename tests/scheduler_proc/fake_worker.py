@@ -9,14 +9,16 @@ tokens (speculation): rejected headroom slots are filled with garbage.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aerie.codec import pack_floats, pack_ids, unpack_ids
 from aerie.config import AerieConfig
 from aerie.messages import (
     FinishReason,
     ForwardPlan,
+    RequestStart,
     SamplingParams,
     StepResult,
     TokenizedRequest,
@@ -48,67 +50,103 @@ def reference_output(prompt: list[int], max_new: int, stop_ids: tuple[int, ...] 
 
 
 class FakeWorker:
-    """accept(step, rid) -> tokens a decode accepts (clipped to the reserved headroom)."""
+    """accept(step, row) -> tokens a decode accepts (clipped to the reserved headroom).
 
-    def __init__(self, accept: Callable[[int, str], int] | None = None) -> None:
+    Like the real worker it keeps each row's last token and committed length: a decode plan
+    carries neither. `run` applies a plan's effects at once (as the GPU would, in plan order),
+    so a harness may run step N+1 before applying step N's result (the overlap schedule)."""
+
+    def __init__(self, accept: Callable[[int, int], int] | None = None, alloc_len: int = 1) -> None:
+        """alloc_len: positions a decode step writes from the committed length (the
+        scheduler's decode_alloc_len): the input token, the accepted drafts, then garbage."""
+        self.alloc_len = alloc_len
         self.kv: dict[int, int] = {}  # slot -> token
         self.row_slots: dict[int, dict[int, int]] = {}  # row -> position -> slot
-        self.row_rid: dict[int, str] = {}
-        self.accept = accept or (lambda step, rid: 1)
+        self.row_token: dict[int, int] = {}  # row -> last token (no KV yet)
+        self.row_len: dict[int, int] = {}  # row -> committed length
+        self.accept = accept or (lambda step, row: 1)
         self.step = 0
-        self.starts: list[tuple[str, int]] = []  # (rid, output_len) per RequestStart
+        self.starts: list[tuple[int, int]] = []  # (row, output_len) per RequestStart
 
     def run(self, plan: ForwardPlan) -> StepResult:
         self.step += 1
-        num_tokens, token_ids, num_verify = [], [], []
-        for entry in plan.requests:
-            tokens = self._run_entry(plan.mode, entry)
-            num_tokens.append(len(tokens))
-            token_ids.extend(tokens)
-            num_verify.append(1 if plan.mode == "decode" and tokens else 0)
+        for start in plan.starts:
+            self.row_slots[start.row], self.row_len[start.row] = {}, 0
+            self.row_token.pop(start.row, None)
+            self.starts.append((start.row, start.output_len))
+        rows = unpack_ids(plan.rows)
+        slot_starts, slot_lens = unpack_ids(plan.slot_starts), unpack_ids(plan.slot_lens)
+        slots = unpack_ids(plan.slots)
+        offset = 0
+        for row, first, n in zip(rows, slot_starts, slot_lens, strict=True):
+            assert row > 0 and row in self.row_slots, "row used without a RequestStart"
+            for k, slot in enumerate(slots[offset : offset + n]):
+                assert slot != 0
+                self.row_slots[row][first + k] = slot
+            offset += n
+        if plan.mode == "extend":
+            per_row = self._extend(plan, rows)
+        else:
+            per_row = [self._decode(row) for row in rows]
+        num_verify = [1 if plan.mode == "decode" else 0 for _ in rows]
+        token_ids = [t for tokens in per_row for t in tokens]
         return StepResult(
             plan_id=plan.plan_id,
-            num_tokens=pack_ids(num_tokens),
+            num_tokens=pack_ids([len(t) for t in per_row]),
             token_ids=pack_ids(token_ids),
             logprobs=pack_floats([-float(t) for t in token_ids]),
             num_verify=pack_ids(num_verify),
         )
 
-    def _run_entry(self, mode: str, entry) -> list[int]:
-        row = entry.req_pool_idx
-        assert row > 0
-        if entry.start is not None:
-            self.row_slots[row], self.row_rid[row] = {}, entry.rid
-            self.starts.append((entry.rid, entry.start.output_len))
-        assert self.row_rid[row] == entry.rid, "row used without a RequestStart"
-        ids, slots = unpack_ids(entry.input_ids), unpack_ids(entry.out_slots)
-        assert 0 not in slots and len(slots) >= len(ids)
+    def _sequence(self, row: int, length: int) -> list[int]:
         positions = self.row_slots[row]
-        for offset, slot in enumerate(slots):
-            positions[entry.prefix_len + offset] = slot
-        seq = [self.kv[positions[p]] for p in range(entry.prefix_len)] + ids
-        for slot, token in zip(slots, ids, strict=False):
-            self.kv[slot] = token
-        if not entry.sample:
-            return []
-        if mode == "extend":
-            return [next_token(seq)]
-        num_accept = max(1, min(self.accept(self.step, entry.rid), len(slots)))
+        return [self.kv[positions[p]] for p in range(length)]
+
+    def _extend(self, plan: ForwardPlan, rows: list[int]) -> list[list[int]]:
+        ids = unpack_ids(plan.input_ids)
+        prefix_lens, extend_lens = unpack_ids(plan.prefix_lens), unpack_ids(plan.extend_lens)
+        out, offset = [], 0
+        for i, row in enumerate(rows):
+            chunk = ids[offset : offset + extend_lens[i]]
+            offset += extend_lens[i]
+            assert self.row_len[row] == prefix_lens[i], "extend after the wrong prefix"
+            seq = self._sequence(row, prefix_lens[i]) + chunk
+            for p, token in enumerate(chunk):
+                self.kv[self.row_slots[row][prefix_lens[i] + p]] = token
+            self.row_len[row] = len(seq)
+            if not unpack_ids(plan.sample)[i]:
+                out.append([])
+                continue
+            self.row_token[row] = next_token(seq)
+            out.append([self.row_token[row]])
+        return out
+
+    def _decode(self, row: int) -> list[int]:
+        prefix = self.row_len[row]
+        seq = self._sequence(row, prefix) + [self.row_token[row]]
+        positions = range(prefix, prefix + self.alloc_len)
+        missing = [p for p in positions if p not in self.row_slots[row]]
+        assert not missing, f"row {row}: decode writes positions {missing} that have no slot"
+        num_accept = max(1, min(self.accept(self.step, row), self.alloc_len))
         tokens = []
         for _ in range(num_accept):
             tokens.append(next_token(seq))
             seq.append(tokens[-1])
-        for slot, token in zip(slots[1:num_accept], tokens[:-1], strict=True):
-            self.kv[slot] = token  # accepted drafts have KV
-        for slot in slots[num_accept:]:
-            self.kv[slot] = GARBAGE  # rejected tree nodes
+        slots = [self.row_slots[row][prefix + k] for k in range(self.alloc_len)]
+        for k, slot in enumerate(slots):  # the input token, accepted drafts, then garbage
+            self.kv[slot] = seq[prefix + k] if k < num_accept else GARBAGE
+        self.row_len[row] = prefix + num_accept
+        self.row_token[row] = tokens[-1]
         return tokens
 
 
-def make_config(page_size=1, max_running=8, chunk=64, context_length=None) -> AerieConfig:
+def make_config(
+    page_size=1, max_running=8, chunk=64, context_length=None, overlap=True
+) -> AerieConfig:
     return AerieConfig().replace(
         cache={"page_size": page_size},
-        scheduler={"max_running_requests": max_running, "chunked_prefill_size": chunk},
+        scheduler={"max_running_requests": max_running, "chunked_prefill_size": chunk,
+                   "disable_overlap_schedule": not overlap},
         model={"context_length": context_length},
     )
 
@@ -144,23 +182,88 @@ class Collector:
                 self.finish[d.rid] = d.finish
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One request's share of a plan, read back from the columns (tests only)."""
+
+    rid: str
+    row: int
+    prefix_len: int  # extend only (decode: -1, the worker knows it)
+    input_ids: list[int]  # extend only
+    out_slots: list[int]  # the slots newly assigned to the request this step
+    slot_start: int  # the position of the first of them
+    sample: bool
+    next_input_id: int
+    start: RequestStart | None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens it runs this step: its chunk, or one for a decode."""
+        return len(self.input_ids) if self.input_ids else 1
+
+
+@dataclass(frozen=True)
+class Planned:
+    plan: ForwardPlan
+    requests: list[Entry]
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+
+def plan_entries(plan: ForwardPlan, rids: list[str]) -> Planned:
+    rows = unpack_ids(plan.rows)
+    lens, starts = unpack_ids(plan.slot_lens), unpack_ids(plan.slot_starts)
+    slots = unpack_ids(plan.slots)
+    extend = plan.mode == "extend"
+    ids = unpack_ids(plan.input_ids)
+    extend_lens = unpack_ids(plan.extend_lens) if extend else [0] * len(rows)
+    by_row = {start.row: start for start in plan.starts}
+    entries, slot_offset, id_offset = [], 0, 0
+    for i, (rid, row) in enumerate(zip(rids, rows, strict=True)):
+        entries.append(Entry(
+            rid=rid, row=row,
+            prefix_len=unpack_ids(plan.prefix_lens)[i] if extend else -1,
+            input_ids=ids[id_offset : id_offset + extend_lens[i]],
+            out_slots=slots[slot_offset : slot_offset + lens[i]], slot_start=starts[i],
+            sample=bool(unpack_ids(plan.sample)[i]) if extend else True,
+            next_input_id=unpack_ids(plan.next_input_ids)[i] if extend else -1,
+            start=by_row.get(row),
+        ))  # fmt: skip
+        slot_offset += lens[i]
+        id_offset += extend_lens[i]
+    return Planned(plan, entries)
+
+
 def run_to_end(
     sched: Scheduler,
     worker: FakeWorker,
     collector: Collector,
-    on_step: Callable[[int, ForwardPlan], None] | None = None,
+    on_step: Callable[[int, Planned], None] | None = None,
     max_steps: int = 5000,
-) -> list[ForwardPlan]:
-    plans = []
+) -> list[Planned]:
+    """Run until idle, keeping up to `sched.max_in_flight` plans in flight like the scheduler
+    process does: the worker runs a plan when it is sent, its result is applied later.
+    on_step(n, planned) runs after the n-th plan's result is applied."""
+    plans: list[Planned] = []
+    in_flight: deque[tuple[ForwardPlan, StepResult]] = deque()
     collector.add(sched.take_deltas())
-    while sched.has_work():
+    while sched.has_work() or in_flight:
         assert len(plans) < max_steps, "scheduler did not finish"
-        plan = sched.next_plan()
-        assert plan is not None, "scheduler has work but made no plan"
-        plans.append(plan)
-        collector.add(sched.apply_result(plan, worker.run(plan)))
+        while sched.can_plan() and sched.has_work():
+            plan = sched.next_plan()
+            if plan is None:
+                break
+            plans.append(plan_entries(plan, sched.plan_rids(plan)))
+            in_flight.append((plan, worker.run(plan)))
+        assert in_flight, "scheduler has work but made no plan"
+        plan, result = in_flight.popleft()
+        collector.add(sched.apply_result(plan, result))
         if on_step is not None:
-            on_step(len(plans), plan)
+            number = next(i for i, p in enumerate(plans) if p.plan is plan) + 1
+            on_step(number, plans[number - 1])
             collector.add(sched.take_deltas())
     collector.add(sched.take_deltas())
+    assert sched.allocator.is_whole(), "rows or KV leaked"
     return plans

@@ -14,6 +14,7 @@ from tests.scheduler_proc.fake_worker import (
     make_config,
     make_request,
     next_token,
+    plan_entries,
     reference_output,
     run_to_end,
 )
@@ -31,14 +32,14 @@ def test_chunked_prefill_splits_prompt_into_budget_chunks(page_size):
     collector, worker = Collector(), FakeWorker()
     plans = run_to_end(sched, worker, collector)
     extends = [p.requests[0] for p in plans if p.mode == "extend"]
-    assert [len(unpack_ids(e.input_ids)) for e in extends] == [4, 4, 2]
+    assert [len(e.input_ids) for e in extends] == [4, 4, 2]
     assert [e.prefix_len for e in extends] == [0, 4, 8]
     assert [e.sample for e in extends] == [False, False, True]
     assert [e.start is not None for e in extends] == [True, False, False]
     # the draft's prefill rotation takes the next fill token as a non-final chunk's tail
     assert [e.next_input_id for e in extends] == [5, 9, -1]
-    assert sum((unpack_ids(e.input_ids) for e in extends), []) == prompt
-    slots = sum((unpack_ids(e.out_slots) for e in extends), [])
+    assert sum((e.input_ids for e in extends), []) == prompt
+    slots = sum((e.out_slots for e in extends), [])
     for pos, slot in enumerate(slots):  # contiguous within pages of the request
         assert slot % page_size == pos % page_size
         assert slot // page_size == slots[pos - pos % page_size] // page_size
@@ -73,9 +74,10 @@ def test_continuous_batching_admits_while_others_decode():
     "page_size,alloc_len,chunk,max_prompt",
     [(1, 1, 32, 12), (4, 1, 32, 12), (1, 4, 32, 12), (4, 3, 32, 12), (4, 2, 8, 40)],
 )
-def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, max_prompt):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, max_prompt, overlap):
     sched = Scheduler(
-        make_config(page_size=page_size, max_running=6, chunk=chunk),
+        make_config(page_size=page_size, max_running=6, chunk=chunk, overlap=overlap),
         (),
         max_total_tokens=96,
         decode_alloc_len=alloc_len,
@@ -85,17 +87,17 @@ def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, ma
     prompts = {f"r{i}": make_prompt(rng, rng.randint(4, max_prompt)) for i in range(8)}
     for rid, prompt in prompts.items():
         sched.add_request(make_request(rid, prompt, max_new_tokens=24, ignore_eos=True))
-    worker = FakeWorker(accept=lambda step, rid: 1 + (step + len(rid)) % alloc_len)
+    worker = FakeWorker(accept=lambda step, row: 1 + (step + row) % alloc_len, alloc_len=alloc_len)
     collector = Collector()
     plans = run_to_end(sched, worker, collector)
-    restarts = [rid for rid, output_len in worker.starts if output_len > 0]
+    restarts = [row for row, output_len in worker.starts if output_len > 0]
     assert restarts, "the cache was meant to be too small for all requests at once"
     for plan in plans:
         for r in plan.requests:  # after a retraction the fill is prompt + outputs so far
             if plan.mode == "extend" and not r.sample:
                 fill = prompts[r.rid] + collector.outputs[r.rid]
-                assert r.next_input_id == fill[r.prefix_len + len(unpack_ids(r.input_ids))]
-    assert sched.stats().num_retractions >= len(set(restarts))
+                assert r.next_input_id == fill[r.prefix_len + len(r.input_ids)]
+    assert sched.stats().num_retractions >= len(restarts)
     for rid, prompt in prompts.items():
         assert collector.outputs[rid] == reference_output(prompt, 24)
         assert collector.finish[rid].type == "length"
@@ -123,15 +125,17 @@ def test_eos_and_stop_token_ids_finish_and_keep_the_stop_token():
     assert sched.allocator.is_whole()
 
 
-def test_stop_inside_a_multi_token_run_truncates_and_frees_kv():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stop_inside_a_multi_token_run_truncates_and_frees_kv(overlap):
     prompt = [2, 7]
     full = reference_output(prompt, 30)
     stop_id = full[6]
     assert stop_id not in full[:6]
-    sched = Scheduler(make_config(page_size=4), (), max_total_tokens=64, decode_alloc_len=5)
+    sched = Scheduler(make_config(page_size=4, overlap=overlap), (), max_total_tokens=64,
+                      decode_alloc_len=5)  # fmt: skip
     sched.add_request(make_request("a", prompt, max_new_tokens=30, stop_token_ids=[stop_id]))
     collector = Collector()
-    run_to_end(sched, FakeWorker(accept=lambda step, rid: 5), collector)
+    run_to_end(sched, FakeWorker(accept=lambda step, row: 5, alloc_len=5), collector)
     # Runs of 5 after the first token: tokens 1..5, then 6..10 holds the stop at index 6.
     assert collector.outputs["a"] == full[:7]
     assert collector.finish["a"].matched == stop_id
@@ -152,7 +156,7 @@ def test_stop_string_finishes_at_the_completing_token():
     )
     sched.add_request(make_request("a", prompt, max_new_tokens=30, stop=[stop]))
     collector = Collector()
-    run_to_end(sched, FakeWorker(accept=lambda step, rid: 4), collector)
+    run_to_end(sched, FakeWorker(accept=lambda step, row: 4, alloc_len=4), collector)
     assert collector.outputs["a"] == full[:end]
     assert collector.finish["a"].type == "stop" and collector.finish["a"].matched == stop
     assert sched.allocator.is_whole()
@@ -163,7 +167,7 @@ def test_max_new_tokens_truncates_a_multi_token_run():
     sched = Scheduler(make_config(), (), max_total_tokens=64, decode_alloc_len=4)
     sched.add_request(make_request("a", prompt, max_new_tokens=6, ignore_eos=True))
     collector = Collector()
-    run_to_end(sched, FakeWorker(accept=lambda step, rid: 4), collector)
+    run_to_end(sched, FakeWorker(accept=lambda step, row: 4, alloc_len=4), collector)
     assert collector.outputs["a"] == reference_output(prompt, 6)
     assert collector.finish["a"].type == "length"
     assert sched.allocator.is_whole()
@@ -179,15 +183,19 @@ def test_abort_waiting_and_running_requests():
         collector.add(sched.apply_result(plan, worker.run(plan)))
     assert [r.rid for r in sched.waiting] == ["wait"]
     sched.abort("wait")
-    plan = sched.next_plan()
-    sched.abort("run")  # in flight: finishes when the result arrives, its tokens dropped
-    assert sched.running
-    collector.add(sched.apply_result(plan, worker.run(plan)))
+    first = sched.next_plan()
+    second = sched.next_plan()  # two decode steps in flight
+    assert first.mode == second.mode == "decode" and not sched.can_plan()
+    sched.abort("run")  # reported at once; its row and KV stay until no plan holds it
     collector.add(sched.take_deltas())
-    assert collector.finish["wait"].type == "abort" and collector.outputs["wait"] == []
     assert collector.finish["run"].type == "abort"
-    assert len(collector.outputs["run"]) == 3
-    assert not sched.has_work() and sched.allocator.is_whole()
+    assert collector.finish["wait"].type == "abort" and collector.outputs["wait"] == []
+    assert not sched.has_work() and sched.stats().kv_used_tokens > 0
+    collector.add(sched.apply_result(first, worker.run(first)))
+    assert sched.stats().kv_used_tokens > 0  # the second plan still writes its KV
+    collector.add(sched.apply_result(second, worker.run(second)))
+    assert len(collector.outputs["run"]) == 3  # the in-flight tokens were dropped
+    assert sched.allocator.is_whole() and sched.take_deltas() is None
     sched.abort("run")  # unknown rid: ignored
     assert sched.take_deltas() is None
 
@@ -203,10 +211,11 @@ def test_request_that_can_never_fit_is_aborted_at_once():
     assert collector.outputs["ok"] == reference_output(list(range(20)), 12)
 
 
-def test_many_requests_with_aborts_leave_the_allocator_whole():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_many_requests_with_aborts_leave_the_allocator_whole(overlap):
     rng = random.Random(7)
     sched = Scheduler(
-        make_config(page_size=4, max_running=5, chunk=16),
+        make_config(page_size=4, max_running=5, chunk=16, overlap=overlap),
         (),
         max_total_tokens=128,
         decode_alloc_len=3,
@@ -223,11 +232,12 @@ def test_many_requests_with_aborts_leave_the_allocator_whole():
             sched.abort(rng.choice(rids))
 
     collector = Collector()
-    run_to_end(sched, FakeWorker(accept=lambda s, rid: 1 + s % 3), collector, on_step=churn)
+    worker = FakeWorker(accept=lambda s, row: 1 + s % 3, alloc_len=3)
+    run_to_end(sched, worker, collector, on_step=churn)
     while pending:
         rid = pending.pop(0)
         sched.add_request(make_request(rid, prompts[rid], max_new_tokens=5))
-        run_to_end(sched, FakeWorker(), collector)
+        run_to_end(sched, FakeWorker(alloc_len=3), collector)
     assert set(collector.finish) == set(rids)
     for rid in rids:
         if collector.finish[rid].type != "abort":
@@ -241,24 +251,47 @@ def test_decode_headroom_is_reserved_then_shrunk():
     sched = Scheduler(make_config(page_size=2), (), max_total_tokens=64, decode_alloc_len=5)
     prompt = [1, 2, 3]
     sched.add_request(make_request("a", prompt, max_new_tokens=40, ignore_eos=True))
-    worker, collector = FakeWorker(accept=lambda step, rid: 2), Collector()
+    worker, collector = FakeWorker(accept=lambda step, row: 2, alloc_len=5), Collector()
     plan = sched.next_plan()  # prefill
     collector.add(sched.apply_result(plan, worker.run(plan)))
     req = sched.running[0]
-    assert req.prefix_len == 3 and sched.allocator.allocated_len(req.req_pool_idx) == 3
+    row = req.req_pool_idx
+    assert req.prefix_len == 3 and sched.allocator.allocated_len(row) == 3
     plan = sched.next_plan()
-    entry = plan.requests[0]
-    assert plan.mode == "decode" and entry.prefix_len == 3
-    assert unpack_ids(entry.input_ids) == collector.outputs["a"][-1:]
-    assert len(unpack_ids(entry.out_slots)) == 5
-    assert sched.allocator.allocated_len(req.req_pool_idx) == 8
-    assert sched.allocator.num_held_pages(req.req_pool_idx) == 4
+    entry = plan_entries(plan, ["a"]).requests[0]
+    assert plan.mode == "decode" and plan.input_ids == b""  # the worker has the token
+    assert entry.slot_start == 3 and len(entry.out_slots) == 5
+    assert sched.allocator.allocated_len(row) == 8 and sched.allocator.num_held_pages(row) == 4
     collector.add(sched.apply_result(plan, worker.run(plan)))
-    assert req.prefix_len == 5 and sched.allocator.allocated_len(req.req_pool_idx) == 5
-    assert sched.allocator.num_held_pages(req.req_pool_idx) == 3
+    assert req.prefix_len == 5 and sched.allocator.allocated_len(row) == 5
+    assert sched.allocator.num_held_pages(row) == 3
     assert collector.outputs["a"] == reference_output(prompt, 3)
     stats = sched.stats()
     assert stats.avg_accept_length == 2.0 and stats.accepted_per_position == [1, 1]
+
+
+def test_overlapped_decode_reserves_for_every_step_in_flight():
+    sched = Scheduler(make_config(page_size=2), (), max_total_tokens=64, decode_alloc_len=5)
+    prompt = [1, 2, 3]
+    sched.add_request(make_request("a", prompt, max_new_tokens=40, ignore_eos=True))
+    worker, collector = FakeWorker(accept=lambda step, row: 2, alloc_len=5), Collector()
+    prefill = sched.next_plan()
+    row = sched.running[0].req_pool_idx
+    # The first decode is planned before the prefill's token is known: the worker has it.
+    first = sched.next_plan()
+    assert first.mode == "decode" and sched.allocator.allocated_len(row) == 3 + 5
+    results = [worker.run(prefill), worker.run(first)]
+    collector.add(sched.apply_result(prefill, results[0]))
+    second = sched.next_plan()  # the first decode may accept up to 5: reserve 3 + 5 + 5
+    assert plan_entries(second, ["a"]).requests[0].slot_start == 8
+    assert sched.allocator.allocated_len(row) == 13
+    results.append(worker.run(second))
+    collector.add(sched.apply_result(first, results[1]))  # accepted 2: prefix 5
+    # the second decode may still write positions 5 .. 9
+    assert sched.running[0].prefix_len == 5 and sched.allocator.allocated_len(row) == 10
+    collector.add(sched.apply_result(second, results[2]))
+    assert sched.allocator.allocated_len(row) == 7
+    assert collector.outputs["a"] == reference_output(prompt, 5)
 
 
 def test_decode_is_not_starved_by_a_stream_of_new_requests():
@@ -277,12 +310,14 @@ def test_decode_is_not_starved_by_a_stream_of_new_requests():
     assert last_first <= 1 + 2 * 9  # prefill, then 9 decodes each behind at most one extend
 
 
-def test_context_length_ends_a_request():
-    sched = Scheduler(make_config(context_length=10), (), max_total_tokens=64)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_context_length_ends_a_request(overlap):
+    sched = Scheduler(make_config(context_length=10, overlap=overlap), (), max_total_tokens=64,
+                      decode_alloc_len=4)  # fmt: skip
     prompt = [9, 8, 7, 6]
     sched.add_request(make_request("a", prompt, max_new_tokens=20, ignore_eos=True))
     collector = Collector()
-    run_to_end(sched, FakeWorker(accept=lambda step, rid: 4), collector)
+    run_to_end(sched, FakeWorker(accept=lambda step, row: 4, alloc_len=4), collector)
     assert collector.outputs["a"] == reference_output(prompt, 6)
     assert collector.finish["a"].type == "length"
 
@@ -308,7 +343,7 @@ def test_a_burst_into_a_small_kv_cache_does_not_thrash(ignore_eos):
     config = make_config(max_running=32, chunk=256)
 
     def forward_tokens(plans) -> int:
-        return sum(len(r.input_ids) // 4 for plan in plans for r in plan.requests)
+        return sum(r.num_tokens for plan in plans for r in plan.requests)
 
     serial_plans = []
     for request in requests:

@@ -21,6 +21,7 @@ from gpu_worker.speculative.eagle_worker import rotate_prefill_inputs
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.devices import skip_unless_triton_runs_on
+from tests.engine_loop import drive
 
 # AERIE_SPEC_TEST_DEVICE=cuda runs these tests on the GPU, with the Triton backend and the
 # speculative stages in CUDA graphs (tools/device_bench.sh does); CPU runs them directly.
@@ -29,9 +30,10 @@ on_cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU memory 
 
 
 def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_draft=None,
-                page_size=1, chunk=64, backend=None, graph_max_bs=None) -> AerieConfig:
+                page_size=1, chunk=64, backend=None, graph_max_bs=None,
+                overlap=True) -> AerieConfig:
     """backend / graph_max_bs default to the device's: torch_native and no graphs on CPU,
-    triton and graphs up to 8 requests on CUDA."""
+    triton and graphs up to 8 requests on CUDA. overlap: two plans in flight (`drive`)."""
     if backend is None:
         backend = "torch_native" if DEVICE == "cpu" else "triton"
     if graph_max_bs is None and DEVICE == "cuda":
@@ -40,7 +42,8 @@ def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_d
         model={"model_path": target, "tokenizer_path": target, "device": DEVICE,
                "dtype": "float32", "load_format": "safetensors", "context_length": 256},
         cache={"page_size": page_size, "max_total_tokens": 4096},
-        scheduler={"max_running_requests": 8, "chunked_prefill_size": chunk},
+        scheduler={"max_running_requests": 8, "chunked_prefill_size": chunk,
+                   "disable_overlap_schedule": not overlap},
         speculative={"speculative_algorithm": algorithm, "speculative_draft_model_path": draft,
                      "speculative_num_steps": steps, "speculative_eagle_topk": topk,
                      "speculative_num_draft_tokens": num_draft},
@@ -59,16 +62,15 @@ def run_engine(config: AerieConfig, prompts: list[list[int]], max_new: int | lis
         sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     verify_ct, decode_counts = {}, []
-    while sched.has_work():
-        plan = sched.next_plan()
-        result = worker.execute(plan)
+
+    def collect(plan, result, deltas):
         if plan.mode == "decode":
-            decode_counts += unpack_ids(result.num_tokens)
-        deltas = sched.apply_result(plan, result)
+            decode_counts.extend(unpack_ids(result.num_tokens))
         for d in deltas.deltas if deltas else []:
             outputs[d.rid] += unpack_ids(d.token_ids)
             verify_ct[d.rid] = d.spec_verify_ct
-    assert sched.allocator.is_whole()
+
+    drive(sched, worker, collect)
     return outputs, verify_ct, decode_counts
 
 
@@ -90,13 +92,18 @@ def random_prompts(seed: int, n: int = 5) -> list[list[int]]:
 def test_greedy_speculative_output_equals_target_greedy(
     models, algorithm, steps, topk, num_draft, page_size, chunk
 ):
+    """With the overlap schedule (two plans in flight) and without; the plain baseline runs
+    without it."""
     prompts = random_prompts(seed=steps * 10 + topk)
-    base, _, _ = run_engine(make_config(models["target"], page_size=page_size), prompts, 20)
+    base_config = make_config(models["target"], page_size=page_size, overlap=False)
+    base, _, _ = run_engine(base_config, prompts, 20)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
-    config = make_config(models["target"], algorithm, draft, steps, topk, num_draft,
-                         page_size, chunk)
-    spec, verify_ct, counts = run_engine(config, prompts, 20)
-    assert spec == base
+    for overlap in (True, False):
+        config = make_config(models["target"], algorithm, draft, steps, topk, num_draft,
+                             page_size, chunk, overlap=overlap)  # fmt: skip
+        spec, verify_ct, counts = run_engine(config, prompts, 20)
+        assert spec == base, f"overlap={overlap}"
+    assert run_engine(make_config(models["target"], page_size=page_size), prompts, 20)[0] == base
     assert all(1 <= n <= steps + 1 for n in counts)
     assert all(v > 0 for v in verify_ct.values())
 
@@ -149,7 +156,7 @@ def draft_kv_after_prefill(models, chunk: int, prompt: list[int]) -> torch.Tenso
     slots: list[int] = []
     while sched.has_work():
         plan = sched.next_plan()
-        slots += [s for r in plan.requests for s in unpack_ids(r.out_slots)]
+        slots += unpack_ids(plan.slots)
         sched.apply_result(plan, worker.execute(plan))
     assert len(slots) == len(prompt)
     k, _ = worker.draft_runner_list[0].kv_pool.get_kv(0)
@@ -229,9 +236,7 @@ def test_draft_positions(models, monkeypatch):
         return tree
 
     monkeypatch.setattr(worker.spec, "draft_tree", tree_spy)
-    while sched.has_work():
-        plan = sched.next_plan()
-        sched.apply_result(plan, worker.execute(plan))
+    drive(sched, worker)
     assert checked
 
 
@@ -248,15 +253,17 @@ def test_stop_token_inside_an_accepted_run(models):
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     params = SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=[stop])
     sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
-    out, finish = [], None
-    while sched.has_work():
-        plan = sched.next_plan()
-        deltas = sched.apply_result(plan, worker.execute(plan))
+    out, finishes = [], []
+
+    def collect(plan, result, deltas):
         for d in deltas.deltas if deltas else []:
-            out += unpack_ids(d.token_ids)
-            finish = d.finish or finish
-    assert out == full["r0"][:3] and finish.type == "stop" and finish.matched == stop
-    assert sched.allocator.is_whole()
+            out.extend(unpack_ids(d.token_ids))
+            if d.finish is not None:
+                finishes.append(d.finish)
+
+    drive(sched, worker, collect)
+    assert out == full["r0"][:3] and len(finishes) == 1
+    assert finishes[0].type == "stop" and finishes[0].matched == stop
 
 
 def test_logprobs_with_speculation_equal_plain_decoding(models):
@@ -271,11 +278,12 @@ def test_logprobs_with_speculation_equal_plain_decoding(models):
             params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
             sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, True))
         got = {f"r{i}": [] for i in range(len(prompts))}
-        while sched.has_work():
-            plan = sched.next_plan()
-            deltas = sched.apply_result(plan, worker.execute(plan))
+
+        def collect(plan, result, deltas):
             for d in deltas.deltas if deltas else []:
                 got[d.rid] += list(memoryview(d.logprobs).cast("f"))
+
+        drive(sched, worker, collect)
         return got
 
     plain = logprobs_of(make_config(models["target"]))
@@ -299,11 +307,12 @@ def test_greedy_with_penalties_equals_plain_decoding(models):
                                     frequency_penalty=0.7, repetition_penalty=1.3)
             sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
         got = {f"r{i}": [] for i in range(len(prompts))}
-        while sched.has_work():
-            plan = sched.next_plan()
-            deltas = sched.apply_result(plan, worker.execute(plan))
+
+        def collect(plan, result, deltas):
             for d in deltas.deltas if deltas else []:
                 got[d.rid] += unpack_ids(d.token_ids)
+
+        drive(sched, worker, collect)
         return got
 
     plain = outputs(make_config(models["bigram"]))

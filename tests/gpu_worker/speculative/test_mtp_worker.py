@@ -100,7 +100,7 @@ def serve_one(config, prompt: list[int], max_new: int) -> tuple[GPUWorker, int, 
 
     while sched.has_work():
         plan = sched.next_plan()
-        row = plan.requests[0].req_pool_idx
+        row = unpack_ids(plan.rows)[0]
         deltas = sched.apply_result(plan, worker.execute(plan))
         for d in deltas.deltas if deltas else []:
             output += unpack_ids(d.token_ids)

@@ -75,9 +75,10 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
                          page_size=4, graph_max_bs=4)  # fmt: skip
     worker, _, plan = serve_until_decode(config, random_prompts(seed=8, n=3))
     spec = worker.spec
-    step = worker._write_slots(parse_plan(plan, worker.max_running_requests), speculative=True)
-    seq_cpu = [r.prefix_len for r in plan.requests]
-    inputs = {"rows": step.rows, "prefix_lens": step.prefix_lens, "bonus": step.input_ids}
+    rows = worker._write_slots(parse_plan(plan, worker.max_running_requests))
+    inputs = {"rows": rows, "prefix_lens": worker.rows.prefix_lens[rows],
+              "bonus": worker.rows.tokens[rows]}  # fmt: skip
+    seq_cpu = inputs["prefix_lens"].tolist()
     before = {k: v.clone() for k, v in inputs.items()}
     eager = {k: v.clone() for k, v in spec.propose(len(seq_cpu), inputs, seq_cpu).items()}
     for _ in range(3):

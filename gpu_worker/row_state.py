@@ -1,0 +1,48 @@
+"""`RowState`: what the worker keeps per request row on the device between steps.
+
+For every request row: `tokens[row]`, the newest token (sampled or accepted, no KV yet), and
+`prefix_lens[row]`, the committed KV length. Sampling and acceptance write them on the device,
+and the next decode step reads them there, so a decode plan carries no token ids or lengths
+and the scheduler can send it before it has seen the previous step's result (the overlap
+schedule). Row 0, the reserved dummy, stays at token 0 and length 0: a padded row of a CUDA
+graph reads its input token 0 at position 0 from slot 0, with one key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowState:
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        """num_rows: request rows including the dummy row 0."""
+        self.tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.prefix_lens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    def decode_inputs(
+        self, rows: torch.Tensor, req_to_token: torch.Tensor, out: tuple[torch.Tensor, ...]
+    ) -> None:
+        """A one-token decode step's inputs for rows [n] into out = (input_ids, positions,
+        out_cache_loc, seq_lens), each [n] int64: the last token at the committed length, its
+        slot, and the keys it attends (itself included)."""
+        input_ids, positions, out_cache_loc, seq_lens = out
+        torch.index_select(self.tokens, 0, rows, out=input_ids)
+        torch.index_select(self.prefix_lens, 0, rows, out=positions)
+        out_cache_loc.copy_(req_to_token[rows, positions])
+        torch.add(positions, 1, out=seq_lens)
+
+    def commit_extend(
+        self, rows: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, sampled: torch.Tensor
+    ) -> None:
+        """After an extend: rows [n] have KV up to lengths [n]; where sampled [n] (a last
+        chunk) the row's newest token is tokens [n]."""
+        self.prefix_lens[rows] = lengths
+        self.tokens[rows] = torch.where(sampled, tokens, self.tokens[rows])
+
+    def commit_decode(
+        self, rows: torch.Tensor, advance: torch.Tensor | int, tokens: torch.Tensor
+    ) -> None:
+        """After a decode step: rows [n] committed `advance` ([n] or one int) more positions
+        and emitted tokens [n] as their newest."""
+        self.prefix_lens[rows] += advance
+        self.tokens[rows] = tokens
