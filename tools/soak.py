@@ -1,6 +1,8 @@
 """Soak a launched Aerie server with a random mix of clients, then check that nothing leaked.
 
     python tools/soak.py --requests 10000 --output soak.json
+    python tools/soak.py --requests 2000 --speculative EAGLE          # with a tiny EAGLE draft
+    python tools/soak.py --requests 2000 --disable-overlap-schedule   # one plan in flight
 
 launches `launch.py --device cpu` on a tiny random checkpoint (built in a temporary directory;
 `--model-path` picks another) with a KV cache too small for every request at once and
@@ -372,13 +374,23 @@ def server_pids(server) -> dict[str, int]:
     return pids
 
 
-def soak_server_args(model_path: str, concurrency: int) -> list[str]:
+def soak_server_args(
+    model_path: str, concurrency: int, draft_path: str | None = None, overlap: bool = True
+) -> list[str]:
     """A KV cache for about a third of the in-flight requests' full lengths, admitted without
-    reserve: retraction happens throughout."""
-    return ["--model-path", model_path, "--max-running-requests", str(concurrency),
+    reserve: retraction happens throughout. draft_path: an EAGLE draft (chains of 3, trees of
+    6 nodes: 6 positions of headroom per step); overlap False: --disable-overlap-schedule."""
+    args = ["--model-path", model_path, "--max-running-requests", str(concurrency),
             "--max-total-tokens", str(max(256, concurrency * (60 + MAX_NEW) // 3)),
             "--page-size", "4", "--chunked-prefill-size", "64",
             "--schedule-conservativeness", "0"]  # fmt: skip
+    if draft_path is not None:
+        args += ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", draft_path,
+                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                 "--speculative-num-draft-tokens", "6"]  # fmt: skip
+    if not overlap:
+        args.append("--disable-overlap-schedule")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-fraction", type=float, default=0.2)
     parser.add_argument("--max-rss-growth", type=float, default=0.10)
     parser.add_argument("--model-path", help="default: a tiny random Llama built for the run")
+    parser.add_argument("--speculative", action="store_true",
+                        help="serve with a tiny random EAGLE draft of the tiny model")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--output", help="write the report here as JSON")
     args = parser.parse_args(argv)
 
@@ -397,12 +412,20 @@ def main(argv: list[str] | None = None) -> int:
     from tests.tokenizer_fixture import make_tiny_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="aerie-soak-") as tmp:
-        model_path = args.model_path
+        model_path, draft_path = args.model_path, None
         if model_path is None:
-            model_path = tmp
-            make_tiny_checkpoint(tmp, "llama", vocab_size=384, max_position_embeddings=512)
-            make_tiny_tokenizer(tmp)
-        with Server(*soak_server_args(model_path, args.concurrency)) as server:
+            model_path = os.path.join(tmp, "target")
+            make_tiny_checkpoint(model_path, "llama", vocab_size=384, max_position_embeddings=512)
+            make_tiny_tokenizer(model_path)
+        if args.speculative:
+            if args.model_path is not None:
+                parser.error("--speculative builds a draft for the tiny model only")
+            from tests.gpu_worker.draft_checkpoints import make_tiny_eagle_draft
+
+            draft_path = make_tiny_eagle_draft(os.path.join(tmp, "draft"), model_path)
+        server_args = soak_server_args(model_path, args.concurrency, draft_path,
+                                       overlap=not args.disable_overlap_schedule)  # fmt: skip
+        with Server(*server_args) as server:
             print(f"soak: server at {server.url}, log {server.log.name}", flush=True)
             report = soak(server.url, server.zmq_address, server_pids(server), model_path,
                           vocab=320, requests=args.requests, concurrency=args.concurrency,

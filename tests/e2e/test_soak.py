@@ -1,35 +1,49 @@
-"""The soak test at CI size: a few hundred requests of every kind (HTTP and ZMQ, streaming and
-not, OpenAI, stop strings, sampled, disconnects, timeouts, aborts) against a launched server
-whose KV cache forces retraction. `python tools/soak.py` runs the full 10,000."""
+"""The soak test at CI size, as the overlap schedule's stress test: thousands of requests of
+every kind (HTTP and ZMQ, streaming and not, OpenAI, stop strings, sampled, client
+disconnects, timeouts, aborts) with random prompt and output lengths against a launched server
+whose KV cache forces retraction, with and without speculation, with the overlap schedule and
+without. Every completed greedy request must equal its single-request output, and once idle
+/server_info must show nothing running, waiting or holding KV. `python tools/soak.py` runs the
+full 10,000."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.server import Server
+from tests.gpu_worker.draft_checkpoints import make_tiny_eagle_draft
 from tools.soak import GREEDY_KINDS, KIND_WEIGHTS, server_pids, soak, soak_server_args
 
 pytestmark = pytest.mark.e2e
 
-REQUESTS = 360
 CONCURRENCY = 16
 
 
-def test_soak_every_kind_completes_exactly_and_leaves_nothing_behind(tiny_model_dirs):
+@pytest.mark.parametrize(
+    "speculative, overlap, requests",
+    [(False, True, 2000), (True, True, 2000), (False, False, 500), (True, False, 500)],
+    ids=["plain-overlap", "eagle-overlap", "plain-serial", "eagle-serial"],
+)
+def test_soak_every_kind_completes_exactly_and_leaves_nothing_behind(
+    tiny_model_dirs, tmp_path, speculative, overlap, requests
+):
     model = tiny_model_dirs["llama"]
-    with Server(*soak_server_args(model, CONCURRENCY)) as server:
+    draft = make_tiny_eagle_draft(str(tmp_path / "draft"), model) if speculative else None
+    with Server(*soak_server_args(model, CONCURRENCY, draft, overlap)) as server:
         pids = server_pids(server)
         assert set(pids) == {"launcher", "tokenizer", "scheduler", "gpu_worker", "detokenizer"}
-        report = soak(server.url, server.zmq_address, pids, model, vocab=320, requests=REQUESTS,
+        report = soak(server.url, server.zmq_address, pids, model, vocab=320, requests=requests,
                       concurrency=CONCURRENCY, seed=1, warmup_fraction=0.25,
                       max_rss_growth=0.10, log=lambda _: None)  # fmt: skip
 
     assert report.problems == []
+    assert report.idle["disable_overlap_schedule"] is not overlap
+    assert (report.idle["speculative_algorithm"] == "EAGLE") is speculative
     assert set(report.kinds) == set(KIND_WEIGHTS)
     assert report.statuses.get("failed", 0) == 0
     # The checks had something to check: exact greedy outputs of every greedy kind, stop strings
     # that cut a stream, aborted requests, and retraction under the small KV cache.
-    assert report.greedy_checked >= REQUESTS * sum(KIND_WEIGHTS[k] for k in GREEDY_KINDS) // (
+    assert report.greedy_checked >= requests * sum(KIND_WEIGHTS[k] for k in GREEDY_KINDS) // (
         2 * sum(KIND_WEIGHTS.values())
     )
     assert report.stopped_by_string > 0
