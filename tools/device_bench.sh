@@ -144,8 +144,9 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
       --max-running-requests 256 "${spec_args[@]}" "${flag[@]}" > "$OUT/server_${tag}_$mode.log" 2>&1 &
     server=$!
     for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
-    curl -s localhost:30000/generate -H 'content-type: application/json' \
-      -d '{"text":"Hello","sampling_params":{"max_new_tokens":8,"temperature":0}}' >/dev/null
+    # Warm-up at the largest concurrency: the first prefills of new shapes compile kernels.
+    python benchmarks/bench_serving.py --num-prompts 256 --output-len 16 --max-concurrency 256 \
+      --dataset-path .device-carry/sharegpt_subset.json --tokenizer $model --seed 7 > /dev/null 2>&1
     for conc in ${CONCURRENCY:-64 1 8 32 128 256} poisson; do
       backend=openai; [[ $conc == 1 ]] && backend=native
       if [[ $conc == poisson ]]; then rate=${POISSON_RATE:-32}; n=256; c=256
@@ -159,6 +160,19 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
     done
     cat "$OUT/idle_${tag}_$mode.json" 2>/dev/null
     kill -TERM $server; wait $server; echo "server exit $?"
+    # One summary file per server (the device returns only a few files): the summaries of
+    # every run; the per-request JSON files are dropped.
+    python - "$OUT" "$tag" "$mode" <<'PY'
+import glob, json, os, sys
+out, tag, mode = sys.argv[1:]
+runs = {}
+for path in glob.glob(f"{out}/serve_{tag}_{mode}_c*.json"):
+    runs[path.rsplit("_c", 1)[1][:-5]] = json.load(open(path))["summary"]
+    os.remove(path)
+for path in glob.glob(f"{out}/serve_{tag}_{mode}_c*.txt"):
+    os.remove(path)
+json.dump(runs, open(f"{out}/serving_{tag}_{mode}.json", "w"), indent=1)
+PY
   done
   exit 0
 fi

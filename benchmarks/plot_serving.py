@@ -1,0 +1,79 @@
+"""Plot served throughput and inter-token latency against concurrency, overlap on and off.
+
+    pip install matplotlib   # only this script needs it
+    python3 benchmarks/plot_serving.py docs/results/serving_overlap.json --out docs
+
+reads a summary written from `bench_serving` runs (`rows` of algorithm, overlap, concurrency,
+output_tok_s, itl_mean_ms, tpot_median_ms, ...; see docs/results/serving_overlap.json) and
+writes serving_throughput.png and serving_itl.png (rows at a numeric concurrency only; the
+Poisson runs are left out). The latency plot shows each stream's median time per output token
+(TPOT: the mean inter-token latency of one stream): at high concurrency the streamed chunks
+arrive in bursts, so the median of the raw inter-chunk gaps reads near zero and their mean is
+dominated by the gaps between bursts. The compiled static-KV baseline's batch-64 tokens/s, when the
+summary has it, is drawn as a reference line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def series(rows: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
+    """label -> (concurrencies, values), sorted by concurrency."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for row in rows:
+        if not isinstance(row["concurrency"], int):
+            continue
+        label = f"{row['algorithm']}, overlap {'on' if row['overlap'] else 'off'}"
+        xs, ys = out.setdefault(label, ([], []))
+        xs.append(row["concurrency"])
+        ys.append(row[key])
+    for xs, ys in out.values():
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        xs[:], ys[:] = [xs[i] for i in order], [ys[i] for i in order]
+    return out
+
+
+def plot(summary: dict, key: str, ylabel: str, path: str, reference: float | None = None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (xs, ys) in series(summary["rows"], key).items():
+        ax.plot(xs, ys, marker="o", linestyle="-" if "on" in label else "--", label=label)
+    if reference is not None:
+        ax.axhline(reference, color="grey", linewidth=1, linestyle=":",
+                   label="compiled static-KV loop, batch 64")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel(ylabel)
+    ax.set_title(summary.get("machine", ""), fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("summary")
+    parser.add_argument("--out", default="docs", help="directory for the PNG files")
+    args = parser.parse_args(argv)
+    with open(args.summary) as f:
+        summary = json.load(f)
+    reference = summary.get("baseline_compiled_tok_s", {}).get("64")
+    paths = [os.path.join(args.out, "serving_throughput.png"),
+             os.path.join(args.out, "serving_itl.png")]  # fmt: skip
+    plot(summary, "output_tok_s", "output tokens/s (all streams)", paths[0], reference)
+    plot(summary, "tpot_median_ms", "inter-token latency per stream (median TPOT, ms)",
+         paths[1])
+    return paths
+
+
+if __name__ == "__main__":
+    print("\n".join(main()))
