@@ -281,8 +281,8 @@ class SamplingState:
         seed = params.seed if params.seed is not None else default_seed
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
         floats = [float(getattr(params, name)) for name in _FLOAT_PARAMS]
-        self._float_params[req_pool_idx] = torch.tensor(floats)
-        self._int_params[req_pool_idx] = torch.tensor([top_k, _wrap_int64(seed)])
+        self._float_params[req_pool_idx] = self._upload(floats, torch.float32)
+        self._int_params[req_pool_idx] = self._upload([top_k, _wrap_int64(seed)], torch.int64)
         flags = _row_flags(params, top_k, self.vocab_size)
         self._flags_cpu[req_pool_idx] = torch.tensor(flags)
         if flags[0]:
@@ -291,15 +291,23 @@ class SamplingState:
     def _reset_penalty_state(
         self, row: int, prompt_ids: list[int] | Tensor, output_len: int
     ) -> None:
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).to(self.device)  # [fill_len]
+        ids = self._upload(prompt_ids, torch.int64)  # [fill_len]
         self.prompt_mask[row].zero_()
-        self.prompt_mask[row, ids] = True
+        self.prompt_mask[row].index_fill_(0, ids, True)  # (an index_put of True would sync)
         self.counts[row].zero_()
         if output_len > 0:
             outputs = ids[ids.numel() - output_len :]
             self.counts[row].index_put_(
                 (outputs,), torch.ones_like(outputs, dtype=torch.int32), accumulate=True
             )
+
+    def _upload(self, values: list[int] | list[float] | Tensor, dtype: torch.dtype) -> Tensor:
+        """values on the device without waiting for it: from pinned memory, non-blocking (a
+        pageable copy would wait for the step still running on the device)."""
+        host = torch.as_tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def observe(
         self,

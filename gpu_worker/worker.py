@@ -112,18 +112,19 @@ class GPUWorker:
         host = arrays.extend_batch()
         batch = host.to_device(self.device, self.runner.staging)
         out = self.runner.forward(batch)
-        sampled = torch.from_numpy(arrays.sample).to(self.device, non_blocking=True)
+        sampled_ids, next_ids = self.staging.upload([arrays.sample.astype(np.int64),
+                                                     arrays.next_input_ids])  # fmt: skip
+        sampled = sampled_ids.bool()
         positions = batch.seq_lens  # the position of each request's next token
         want = bool(self.return_logprob[arrays.rows[arrays.sample]].any())
         token_ids, logprobs = self.sampling.sample(
             out.next_token_logits, rows, positions, want, rows_cpu=arrays.rows
         )
         if arrays.sample.any():
-            self.sampling.observe(rows, token_ids, weights=sampled.long())
+            self.sampling.observe(rows, token_ids, weights=sampled_ids)
         self.rows.commit_extend(rows, batch.seq_lens, token_ids, sampled)
         if self.spec is not None:
             # The draft's tail: the next prompt token for a non-final chunk, else the sample.
-            next_ids = torch.from_numpy(arrays.next_input_ids).to(self.device)
             self.spec.draft_prefill(batch, out, torch.where(next_ids >= 0, next_ids, token_ids))
         copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
         keep = arrays.sample  # host mask: requests that sampled this step

@@ -84,6 +84,7 @@ class ExtendDecision:
 class DecodeDecision:
     batch: list[Request] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)  # newest first
+    fits: bool = True  # the batch's headroom fits in the free KV (after the retractions)
 
 
 class SchedulePolicy:
@@ -202,7 +203,10 @@ class SchedulePolicy:
         """Every decoding request, after retracting the newest running ones until KV fits.
 
         `running` is in admission order. At least one decoding request always stays (a
-        request that fits alone was checked at admission by `never_fits`).
+        request that fits alone was checked at admission by `never_fits`). With plans in
+        flight the KV may still not fit (`fits` False): pages held by requests that finish
+        in flight, or by finished ones a plan in flight still holds, come back only with
+        those plans' results.
         """
         decoding = [r for r in running if self.is_decoding(r)]
         need = self.decode_pages_needed(decoding, allocator)
@@ -219,7 +223,7 @@ class SchedulePolicy:
             free_pages += allocator.num_held_pages(req.req_pool_idx)
             retracted.append(req)
         batch = [r for r in kept if self.is_decoding(r)]
-        return DecodeDecision(batch=batch, retracted=retracted)
+        return DecodeDecision(batch=batch, retracted=retracted, fits=need <= free_pages)
 
     def _pick_victim(self, kept: Sequence[Request]) -> Request | None:
         """The newest request, unless it is the last decoding one (then the newest prefill)."""

@@ -18,7 +18,8 @@ With plans in flight the scheduler plans without knowing their results:
   made for it are dropped, so outputs do not depend on the overlap;
 - requests the plans in flight finish for sure are left out of the next decode step;
 - retraction (which frees KV other plans may be writing) only happens with nothing in
-  flight: a plan that would need one waits for the results instead.
+  flight: a decode step that would need one, or whose headroom does not fit because KV is
+  still held by requests the plans in flight finish, waits for the results instead.
 """
 
 from __future__ import annotations
@@ -205,8 +206,10 @@ class Scheduler:
 
     def _plan_decode(self) -> tuple[ForwardPlan, list[Request]] | None:
         decision = self.policy.plan_decode(self.running, self.allocator)
-        if decision.retracted and self._in_flight:
-            return None  # retract only with nothing in flight: wait for the results
+        if (decision.retracted or not decision.fits) and self._in_flight:
+            # Retract only with nothing in flight, and let the plans in flight give back
+            # the KV of the requests they finish: wait for their results.
+            return None
         self.new_tokens.on_decode_step()
         if decision.retracted:
             self.new_tokens.on_retract(self.running)

@@ -67,9 +67,10 @@ def test_llama31_8b_dummy_sizes_kv_from_free_memory(tmp_path):
 
 
 def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
-    """The worker's plain decode step (slot writes, graph replay, sampling) runs under
-    torch.cuda.set_sync_debug_mode("error"): no .item(), .cpu(), .tolist() or pageable copy;
-    the one wait is the event of the final copy of the results."""
+    """The worker's plain decode step (slot writes, graph replay, sampling) and an extend step
+    that starts a request run under torch.cuda.set_sync_debug_mode("error"), with two steps in
+    flight: no .item(), .cpu(), .tolist() or pageable copy; the one wait is the event of each
+    step's copy of its results."""
     from aerie.codec import pack_ids
     from aerie.config import AerieConfig
     from aerie.messages import RequestStart, SamplingParams
@@ -88,12 +89,19 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     start = RequestStart(1, params, True, pack_ids([5, 6, 7]))
     prefill = extend_plan(1, [(1, 0, [5, 6, 7], [1, 2, 3], True)], [start])
     worker.execute(prefill)
+    # A new request with penalties, prefilled while a decode step is in flight: its sampling
+    # state goes over without waiting for the device either.
+    penalized = SamplingParams(max_new_tokens=8, frequency_penalty=0.5, repetition_penalty=1.2)
+    second = RequestStart(2, penalized, False, pack_ids([8, 9]))
     torch.cuda.set_sync_debug_mode("error")
     try:
         launched = []
         for step in range(3):  # two steps in flight, like the overlap schedule
             launched.append(worker.launch(decode_plan(2 + step, [1], [(3 + step, [4 + step])])))
-            if len(launched) == 2:
+            if step == 1:
+                launched.append(worker.launch(
+                    extend_plan(9, [(2, 0, [8, 9], [10, 11], True)], [second])))  # fmt: skip
+            while len(launched) >= 2:
                 codec_first(worker.finish(launched.pop(0)))
         codec_first(worker.finish(launched.pop(0)))
     finally:

@@ -364,3 +364,52 @@ def test_a_burst_into_a_small_kv_cache_does_not_thrash(ignore_eos):
     assert forward_tokens(burst_plans) <= forward_tokens(serial_plans) * 1.05
     assert len(burst_plans) < len(serial_plans) / 3
     assert sched.allocator.is_whole()
+
+
+def test_abort_with_two_decodes_in_flight_under_tight_kv():
+    """Aborting one of two decoders while two decode steps are in flight leaves its KV held
+    until they are applied; the remaining decoder's next step waits for that KV instead of
+    planning past the free pages (it used to fail an assertion in the scheduler)."""
+    config = make_config(max_running=4).replace(scheduler={"schedule_conservativeness": 0.0})
+    sched = Scheduler(config, (), max_total_tokens=20)
+    sched.add_request(make_request("R", [1, 2, 3, 4], max_new_tokens=10, ignore_eos=True))
+    sched.add_request(make_request("F", list(range(5, 15)), max_new_tokens=10, ignore_eos=True))
+    worker, collector = FakeWorker(), Collector()
+    in_flight, aborted, waited = [], False, False
+    while sched.has_work() or in_flight:
+        while sched.can_plan() and sched.has_work():
+            plan = sched.next_plan()
+            if plan is None:
+                waited = waited or aborted
+                break
+            in_flight.append((plan, worker.run(plan)))
+        if not aborted and len(in_flight) == 2 and sched.allocator.num_free_pages <= 1:
+            sched.abort("F")
+            aborted = True
+        plan, result = in_flight.pop(0)
+        collector.add(sched.apply_result(plan, result))
+    assert aborted and waited
+    assert collector.outputs["R"] == reference_output([1, 2, 3, 4], 10)
+    assert collector.finish["F"].type == "abort"
+    assert sched.allocator.is_whole()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tiny_caches_with_requests_finishing_in_flight(overlap):
+    """A request that finishes while a plan holds it keeps its KV until that plan is applied;
+    over many tiny caches the other request's steps wait for it rather than fail."""
+    for total in range(14, 30):
+        for max_new in (1, 2, 3, 6, 10):
+            config = make_config(max_running=4, overlap=overlap).replace(
+                scheduler={"schedule_conservativeness": 0.0})  # fmt: skip
+            sched = Scheduler(config, (), max_total_tokens=total)
+            sched.add_request(make_request("R", [1, 2, 3, 4], max_new_tokens=10, ignore_eos=True))
+            sched.add_request(make_request("F", list(range(5, 15)), max_new_tokens=max_new,
+                                           ignore_eos=True))  # fmt: skip
+            collector = Collector()
+            run_to_end(sched, FakeWorker(), collector)
+            assert collector.outputs["R"] == reference_output([1, 2, 3, 4], 10)
+            if collector.finish["F"].type == "abort":  # it can never fit in this cache
+                assert "does not fit" in collector.finish["F"].message
+            else:
+                assert collector.outputs["F"] == reference_output(list(range(5, 15)), max_new)

@@ -103,9 +103,9 @@ def test_greedy_speculative_output_equals_target_greedy(
                              page_size, chunk, overlap=overlap)  # fmt: skip
         spec, verify_ct, counts = run_engine(config, prompts, 20)
         assert spec == base, f"overlap={overlap}"
+        assert all(1 <= n <= steps + 1 for n in counts)
+        assert all(v > 0 for v in verify_ct.values())
     assert run_engine(make_config(models["target"], page_size=page_size), prompts, 20)[0] == base
-    assert all(1 <= n <= steps + 1 for n in counts)
-    assert all(v > 0 for v in verify_ct.values())
 
 
 @pytest.mark.parametrize("algorithm, page_size", [("EAGLE", 4), ("EAGLE3", 1)])
