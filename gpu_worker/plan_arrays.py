@@ -32,6 +32,7 @@ class PlanArrays:
     input_ids: np.ndarray  # [sum(extend_lens)] int64
     sample: np.ndarray  # [bs] bool: the request produces a token this step
     next_input_ids: np.ndarray  # [bs] int64: the fill token after a non-final chunk, else -1
+    chunk_slots: np.ndarray  # [sum(extend_lens)] int64: the KV slot of each chunk token
 
     @property
     def batch_size(self) -> int:
@@ -44,25 +45,25 @@ class PlanArrays:
 
     def extend_batch(self) -> HostBatch:
         """The extend forward over the chunks (KV written at the slots assigned to them)."""
-        index = self.chunk_slot_indices()
-        assert index is not None, "parse_plan checks that extend chunks have their slots"
-        out_cache_loc = self.slots[index]
         within = segment_offsets(self.extend_lens)
         positions = np.repeat(self.prefix_lens, self.extend_lens) + within
         return HostBatch(
-            ForwardMode.EXTEND, self.input_ids, positions, out_cache_loc, self.rows,
+            ForwardMode.EXTEND, self.input_ids, positions, self.chunk_slots, self.rows,
             self.prefix_lens + self.extend_lens, self.extend_lens,
         )  # fmt: skip
 
-    def chunk_slot_indices(self) -> np.ndarray | None:
-        """Where each chunk token's slot sits in `slots`, when this plan assigns every one of
-        them (an extend plan must); None otherwise."""
-        slot_offsets = np.cumsum(self.slot_lens) - self.slot_lens
-        first = self.prefix_lens - self.slot_starts  # [bs] chunk start inside the assignment
-        if (first < 0).any() or (first + self.extend_lens > self.slot_lens).any():
-            return None
-        within = segment_offsets(self.extend_lens)
-        return np.repeat(slot_offsets + first, self.extend_lens) + within
+
+def _chunk_slots(
+    prefix_lens: np.ndarray, extend_lens: np.ndarray, slot_starts: np.ndarray,
+    slot_lens: np.ndarray, slots: np.ndarray,
+) -> np.ndarray | None:  # fmt: skip
+    """The slot of each chunk token, when the plan assigns every one of them (an extend plan
+    must); None otherwise."""
+    first = prefix_lens - slot_starts  # [bs] chunk start inside each row's assignment
+    if (first < 0).any() or (first + extend_lens > slot_lens).any():
+        return None
+    slot_offsets = np.cumsum(slot_lens) - slot_lens
+    return slots[np.repeat(slot_offsets + first, extend_lens) + segment_offsets(extend_lens)]
 
 
 def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
@@ -73,38 +74,36 @@ def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
 
     extend = plan.mode == "extend"
     rows = column(plan.rows)
-    arrays = PlanArrays(
-        rows=rows,
-        slot_starts=column(plan.slot_starts),
-        slot_lens=column(plan.slot_lens),
-        slots=column(plan.slots),
-        prefix_lens=column(plan.prefix_lens) if extend else EMPTY,
-        extend_lens=column(plan.extend_lens) if extend else EMPTY,
-        input_ids=column(plan.input_ids) if extend else EMPTY,
-        sample=column(plan.sample).astype(bool) if extend else np.ones(len(rows), dtype=bool),
-        next_input_ids=column(plan.next_input_ids) if extend else EMPTY,
-    )
-    _check(plan, arrays, max_rows)
+    slot_starts, slot_lens, slots = (column(c) for c in (plan.slot_starts, plan.slot_lens,
+                                                         plan.slots))  # fmt: skip
+    bs = len(rows)
+    if len(slot_starts) != bs or len(slot_lens) != bs:
+        raise ValueError(f"plan {plan.plan_id}: slot columns for {len(slot_lens)} of {bs} rows")
+    if int(slot_lens.sum()) != len(slots) or (slot_lens < 0).any():
+        raise ValueError(f"plan {plan.plan_id}: slot_lens do not match {len(slots)} slots")
+    prefix_lens = extend_lens = input_ids = next_ids = chunk_slots = EMPTY
+    sample = np.ones(bs, dtype=bool)
+    if extend:
+        prefix_lens, extend_lens, input_ids, next_ids = (column(c) for c in (
+            plan.prefix_lens, plan.extend_lens, plan.input_ids, plan.next_input_ids))  # fmt: skip
+        sample = column(plan.sample).astype(bool)
+        if any(len(c) != bs for c in (prefix_lens, extend_lens, sample, next_ids)):
+            raise ValueError(f"plan {plan.plan_id}: extend columns do not cover {bs} rows")
+        if (extend_lens <= 0).any() or int(extend_lens.sum()) != len(input_ids):
+            raise ValueError(f"plan {plan.plan_id}: extend_lens do not match {len(input_ids)} ids")
+        chunk_slots = _chunk_slots(prefix_lens, extend_lens, slot_starts, slot_lens, slots)
+        if chunk_slots is None:
+            raise ValueError(f"plan {plan.plan_id}: an extend chunk runs at positions without "
+                             "slots")  # fmt: skip
+    arrays = PlanArrays(rows, slot_starts, slot_lens, slots, prefix_lens, extend_lens, input_ids,
+                        sample, next_ids, chunk_slots)  # fmt: skip
+    _check_rows(plan, rows, max_rows)
     return arrays
 
 
-def _check(plan: ForwardPlan, a: PlanArrays, max_rows: int) -> None:
-    bs = a.batch_size
-    if len(a.slot_starts) != bs or len(a.slot_lens) != bs:
-        raise ValueError(f"plan {plan.plan_id}: slot columns for {len(a.slot_lens)} of {bs} rows")
-    if int(a.slot_lens.sum()) != len(a.slots) or (a.slot_lens < 0).any():
-        raise ValueError(f"plan {plan.plan_id}: slot_lens do not match {len(a.slots)} slots")
-    bad = np.flatnonzero((a.rows <= 0) | (a.rows > max_rows))
+def _check_rows(plan: ForwardPlan, rows: np.ndarray, max_rows: int) -> None:
+    bad = np.flatnonzero((rows <= 0) | (rows > max_rows))
     if bad.size:
-        raise ValueError(f"plan {plan.plan_id}: request row {a.rows[bad[0]]} is invalid")
-    if len(np.unique(a.rows)) != bs:
+        raise ValueError(f"plan {plan.plan_id}: request row {rows[bad[0]]} is invalid")
+    if len(np.unique(rows)) != len(rows):
         raise ValueError(f"plan {plan.plan_id}: a request row appears twice")
-    if plan.mode != "extend":
-        return
-    columns = (a.prefix_lens, a.extend_lens, a.sample, a.next_input_ids)
-    if any(len(c) != bs for c in columns):
-        raise ValueError(f"plan {plan.plan_id}: extend columns do not cover {bs} rows")
-    if (a.extend_lens <= 0).any() or int(a.extend_lens.sum()) != len(a.input_ids):
-        raise ValueError(f"plan {plan.plan_id}: extend_lens do not match {len(a.input_ids)} ids")
-    if a.chunk_slot_indices() is None:
-        raise ValueError(f"plan {plan.plan_id}: an extend chunk runs at positions without slots")

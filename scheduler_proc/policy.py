@@ -208,27 +208,27 @@ class SchedulePolicy:
         in flight, or by finished ones a plan in flight still holds, come back only with
         those plans' results.
         """
-        decoding = [r for r in running if self.is_decoding(r)]
-        need = self.decode_pages_needed(decoding, allocator)
+        decoding = {r for r in running if self.is_decoding(r)}
+        need = sum(allocator.pages_needed(r.req_pool_idx, self.decode_end(r)) for r in decoding)
         free_pages = allocator.num_free_pages
         kept = list(running)
         retracted: list[Request] = []
         while need > free_pages:
-            req = self._pick_victim(kept)
+            req = self._pick_victim(kept, decoding)
             if req is None:
                 break
             kept.remove(req)
-            if self.is_decoding(req):
+            if req in decoding:
+                decoding.remove(req)
                 need -= allocator.pages_needed(req.req_pool_idx, self.decode_end(req))
             free_pages += allocator.num_held_pages(req.req_pool_idx)
             retracted.append(req)
-        batch = [r for r in kept if self.is_decoding(r)]
+        batch = [r for r in kept if r in decoding]
         return DecodeDecision(batch=batch, retracted=retracted, fits=need <= free_pages)
 
-    def _pick_victim(self, kept: Sequence[Request]) -> Request | None:
+    def _pick_victim(self, kept: Sequence[Request], decoding: set[Request]) -> Request | None:
         """The newest request, unless it is the last decoding one (then the newest prefill)."""
-        num_decoding = sum(self.is_decoding(r) for r in kept)
         for req in reversed(kept):
-            if req.is_prefilling or num_decoding > 1:
+            if req.is_prefilling or len(decoding) > 1:
                 return req
         return None

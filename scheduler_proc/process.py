@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,6 @@ from aerie import endpoints
 from aerie.config import AerieConfig
 from aerie.messages import (
     AbortRequest,
-    ForwardPlan,
     Heartbeat,
     RequestDelta,
     SchedulerStats,
@@ -93,7 +91,6 @@ class SchedulerLoop:
         self.to_worker = Sender(endpoints.inbox(config, "gpu_worker"))
         self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
         self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
-        self.in_flight: deque[ForwardPlan] = deque()
         self.applied: list[RequestDelta] = []  # from results, sent after the next plan
         self.running = True
         self.stalled = False  # has work, but no plan could be made
@@ -109,9 +106,10 @@ class SchedulerLoop:
 
     def handle_result(self, result: StepResult) -> None:
         """Apply it; its deltas stay queued until the next plan has been sent (`step`)."""
-        if not self.in_flight:
+        plan = self.core.oldest_in_flight
+        if plan is None:
             raise RuntimeError(f"StepResult {result.plan_id} arrived with no plan in flight")
-        deltas = self.core.apply_result(self.in_flight.popleft(), result)
+        deltas = self.core.apply_result(plan, result)
         if deltas is not None:
             self.applied.extend(deltas.deltas)
 
@@ -145,7 +143,6 @@ class SchedulerLoop:
             if plan is None:
                 self.stalled = True  # wait for a message (a result, a request) to try again
                 break
-            self.in_flight.append(plan)
             self.to_worker.send(plan)
         queued = self.core.take_deltas()
         self.applied.extend(queued.deltas if queued is not None else [])
@@ -168,7 +165,7 @@ class SchedulerLoop:
         )
         # Once idle (nothing to run, nothing in flight) the last step's frees are reported at
         # once: /server_info must read kv_used_tokens == 0 as soon as the engine is idle.
-        idle = not self.core.has_work() and not self.in_flight
+        idle = not self.core.has_work() and not self.core.num_in_flight
         due = now - self._last_stats_time >= STATS_INTERVAL_S or idle
         if changed or (due and stats != last):
             self.to_tokenizer.send(stats)

@@ -85,7 +85,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: newest last
         self._requests: dict[str, Request] = {}  # every unfinished request by rid
         self._deltas: list[RequestDelta] = []
-        self._in_flight: deque[tuple[ForwardPlan, list[Request]]] = deque()
+        # Plans sent and not applied, oldest first: (plan, its requests, which of them sample).
+        self._in_flight: deque[tuple[ForwardPlan, list[Request], list[bool]]] = deque()
         self._next_plan_id = 0
         self._last_mode = ""
         self._num_decode_tokens = 0  # tokens from decode entries with verify counts
@@ -139,6 +140,11 @@ class Scheduler:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def oldest_in_flight(self) -> ForwardPlan | None:
+        """The plan the next result answers (results come back in plan order)."""
+        return self._in_flight[0][0] if self._in_flight else None
+
     def can_plan(self) -> bool:
         """Whether another plan may be sent now (fewer than max_in_flight in flight)."""
         return len(self._in_flight) < self.max_in_flight
@@ -152,21 +158,16 @@ class Scheduler:
         scheduled = self._schedule()
         if scheduled is None:
             return None
-        plan, requests = scheduled
-        self._in_flight.append((plan, requests))
+        plan, requests, samples = scheduled
+        self._in_flight.append((plan, requests, samples))
         self._last_mode = plan.mode
-        samples = (
-            [True] * len(requests)
-            if plan.mode == "decode"
-            else unpack_ids_array(plan.sample).astype(bool).tolist()
-        )
         for req, sample in zip(requests, samples, strict=True):
             req.in_flight += 1
             req.samples_in_flight += sample
             req.decodes_in_flight += plan.mode == "decode"
         return plan
 
-    def _schedule(self) -> tuple[ForwardPlan, list[Request]] | None:
+    def _schedule(self) -> tuple[ForwardPlan, list[Request], list[bool]] | None:
         while True:
             has_prefill = bool(self.waiting) or any(r.is_prefilling for r in self.running)
             has_decode = any(self.policy.is_decoding(r) for r in self.running)
@@ -182,7 +183,7 @@ class Scheduler:
             self.new_tokens.on_retract(self.running)
             self._retract(self.running[-1])
 
-    def _plan_extend(self) -> tuple[ForwardPlan, list[Request]] | None:
+    def _plan_extend(self) -> tuple[ForwardPlan, list[Request], list[bool]] | None:
         decision = self.policy.plan_extend(
             self.running, self.waiting, self.allocator, self.new_tokens
         )
@@ -200,11 +201,13 @@ class Scheduler:
             assert slots is not None, "policy admitted more than the free KV"
             chunks.append((req, chunk_len, slots))
         plan = build_extend_plan(self._take_plan_id(), chunks)
+        samples = []
         for req, chunk_len, _ in chunks:  # chunks are committed when planned
             req.prefix_len += chunk_len
-        return plan, [req for req, _, _ in chunks]
+            samples.append(req.prefix_len == len(req.fill_ids))  # its last chunk samples
+        return plan, [req for req, _, _ in chunks], samples
 
-    def _plan_decode(self) -> tuple[ForwardPlan, list[Request]] | None:
+    def _plan_decode(self) -> tuple[ForwardPlan, list[Request], list[bool]] | None:
         decision = self.policy.plan_decode(self.running, self.allocator)
         if (decision.retracted or not decision.fits) and self._in_flight:
             # Retract only with nothing in flight, and let the plans in flight give back
@@ -222,7 +225,7 @@ class Scheduler:
             assert slots is not None, "policy kept more decoders than the free KV"
             batch.append((req, start, slots))
         plan = build_decode_plan(self._take_plan_id(), batch)
-        return plan, decision.batch
+        return plan, decision.batch, [True] * len(batch)
 
     def _retract(self, req: Request) -> None:
         """Free its row and KV and put it at the front of the queue; outputs are kept."""
@@ -239,7 +242,7 @@ class Scheduler:
 
     def plan_rids(self, plan: ForwardPlan) -> list[str]:
         """The rids of a plan in flight, in plan order (for logs and tests)."""
-        for sent, requests in self._in_flight:
+        for sent, requests, _ in self._in_flight:
             if sent is plan:
                 return [req.rid for req in requests]
         raise KeyError(f"plan {plan.plan_id} is not in flight")
@@ -253,7 +256,7 @@ class Scheduler:
             raise RuntimeError(f"plan {plan.plan_id} is not the oldest plan in flight")
         if result.plan_id != plan.plan_id:
             raise RuntimeError(f"result {result.plan_id} does not answer plan {plan.plan_id}")
-        _, requests = self._in_flight.popleft()
+        _, requests, samples = self._in_flight.popleft()
         num_tokens = unpack_ids_array(result.num_tokens)  # [num_requests]
         token_ids = unpack_ids_array(result.token_ids)  # [sum(num_tokens)]
         logprobs = np.frombuffer(result.logprobs, dtype="<f4") if result.logprobs else None
@@ -262,15 +265,10 @@ class Scheduler:
             if result.num_verify
             else np.zeros(len(requests), dtype=np.int32)
         )
-        samples = (
-            np.ones(len(requests), dtype=bool)
-            if plan.mode == "decode"
-            else unpack_ids_array(plan.sample).astype(bool)
-        )
         ends = np.cumsum(num_tokens)
         for i, req in enumerate(requests):
             req.in_flight -= 1
-            req.samples_in_flight -= bool(samples[i])
+            req.samples_in_flight -= samples[i]
             req.decodes_in_flight -= plan.mode == "decode"
             if req.state == ReqState.FINISHED:  # finished while this plan was in flight
                 if req.in_flight == 0:
@@ -313,8 +311,7 @@ class Scheduler:
             return
         if mode == "decode":  # keep what the decode steps still in flight may write
             keep = req.prefix_len + self.policy.decode_alloc_len * req.decodes_in_flight
-            self.allocator.shrink(req.req_pool_idx, min(keep, self.allocator.allocated_len(
-                req.req_pool_idx)))  # fmt: skip
+            self.allocator.shrink(req.req_pool_idx, keep)
         self._emit(req)
 
     def _count_accepts(self, num_accepted: int, num_verify: int) -> None:

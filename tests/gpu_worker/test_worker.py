@@ -10,7 +10,7 @@ import torch
 
 from aerie import codec
 from aerie.config import AerieConfig
-from aerie.messages import RequestStart, SamplingParams, Shutdown, StepResult
+from aerie.messages import ForwardPlan, RequestStart, SamplingParams, Shutdown, StepResult
 from aerie.transport import Receiver, Sender
 from gpu_worker.process import WorkerLoop
 from gpu_worker.worker import GPUWorker
@@ -132,3 +132,21 @@ def test_busy_and_span_merge_overlapping_kernel_intervals():
     assert busy_and_span_us([]) == (0.0, 0.0)
     # [0, 4) and [2, 5) overlap; [7, 8) after a gap of 2; [7.5, 7.6) inside it
     assert busy_and_span_us([(7.0, 8.0), (0.0, 4.0), (2.0, 5.0), (7.5, 7.6)]) == (6.0, 8.0)
+
+
+def test_malformed_plans_are_refused_with_the_reason():
+    from gpu_worker.plan_arrays import parse_plan
+
+    good = extend_plan(1, [(1, 0, [5, 6], [8, 9], True), (2, 0, [7], [4], True)])
+    assert parse_plan(good, 4).chunk_slots.tolist() == [8, 9, 4]
+    cases = {
+        "without slots": extend_plan(2, [(1, 0, [5, 6], [8], True)]),
+        "appears twice": extend_plan(3, [(1, 0, [5], [8], True), (1, 1, [6], [9], True)]),
+        "is invalid": decode_plan(4, [5]),
+        "slot_lens do not match": ForwardPlan(5, "decode", codec.pack_ids([1]),
+                                              codec.pack_ids([0]), codec.pack_ids([2]),
+                                              codec.pack_ids([7])),
+    }  # fmt: skip
+    for reason, plan in cases.items():
+        with pytest.raises(ValueError, match=reason):
+            parse_plan(plan, 4)

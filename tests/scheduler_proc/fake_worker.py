@@ -105,6 +105,7 @@ class FakeWorker:
     def _extend(self, plan: ForwardPlan, rows: list[int]) -> list[list[int]]:
         ids = unpack_ids(plan.input_ids)
         prefix_lens, extend_lens = unpack_ids(plan.prefix_lens), unpack_ids(plan.extend_lens)
+        sample = unpack_ids(plan.sample)
         out, offset = [], 0
         for i, row in enumerate(rows):
             chunk = ids[offset : offset + extend_lens[i]]
@@ -114,7 +115,7 @@ class FakeWorker:
             for p, token in enumerate(chunk):
                 self.kv[self.row_slots[row][prefix_lens[i] + p]] = token
             self.row_len[row] = len(seq)
-            if not unpack_ids(plan.sample)[i]:
+            if not sample[i]:
                 out.append([])
                 continue
             self.row_token[row] = next_token(seq)
@@ -218,18 +219,19 @@ def plan_entries(plan: ForwardPlan, rids: list[str]) -> Planned:
     slots = unpack_ids(plan.slots)
     extend = plan.mode == "extend"
     ids = unpack_ids(plan.input_ids)
-    extend_lens = unpack_ids(plan.extend_lens) if extend else [0] * len(rows)
+    n = len(rows)
+    extend_lens = unpack_ids(plan.extend_lens) if extend else [0] * n
+    prefix_lens = unpack_ids(plan.prefix_lens) if extend else [-1] * n
+    sample = unpack_ids(plan.sample) if extend else [1] * n
+    next_ids = unpack_ids(plan.next_input_ids) if extend else [-1] * n
     by_row = {start.row: start for start in plan.starts}
     entries, slot_offset, id_offset = [], 0, 0
     for i, (rid, row) in enumerate(zip(rids, rows, strict=True)):
         entries.append(Entry(
-            rid=rid, row=row,
-            prefix_len=unpack_ids(plan.prefix_lens)[i] if extend else -1,
+            rid=rid, row=row, prefix_len=prefix_lens[i],
             input_ids=ids[id_offset : id_offset + extend_lens[i]],
             out_slots=slots[slot_offset : slot_offset + lens[i]], slot_start=starts[i],
-            sample=bool(unpack_ids(plan.sample)[i]) if extend else True,
-            next_input_id=unpack_ids(plan.next_input_ids)[i] if extend else -1,
-            start=by_row.get(row),
+            sample=bool(sample[i]), next_input_id=next_ids[i], start=by_row.get(row),
         ))  # fmt: skip
         slot_offset += lens[i]
         id_offset += extend_lens[i]
