@@ -80,11 +80,10 @@ def target_spec(config: AerieConfig) -> RunnerSpec:
         seed=model.random_seed,
         attention_backend=config.runner.attention_backend,
         aux_hidden_layers=tuple(eagle3_aux_layers(config)),
-        # Plain decode only: speculative iterations run their own forwards, captured in the
-        # speculative stage graphs (budgeted through graph_tokens).
-        cuda_graph_max_bs=0 if spec.enabled else graph_max_bs(config),
-        graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1)
-        if spec.enabled else 0,
+        # The worker captures the target's forwards in its own stage graphs (the plain decode
+        # step, or the speculative stages), budgeted through graph_tokens.
+        cuda_graph_max_bs=0,
+        graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1),
     )  # fmt: skip
 
 

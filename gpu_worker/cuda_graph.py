@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -116,31 +115,6 @@ class CudaGraphRunner:
             self.graphs[bucket].replay()
         else:  # eager on the same buffers; the host lengths are this batch's (padded)
             self._forward(self._static_batch(bucket, seq_lens[:bucket].tolist()))
-        return self._output_views(bs)
-
-    def run_rows(
-        self, rows: np.ndarray, fill: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None]
-    ) -> LogitsOutput:
-        """A one-token decode step for request rows [bs] (host) whose inputs live on the
-        device: the rows, padded with row 0 to the bucket, are copied into the static rows and
-        fill(rows, (input_ids, positions, out_cache_loc, seq_lens)) writes the other static
-        inputs from them (e.g. `RowState.decode_inputs`); row 0 reads as token 0 at position
-        0, slot 0, one key, which is exactly the padding."""
-        assert self.tokens_per_req == 1 and 0 < len(rows) <= self.max_bs
-        bs = len(rows)
-        bucket = self.bucket_for(bs)
-        padded = np.concatenate((rows, self._pad["rows"][bs:bucket]))
-        self.staging.upload_into(self.req_pool_indices, [padded])
-        fill(self.req_pool_indices[:bucket], (self.input_ids[:bucket], self.positions[:bucket],
-                                              self.out_cache_loc[:bucket], self.seq_lens[:bucket]))
-        if bucket in self.graphs:
-            self.runner.attn_backend.init_forward_metadata_replay(self._batches[bucket])
-            self.graphs[bucket].replay()
-        else:  # eager on the same buffers
-            lens = None
-            if self.runner.attn_backend.reads_host_lengths:
-                lens = self.seq_lens[:bucket].tolist()  # a device read: the reference path
-            self._forward(self._static_batch(bucket, lens))
         return self._output_views(bs)
 
     def _fill(self, host: HostBatch) -> np.ndarray:

@@ -21,12 +21,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from gpu_worker.attention import create_attention_backend
 from gpu_worker.cuda_graph import CudaGraphRunner
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode, make_batch
+from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.host_batch import HostBatch, Staging
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.layers.layernorm import set_use_triton
@@ -34,7 +33,6 @@ from gpu_worker.layers.rotary import init_cos_sin_caches
 from gpu_worker.models import ArchConfig, build_model, read_arch_config
 from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
-from gpu_worker.row_state import RowState
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
 log = logging.getLogger(__name__)
@@ -266,28 +264,6 @@ class ModelRunner:
         batch = host.to_device(self.device, self.staging)
         if input_ids is not None:
             batch = dataclasses.replace(batch, input_ids=input_ids.long())
-        return self.forward(batch)
-
-    @torch.inference_mode()
-    def decode_rows(
-        self, rows_cpu: np.ndarray, rows: torch.Tensor, state: RowState
-    ) -> LogitsOutput:
-        """A one-token decode step for request rows (rows_cpu on the host, rows [bs] on the
-        device) whose last token and committed length are in `state`: in a CUDA graph when one
-        fits (outputs are views of its static buffers, valid until the next call), else
-        eagerly. The host never reads the lengths unless the backend plans from them."""
-        to_token = self.req_to_token_pool.req_to_token
-        if self.graph_runner is not None and len(rows_cpu) <= self.graph_runner.max_bs:
-            return self.graph_runner.run_rows(
-                rows_cpu, lambda r, out: state.decode_inputs(r, to_token, out)
-            )
-        bs = len(rows_cpu)
-        ids, positions, loc, seq_lens = torch.empty(4, bs, dtype=torch.int64, device=self.device)
-        state.decode_inputs(rows, to_token, (ids, positions, loc, seq_lens))
-        fill = self.attn_backend.cuda_graph_seq_len_fill_value
-        lens_cpu = seq_lens.tolist() if self.attn_backend.reads_host_lengths else [fill] * bs
-        batch = make_batch(ForwardMode.DECODE, ids, positions, loc, rows, lens_cpu, [1] * bs,
-                           seq_lens=seq_lens)  # fmt: skip
         return self.forward(batch)
 
     def run_model(self, batch: ForwardBatch) -> LogitsOutput:

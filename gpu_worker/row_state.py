@@ -46,3 +46,8 @@ class RowState:
         and emitted tokens [n] as their newest."""
         self.prefix_lens[rows] += advance
         self.tokens[rows] = tokens
+
+    def reset_dummy(self) -> None:
+        """Row 0 back to token 0 and length 0, after a step whose padded rows wrote it."""
+        self.tokens[:1].zero_()  # (a slice: `[0] = 0` would copy from the host, not capturable)
+        self.prefix_lens[:1].zero_()

@@ -46,6 +46,19 @@ class StageInput:
     pad: float = 0
 
 
+PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pads to 0
+
+
+class DirectStage:
+    """A stage run as plain calls on the real batch (no padding, no graphs)."""
+
+    def __init__(self, fn: StageFn) -> None:
+        self.fn = fn
+
+    def __call__(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]):
+        return self.fn(len(prefix_cpu), inputs, prefix_cpu)
+
+
 class StageGraph:
     def __init__(
         self,

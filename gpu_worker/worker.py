@@ -30,7 +30,8 @@ import torch
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, RequestStart, StepResult
-from gpu_worker.build import build_models
+from gpu_worker.build import build_models, graph_max_bs
+from gpu_worker.decode_step import DecodeStep
 from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
 from gpu_worker.plan_arrays import PlanArrays, parse_plan
 from gpu_worker.row_state import RowState
@@ -63,6 +64,7 @@ class GPUWorker:
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
         self.rows = RowState(self.max_running_requests + 1, self.device)
+        self.decode_step = DecodeStep(self.runner, self.rows, graph_max_bs(config))
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
@@ -140,14 +142,16 @@ class GPUWorker:
         return Launched(plan_id, copy, pack)
 
     def _launch_decode(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
-        positions = self.rows.prefix_lens[rows] + 1  # where each sampled token will sit
-        out = self.runner.decode_rows(arrays.rows, rows, self.rows)
+        out = self.decode_step(rows)  # commits each row's argmax
         want = bool(self.return_logprob[arrays.rows].any())
-        token_ids, logprobs = self.sampling.sample(
-            out.next_token_logits, rows, positions, want, rows_cpu=arrays.rows
-        )
+        if want or not self.sampling.plain_greedy(arrays.rows):
+            token_ids, logprobs = self.sampling.sample(
+                out.logits, rows, out.positions + 1, want, rows_cpu=arrays.rows
+            )
+            self.decode_step.resample(rows, token_ids)
+        else:
+            token_ids, logprobs = out.tokens, None
         self.sampling.observe(rows, token_ids)
-        self.rows.commit_decode(rows, 1, token_ids)
         copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
         bs = arrays.batch_size
 

@@ -151,11 +151,34 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
       backend=openai; [[ $conc == 1 ]] && backend=native
       if [[ $conc == poisson ]]; then rate=${POISSON_RATE:-32}; n=256; c=256
       else rate=inf; n=$((conc == 1 ? 8 : conc * 2)); c=$conc; fi
+      spy=0; [[ " ${PYSPY_CONC:-64 1} " == *" $conc "* && -n ${PYSPY_S:-} ]] && spy=1 \
+        && n=$((c * 8 > 32 ? c * 8 : 32))
       echo "== $tag overlap $mode concurrency $conc rate $rate"
-      timeout 120 python benchmarks/bench_serving.py --backend $backend --num-prompts $n \
+      timeout 150 python benchmarks/bench_serving.py --backend $backend --num-prompts $n \
         --output-len ${OUTPUT_LEN:-256} --max-concurrency $c --request-rate $rate \
         --dataset-path .device-carry/sharegpt_subset.json --tokenizer $model \
-        --output "$OUT/serve_${tag}_${mode}_c$conc.json" > "$OUT/serve_${tag}_${mode}_c$conc.txt" 2>&1
+        --output "$OUT/serve_${tag}_${mode}_c$conc.json" > "$OUT/serve_${tag}_${mode}_c$conc.txt" 2>&1 &
+      client=$!
+      if [[ $spy == 1 ]]; then
+        # Host profile of every process in steady state (py-spy carried in the wheels): once
+        # half the streams run, where each process's wall time goes; one summary file per run.
+        for _ in $(seq 600); do
+          running=$(curl -s localhost:30000/server_info | python -c "import json, sys
+print(json.load(sys.stdin).get('num_running', 0))" 2>/dev/null)
+          (( ${running:-0} * 2 >= c )) && break; sleep 0.1
+        done
+        sleep 1; spies=()
+        for proc in gpu_worke scheduler detokeniz tokenizer client; do
+          pid=$(pgrep -P $client | head -1); [[ $proc != client ]] && pid=$(pgrep -x aerie-$proc | head -1)
+          $HOME/aerie-site/bin/py-spy record -p $pid -d $PYSPY_S -r 250 -f raw --threads --idle \
+            --nonblocking -o "$OUT/spy_$proc.txt" > /dev/null 2>&1 &
+          spies+=($!)
+        done
+        wait "${spies[@]}"
+        python tools/profile_summary.py --rate 250 --seconds $PYSPY_S "$OUT"/spy_*.txt \
+          > "$OUT/host_profile_${tag}_${mode}_c$conc.txt" 2>&1; rm -f "$OUT"/spy_*.txt
+      fi
+      wait $client
       grep -E "completed|output throughput|ttft_ms|itl_ms|tpot_ms|accept" "$OUT/serve_${tag}_${mode}_c$conc.txt"
     done
     cat "$OUT/idle_${tag}_$mode.json" 2>/dev/null

@@ -40,19 +40,7 @@ from gpu_worker.speculative.target_verify import (
 )
 from gpu_worker.speculative.tree import DraftShape, DraftTree
 from gpu_worker.speculative.verify import VerifyResult, verify_greedy
-from gpu_worker.stage_graph import StageFn, StageGraph, StageInput
-
-PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pads to 0
-
-
-class DirectStage:
-    """A stage run as plain calls on the real batch (no padding, no graphs)."""
-
-    def __init__(self, fn: StageFn) -> None:
-        self.fn = fn
-
-    def __call__(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]):
-        return self.fn(len(prefix_cpu), inputs, prefix_cpu)
+from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 
 
 class SpeculativeWorker:

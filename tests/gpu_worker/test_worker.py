@@ -100,6 +100,34 @@ def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference
     )
 
 
+@pytest.mark.parametrize("graph_max_bs", [0, 4])  # direct, and padded to the bucket
+def test_decode_step_commits_each_rows_own_token(tiny_dirs, graph_max_bs):
+    """The decode step commits the argmax in its stage; a sampled row's newest token must then
+    be the sampled one, every row's length grows by one per step, and the padded rows of a
+    bucket leave the dummy row 0 at token 0 and length 0."""
+    config = make_config(tiny_dirs["llama"]).replace(runner={"cuda_graph_max_bs": graph_max_bs})
+    worker = GPUWorker(config)
+    sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
+    prompts = {1: [5, 17, 99], 2: [200, 1, 64, 3], 3: [8, 8]}
+    sampled = SamplingParams(temperature=1.5, max_new_tokens=8, seed=11)
+    starts = [greedy_start(1, prompts[1]),
+              RequestStart(2, sampled, False, codec.pack_ids(prompts[2])),
+              greedy_start(3, prompts[3])]  # fmt: skip
+    chunks = [sched.chunk(str(r), r, 0, ids, True) for r, ids in prompts.items()]
+    result = worker.execute(extend_plan(1, chunks, starts))
+    newest = dict(zip(prompts, codec.unpack_ids(result.token_ids), strict=True))
+    lengths = {r: len(ids) for r, ids in prompts.items()}
+    for step in range(4):
+        new = [(lengths[r], sched.slots_for(str(r), lengths[r], 1)) for r in prompts]
+        result = worker.execute(decode_plan(2 + step, list(prompts), new))
+        newest = dict(zip(prompts, codec.unpack_ids(result.token_ids), strict=True))
+        for r in prompts:
+            lengths[r] += 1
+            assert int(worker.rows.tokens[r]) == newest[r]
+            assert int(worker.rows.prefix_lens[r]) == lengths[r]
+        assert int(worker.rows.tokens[0]) == 0 and int(worker.rows.prefix_lens[0]) == 0
+
+
 def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, reference_models):
     config = make_config(tiny_dirs["qwen2"], runtime_dir=str(tmp_path))
     scheduler_inbox = Receiver(f"ipc://{tmp_path}/scheduler.sock")
