@@ -118,6 +118,8 @@ if [[ $1 == overlap ]]; then
   # each of CONCURRENCY (1 is the native /generate stream) plus one Poisson run, and the GPU
   # idle share of steps PROFILE_FIRST.. (AERIE_PROFILE_STEPS; they fall in the first, c=64 run).
   # SPEC=EAGLE3 serves with a random 3-step EAGLE-3 chain draft instead of plain decoding.
+  # PYSPY_S=6 (with py-spy among the carried wheels): host profiles of every process for that
+  # many seconds in the runs at PYSPY_CONC (default "64 1"), which then send 8x the requests.
   # carry: .device-carry/wheels .device-carry/smollm2-config .device-carry/sharegpt_subset.json
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-200} python -m pytest \
     tests/gpu_worker/test_cuda.py tests/gpu_worker/test_worker.py tests/gpu_worker/test_cuda_graph.py \
