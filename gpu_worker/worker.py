@@ -64,7 +64,10 @@ class GPUWorker:
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
         self.rows = RowState(self.max_running_requests + 1, self.device)
-        self.decode_step = DecodeStep(self.runner, self.rows, graph_max_bs(config))
+        # Plain decoding only: a speculative iteration runs its own stages.
+        self.decode_step = (
+            DecodeStep(self.runner, self.rows, graph_max_bs(config)) if self.spec is None else None
+        )
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
@@ -142,6 +145,7 @@ class GPUWorker:
         return Launched(plan_id, copy, pack)
 
     def _launch_decode(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
+        assert self.decode_step is not None
         out = self.decode_step(rows)  # commits each row's argmax
         want = bool(self.return_logprob[arrays.rows].any())
         if want or not self.sampling.plain_greedy(arrays.rows):
