@@ -49,10 +49,6 @@ class DecodeStep:
             self.stage = StageGraph("decode step", self._step, {"rows": PER_REQUEST},
                                     graph_max_bs, device, capture)  # fmt: skip
 
-    @property
-    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        return getattr(self.stage, "graphs", {})
-
     def __call__(self, rows: torch.Tensor) -> DecodeOutput:
         """One step for request rows [bs] (on the device)."""
         out = self.stage({"rows": rows}, [0] * rows.numel())
@@ -65,10 +61,9 @@ class DecodeStep:
     def _step(self, bs: int, inputs: dict[str, torch.Tensor], _: list[int]) -> dict:
         rows = inputs["rows"]
         state, backend = self.state, self.runner.attn_backend
-        input_ids = state.tokens[rows]
-        positions = state.prefix_lens[rows]
-        out_cache_loc = self.runner.req_to_token_pool.req_to_token[rows, positions]
-        seq_lens = positions + 1
+        input_ids, positions, out_cache_loc, seq_lens = state.decode_inputs(
+            rows, self.runner.req_to_token_pool.req_to_token
+        )
         if backend.reads_host_lengths:  # the reference backend, never captured
             lens_cpu = seq_lens.tolist()
         else:

@@ -20,16 +20,13 @@ class RowState:
         self.prefix_lens = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def decode_inputs(
-        self, rows: torch.Tensor, req_to_token: torch.Tensor, out: tuple[torch.Tensor, ...]
-    ) -> None:
-        """A one-token decode step's inputs for rows [n] into out = (input_ids, positions,
-        out_cache_loc, seq_lens), each [n] int64: the last token at the committed length, its
-        slot, and the keys it attends (itself included)."""
-        input_ids, positions, out_cache_loc, seq_lens = out
-        torch.index_select(self.tokens, 0, rows, out=input_ids)
-        torch.index_select(self.prefix_lens, 0, rows, out=positions)
-        out_cache_loc.copy_(req_to_token[rows, positions])
-        torch.add(positions, 1, out=seq_lens)
+        self, rows: torch.Tensor, req_to_token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A one-token decode step's inputs for rows [n]: (input_ids, positions, out_cache_loc,
+        seq_lens), each [n] int64: the last token at the committed length, its slot, and the
+        keys it attends (itself included)."""
+        positions = self.prefix_lens[rows]
+        return self.tokens[rows], positions, req_to_token[rows, positions], positions + 1
 
     def commit_extend(
         self, rows: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, sampled: torch.Tensor

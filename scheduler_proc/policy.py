@@ -20,7 +20,7 @@ nothing (the `Scheduler` applies the decision).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from aerie.config import AerieConfig
@@ -139,7 +139,7 @@ class SchedulePolicy:
         """Prefer prefill, but after an extend step run decode if anyone is decoding."""
         return has_prefill and (not has_decode or last_mode != "extend")
 
-    def decode_pages_needed(self, decoding: Sequence[Request], allocator: KVAllocator) -> int:
+    def decode_pages_needed(self, decoding: Iterable[Request], allocator: KVAllocator) -> int:
         return sum(allocator.pages_needed(r.req_pool_idx, self.decode_end(r)) for r in decoding)
 
     def plan_extend(
@@ -209,7 +209,7 @@ class SchedulePolicy:
         those plans' results.
         """
         decoding = {r for r in running if self.is_decoding(r)}
-        need = sum(allocator.pages_needed(r.req_pool_idx, self.decode_end(r)) for r in decoding)
+        need = self.decode_pages_needed(decoding, allocator)
         free_pages = allocator.num_free_pages
         kept = list(running)
         retracted: list[Request] = []

@@ -32,6 +32,9 @@ with open(".device-carry/sharegpt_subset.json", "w") as f:
     json.dump([{"conversations": c} for c in sub], f)
 shutil.copy("../shared/data/mt_bench_questions.jsonl", ".device-carry/")
 PY
+  [[ $? == 0 ]] || exit 1
+  # py-spy for the host profiles of `overlap` with PYSPY_S (installed on the device with the rest).
+  python3 -m pip download -q --no-deps py-spy==0.4.0 -d .device-carry/wheels
   exit $?
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -171,7 +174,8 @@ print(json.load(sys.stdin).get('num_running', 0))" 2>/dev/null)
         done
         sleep 1; spies=()
         for proc in gpu_worke scheduler detokeniz tokenizer client; do
-          pid=$(pgrep -P $client | head -1); [[ $proc != client ]] && pid=$(pgrep -x aerie-$proc | head -1)
+          if [[ $proc == client ]]; then pid=$(pgrep -P $client | head -1)  # under `timeout`
+          else pid=$(pgrep -x aerie-$proc | head -1); fi
           $HOME/aerie-site/bin/py-spy record -p $pid -d $PYSPY_S -r 250 -f raw --threads --idle \
             --nonblocking -o "$OUT/spy_$proc.txt" > /dev/null 2>&1 &
           spies+=($!)

@@ -84,7 +84,7 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
         runner={"attention_backend": "triton", "cuda_graph_max_bs": 4},
     )
     worker = GPUWorker(config)
-    assert worker.decode_step.graphs  # the decode step is captured
+    assert worker.decode_step.stage.graphs  # the decode step is captured
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3)
     start = RequestStart(1, params, True, pack_ids([5, 6, 7]))
     prefill = extend_plan(1, [(1, 0, [5, 6, 7], [1, 2, 3], True)], [start])
