@@ -40,6 +40,70 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 eval "$(bash .device-carry/on_device.sh | grep '^export')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [[ $1 == train ]]; then
+  # The shipped drafts (python3 -m training, docs/drafts.md), trained and measured on the default
+  # model in calls that chain on one warm machine ($HOME persists about 30 s after each call; a
+  # machine is held 30 minutes at most). The model travels in two halves (64 MiB per call), and
+  # with it either the prompt file (`python3 -m training prompts`, then generate here) or an
+  # earlier call's generated data, each split in two (TokenFile.split) into
+  # .device-carry/train_a/{prompts,data}_a.npz and .device-carry/train_b/{prompts,data}_b.npz:
+  #   a: carry .device-carry/wheels .device-carry/model1 .device-carry/train_a .device-carry/on_device.sh
+  #      (SMOKE=1, with .device-carry/smollm2-shape: generation and training speed on random
+  #      weights of the default model's shape meanwhile)
+  #   b: carry .device-carry/model2 .device-carry/train_b .device-carry/on_device.sh; then
+  #      GENERATE_MIN=6 (from prompts) and/or ALGOS="eagle3:9" (algorithm:minutes pairs)
+  #   c, d, ...: carry nothing, ALGOS="mtp:5 eagle:4" (--resume continues a run), BENCH=1
+  # ARGS_<algorithm> go to that algorithm's train command (e.g. ARGS_eagle3="--steps 6").
+  # Each trained draft comes back as $OUT/draft_ALGO.tar.* (15 MB pieces: cat them, untar).
+  # BENCH=1 measures MT-bench (bench_speculative.py) with the drafts trained on this machine
+  # (EAGLE from .device-carry/eagle_draft when carried): BENCH_SHAPES, BENCH_NEW.
+  # NOTE: the shipped drafts under aerie/drafts (53 MB) travel with the working tree and leave
+  # no room for a model half: move them out of the tree for these calls (`git rm -r --cached
+  # aerie/drafts` and a move; undo both after), and carry what a call needs from .device-carry.
+  model=$HOME/smollm2; work=$HOME/train; mkdir -p "$work"
+  for d in .device-carry/train_a .device-carry/train_b; do [[ -d $d ]] && cp $d/* "$work/"; done
+  gguf=$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf
+  [[ -d $model || ! -f $gguf ]] || python tools/convert_gguf.py "$gguf" "$model" >/dev/null
+  if [[ -n ${SMOKE:-} ]]; then
+    shape=.device-carry/smollm2-shape
+    python -m training generate --model $shape --load-format dummy --prompts "$work/prompts_a.npz" \
+      --out "$work/smoke.npz" --max-minutes ${SMOKE_GEN_MIN:-1} --batch-size ${GEN_BS:-256} \
+      --max-new-tokens ${MAX_NEW:-768} 2>&1 | tee "$OUT/smoke_generate.log" | tail -4
+    for algo in ${SMOKE_ALGOS:-eagle3 eagle mtp}; do
+      python -m training train $algo --model $shape --load-format dummy --data "$work/smoke.npz" \
+        --out "$work/smoke_$algo" --max-steps ${SMOKE_STEPS:-40} --log-every 10 2>&1 \
+        | tee "$OUT/smoke_train_$algo.log" | tail -5
+    done
+  fi
+  if [[ ! -d $model ]]; then echo "staged; the model is not assembled yet"; exit 0; fi
+  if [[ ! -f $work/data.npz && -f $work/data_a.npz && -f $work/data_b.npz ]]; then
+    python -c "from training.tokens import TokenFile as T; T.load('$work/data_a.npz,$work/data_b.npz').save('$work/data.npz')"
+  fi
+  if [[ -n ${GENERATE_MIN:-} && ! -f $work/data.npz ]]; then
+    python -m training generate --model "$model" --prompts "$work/prompts_a.npz,$work/prompts_b.npz" \
+      --out "$work/data.npz" --max-minutes "$GENERATE_MIN" --batch-size ${GEN_BS:-256} \
+      --max-new-tokens ${MAX_NEW:-768} 2>&1 | tee "$OUT/generate.log" | grep -v "^generated" | tail -3
+  fi
+  for pair in ${ALGOS:-}; do
+    algo=${pair%%:*}; minutes=${pair##*:}; extra=ARGS_$algo
+    python -m training train "$algo" --model "$model" --data "$work/data.npz" --out "$work/$algo" \
+      --max-minutes "$minutes" --resume ${!extra:-} 2>&1 | tee -a "$OUT/train_$algo.log" | tail -6
+    tar cf - -C "$work/$algo" draft train_log.jsonl | split -b 15M - "$OUT/draft_$algo.tar."
+  done
+  if [[ -n ${BENCH:-} ]]; then
+    drafts=""
+    for pair in EAGLE3=$work/eagle3/draft MTP=$work/mtp/draft EAGLE=$work/eagle/draft \
+                EAGLE=.device-carry/eagle_draft; do
+      [[ -f ${pair#*=}/config.json && $drafts != *${pair%%=*}=* ]] && drafts+="${drafts:+,}$pair"
+    done
+    timeout ${BENCH_S:-540} python benchmarks/bench_speculative.py --model-path "$model" \
+      --draft-path "$drafts" --shapes "${BENCH_SHAPES:-3,1,4 5,1,6 5,4,8 6,8,32 MTP:3,1,4 EAGLE:3,1,4}" \
+      --temperatures 0,0.7 --greedy-only "${BENCH_GREEDY_ONLY:-EAGLE S=3 topk=1 ND=4}" \
+      --prompts .device-carry/mt_bench_questions.jsonl --max-running-requests 1 \
+      --max-new-tokens ${BENCH_NEW:-192} --output "$OUT/bench_mtbench.json" 2>&1 | tee "$OUT/bench.log" | tail -16
+  fi
+  exit 0
+fi
 if [[ $1 == 1 ]]; then
   python -m pytest tests/gpu_worker -q 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
   AERIE_E2E_DEVICE=cuda python -m pytest tests/e2e/test_parity.py -q -k tiny 2>&1 | tail -3 \

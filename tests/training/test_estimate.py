@@ -1,0 +1,188 @@
+"""Training lines up with serving: the drafts the recipes train are the drafts the server runs.
+
+- Every chain a served draft proposes (draft extend, the draft loop's positions and keys, the
+  hidden states fed forward, the MTP windows) is what the training side's unroll predicts
+  after the same prefix when fed its own earlier tokens: checked with random drafts over a
+  random target, where every input moves the argmax.
+- So the offline estimate is the served acceptance: a draft trained here, exported and loaded
+  by the server, accepts in each decode iteration exactly what the teacher-forced unroll,
+  walked like the verifier, predicts.
+
+A misalignment would keep greedy output exact but quietly lose acceptance; these tests are
+what notices it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from aerie.codec import pack_ids, unpack_ids
+from aerie.config import AerieConfig
+from aerie.messages import SamplingParams, TokenizedRequest
+from gpu_worker.worker import GPUWorker
+from scheduler_proc.scheduler import Scheduler
+from tests.engine_loop import drive
+from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+from tests.training.conftest import ALGORITHMS, STEPS, VOCAB, random_prompts
+from training.estimate import chain_runs, walk_rows
+from training.rows import Rows
+from training.target import Target
+from training.tokens import TokenFile
+from training.train import build_recipe
+
+SERVED = {"eagle3": "EAGLE3", "eagle": "EAGLE", "mtp": "MTP"}
+NEW_TOKENS = 40
+
+
+def engine_config(target: str, algorithm: str | None = None, draft: str | None = None,
+                  steps: int = 0) -> AerieConfig:  # fmt: skip
+    """Direct (ungraphed) stages on the CPU reference backend, so spies see every call."""
+    spec = {}
+    if algorithm is not None:
+        spec = {"speculative_algorithm": SERVED[algorithm], "speculative_draft_model_path": draft,
+                "speculative_num_steps": steps, "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": steps + 1}  # fmt: skip
+    return AerieConfig().replace(
+        model={"model_path": target, "tokenizer_path": target, "device": "cpu",
+               "dtype": "float32", "load_format": "safetensors", "context_length": 256},
+        cache={"max_total_tokens": 4096},
+        scheduler={"max_running_requests": 4},
+        speculative=spec,
+        runner={"attention_backend": "torch_native", "cuda_graph_max_bs": 0},
+    )  # fmt: skip
+
+
+def serve(config: AerieConfig, prompts: list[list[int]]) -> tuple[dict, dict]:
+    """Greedy, to NEW_TOKENS each -> (rid -> output ids, rid -> tokens of each verify)."""
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+    accepts = {f"r{i}": [] for i in range(len(prompts))}
+    verify = dict.fromkeys(outputs, 0)
+
+    def collect(plan, result, deltas):
+        for d in deltas.deltas if deltas else []:
+            tokens = unpack_ids(d.token_ids)
+            outputs[d.rid] += tokens
+            if d.spec_verify_ct > verify[d.rid]:
+                accepts[d.rid].append(len(tokens))
+                verify[d.rid] = d.spec_verify_ct
+
+    drive(sched, worker, collect)
+    return outputs, accepts
+
+
+@pytest.fixture(scope="module")
+def random_target(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("random")), "llama", vocab_size=VOCAB,
+                                max_position_embeddings=512)  # fmt: skip
+
+
+def untrained_draft(algorithm: str, target: Target, out: str) -> str:
+    """A draft of random weights, exported like a trained one (EAGLE-3: the first 200 ids).
+    Its matrices are scaled up from the initial N(0, 0.02) so that attention is far from
+    uniform: positions and keys then move the argmax."""
+    data = TokenFile.from_sequences([list(range(VOCAB))], [0])
+    recipe = build_recipe(algorithm, target, data, STEPS[algorithm], seed=3, draft_vocab=200)
+    with torch.no_grad():
+        for p in recipe.parameters():
+            if p.dim() == 2:
+                p.mul_(10.0)
+    recipe.export(out)
+    return out
+
+
+def served_chains(config: AerieConfig, prompt: list[int]) -> tuple[list[int], list[tuple]]:
+    """One greedy request -> (its output, (committed length, chain) of every decode
+    iteration, as the worker's draft proposed it)."""
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
+    chains, propose = [], worker.spec.draft_tree
+
+    def spy(rows, prefix_lens, prefix_cpu, bonus):
+        tree = propose(rows, prefix_lens, prefix_cpu, bonus)
+        tokens = tree.tokens.view(rows.shape[0], -1)[0, 1:].tolist()  # node 0 is the bonus
+        chains.append((int(prefix_lens[0]), tokens))
+        return tree
+
+    worker.spec.draft_tree = spy
+    output = []
+    drive(sched, worker, lambda plan, result, deltas: output.extend(
+        t for d in (deltas.deltas if deltas else []) for t in unpack_ids(d.token_ids)))
+    return output, chains
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_served_chains_are_what_the_training_unroll_predicts(algorithm, random_target, tmp_path):
+    depth = STEPS[algorithm]
+    target = Target(random_target, "cpu", torch.float32)
+    draft = untrained_draft(algorithm, target, str(tmp_path / "draft"))
+    recipe = build_recipe(algorithm, target, None, depth, init_from=draft)
+    recipe.training = False
+    checked = 0
+    for prompt in random_prompts(seed=11, n=2):
+        config = engine_config(random_target, algorithm, draft, depth)
+        output, chains = served_chains(config, prompt)
+        sequence = prompt + output
+        for prefix, chain in chains:
+            if prefix + 1 > len(sequence):
+                continue  # a step past the end, whose tokens were dropped
+            # the chain after position prefix - 1 reads the bonus, then its own tokens
+            ids = torch.tensor([sequence[: prefix + 1] + chain])
+            rows = Rows(ids, torch.tensor([ids.shape[1]]), torch.tensor([len(prompt)]))
+            with torch.no_grad():
+                outs = recipe.unroll(rows, target.run(ids, recipe.aux_layers))
+                at = torch.tensor([prefix - 1])
+                predicted = [int(recipe.predicted_ids(o.logits(at))[0]) for o in outs]
+            assert predicted == chain, f"committed length {prefix}"
+            checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_served_accept_lengths_equal_the_walked_estimate(algorithm, bigram_target, trained):
+    depth, draft = STEPS[algorithm], trained[algorithm]["draft"]
+    prompts = random_prompts(seed=7, n=3)
+    plain, _ = serve(engine_config(bigram_target), prompts)
+    outputs, served = serve(engine_config(bigram_target, algorithm, draft, depth), prompts)
+    assert outputs == plain
+
+    target = Target(bigram_target, "cpu", torch.float32)
+    recipe = build_recipe(algorithm, target, None, depth, init_from=draft)
+    recipe.training = False
+    walked_all = []
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt + plain[f"r{i}"]])
+        rows = Rows(ids, torch.tensor([ids.shape[1]]), torch.tensor([len(prompt)]))
+        with torch.no_grad():
+            agree, _ = recipe.chain_agreement(rows, target.run(ids, recipe.aux_layers))
+        run = chain_runs(agree, depth).reshape(rows.shape).numpy()
+        walked = walk_rows(rows, run, depth)
+        # the last walked iteration may end past the served tokens (its bonus is cut there)
+        assert served[f"r{i}"][: len(walked) - 1] == walked[:-1], f"request {i}"
+        walked_all += walked
+    assert min(walked_all) == 1 and max(walked_all) > 2, "the draft should agree only sometimes"
+
+
+def test_training_raises_the_estimate_over_an_untrained_draft(bigram_target, greedy_data, trained):
+    from training.estimate import estimate_accept_length
+    from training.tokens import TokenFile
+    from training.train import split_indices
+
+    data = TokenFile.load(greedy_data)
+    _, dev = split_indices(data)
+    target = Target(bigram_target, "cpu", torch.float32)
+    for algorithm in ALGORITHMS:
+        untrained = build_recipe(algorithm, target, data, STEPS[algorithm], draft_vocab=200)
+        before = estimate_accept_length(untrained, target, data, dev, 5, 640, 2048)
+        after = trained[algorithm]["result"]
+        assert after["iterations"] > 0
+        assert after["accept_length"] > before["accept_length"] + 0.25, algorithm
+        assert np.all(np.diff(after["per_step"]) <= 0)  # P(accept >= k + 1) falls with k

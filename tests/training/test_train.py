@@ -1,0 +1,132 @@
+"""The training loop: an exported draft is what the server loads, runs resume exactly where
+they stopped, and a resumed run refuses options or data other than its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aerie.config import AerieConfig
+from gpu_worker.worker import GPUWorker
+from tests.training.conftest import STEPS, train_config
+from training.rows import make_rows
+from training.target import Target
+from training.tokens import TokenFile
+from training.train import Trainer, build_recipe
+
+SERVED = {"eagle3": "EAGLE3", "eagle": "EAGLE", "mtp": "MTP"}
+
+
+def exported(draft_dir: str) -> dict[str, torch.Tensor]:
+    import glob
+
+    tensors = {}
+    for path in sorted(glob.glob(f"{draft_dir}/*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def server_draft_modules(target: str, algorithm: str, draft: str) -> list[torch.nn.Module]:
+    config = AerieConfig().replace(
+        model={"model_path": target, "tokenizer_path": target, "device": "cpu",
+               "dtype": "float32", "load_format": "safetensors", "context_length": 256},
+        cache={"max_total_tokens": 1024},
+        speculative={"speculative_algorithm": SERVED[algorithm],
+                     "speculative_draft_model_path": draft,
+                     "speculative_num_steps": STEPS[algorithm], "speculative_eagle_topk": 1,
+                     "speculative_num_draft_tokens": STEPS[algorithm] + 1},
+        runner={"attention_backend": "torch_native"},
+    )  # fmt: skip
+    return [runner.model for runner in GPUWorker(config).draft_runner_list]
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "mtp"])
+def test_the_server_loads_the_trained_draft_and_computes_its_logits(
+    algorithm, bigram_target, greedy_data, tmp_path
+):
+    cfg = train_config(algorithm, bigram_target, greedy_data, str(tmp_path), max_steps=4)
+    trainer = Trainer(cfg)
+    trainer.run()
+    trained = trainer.recipe
+    with torch.no_grad():  # the export is bfloat16: compare with the weights rounded alike
+        for p in trained.parameters():
+            p.copy_(p.bfloat16().float())
+
+    # the server holds exactly the trained weights, under the checkpoint's names
+    draft_dir = str(tmp_path / "draft")
+    served = server_draft_modules(bigram_target, algorithm, draft_dir)
+    assert len(served) == len(trained.modules)
+    for ours, theirs in zip(trained.modules, served, strict=True):
+        mine = {k: v for k, v in ours.state_dict().items()}
+        for name, value in theirs.state_dict().items():
+            assert torch.equal(value.float(), mine[name].float()), name
+    assert exported(draft_dir)  # non-empty, loadable
+
+    # and a draft loaded from the export computes the trained draft's logits at every step
+    loaded = build_recipe(algorithm, trainer.target, None, STEPS[algorithm], init_from=draft_dir)
+    data = TokenFile.load(greedy_data)
+    rows = make_rows(data, trainer.batches[0][:4], cfg.max_len)
+    teacher = trainer.target.run(rows.ids, trained.aux_layers)
+    trained.training = loaded.training = False  # EAGLE's input noise off
+    with torch.no_grad():
+        for a, b in zip(trained.unroll(rows, teacher), loaded.unroll(rows, teacher), strict=True):
+            where = a.learns.nonzero().squeeze(1)
+            torch.testing.assert_close(a.logits(where), b.logits(where), rtol=1e-5, atol=1e-5)
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(bigram_target, greedy_data, tmp_path):
+    """EAGLE draws input noise every step: the random state is resumed with the weights."""
+    whole = train_config("eagle", bigram_target, greedy_data, str(tmp_path / "whole"),
+                         total_steps=8)  # fmt: skip
+    Trainer(whole).run()
+    parts = dataclasses.replace(whole, out=str(tmp_path / "parts"), max_steps=3)
+    first = Trainer(parts).run()
+    assert (first["step"], first["finished"]) == (3, False)
+    second = Trainer(dataclasses.replace(parts, resume=True, max_steps=0)).run()
+    assert (second["step"], second["finished"]) == (8, True)
+    a, b = exported(f"{whole.out}/draft"), exported(f"{parts.out}/draft")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resuming_with_other_options_or_data_is_refused(bigram_target, greedy_data, tmp_path):
+    cfg = train_config("mtp", bigram_target, greedy_data, str(tmp_path), max_steps=1)
+    Trainer(cfg).run()
+    with pytest.raises(ValueError, match="steps=3"):
+        Trainer(dataclasses.replace(cfg, steps=2, resume=True))
+    other = TokenFile.load(greedy_data).select(torch.arange(10).numpy())
+    other.save(str(tmp_path / "other.npz"))
+    with pytest.raises(ValueError, match="other data"):
+        Trainer(dataclasses.replace(cfg, data=str(tmp_path / "other.npz"), resume=True))
+
+
+def test_targets_that_are_drafts_are_refused(trained):
+    with pytest.raises(ValueError, match="holds a draft"):
+        Target(trained["eagle"]["draft"], "cpu", torch.float32)
+
+
+def test_the_command_line_generates_trains_and_estimates(bigram_target, tmp_path, capsys):
+    from tests.training.conftest import random_prompts, write_prompts
+    from training.__main__ import main
+
+    prompts = write_prompts(str(tmp_path / "p.npz"), random_prompts(5, 24), num_dev=4)
+    data, out = str(tmp_path / "d.npz"), str(tmp_path / "run")
+    assert main(["generate", "--model", bigram_target, "--prompts", prompts, "--out", data,
+                 "--batch-size", "8", "--max-new-tokens", "32", "--sampled-per-prompt", "0",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    assert main(["train", "mtp", "--model", bigram_target, "--data", data, "--out", out,
+                 "--steps", "2", "--epochs", "8", "--lr", "3e-3", "--tokens-per-batch", "512",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert trained["finished"] and trained["accept_length"] > 1.2
+    log = [json.loads(line) for line in open(f"{out}/train_log.jsonl")]
+    assert log[-1]["eval"]["accept_length"] == trained["accept_length"]
+    assert main(["estimate", "mtp", "--model", bigram_target, "--draft", f"{out}/draft",
+                 "--data", data, "--steps", "2", "--device", "cpu"]) == 0  # fmt: skip
+    estimate = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert estimate["depth"] == 2 and estimate["accept_length"] > 1.2

@@ -1,0 +1,118 @@
+"""The offline accept estimate: how long a greedy chain of the draft would be accepted, from the
+draft's agreement with the target along the target's own greedy continuations.
+
+On such a sequence the draft's teacher-forced inputs at each step equal what the serving chain
+feeds itself for as long as it is right, so `Recipe.chain_agreement` says, for every position
+t and step s, whether a chain started after a verified prefix ending at t would have its s-th
+token accepted. The estimate walks each sequence the way the verifier does: a decode iteration
+at t accepts 1 + the number of leading agreeing steps (the bonus token included), and the next
+iteration starts that many positions later. On the same sequence and the same weights this
+gives exactly the served accept lengths of batch-1 greedy decoding (a test checks it).
+
+    python3 -m training estimate eagle3 --model DIR --draft DIR --data FILE [--steps 5]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from training.recipes import Recipe
+from training.rows import Rows, length_batches, make_rows
+from training.target import Target
+from training.tokens import TokenFile
+
+
+@dataclass
+class EstimateConfig:
+    algorithm: str  # eagle3 | eagle | mtp
+    model: str
+    draft: str  # an exported draft (what `--speculative-draft-model-path` takes)
+    data: str  # a token file of the target's greedy continuations (`generate`)
+    steps: int = 5  # the chain depth S (MTP: at most the draft's layers)
+    tokens_per_batch: int = 16384
+    max_len: int = 2048
+    device: str = "auto"
+
+
+def walk(run: np.ndarray, first: int, last: int) -> list[int]:
+    """Accept lengths of the iterations a verifier walks through one sequence: an iteration
+    after a prefix ending at t accepts 1 + run[t] tokens (run[t]: the leading chain steps that
+    agree there) and the next one starts after them; the first follows the prompt (first =
+    prompt length - 1), and iterations past `last` (whose chain would run off the sequence)
+    are not walked."""
+    accepts, t = [], first
+    while t <= last:
+        a = 1 + int(run[t])
+        accepts.append(a)
+        t += a
+    return accepts
+
+
+def chain_runs(agree: torch.Tensor, depth: int) -> torch.Tensor:
+    """agree [steps, n] bool -> [n] the number of leading steps (at most depth) that agree."""
+    return agree[:depth].int().cumprod(0).sum(0)
+
+
+@torch.no_grad()
+def estimate_accept_length(
+    recipe: Recipe,
+    target: Target,
+    data: TokenFile,
+    indices: np.ndarray,
+    depth: int,
+    tokens_per_batch: int,
+    max_len: int,
+) -> dict:
+    """The walked greedy chain accept length of `depth` draft steps over the sequences at
+    `indices`, and P(accept length >= k + 1) for k = 1..depth."""
+    depth = min(depth, recipe.steps)
+    recipe.training = False
+    accepts: list[int] = []
+    for batch in length_batches(data, indices, tokens_per_batch, max_len):
+        rows = make_rows(data, batch, max_len).to(target.device)
+        teacher = target.run(rows.ids, recipe.aux_layers)
+        with torch.autocast(target.device.type, torch.bfloat16, target.device.type == "cuda"):
+            agree, _ = recipe.chain_agreement(rows, teacher)
+        run = chain_runs(agree, depth).reshape(rows.shape).cpu().numpy()
+        accepts += walk_rows(rows, run, depth)
+    recipe.training = True
+    counts = np.bincount(np.asarray(accepts, dtype=np.int64), minlength=depth + 2)
+    total = max(len(accepts), 1)
+    at_least = [float(counts[k + 1 :].sum() / total) for k in range(1, depth + 1)]
+    return {"accept_length": float(np.mean(accepts)) if accepts else 0.0, "per_step": at_least,
+            "iterations": len(accepts), "depth": depth}  # fmt: skip
+
+
+def walk_rows(rows: Rows, run: np.ndarray, depth: int) -> list[int]:
+    """The walked accept lengths of every row (run [B, T] from `chain_runs`): a chain after t
+    compares its last step with the token at t + depth + 1, which must exist."""
+    out: list[int] = []
+    for r in range(rows.shape[0]):
+        length, prompt = int(rows.lengths[r]), int(rows.prompt_lens[r])
+        out += walk(run[r], prompt - 1, length - depth - 2)
+    return out
+
+
+def describe_estimate(result: dict) -> str:
+    at_least = " ".join(f"{p:.2f}" for p in result["per_step"])
+    return (f"estimated chain accept length {result['accept_length']:.3f} (S={result['depth']}, "
+            f"P(accept >= k+1) for k=1..S: {at_least}; {result['iterations']} iterations)")
+
+
+def estimate(cfg: EstimateConfig) -> dict:
+    """The estimate of an exported draft over every sequence of a greedy data file."""
+    from training.train import build_recipe, resolve_device
+
+    device = resolve_device(cfg.device)
+    target = Target(cfg.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    data = TokenFile.load(cfg.data)
+    recipe = build_recipe(cfg.algorithm, target, data, cfg.steps, init_from=cfg.draft)
+    indices = np.arange(len(data))
+    greedy = data.extra.get("greedy")
+    if greedy is not None:
+        indices = indices[greedy.astype(bool)]
+    return estimate_accept_length(recipe, target, data, indices, cfg.steps, cfg.tokens_per_batch,
+                                  cfg.max_len)  # fmt: skip

@@ -1,0 +1,81 @@
+"""The MTP recipe: `num_layers` MTP layers in MiMo's layout, all trained in one teacher-forced
+pass. Layer k at position t reads the target's hidden state at t and the token at t + 1 + k,
+and learns the target's distribution at t + 1 + k (it predicts token t + 2 + k), through the
+target's LM head. Exported as a directory the server's `--speculative-algorithm MTP` loads:
+the target's config.json with `num_nextn_predict_layers` and `model.mtp_layers.{k}.*`
+tensors. See `training.recipes`."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.models.config import arch_config_from_dict
+from gpu_worker.models.mimo_mtp import mtp_arch_config
+from training.dense import UnrolledAttention, dense_batch
+from training.recipes import (
+    Recipe,
+    StepOutput,
+    checkpoint_tensors,
+    soft_cross_entropy,
+    teacher_index,
+)
+from training.rows import Rows
+from training.target import Target, TargetOutputs
+
+# Per-layer loss weights for three layers (FastMTP's); other depths decay by the same ratio.
+THREE_LAYER_WEIGHTS = (0.51, 0.31, 0.18)
+
+
+class MTPRecipe(Recipe):
+    name = "mtp"
+
+    def __init__(
+        self, target: Target, steps: int, seed: int, init_from: str | None = None
+    ) -> None:
+        """steps: the number of MTP layers (init_from: MTP layers to start from, at least as
+        many)."""
+        super().__init__(target, steps, seed, init_from)
+        self.config = {**target.config.raw, "num_nextn_predict_layers": steps}
+        arch = arch_config_from_dict(self.config)
+        self.layers = [
+            self._attach(self._build(mtp_arch_config(arch, k), f"MTP layer {k}", mtp_layer=k))
+            for k in range(steps)
+        ]
+        self.modules = self.layers
+
+    def step_weights(self) -> list[float]:
+        if self.steps == len(THREE_LAYER_WEIGHTS):
+            return list(THREE_LAYER_WEIGHTS)
+        ratio = THREE_LAYER_WEIGHTS[1] / THREE_LAYER_WEIGHTS[0]
+        weights = [ratio**k for k in range(self.steps)]
+        return [w / sum(weights) for w in weights]
+
+    def unroll(self, rows: Rows, teacher: TargetOutputs) -> list[StepOutput]:
+        b, t = rows.shape
+        outs = []
+        for k, layer in enumerate(self.layers):
+            shift = k + 1
+            batch = dense_batch(rows.shifted_ids(shift), rows.positions(0),
+                                UnrolledAttention(b, t), teacher.hidden)  # fmt: skip
+            out = layer(batch)  # [B * T, H]
+            outs.append(StepOutput(out, layer.compute_logits, rows.learns(shift).reshape(-1),
+                                   teacher_index(rows, shift)))  # fmt: skip
+        return outs
+
+    def step_loss(
+        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
+        full = teacher.logits.reshape(-1, teacher.logits.shape[-1])[out.teacher_index[where]]
+        return soft_cross_entropy(logits, full)
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for k, layer in enumerate(self.layers):
+            prefix = f"model.mtp_layers.{k}."
+            tensors.update(checkpoint_tensors(
+                layer, self.target.model, lambda n, p=prefix: p + n.removeprefix("block.")
+            ))  # fmt: skip
+        return tensors
+
+    def export_config(self) -> dict:
+        return self.config

@@ -1,0 +1,277 @@
+"""What each kind of draft learns: EAGLE-3, EAGLE (EAGLE-1) and MTP layers in MiMo's layout.
+
+A recipe builds the draft with the server's own module classes (`gpu_worker.models`), runs it
+against the target's teacher signals (`Target.run`) and exports it in the format the server
+loads. Every recipe runs its draft `steps` deep over a batch (`training.rows` says how step s
+lines up) and returns, per step, the draft's logits and the positions that learn; the loss and
+the offline accept estimate are built from those.
+
+- EAGLE-3: step 1 reads the target's aux features, step s > 1 the draft's own hidden state of
+  step s - 1 (training-time test); soft cross-entropy against the target's distribution
+  renormalised over the draft vocabulary, skipped where the target's choice lies outside it.
+- EAGLE: the same unroll over the target's final hidden state (uniform noise added to it),
+  loss = SmoothL1 to the target's next hidden state + 0.1 x soft cross-entropy.
+- MTP: layer k is step k + 1 and always reads the target's hidden state (teacher-forced, no
+  unroll); each layer has its own loss weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.layers.layernorm import set_use_triton
+from gpu_worker.layers.linear import MergedLinear
+from gpu_worker.layers.rotary import init_cos_sin_caches
+from gpu_worker.models.config import ArchConfig
+from gpu_worker.models.registry import build_model
+from gpu_worker.weights import init_dummy_weights, load_weights
+from training.dense import UnrolledAttention, dense_batch
+from training.rows import Rows
+from training.target import MAX_POSITIONS, Target, TargetOutputs
+
+# Target config keys a one-layer Llama draft copies (its shapes, vocabulary and rotary settings).
+_DRAFT_CONFIG_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "vocab_size", "attention_bias",
+)  # fmt: skip
+EXPORT_DTYPE = torch.bfloat16
+MAX_SHARD_BYTES = 15 * 2**20  # each exported file stays under 16 MiB
+
+
+@dataclass
+class StepOutput:
+    """One draft step over a batch. Logits are computed only where needed: `logits(index)`."""
+
+    hidden: torch.Tensor  # [B * T, H] the draft's output (its pass-back hidden)
+    head: Callable[[torch.Tensor], torch.Tensor]  # hidden [m, H] -> logits [m, V_draft] f32
+    learns: torch.Tensor  # [B * T] bool
+    teacher_index: torch.Tensor  # [B * T] flat index of the teacher position u = t + s
+
+    def logits(self, index: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden[index])
+
+
+def draft_config(target_config: dict, architecture: str, **extra) -> dict:
+    """A one-layer Llama-shaped draft config with the target's shapes and vocabulary."""
+    config = {k: target_config[k] for k in _DRAFT_CONFIG_KEYS if target_config.get(k) is not None}
+    heads = target_config["num_attention_heads"]
+    config.setdefault("head_dim", target_config["hidden_size"] // heads)
+    config.update(architectures=[architecture], model_type="llama", num_hidden_layers=1,
+                  hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
+    return {**config, **extra}
+
+
+def teacher_index(rows: Rows, shift: int) -> torch.Tensor:
+    """[B * T] flat index of position t + shift in the same row (clamped inside the row)."""
+    b, t = rows.shape
+    u = rows.positions(shift).clamp(max=t - 1)
+    return (u + torch.arange(b, device=u.device)[:, None] * t).reshape(-1)
+
+
+def unroll_chain(
+    draft: nn.Module, rows: Rows, hidden: torch.Tensor, steps: int
+) -> list[StepOutput]:
+    """A one-layer draft `steps` deep (the training-time test): step 1 at row position t reads
+    ids[t + 1] and `hidden` [B, T, H_in] at t, step s > 1 reads ids[t + s] and the draft's own
+    output of step s - 1, at position t + s - 1, attending to step 1's keys of positions <= t
+    and to its own earlier steps at t (`UnrolledAttention`): the serving draft loop's inputs
+    after a verified prefix ending at t, for as long as its proposals are right."""
+    b, t = rows.shape
+    backend = UnrolledAttention(b, t)
+    outs = []
+    for i in range(steps):
+        shift = i + 1
+        batch = dense_batch(rows.shifted_ids(shift), rows.positions(i), backend, hidden)
+        h = draft(batch)  # [B * T, H]
+        outs.append(StepOutput(h, draft.compute_logits, rows.learns(shift).reshape(-1),
+                               teacher_index(rows, shift)))  # fmt: skip
+        hidden = h.reshape(b, t, -1)
+        backend.next_step()
+    return outs
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """[m, V] each -> [m]: cross-entropy of the draft against the teacher's distribution."""
+    return -(F.softmax(teacher_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+
+
+class Recipe:
+    """Base: a draft module (or several), trained `steps` deep against a target."""
+
+    name = "?"
+
+    def __init__(self, target: Target, steps: int, seed: int, init_from: str | None = None) -> None:
+        """init_from: an exported draft of this kind to start from (its weights, config and,
+        for EAGLE-3, its vocabulary); None starts from random weights."""
+        self.target, self.steps, self.seed, self.init_from = target, steps, seed, init_from
+        self.device = target.device
+
+    # ------------------------------------------------------------------ subclasses provide
+    modules: list[nn.Module]
+    aux_layers: list[int] = []
+
+    def unroll(self, rows: Rows, teacher: TargetOutputs) -> list[StepOutput]:
+        raise NotImplementedError
+
+    def step_loss(
+        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """[m] loss at the learning positions `where` [m] of one step, whose draft logits
+        are `logits` [m, V_draft]."""
+        raise NotImplementedError
+
+    def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, V_draft] -> target token ids [n]."""
+        return logits.argmax(-1)
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def export_config(self) -> dict:
+        raise NotImplementedError
+
+    def step_weights(self) -> list[float]:
+        return [1.0] * self.steps
+
+    # ------------------------------------------------------------------ shared
+    training = True  # EAGLE's input noise is on while training, off for the estimate
+
+    def _build(self, config: ArchConfig, what: str | None = None, **options) -> nn.Module:
+        """A draft module of `config`, float32, loaded from `init_from` or randomly initialised
+        (matrices N(0, 0.02), norms 1), before `attach_target`. what: the module, in errors."""
+        module = build_model(config, self.device, torch.float32, **options)
+        if self.init_from is None:
+            init_dummy_weights(module, self.seed)
+        else:
+            load_weights(module, self.init_from, what)
+        return module
+
+    def _init_config(self) -> dict:
+        """config.json of `init_from`."""
+        assert self.init_from is not None
+        with open(os.path.join(self.init_from, "config.json")) as f:
+            return json.load(f)
+
+    def _attach(self, module: nn.Module) -> nn.Module:
+        """Share the target's modules (frozen), make the draft's own weights trainable."""
+        module.attach_target(self.target.model)
+        init_cos_sin_caches(module, MAX_POSITIONS, self.device)
+        set_use_triton(module, False)
+        shared = {id(p) for p in self.target.model.parameters()}
+        for p in module.parameters():
+            p.requires_grad_(id(p) not in shared and p.is_floating_point())
+        return module
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters() if p.requires_grad]
+
+    def losses(self, rows: Rows, teacher: TargetOutputs) -> tuple[torch.Tensor, dict]:
+        """The weighted loss over all steps, and per-step loss and accuracy (the draft's
+        choice equals the target's)."""
+        total = torch.zeros((), device=self.device)
+        per_step = torch.zeros(2, self.steps, device=self.device)  # loss, accuracy
+        target_choice = teacher.logits.reshape(-1, teacher.logits.shape[-1]).argmax(-1)
+        outs = self.unroll(rows, teacher)
+        for s, (out, weight) in enumerate(zip(outs, self.step_weights(), strict=True)):
+            where = out.learns.nonzero().squeeze(1)
+            if where.numel() == 0:
+                continue
+            logits = out.logits(where)  # [m, V_draft]
+            loss = self.step_loss(out, teacher, where, logits).mean()  # over the m positions
+            total = total + weight * loss
+            chosen = self.predicted_ids(logits.detach())
+            per_step[0, s] = loss.detach()
+            per_step[1, s] = (chosen == target_choice[out.teacher_index[where]]).float().mean()
+        loss_per_step, acc = per_step.tolist()  # one synchronisation
+        return total, {"loss": loss_per_step, "acc": acc}
+
+    @torch.no_grad()
+    def chain_agreement(
+        self, rows: Rows, teacher: TargetOutputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (agree [steps, B * T] bool: at each step the draft picks the target's greedy
+        token, whole [B * T] bool: positions where every step learns, i.e. a whole chain
+        from a verified prefix ending at t).
+        On the target's own greedy continuations the teacher-forced inputs are what the
+        serving chain would feed while it is right, so walking these gives the chain's
+        accept length."""
+        outs = self.unroll(rows, teacher)
+        target_choice = teacher.logits.reshape(-1, teacher.logits.shape[-1]).argmax(-1)
+        whole = torch.stack([o.learns for o in outs]).all(0)
+        where = whole.nonzero().squeeze(1)
+        agree = torch.zeros(len(outs), whole.numel(), dtype=torch.bool, device=whole.device)
+        for s, o in enumerate(outs):
+            chosen = self.predicted_ids(o.logits(where))
+            agree[s, where] = chosen == target_choice[o.teacher_index[where]]
+        return agree, whole
+
+    def export(self, out_dir: str) -> None:
+        """Write config.json and bf16 safetensors (sharded under 16 MiB per file) that the
+        server loads as `--speculative-draft-model-path out_dir`."""
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        tensors = {
+            k: (v.to(EXPORT_DTYPE) if v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in self.export_tensors().items()
+        }
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name in sorted(tensors):
+            nbytes = tensors[name].numel() * tensors[name].element_size()
+            if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensors[name]
+            size += nbytes
+        for old in os.listdir(out_dir):
+            if old.endswith(".safetensors") or old.endswith(".index.json"):
+                os.remove(os.path.join(out_dir, old))
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(out_dir, file), {"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, file))
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(self.export_config(), f, indent=2)
+
+
+def checkpoint_tensors(module: nn.Module, target: nn.Module, rename=lambda n: n) -> dict:
+    """module's own tensors under checkpoint names: merged projections split back into their
+    Hugging Face shards (q/k/v, gate/up), the target's shared modules left out."""
+    shared = {id(p) for p in target.parameters()}
+    merged = {path: m for path, m in module.named_modules() if isinstance(m, MergedLinear)}
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        if id(param) in shared:
+            continue
+        parent, _, kind = name.rpartition(".")
+        if parent in merged:
+            grand = parent.rpartition(".")[0]
+            for shard, (start, rows) in merged[parent].shard_rows.items():
+                out[rename(f"{grand}.{shard}.{kind}" if grand else f"{shard}.{kind}")] = (
+                    param[start : start + rows]
+                )
+            continue
+        out[rename(name)] = param
+    return out
+
+
+def draft_vocabulary(token_counts: np.ndarray, size: int) -> np.ndarray:
+    """The `size` most frequent token ids (ties: lower id first), sorted by id."""
+    order = np.lexsort((np.arange(len(token_counts)), -token_counts))
+    return np.sort(order[:size])

@@ -1,0 +1,89 @@
+"""Training rows: a padded batch of sequences, and which positions a draft step learns from.
+
+Every recipe lines its draft up the same way. At draft step s (1-based; an MTP layer k is step
+k + 1) the draft's row position t reads the token ids[t + s] and learns the target's next-token
+distribution at position u = t + s, i.e. it predicts ids[u + 1]. A position counts when that
+predicted token is a response token that exists: prompt_len <= u + 1 <= length - 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from training.tokens import TokenFile
+
+# Rows are padded to a multiple of this (fewer distinct shapes, kinder to the kernels).
+PAD_MULTIPLE = 64
+
+
+@dataclass
+class Rows:
+    ids: torch.Tensor  # [B, T] int64, padded with 0
+    lengths: torch.Tensor  # [B] int64
+    prompt_lens: torch.Tensor  # [B] int64
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.ids.shape)  # type: ignore[return-value]
+
+    def positions(self, offset: int = 0) -> torch.Tensor:
+        """[B, T] position t + offset of every row position."""
+        b, t = self.shape
+        return (torch.arange(t, device=self.ids.device) + offset).expand(b, t)
+
+    def shifted_ids(self, shift: int) -> torch.Tensor:
+        """[B, T]: ids[t + shift] (0 past the end)."""
+        out = torch.zeros_like(self.ids)
+        out[:, : self.ids.shape[1] - shift] = self.ids[:, shift:]
+        return out
+
+    def learns(self, shift: int) -> torch.Tensor:
+        """[B, T] bool: row position t learns at draft step `shift` (see the module docstring)."""
+        predicted = self.positions(shift + 1)  # u + 1
+        return (predicted >= self.prompt_lens[:, None]) & (predicted <= self.lengths[:, None] - 1)
+
+    def to(self, device: torch.device) -> Rows:
+        return Rows(self.ids.to(device), self.lengths.to(device), self.prompt_lens.to(device))
+
+
+def make_rows(data: TokenFile, indices: np.ndarray, max_len: int) -> Rows:
+    """The sequences at `indices`, cut to max_len and right-padded to a PAD_MULTIPLE."""
+    seqs = [data.sequence(int(i))[:max_len] for i in indices]
+    width = -(-max(len(s) for s in seqs) // PAD_MULTIPLE) * PAD_MULTIPLE
+    ids = np.zeros((len(seqs), width), dtype=np.int64)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = s
+    lengths = torch.tensor([len(s) for s in seqs])
+    prompt = torch.minimum(torch.from_numpy(data.prompt_lens[indices].astype(np.int64)), lengths)
+    return Rows(torch.from_numpy(ids), lengths, prompt)
+
+
+def length_batches(
+    data: TokenFile, indices: np.ndarray, tokens_per_batch: int, max_len: int
+) -> list[np.ndarray]:
+    """Split `indices` into batches of similar length whose padded size (rows x longest row)
+    stays within tokens_per_batch (one long row may exceed it alone)."""
+    lengths = np.minimum(data.lengths[indices], max_len)
+    order = indices[np.argsort(lengths, kind="stable")]
+    batches, current, longest = [], [], 0
+    for i in order:
+        n = min(int(data.lengths[i]), max_len)
+        if current and max(longest, n) * (len(current) + 1) > tokens_per_batch:
+            batches.append(np.array(current))
+            current, longest = [], 0
+        current.append(int(i))
+        longest = max(longest, n)
+    if current:
+        batches.append(np.array(current))
+    return batches
+
+
+def epoch_order(batches: list[np.ndarray], epoch: int, seed: int) -> Iterator[np.ndarray]:
+    """The batches in a shuffled order fixed by (seed, epoch), so a resumed run sees the same."""
+    rng = np.random.default_rng([seed, epoch])
+    for k in rng.permutation(len(batches)):
+        yield batches[k]

@@ -1,0 +1,68 @@
+"""The target model on the training side: the server's own model class and weight loader, run
+densely (`training.dense`) to give a draft its teacher signals.
+
+`Target.run(ids)` returns, for every position of [B, T] token rows: the hidden state after the
+final norm (EAGLE and MTP features), the EAGLE-3 aux features (the residual stream entering
+the configured layers) and the logits. Frozen: no gradients ever flow into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.layers.layernorm import set_use_triton
+from gpu_worker.layers.rotary import init_cos_sin_caches
+from gpu_worker.models.config import ArchConfig, read_arch_config
+from gpu_worker.models.registry import build_model, is_draft_architecture
+from gpu_worker.weights import init_dummy_weights, load_weights
+from training.dense import UnrolledAttention, dense_batch
+
+# Positions the rotary caches cover: the longest training row plus the deepest unroll.
+MAX_POSITIONS = 8192
+
+
+@dataclass
+class TargetOutputs:
+    hidden: torch.Tensor  # [B, T, H] after the final norm
+    aux: torch.Tensor | None  # [B, T, len(aux_layers) * H]
+    logits: torch.Tensor  # [B, T, V] float32
+
+
+class Target:
+    def __init__(
+        self,
+        model_dir: str,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        load_format: str = "auto",
+    ) -> None:
+        """load_format "dummy": random weights from config.json (to measure the tool's speed)."""
+        self.model_dir = model_dir
+        self.device, self.dtype = torch.device(device), dtype
+        self.config: ArchConfig = read_arch_config(model_dir)
+        if is_draft_architecture(self.config.architecture):
+            raise ValueError(
+                f"{model_dir!r} holds a draft ({self.config.architecture}), not a target"
+            )
+        self.model = build_model(self.config, self.device, dtype)
+        if load_format == "dummy":
+            init_dummy_weights(self.model, seed=0)
+        else:
+            load_weights(self.model, model_dir)
+        init_cos_sin_caches(self.model, MAX_POSITIONS, self.device)
+        set_use_triton(self.model, False)  # the torch references: plain autograd-able ops
+
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, aux_layers: Sequence[int] = ()) -> TargetOutputs:
+        """ids [B, T] int64 on the device -> hidden, aux and logits of every position."""
+        b, t = ids.shape
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+        batch = dense_batch(ids, positions, UnrolledAttention(b, t))
+        hidden, aux = self.model.model(batch, list(aux_layers))
+        logits = self.model.compute_logits(hidden)
+        shape = (b, t, -1)
+        aux = None if aux is None else aux.reshape(shape)
+        return TargetOutputs(hidden.reshape(shape), aux, logits.reshape(shape))
