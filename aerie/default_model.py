@@ -9,6 +9,10 @@ dequantizes it to float32 safetensors under `$AERIE_CACHE/models/SmolLM2-135M-In
 conversion is never taken for a finished one. Later calls return at once.
 
 `convert_gguf_to_hf` is the general Llama GGUF → HF converter behind it (tools/convert_gguf.py).
+
+The drafts trained for it with `python3 -m training` ship in the package
+(`aerie/drafts/SmolLM2-135M-Instruct/{eagle3,eagle,mtp}`, see docs/drafts.md); `shipped_draft`
+finds the one for a speculative algorithm.
 Heavy imports (gguf, transformers) happen only when converting; torch is never imported.
 """
 
@@ -55,6 +59,24 @@ _GLOBAL_NAMES = {
 }
 
 
+SHIPPED_DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts",
+                                  DEFAULT_MODEL_NAME)  # fmt: skip
+SHIPPED_DRAFT_NAMES = {"EAGLE3": "eagle3", "EAGLE": "eagle", "MTP": "mtp"}
+
+
+def shipped_draft(algorithm: str) -> str | None:
+    """The default model's shipped draft for EAGLE3 / EAGLE / MTP, or None when this install
+    has none for it."""
+    name = SHIPPED_DRAFT_NAMES.get(algorithm)
+    path = os.path.join(SHIPPED_DRAFTS_DIR, name) if name else None
+    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def default_model_dir(cache_dir: str | None = None) -> str:
+    """Where the converted default model lives (whether or not it is converted yet)."""
+    return os.path.join(aerie_cache_dir(cache_dir), "models", DEFAULT_MODEL_NAME)
+
+
 class DefaultModelError(RuntimeError):
     """The default model cannot be found, fetched or converted; the message says what to do."""
 
@@ -71,7 +93,7 @@ def ensure_default_model(cache_dir: str | None = None) -> str:
     Raises DefaultModelError when the GGUF can be neither found nor downloaded.
     """
     root = aerie_cache_dir(cache_dir)
-    model_dir = os.path.join(root, "models", DEFAULT_MODEL_NAME)
+    model_dir = default_model_dir(cache_dir)
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir
     gguf_path = find_default_gguf(root)

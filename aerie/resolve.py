@@ -139,6 +139,34 @@ def _num_mtp_layers(path: str) -> int:
         return int(json.load(f).get("num_nextn_predict_layers") or 0)
 
 
+def _is_default_model(model_path: str | None) -> bool:
+    """No --model-path, or the converted default model's own directory."""
+    from aerie.default_model import default_model_dir
+
+    if model_path is None:
+        return True
+    default = default_model_dir()
+    return os.path.isdir(default) and os.path.samefile(model_path, default)
+
+
+def _draft_path(spec: SpeculativeConfig, model_path: str | None) -> str | None:
+    """--speculative-draft-model-path, else the default model's shipped draft when it is the
+    model served (for MTP the target checkpoint may hold the layers itself)."""
+    from aerie.default_model import SHIPPED_DRAFT_NAMES, shipped_draft
+
+    if spec.speculative_draft_model_path is not None:
+        return os.path.abspath(os.path.expanduser(spec.speculative_draft_model_path))
+    if spec.speculative_algorithm not in SHIPPED_DRAFT_NAMES or not _is_default_model(model_path):
+        return None
+    path = shipped_draft(spec.speculative_algorithm or "")
+    if path is None:
+        raise ConfigError(
+            f"this install ships no {spec.speculative_algorithm} draft for the default model: "
+            "pass --speculative-draft-model-path (train one with `python3 -m training`)"
+        )
+    return path
+
+
 def _resolve_mtp(spec: SpeculativeConfig, model_path: str) -> SpeculativeConfig:
     """MTP: a chain (topk 1, ND = S+1) of S <= the number of MTP layers, found in the draft
     directory when given, else in the target checkpoint."""
@@ -211,7 +239,6 @@ def _resolve_speculative(spec: SpeculativeConfig, model_path: str) -> Speculativ
         raise ConfigError(
             f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path"
         )
-    path = os.path.abspath(os.path.expanduser(path))
     architecture = read_model_info(path).architecture
     if architecture != DRAFT_ARCHITECTURES[algorithm]:
         raise ConfigError(
@@ -231,7 +258,11 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
     """A new config with every auto value resolved (see module docstring)."""
     _validate(config)
     model_path = _resolve_model_path(config.model.model_path)
-    speculative = _resolve_speculative(config.speculative, model_path)
+    speculative = config.speculative
+    if speculative.speculative_algorithm is not None:
+        draft = _draft_path(speculative, config.model.model_path and model_path)
+        speculative = dataclasses.replace(speculative, speculative_draft_model_path=draft)
+    speculative = _resolve_speculative(speculative, model_path)
     info = read_model_info(model_path)
     device = resolve_device(config.model.device)
     context_length = config.model.context_length or info.max_position_embeddings
