@@ -1,9 +1,17 @@
-"""Speculative decoding speed: the cost of one iteration, and batch-1 decode on MT-bench.
+"""Speculative decoding speed: MT-bench served at batch 1, and the cost of one iteration.
 
+    python benchmarks/bench_speculative.py [--model-path DIR] [--algorithm EAGLE3]
+        [--draft-path DIR] [--shapes "3,1,4 5,1,6 5,4,8 6,8,32"] [--temperatures 0,0.7]
     python benchmarks/bench_speculative.py --mode iteration --model-path DIR --load-format dummy
         [--algorithm EAGLE3] [--shapes "1,1,2 3,1,4 5,1,6 5,4,8 6,8,32"] [--batch-sizes 1,32]
-    python benchmarks/bench_speculative.py --model-path DIR [--load-format dummy]
-        [--algorithm EAGLE] [--draft-path DIR] [--shapes "3,1,4 5,4,8"]
+
+--mode requests (the default; `spec_requests.py`): the MT-bench questions (all 80 by default)
+served one at a time by the launched server's engine (configuration resolved as `launch.py`
+does, overlap schedule), plain and with each speculative shape (S,topk,ND), at each
+temperature: decode tokens/s, the accept length, the acceptance per draft position and the
+speedup over plain decoding in the same run. Without --model-path the default model is served,
+and without --draft-path its shipped draft; with --load-format dummy a draft of the right
+architecture with random weights is used (mechanics only: its accept length is about 1).
 
 --mode iteration: the cost of one speculative iteration (draft, verify, accept, draft extend;
 graphed on CUDA) in units of one plain graphed decode step of the same batch, both timed as
@@ -14,14 +22,6 @@ runs twice: with the random draft (accept length about 1), then with a construct
 always-agreeing draft (the target's final norm zeroed, so its argmax is token 0, and the draft's
 proposals mapped to token 0: every draft is accepted), which gives decode tokens/s at full
 acceptance against plain decoding's.
-
-The engine runs in process (the real `Scheduler` core driving the real `GPUWorker`, no sockets),
-one request at a time: first plain decoding, then each speculative shape given by --shapes
-(e.g. "3,1,4 5,4,8" = S,topk,ND). For each it reports decode tokens/s (tokens after the first,
-over the time after prefill), the accept length (tokens per verify step, bonus included) and
-the speedup over plain decoding in the same run. Without --draft-path a draft of the right
-architecture with random weights is used (mechanics only: its accept length is about 1); for
-MTP the target's config gets `num_nextn_predict_layers` random layers.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from aerie.resolve import (  # noqa: E402
     resolve_device,
     resolve_dtype,
 )
+from benchmarks.spec_requests import Engine, run, served_config, sync  # noqa: E402
 from gpu_worker.worker import GPUWorker  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
@@ -98,46 +99,6 @@ def make_config(args, shape: tuple[int, int, int] | None, draft_dir: str | None)
         runner={"attention_backend": resolve_attention_backend(args.attention_backend,
                                                                args.device)},
     )
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def run_one(worker: GPUWorker, sched: Scheduler, prompt: list[int], max_new: int, device: str):
-    """Serve one request; returns (decode tokens, decode seconds, verify steps)."""
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    sched.add_request(TokenizedRequest("bench", pack_ids(prompt), params))
-    tokens, verify, decode_start = 0, 0, None
-    while sched.has_work():
-        plan = sched.next_plan()
-        if plan.mode == "decode" and decode_start is None:
-            sync(device)
-            decode_start = time.perf_counter()
-        result = worker.execute(plan)
-        if plan.mode == "decode":
-            tokens += sum(unpack_ids(result.num_tokens))
-            verify += sum(unpack_ids(result.num_verify))
-        sched.apply_result(plan, result)
-    sync(device)
-    return tokens, time.perf_counter() - (decode_start or time.perf_counter()), verify
-
-
-def measure(args, prompts, shape, draft_dir) -> dict:
-    config = make_config(args, shape, draft_dir)
-    worker = GPUWorker(config)
-    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
-    run_one(worker, sched, prompts[0], 8, args.device)  # warm-up
-    tokens = seconds = verify = 0
-    for prompt in prompts:
-        t, s, v = run_one(worker, sched, prompt, args.max_new_tokens, args.device)
-        tokens, seconds, verify = tokens + t, seconds + s, verify + v
-    name = "plain"
-    if shape is not None:
-        name = f"{args.algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"
-    return {"mode": name, "decode_tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "accept_length": tokens / verify if verify else None}
 
 
 # ------------------------------------------------------------------------------ --mode iteration
@@ -327,15 +288,24 @@ def print_iterations(args, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--model-path", default=None, help="default: the default model")
     parser.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
-    parser.add_argument("--algorithm", default="EAGLE", choices=(*DRAFT_ARCHITECTURES, "MTP"))
-    parser.add_argument("--draft-path", help="draft checkpoint (default: random weights)")
-    parser.add_argument("--shapes", default="3,1,4 5,4,8", help="S,topk,ND triples")
+    parser.add_argument("--algorithm", default="EAGLE3", choices=(*DRAFT_ARCHITECTURES, "MTP"))
+    parser.add_argument("--draft-path", help="draft checkpoint, or ALGO=DIR pairs separated by "
+                        "commas (default: the default model's shipped drafts; random weights "
+                        "with --load-format dummy)")
+    parser.add_argument("--shapes", default="3,1,4 5,1,6 5,4,8 6,8,32",
+                        help="S,topk,ND triples, each optionally prefixed ALGO: (requests mode)")
     parser.add_argument("--prompts", default=os.path.join(
         os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl"))
-    parser.add_argument("--num-prompts", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=80)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperatures", default="0", help="--mode requests: e.g. 0,0.7")
+    parser.add_argument("--greedy-only", default="",
+                        help="--mode requests: modes (as printed, comma-separated) run at "
+                        "temperature 0 only")
+    parser.add_argument("--max-running-requests", type=int, default=8,
+                        help="--mode requests: the server's request rows (and graph buckets)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto",
@@ -354,36 +324,107 @@ def main(argv: list[str] | None = None) -> None:
     args.device = resolve_device(args.device)
     args.dtype = resolve_dtype(args.dtype, args.device)
     draft_dir = args.draft_path
-    if draft_dir is None:
-        if args.load_format != "dummy":
-            parser.error("without --draft-path the random draft needs --load-format dummy")
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split()]
-    if draft_dir is None:
+    shapes = [shape for _, shape in parse_shapes(args.shapes, args.algorithm)]
+    if draft_dir is None and args.load_format == "dummy":
+        if args.model_path is None:
+            parser.error("--load-format dummy needs --model-path (a config.json to shape it)")
         layers = max(shape[0] for shape in shapes)
         draft_dir = write_random_draft_config(
             args.model_path, args.algorithm, tempfile.mkdtemp(), layers
         )
     if args.mode == "iteration":
+        if draft_dir is None or args.model_path is None:
+            parser.error("--mode iteration needs --model-path, and --draft-path or "
+                         "--load-format dummy")
         rows = measure_iterations(args, shapes, draft_dir)
         print_iterations(args, rows)
         if args.output:
             with open(args.output, "w") as f:
                 json.dump({"command": " ".join(sys.argv), "results": rows}, f, indent=1)
         return
-    prompts = load_prompts(args.prompts, args.model_path, args.num_prompts)
-    results = [measure(args, prompts, None, None)]
-    results += [measure(args, prompts, shape, draft_dir) for shape in shapes]
-    base = results[0]["tokens_per_s"]
-    print(f"{len(prompts)} MT-bench prompts, batch 1, {args.max_new_tokens} new tokens, "
-          f"{args.device} {args.dtype}, draft {'random' if args.draft_path is None else draft_dir}")
-    print(f"{'mode':34s} {'tok/s':>9s} {'accept len':>11s} {'speedup':>8s}")
-    for r in results:
-        accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
-        print(f"{r['mode']:34s} {r['tokens_per_s']:9.1f} {accept:>11s} "
-              f"{r['tokens_per_s'] / base:7.2f}x")
+    drafts = parse_drafts(args.draft_path, args.algorithm)
+    if args.load_format == "dummy":
+        drafts = {args.algorithm: draft_dir}
+    run_requests(args, parse_shapes(args.shapes, args.algorithm), drafts)
+
+
+def parse_drafts(text: str | None, algorithm: str) -> dict[str, str | None]:
+    """--draft-path: one directory (for --algorithm) or ALGO=DIR pairs separated by commas."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return {algorithm: text}
+    return dict(pair.split("=", 1) for pair in text.split(","))
+
+
+def parse_shapes(text: str, algorithm: str) -> list[tuple[str, tuple[int, int, int]]]:
+    """--shapes: S,topk,ND triples, each optionally prefixed ALGO: (default --algorithm)."""
+    out = []
+    for item in text.split():
+        name, _, triple = item.rpartition(":")
+        out.append((name or algorithm, tuple(int(x) for x in triple.split(","))))
+    return out  # type: ignore[return-value]
+
+
+def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
+                 drafts: dict[str, str | None]) -> None:  # fmt: skip
+    """--mode requests: each configuration once, every temperature on its engine."""
+    import gc
+
+    base = AerieConfig().replace(
+        model={"model_path": args.model_path, "device": args.device, "dtype": args.dtype,
+               "load_format": args.load_format},
+        cache={"max_total_tokens": 65536},
+        runner={"attention_backend": args.attention_backend},
+    )  # fmt: skip
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    results, plain_tps, used = [], {}, {}
+    for algorithm, shape in [(None, None), *shapes]:
+        spec = {}
+        if shape is not None:
+            spec = {"speculative_algorithm": algorithm, "speculative_draft_model_path":
+                    drafts.get(algorithm), "speculative_num_steps": shape[0],
+                    "speculative_eagle_topk": shape[1],
+                    "speculative_num_draft_tokens": shape[2]}  # fmt: skip
+        engine = Engine(served_config(base, spec, args.max_running_requests))
+        prompts = load_prompts(args.prompts, engine.config.model.tokenizer_path, args.num_prompts)
+        name = "plain"
+        if shape is not None:
+            name = f"{algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"
+        for temperature in temperatures:
+            if temperature > 0 and name in args.greedy_only.split(","):
+                continue
+            summary = run(engine, prompts, name, temperature, args.max_new_tokens).summary(
+                0 if shape is None else shape[0]
+            )
+            if shape is None:
+                plain_tps[temperature] = summary["tokens_per_s"]
+            summary["speedup"] = summary["tokens_per_s"] / plain_tps[temperature]
+            results.append(summary)
+            print(json.dumps(summary), flush=True)
+        if algorithm is not None:
+            used[algorithm] = engine.config.speculative.speculative_draft_model_path
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print_requests(args, results, len(prompts), used)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)
+            json.dump({"command": " ".join(sys.argv), "drafts": used, "results": results}, f,
+                      indent=1)
+
+
+def print_requests(args, results: list[dict], num_prompts: int, drafts: dict) -> None:
+    print(f"{num_prompts} MT-bench questions, batch 1, up to {args.max_new_tokens} new tokens, "
+          f"{args.device} {args.dtype}, drafts {drafts}")
+    print(f"{'mode':32s} {'temp':>4s} {'tok/s':>8s} {'accept':>7s} {'speedup':>8s}  "
+          "P(accept >= k+1), k = 1..S")
+    for r in results:
+        accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+        per = " ".join(f"{p:.2f}" for p in r["accept_per_position"] or [])
+        print(f"{r['mode']:32s} {r['temperature']:4.1f} {r['tokens_per_s']:8.1f} {accept:>7s} "
+              f"{r['speedup']:7.2f}x  {per}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""bench_speculative runs end to end on CPU (tiny random target, random EAGLE and MTP drafts)."""
+"""bench_speculative runs end to end on CPU: MT-bench-style requests through the launched
+server's engine (tiny random target with random EAGLE and MTP drafts; a bigram target with a
+draft that always agrees), and the iteration cost."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 
 from benchmarks import bench_speculative
 from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+from tests.gpu_worker.draft_checkpoints import make_agreeing_eagle_draft, make_bigram_target
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
 
@@ -26,9 +29,29 @@ def test_bench_speculative_reports_plain_and_speculative_rows(tmp_path, algorith
     ])
     results = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in results] == ["plain", f"{algorithm} S=2 topk=1 ND=3"]
-    # 2 prompts x 5 decode tokens (the first of 6 comes from prefill) in both modes
-    assert [r["decode_tokens"] for r in results] == [10, 10]
+    # the same greedy tokens after each first one (which comes from prefill), at most 5 each
+    assert results[0]["decode_tokens"] == results[1]["decode_tokens"] <= 10
     assert 1.0 <= results[1]["accept_length"] <= 3.0
+    assert results[0]["accept_length"] is None and results[0]["speedup"] == 1.0
+
+
+def test_a_draft_that_always_agrees_is_accepted_at_every_position(tmp_path):
+    """Accounting: S + 1 tokens per verify and every draft position accepted (13 new tokens:
+    the first from prefill, then 3 iterations of 4)."""
+    target = make_bigram_target(str(tmp_path / "bigram"), max_position_embeddings=512)
+    make_tiny_tokenizer(target)
+    draft = make_agreeing_eagle_draft(str(tmp_path / "agreeing"), target)
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("Hello?", "Why not?")))
+    out = tmp_path / "result.json"
+    bench_speculative.main([
+        "--model-path", target, "--algorithm", "EAGLE", "--draft-path", draft,
+        "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "13",
+        "--shapes", "3,1,4", "--temperatures", "0", "--device", "cpu", "--output", str(out),
+    ])  # fmt: skip
+    plain, spec = json.loads(out.read_text())["results"]
+    assert spec["decode_tokens"] == plain["decode_tokens"] == 2 * 12
+    assert spec["accept_length"] == 4.0 and spec["accept_per_position"] == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("algorithm, shapes", [("EAGLE3", "2,1,3 2,2,4"), ("MTP", "2,1,3")])

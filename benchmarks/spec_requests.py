@@ -1,0 +1,121 @@
+"""`bench_speculative.py --mode requests`: MT-bench questions served one at a time by the engine
+of a launched server, plain and with speculation.
+
+The configuration goes through `resolve_config` like `launch.py`'s (so the default model gets
+its shipped draft, CUDA graphs and the Triton backend on a GPU), and the requests run through
+the real `Scheduler` core and `GPUWorker` in one process, with the server's overlap schedule
+(up to `Scheduler.max_in_flight` plans launched before the oldest result is applied); only the
+sockets are left out. Each request is the chat-templated first turn of an MT-bench question,
+decoded to its end-of-turn token or `max_new_tokens`, at batch 1.
+
+Per run: decode tokens/s (tokens after the first over the time after the first, summed over
+the requests), the accept length (tokens per verify forward, bonus included, as
+`meta_info.spec_accept_length` reports it) and the acceptance per position: the share of
+decode iterations that accepted at least k + 1 tokens (k = 1..S), i.e. whose k-th draft
+token was accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from aerie.codec import pack_ids, unpack_ids
+from aerie.config import AerieConfig
+from aerie.messages import SamplingParams, TokenizedRequest
+from aerie.model_info import read_model_info
+from aerie.resolve import resolve_config
+from gpu_worker.worker import GPUWorker
+from scheduler_proc.scheduler import Scheduler
+
+
+@dataclass
+class RunResult:
+    mode: str
+    temperature: float
+    decode_tokens: int
+    decode_seconds: float
+    verify: int  # verify forwards (0 without speculation)
+    accepts: list[int]  # tokens accepted by each decode iteration
+
+    def summary(self, depth: int) -> dict:
+        accepts = np.asarray(self.accepts, dtype=np.int64)
+        counts = np.bincount(accepts, minlength=depth + 2) if len(accepts) else np.zeros(1)
+        per_position = [float(counts[k + 1 :].sum() / max(len(accepts), 1))
+                        for k in range(1, depth + 1)]  # fmt: skip
+        return {
+            "mode": self.mode, "temperature": self.temperature,
+            "decode_tokens": self.decode_tokens, "seconds": self.decode_seconds,
+            "tokens_per_s": self.decode_tokens / max(self.decode_seconds, 1e-9),
+            "accept_length": self.decode_tokens / self.verify if self.verify else None,
+            "accept_per_position": per_position if self.verify else None,
+        }  # fmt: skip
+
+
+def served_config(base: AerieConfig, speculative: dict, max_running: int) -> AerieConfig:
+    """`base` with these speculative settings, resolved as `launch.py` resolves its flags."""
+    config = base.replace(speculative=speculative, scheduler={"max_running_requests": max_running})
+    return resolve_config(config)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Engine:
+    """One resolved configuration's scheduler core and GPU worker."""
+
+    def __init__(self, config: AerieConfig) -> None:
+        self.config = config
+        self.worker = GPUWorker(config)
+        eos = read_model_info(config.model.model_path).eos_token_ids
+        self.sched = Scheduler(config, eos, max_total_tokens=self.worker.runner.max_total_tokens)
+        self.device = config.model.device
+
+    def serve(self, prompt: list[int], params: SamplingParams) -> tuple[int, float, int, list[int]]:
+        """One request to its end -> (decode tokens, decode seconds, verify forwards, tokens
+        accepted by each verify). Counts what the scheduler emits (stop-truncated, the extra
+        token of a step in flight dropped); decode time runs from the first token's result."""
+        self.sched.add_request(TokenizedRequest("bench", pack_ids(prompt), params))
+        launched: deque = deque()
+        tokens, verify, accepts, first_at = 0, 0, [], None
+        while self.sched.has_work() or launched:
+            while self.sched.can_plan() and self.sched.has_work():
+                plan = self.sched.next_plan()
+                if plan is None:
+                    break
+                launched.append((plan, self.worker.launch(plan)))
+            plan, step = launched.popleft()
+            deltas = self.sched.apply_result(plan, self.worker.finish(step))
+            for delta in deltas.deltas if deltas else []:
+                emitted = len(unpack_ids(delta.token_ids))
+                if first_at is None:
+                    first_at = time.perf_counter() if emitted else None
+                    emitted -= 1  # the first token, from the prefill
+                tokens += max(emitted, 0)
+                if delta.spec_verify_ct > verify:
+                    accepts.append(emitted)
+                    verify = delta.spec_verify_ct
+        sync(self.device)
+        return tokens, time.perf_counter() - (first_at or time.perf_counter()), verify, accepts
+
+
+def run(engine: Engine, prompts: list[list[int]], name: str, temperature: float,
+        max_new_tokens: int, seed: int = 0) -> RunResult:  # fmt: skip
+    """Every prompt in turn (a short warm-up request first)."""
+    engine.serve(prompts[0], SamplingParams(max_new_tokens=8, temperature=0.0))
+    total = RunResult(name, temperature, 0, 0.0, 0, [])
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=seed + i if temperature > 0 else None)  # fmt: skip
+        tokens, seconds, verify, accepts = engine.serve(prompt, params)
+        total.decode_tokens += tokens
+        total.decode_seconds += seconds
+        total.verify += verify
+        total.accepts += accepts
+    return total
