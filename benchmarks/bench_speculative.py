@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.output, "w") as f:
                 json.dump({"command": " ".join(sys.argv), "results": rows}, f, indent=1)
         return
+    if "plain" in args.greedy_only.split(","):
+        parser.error("--greedy-only cannot name plain: every temperature needs its baseline")
     drafts = parse_drafts(args.draft_path, args.algorithm)
     if args.load_format == "dummy":
         drafts = {args.algorithm: draft_dir}

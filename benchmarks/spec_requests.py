@@ -5,7 +5,8 @@ The configuration goes through `resolve_config` like `launch.py`'s (so the defau
 its shipped draft, CUDA graphs and the Triton backend on a GPU), and the requests run through
 the real `Scheduler` core and `GPUWorker` in one process, with the server's overlap schedule
 (up to `Scheduler.max_in_flight` plans launched before the oldest result is applied); only the
-sockets are left out. Each request is the chat-templated first turn of an MT-bench question,
+sockets are left out (the engine loop is the tests' `tests/engine_loop.drive`, so the benchmark
+runs what the tests check). Each request is the chat-templated first turn of an MT-bench question,
 decoded to its end-of-turn token or `max_new_tokens`, at batch 1.
 
 Per run: decode tokens/s (tokens after the first over the time after the first, summed over
@@ -18,7 +19,6 @@ token was accepted.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,7 @@ from aerie.model_info import read_model_info
 from aerie.resolve import resolve_config
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
+from tests.engine_loop import drive
 
 
 @dataclass
@@ -82,27 +83,26 @@ class Engine:
         accepted by each verify). Counts what the scheduler emits (stop-truncated, the extra
         token of a step in flight dropped); decode time runs from the first token's result."""
         self.sched.add_request(TokenizedRequest("bench", pack_ids(prompt), params))
-        launched: deque = deque()
-        tokens, verify, accepts, first_at = 0, 0, [], None
-        while self.sched.has_work() or launched:
-            while self.sched.can_plan() and self.sched.has_work():
-                plan = self.sched.next_plan()
-                if plan is None:
-                    break
-                launched.append((plan, self.worker.launch(plan)))
-            plan, step = launched.popleft()
-            deltas = self.sched.apply_result(plan, self.worker.finish(step))
+        counts = {"tokens": 0, "verify": 0, "first_at": None}
+        accepts: list[int] = []
+
+        def count(plan, result, deltas) -> None:
             for delta in deltas.deltas if deltas else []:
                 emitted = len(unpack_ids(delta.token_ids))
-                if first_at is None:
-                    first_at = time.perf_counter() if emitted else None
+                if counts["first_at"] is None:
+                    if emitted == 0:
+                        continue  # a prefill chunk before the last
+                    counts["first_at"] = time.perf_counter()
                     emitted -= 1  # the first token, from the prefill
-                tokens += max(emitted, 0)
-                if delta.spec_verify_ct > verify:
+                counts["tokens"] += emitted
+                if delta.spec_verify_ct > counts["verify"]:
                     accepts.append(emitted)
-                    verify = delta.spec_verify_ct
+                    counts["verify"] = delta.spec_verify_ct
+
+        drive(self.sched, self.worker, count)
         sync(self.device)
-        return tokens, time.perf_counter() - (first_at or time.perf_counter()), verify, accepts
+        first_at = counts["first_at"] or time.perf_counter()
+        return counts["tokens"], time.perf_counter() - first_at, counts["verify"], accepts
 
 
 def run(engine: Engine, prompts: list[list[int]], name: str, temperature: float,

@@ -8,8 +8,14 @@
 #   overlap schedule, served on/off (SPEC=EAGLE3 for speculation): bash tools/device_bench.sh overlap
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
+#   the shipped drafts, trained and measured on MT-bench (several chained calls; see the branch):
+#   bash tools/device_bench.sh train
 # Before the calls, here (no GPU): bash ../shared/device/prepare.sh --model && bash tools/device_bench.sh prepare
 # builds the rest of .device-carry/ from committed code and the shared MT-bench/ShareGPT data.
+# NOTE: a call carries the whole working tree, and the shipped drafts (aerie/drafts, 53 MB) leave
+# too little of the 64 MiB for a model half. For calls that carry one, take them out of the tree
+# first and put them back after: git rm -r -q --cached aerie/drafts && mv aerie/drafts /tmp/, then
+# mv /tmp/drafts aerie/ && git reset -q aerie/drafts (carry a draft you need from .device-carry/).
 set -uo pipefail
 if [[ $1 == prepare ]]; then
   python3 - <<'PY'
@@ -17,7 +23,7 @@ import json, os, random, shutil, sys
 sys.path.insert(0, ".")
 from aerie.default_model import ensure_default_model
 from benchmarks.bench_decode import write_llama8b_config
-from benchmarks.bench_serving import find_sharegpt_file, load_conversations
+from training.sharegpt import find_sharegpt_file, load_conversations
 model = ensure_default_model()
 for out in (".device-carry/smollm2-config", write_llama8b_config(".device-carry/llama8b")):
     os.makedirs(out, exist_ok=True)
@@ -53,13 +59,10 @@ if [[ $1 == train ]]; then
   #   b: carry .device-carry/model2 .device-carry/train_b .device-carry/on_device.sh; then
   #      GENERATE_MIN=6 (from prompts) and/or ALGOS="eagle3:9" (algorithm:minutes pairs)
   #   c, d, ...: carry nothing, ALGOS="mtp:5 eagle:4" (--resume continues a run), BENCH=1
-  # ARGS_<algorithm> go to that algorithm's train command (e.g. ARGS_eagle3="--steps 6").
+  # ARGS_<algorithm> go to that algorithm's train command (e.g. ARGS_eagle3="--depth 6").
   # Each trained draft comes back as $OUT/draft_ALGO.tar.* (15 MB pieces: cat them, untar).
   # BENCH=1 measures MT-bench (bench_speculative.py) with the drafts trained on this machine
   # (EAGLE from .device-carry/eagle_draft when carried): BENCH_SHAPES, BENCH_NEW.
-  # NOTE: the shipped drafts under aerie/drafts (53 MB) travel with the working tree and leave
-  # no room for a model half: move them out of the tree for these calls (`git rm -r --cached
-  # aerie/drafts` and a move; undo both after), and carry what a call needs from .device-carry.
   model=$HOME/smollm2; work=$HOME/train; mkdir -p "$work"
   for d in .device-carry/train_a .device-carry/train_b; do [[ -d $d ]] && cp $d/* "$work/"; done
   gguf=$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -1,6 +1,6 @@
 """The EAGLE (EAGLE-1) recipe: `fc(cat(embed, feature))` and one decoder layer, reading the
 target's final hidden state and regressing the next one, through the target's own LM head.
-Uniform noise on the input feature while training; unrolled `steps` deep like EAGLE-3 (one
+Uniform noise on the input feature while training; unrolled `depth` steps like EAGLE-3 (one
 step is the original recipe). See `training.recipes`."""
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ TOKEN_LOSS_WEIGHT = 0.1
 
 class EagleRecipe(Recipe):
     name = "eagle"
+    architecture = ARCHITECTURE
 
     def __init__(
-        self, target: Target, steps: int, seed: int, init_from: str | None = None
+        self, target: Target, depth: int, seed: int, init_from: str | None = None
     ) -> None:
-        super().__init__(target, steps, seed, init_from)
+        super().__init__(target, depth, seed, init_from)
         if init_from is not None:
             self.config = self._init_config()
         else:
@@ -39,11 +40,11 @@ class EagleRecipe(Recipe):
         self.draft = self._attach(self._build(arch_config_from_dict(self.config)))
         self.modules = [self.draft]
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs) -> list[StepOutput]:
+    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
         hidden = teacher.hidden
         if self.training:
             hidden = hidden + torch.empty_like(hidden).uniform_(-NOISE, NOISE)
-        return unroll_chain(self.draft, rows, hidden, self.steps)
+        return unroll_chain(self.draft, rows, hidden, depth or self.depth)
 
     def step_loss(
         self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor

@@ -1,4 +1,4 @@
-"""The EAGLE-3 recipe: one decoder layer over the target's aux features, unrolled `steps` deep
+"""The EAGLE-3 recipe: one decoder layer over the target's aux features, unrolled `depth` steps
 (training-time test), with its own LM head over a draft vocabulary of the most frequent
 response tokens (`d2t` maps draft ids to target ids). See `training.recipes`."""
 
@@ -26,18 +26,19 @@ STEP_DECAY = 0.8  # loss weight of step s is STEP_DECAY ** (s - 1)
 
 class Eagle3Recipe(Recipe):
     name = "eagle3"
+    architecture = ARCHITECTURE
 
     def __init__(
         self,
         target: Target,
-        steps: int,
+        depth: int,
         seed: int,
         hot_ids: np.ndarray | None = None,
         init_from: str | None = None,
     ) -> None:
         """hot_ids: the draft vocabulary, target ids sorted ascending (a draft started from
         `init_from` keeps its own)."""
-        super().__init__(target, steps, seed, init_from)
+        super().__init__(target, depth, seed, init_from)
         tc = target.config
         if init_from is not None:
             self.config = self._init_config()
@@ -64,11 +65,11 @@ class Eagle3Recipe(Recipe):
         self.in_vocab[self.draft.hot_token_id] = True
 
     def step_weights(self) -> list[float]:
-        return [STEP_DECAY**i for i in range(self.steps)]
+        return [STEP_DECAY**i for i in range(self.depth)]
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs) -> list[StepOutput]:
+    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
         assert teacher.aux is not None, "EAGLE-3 reads the target's aux features"
-        return unroll_chain(self.draft, rows, teacher.aux, self.steps)
+        return unroll_chain(self.draft, rows, teacher.aux, depth or self.depth)
 
     def step_loss(
         self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor

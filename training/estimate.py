@@ -9,20 +9,25 @@ at t accepts 1 + the number of leading agreeing steps (the bonus token included)
 iteration starts that many positions later. On the same sequence and the same weights this
 gives exactly the served accept lengths of batch-1 greedy decoding (a test checks it).
 
-    python3 -m training estimate eagle3 --model DIR --draft DIR --data FILE [--steps 5]
+    python3 -m training estimate eagle3 --model DIR --draft DIR --data FILE [--depth 5]
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from training.build import build_recipe, split_indices
 from training.recipes import Recipe
 from training.rows import Rows, length_batches, make_rows
-from training.target import Target
+from training.target import Target, resolve_device
 from training.tokens import TokenFile
+
+DEFAULT_ESTIMATE_DEPTH = 5  # the chain walked unless told otherwise (at most the draft's depth)
 
 
 @dataclass
@@ -30,8 +35,8 @@ class EstimateConfig:
     algorithm: str  # eagle3 | eagle | mtp
     model: str
     draft: str  # an exported draft (what `--speculative-draft-model-path` takes)
-    data: str  # a token file of the target's greedy continuations (`generate`)
-    steps: int = 5  # the chain depth S (MTP: at most the draft's layers)
+    data: str  # the target's greedy continuations (`generate`); its dev split when it has one
+    depth: int = 0  # the chain S; 0: 5 (MTP: the draft's layers)
     tokens_per_batch: int = 16384
     max_len: int = 2048
     device: str = "auto"
@@ -66,19 +71,22 @@ def estimate_accept_length(
     tokens_per_batch: int,
     max_len: int,
 ) -> dict:
-    """The walked greedy chain accept length of `depth` draft steps over the sequences at
-    `indices`, and P(accept length >= k + 1) for k = 1..depth."""
-    depth = min(depth, recipe.steps)
-    recipe.training = False
+    """The walked greedy chain accept length of `depth` draft steps (at most the recipe's)
+    over the sequences at `indices`, and P(accept length >= k + 1) for k = 1..depth."""
+    depth = min(depth, recipe.depth)
     accepts: list[int] = []
-    for batch in length_batches(data, indices, tokens_per_batch, max_len):
-        rows = make_rows(data, batch, max_len).to(target.device)
-        teacher = target.run(rows.ids, recipe.aux_layers)
-        with torch.autocast(target.device.type, torch.bfloat16, target.device.type == "cuda"):
-            agree, _ = recipe.chain_agreement(rows, teacher)
-        run = chain_runs(agree, depth).reshape(rows.shape).cpu().numpy()
-        accepts += walk_rows(rows, run, depth)
-    recipe.training = True
+    recipe.training = False
+    try:
+        for batch in length_batches(data, indices, tokens_per_batch, max_len):
+            rows = make_rows(data, batch, max_len).to(target.device)
+            teacher = target.run(rows.ids, recipe.aux_layers)
+            with torch.autocast(target.device.type, torch.bfloat16,
+                                target.device.type == "cuda"):  # fmt: skip
+                agree = recipe.chain_agreement(rows, teacher, depth)
+            run = chain_runs(agree, depth).reshape(rows.shape).cpu().numpy()
+            accepts += walk_rows(rows, run, depth)
+    finally:
+        recipe.training = True
     counts = np.bincount(np.asarray(accepts, dtype=np.int64), minlength=depth + 2)
     total = max(len(accepts), 1)
     at_least = [float(counts[k + 1 :].sum() / total) for k in range(1, depth + 1)]
@@ -103,16 +111,19 @@ def describe_estimate(result: dict) -> str:
 
 
 def estimate(cfg: EstimateConfig) -> dict:
-    """The estimate of an exported draft over every sequence of a greedy data file."""
-    from training.train import build_recipe, resolve_device
-
+    """The estimate of an exported draft over the greedy sequences of a data file (only its
+    dev split when it marks one: the rest trained the draft)."""
     device = resolve_device(cfg.device)
     target = Target(cfg.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     data = TokenFile.load(cfg.data)
-    recipe = build_recipe(cfg.algorithm, target, data, cfg.steps, init_from=cfg.draft)
-    indices = np.arange(len(data))
-    greedy = data.extra.get("greedy")
-    if greedy is not None:
-        indices = indices[greedy.astype(bool)]
-    return estimate_accept_length(recipe, target, data, indices, cfg.steps, cfg.tokens_per_batch,
+    depth = cfg.depth
+    if depth == 0 and cfg.algorithm == "mtp":
+        with open(os.path.join(cfg.draft, "config.json")) as f:
+            depth = int(json.load(f).get("num_nextn_predict_layers") or 0)
+    depth = depth or DEFAULT_ESTIMATE_DEPTH
+    recipe = build_recipe(cfg.algorithm, target, data, depth, init_from=cfg.draft)
+    _, indices = split_indices(data)
+    if "dev" not in data.extra:
+        indices = np.flatnonzero(data.extra.get("greedy", np.ones(len(data), dtype=bool)))
+    return estimate_accept_length(recipe, target, data, indices, depth, cfg.tokens_per_batch,
                                   cfg.max_len)  # fmt: skip

@@ -23,6 +23,7 @@ from aerie.model_info import read_model_info
 from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.host_batch import HostBatch
 from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec
+from training.target import resolve_device
 from training.tokens import TokenFile
 
 
@@ -55,8 +56,9 @@ class Row:
 class Generator:
     def __init__(self, cfg: GenerateConfig, prompts: TokenFile) -> None:
         self.cfg = cfg
-        device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                              else "cpu" if cfg.device == "auto" else cfg.device)  # fmt: skip
+        if cfg.sampled_per_prompt and cfg.temperature <= 0:
+            raise ValueError("sampled responses need --temperature > 0 (or --sampled-per-prompt 0)")
+        device = resolve_device(cfg.device)
         cuda = device.type == "cuda"
         # a row may run up to check_every steps past its cap before the check drops them
         self.row_len = int(prompts.lengths.max()) + cfg.max_new_tokens + cfg.check_every + 1

@@ -30,30 +30,38 @@ class MTPRecipe(Recipe):
     name = "mtp"
 
     def __init__(
-        self, target: Target, steps: int, seed: int, init_from: str | None = None
+        self, target: Target, depth: int, seed: int, init_from: str | None = None
     ) -> None:
-        """steps: the number of MTP layers (init_from: MTP layers to start from, at least as
-        many)."""
-        super().__init__(target, steps, seed, init_from)
-        self.config = {**target.config.raw, "num_nextn_predict_layers": steps}
+        """depth: the number of MTP layers (init_from: MTP layers to start from, at least as
+        many). Each layer starts from its own random weights."""
+        self.architecture = target.config.architecture  # MTP layers ship in the target's format
+        super().__init__(target, depth, seed, init_from)
+        if init_from is not None:
+            have = int(self._init_config().get("num_nextn_predict_layers") or 0)
+            if depth > have:
+                raise ValueError(f"{init_from} holds {have} MTP layers: use a depth of at most "
+                                 f"{have}")  # fmt: skip
+        self.config = {**target.config.raw, "num_nextn_predict_layers": depth,
+                       "torch_dtype": "bfloat16"}  # fmt: skip
         arch = arch_config_from_dict(self.config)
         self.layers = [
-            self._attach(self._build(mtp_arch_config(arch, k), f"MTP layer {k}", mtp_layer=k))
-            for k in range(steps)
+            self._attach(self._build(mtp_arch_config(arch, k), f"MTP layer {k}", seed_offset=k,
+                                     mtp_layer=k))  # fmt: skip
+            for k in range(depth)
         ]
         self.modules = self.layers
 
     def step_weights(self) -> list[float]:
-        if self.steps == len(THREE_LAYER_WEIGHTS):
+        if self.depth == len(THREE_LAYER_WEIGHTS):
             return list(THREE_LAYER_WEIGHTS)
         ratio = THREE_LAYER_WEIGHTS[1] / THREE_LAYER_WEIGHTS[0]
-        weights = [ratio**k for k in range(self.steps)]
+        weights = [ratio**k for k in range(self.depth)]
         return [w / sum(weights) for w in weights]
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs) -> list[StepOutput]:
+    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
         b, t = rows.shape
         outs = []
-        for k, layer in enumerate(self.layers):
+        for k, layer in enumerate(self.layers[: depth or self.depth]):
             shift = k + 1
             batch = dense_batch(rows.shifted_ids(shift), rows.positions(0),
                                 UnrolledAttention(b, t), teacher.hidden)  # fmt: skip

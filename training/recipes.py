@@ -2,8 +2,8 @@
 
 A recipe builds the draft with the server's own module classes (`gpu_worker.models`), runs it
 against the target's teacher signals (`Target.run`) and exports it in the format the server
-loads. Every recipe runs its draft `steps` deep over a batch (`training.rows` says how step s
-lines up) and returns, per step, the draft's logits and the positions that learn; the loss and
+loads. Every recipe runs its draft `depth` steps deep over a batch (`training.rows` says how step
+s lines up) and returns, per step, the draft's logits and the positions that learn; the loss and
 the offline accept estimate are built from those.
 
 - EAGLE-3: step 1 reads the target's aux features, step s > 1 the draft's own hidden state of
@@ -78,9 +78,9 @@ def teacher_index(rows: Rows, shift: int) -> torch.Tensor:
 
 
 def unroll_chain(
-    draft: nn.Module, rows: Rows, hidden: torch.Tensor, steps: int
+    draft: nn.Module, rows: Rows, hidden: torch.Tensor, depth: int
 ) -> list[StepOutput]:
-    """A one-layer draft `steps` deep (the training-time test): step 1 at row position t reads
+    """A one-layer draft `depth` steps deep (the training-time test): step 1 at row position t reads
     ids[t + 1] and `hidden` [B, T, H_in] at t, step s > 1 reads ids[t + s] and the draft's own
     output of step s - 1, at position t + s - 1, attending to step 1's keys of positions <= t
     and to its own earlier steps at t (`UnrolledAttention`): the serving draft loop's inputs
@@ -88,7 +88,7 @@ def unroll_chain(
     b, t = rows.shape
     backend = UnrolledAttention(b, t)
     outs = []
-    for i in range(steps):
+    for i in range(depth):
         shift = i + 1
         batch = dense_batch(rows.shifted_ids(shift), rows.positions(i), backend, hidden)
         h = draft(batch)  # [B * T, H]
@@ -105,21 +105,30 @@ def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> to
 
 
 class Recipe:
-    """Base: a draft module (or several), trained `steps` deep against a target."""
+    """Base: a draft module (or several), trained `depth` steps deep against a target (an
+    EAGLE draft's unrolled steps, or the number of MTP layers)."""
 
     name = "?"
 
-    def __init__(self, target: Target, steps: int, seed: int, init_from: str | None = None) -> None:
+    architecture = "?"  # what the exported config.json names
+
+    def __init__(self, target: Target, depth: int, seed: int, init_from: str | None = None) -> None:
         """init_from: an exported draft of this kind to start from (its weights, config and,
         for EAGLE-3, its vocabulary); None starts from random weights."""
-        self.target, self.steps, self.seed, self.init_from = target, steps, seed, init_from
+        self.target, self.depth, self.seed, self.init_from = target, depth, seed, init_from
         self.device = target.device
+        if init_from is not None:
+            found = (self._init_config().get("architectures") or ["?"])[0]
+            if found != self.architecture:
+                raise ValueError(f"{init_from} holds a {found} draft; the {self.name} recipe "
+                                 f"needs a {self.architecture} one")  # fmt: skip
 
     # ------------------------------------------------------------------ subclasses provide
     modules: list[nn.Module]
     aux_layers: list[int] = []
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs) -> list[StepOutput]:
+    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
+        """The draft's first `depth` steps (0: all) over the rows."""
         raise NotImplementedError
 
     def step_loss(
@@ -140,17 +149,20 @@ class Recipe:
         raise NotImplementedError
 
     def step_weights(self) -> list[float]:
-        return [1.0] * self.steps
+        return [1.0] * self.depth
 
     # ------------------------------------------------------------------ shared
     training = True  # EAGLE's input noise is on while training, off for the estimate
 
-    def _build(self, config: ArchConfig, what: str | None = None, **options) -> nn.Module:
+    def _build(
+        self, config: ArchConfig, what: str | None = None, seed_offset: int = 0, **options
+    ) -> nn.Module:
         """A draft module of `config`, float32, loaded from `init_from` or randomly initialised
-        (matrices N(0, 0.02), norms 1), before `attach_target`. what: the module, in errors."""
+        (matrices N(0, 0.02) from seed + seed_offset, norms 1), before `attach_target`. what:
+        the module, in errors."""
         module = build_model(config, self.device, torch.float32, **options)
         if self.init_from is None:
-            init_dummy_weights(module, self.seed)
+            init_dummy_weights(module, self.seed + seed_offset)
         else:
             load_weights(module, self.init_from, what)
         return module
@@ -175,10 +187,10 @@ class Recipe:
         return [p for m in self.modules for p in m.parameters() if p.requires_grad]
 
     def losses(self, rows: Rows, teacher: TargetOutputs) -> tuple[torch.Tensor, dict]:
-        """The weighted loss over all steps, and per-step loss and accuracy (the draft's
-        choice equals the target's)."""
-        total = torch.zeros((), device=self.device)
-        per_step = torch.zeros(2, self.steps, device=self.device)  # loss, accuracy
+        """The weighted loss over all steps (None when no position of the batch learns), and
+        per-step loss and accuracy (the draft's choice equals the target's)."""
+        total = None
+        per_step = torch.zeros(2, self.depth, device=self.device)  # loss, accuracy
         target_choice = teacher.logits.reshape(-1, teacher.logits.shape[-1]).argmax(-1)
         outs = self.unroll(rows, teacher)
         for s, (out, weight) in enumerate(zip(outs, self.step_weights(), strict=True)):
@@ -187,7 +199,7 @@ class Recipe:
                 continue
             logits = out.logits(where)  # [m, V_draft]
             loss = self.step_loss(out, teacher, where, logits).mean()  # over the m positions
-            total = total + weight * loss
+            total = weight * loss if total is None else total + weight * loss
             chosen = self.predicted_ids(logits.detach())
             per_step[0, s] = loss.detach()
             per_step[1, s] = (chosen == target_choice[out.teacher_index[where]]).float().mean()
@@ -195,16 +207,13 @@ class Recipe:
         return total, {"loss": loss_per_step, "acc": acc}
 
     @torch.no_grad()
-    def chain_agreement(
-        self, rows: Rows, teacher: TargetOutputs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (agree [steps, B * T] bool: at each step the draft picks the target's greedy
-        token, whole [B * T] bool: positions where every step learns, i.e. a whole chain
-        from a verified prefix ending at t).
-        On the target's own greedy continuations the teacher-forced inputs are what the
-        serving chain would feed while it is right, so walking these gives the chain's
-        accept length."""
-        outs = self.unroll(rows, teacher)
+    def chain_agreement(self, rows: Rows, teacher: TargetOutputs, depth: int) -> torch.Tensor:
+        """agree [depth, B * T] bool: whether step s of a chain after a verified prefix ending
+        at t picks the target's greedy token, where all `depth` steps have a token to compare
+        with (False elsewhere). On the target's own greedy continuations the teacher-forced
+        inputs are what the serving chain feeds itself while it is right, so walking these
+        gives the chain's accept lengths (`training.estimate`)."""
+        outs = self.unroll(rows, teacher, depth)
         target_choice = teacher.logits.reshape(-1, teacher.logits.shape[-1]).argmax(-1)
         whole = torch.stack([o.learns for o in outs]).all(0)
         where = whole.nonzero().squeeze(1)
@@ -212,7 +221,7 @@ class Recipe:
         for s, o in enumerate(outs):
             chosen = self.predicted_ids(o.logits(where))
             agree[s, where] = chosen == target_choice[o.teacher_index[where]]
-        return agree, whole
+        return agree
 
     def export(self, out_dir: str) -> None:
         """Write config.json and bf16 safetensors (sharded under 16 MiB per file) that the

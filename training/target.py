@@ -24,6 +24,13 @@ from training.dense import UnrolledAttention, dense_batch
 MAX_POSITIONS = 8192
 
 
+def resolve_device(name: str) -> torch.device:
+    """"auto": the GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 @dataclass
 class TargetOutputs:
     hidden: torch.Tensor  # [B, T, H] after the final norm

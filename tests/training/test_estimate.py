@@ -14,7 +14,6 @@ what notices it.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,33 +24,14 @@ from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.engine_loop import drive
 from tests.gpu_worker.checkpoints import make_tiny_checkpoint
-from tests.training.conftest import ALGORITHMS, STEPS, VOCAB, random_prompts
+from tests.training.conftest import ALGORITHMS, DEPTH, VOCAB, engine_config, random_prompts
+from training.build import build_recipe
 from training.estimate import chain_runs, walk_rows
 from training.rows import Rows
 from training.target import Target
 from training.tokens import TokenFile
-from training.train import build_recipe
 
-SERVED = {"eagle3": "EAGLE3", "eagle": "EAGLE", "mtp": "MTP"}
 NEW_TOKENS = 40
-
-
-def engine_config(target: str, algorithm: str | None = None, draft: str | None = None,
-                  steps: int = 0) -> AerieConfig:  # fmt: skip
-    """Direct (ungraphed) stages on the CPU reference backend, so spies see every call."""
-    spec = {}
-    if algorithm is not None:
-        spec = {"speculative_algorithm": SERVED[algorithm], "speculative_draft_model_path": draft,
-                "speculative_num_steps": steps, "speculative_eagle_topk": 1,
-                "speculative_num_draft_tokens": steps + 1}  # fmt: skip
-    return AerieConfig().replace(
-        model={"model_path": target, "tokenizer_path": target, "device": "cpu",
-               "dtype": "float32", "load_format": "safetensors", "context_length": 256},
-        cache={"max_total_tokens": 4096},
-        scheduler={"max_running_requests": 4},
-        speculative=spec,
-        runner={"attention_backend": "torch_native", "cuda_graph_max_bs": 0},
-    )  # fmt: skip
 
 
 def serve(config: AerieConfig, prompts: list[list[int]]) -> tuple[dict, dict]:
@@ -88,7 +68,7 @@ def untrained_draft(algorithm: str, target: Target, out: str) -> str:
     Its matrices are scaled up from the initial N(0, 0.02) so that attention is far from
     uniform: positions and keys then move the argmax."""
     data = TokenFile.from_sequences([list(range(VOCAB))], [0])
-    recipe = build_recipe(algorithm, target, data, STEPS[algorithm], seed=3, draft_vocab=200)
+    recipe = build_recipe(algorithm, target, data, DEPTH[algorithm], seed=3, draft_vocab=200)
     with torch.no_grad():
         for p in recipe.parameters():
             if p.dim() == 2:
@@ -121,7 +101,7 @@ def served_chains(config: AerieConfig, prompt: list[int]) -> tuple[list[int], li
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_served_chains_are_what_the_training_unroll_predicts(algorithm, random_target, tmp_path):
-    depth = STEPS[algorithm]
+    depth = DEPTH[algorithm]
     target = Target(random_target, "cpu", torch.float32)
     draft = untrained_draft(algorithm, target, str(tmp_path / "draft"))
     recipe = build_recipe(algorithm, target, None, depth, init_from=draft)
@@ -138,7 +118,7 @@ def test_served_chains_are_what_the_training_unroll_predicts(algorithm, random_t
             ids = torch.tensor([sequence[: prefix + 1] + chain])
             rows = Rows(ids, torch.tensor([ids.shape[1]]), torch.tensor([len(prompt)]))
             with torch.no_grad():
-                outs = recipe.unroll(rows, target.run(ids, recipe.aux_layers))
+                outs = recipe.unroll(rows, target.run(ids, recipe.aux_layers), depth)
                 at = torch.tensor([prefix - 1])
                 predicted = [int(recipe.predicted_ids(o.logits(at))[0]) for o in outs]
             assert predicted == chain, f"committed length {prefix}"
@@ -148,7 +128,7 @@ def test_served_chains_are_what_the_training_unroll_predicts(algorithm, random_t
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_served_accept_lengths_equal_the_walked_estimate(algorithm, bigram_target, trained):
-    depth, draft = STEPS[algorithm], trained[algorithm]["draft"]
+    depth, draft = DEPTH[algorithm], trained[algorithm]["draft"]
     prompts = random_prompts(seed=7, n=3)
     plain, _ = serve(engine_config(bigram_target), prompts)
     outputs, served = serve(engine_config(bigram_target, algorithm, draft, depth), prompts)
@@ -162,7 +142,7 @@ def test_served_accept_lengths_equal_the_walked_estimate(algorithm, bigram_targe
         ids = torch.tensor([prompt + plain[f"r{i}"]])
         rows = Rows(ids, torch.tensor([ids.shape[1]]), torch.tensor([len(prompt)]))
         with torch.no_grad():
-            agree, _ = recipe.chain_agreement(rows, target.run(ids, recipe.aux_layers))
+            agree = recipe.chain_agreement(rows, target.run(ids, recipe.aux_layers), depth)
         run = chain_runs(agree, depth).reshape(rows.shape).numpy()
         walked = walk_rows(rows, run, depth)
         # the last walked iteration may end past the served tokens (its bonus is cut there)
@@ -172,17 +152,33 @@ def test_served_accept_lengths_equal_the_walked_estimate(algorithm, bigram_targe
 
 
 def test_training_raises_the_estimate_over_an_untrained_draft(bigram_target, greedy_data, trained):
+    from training.build import split_indices
     from training.estimate import estimate_accept_length
     from training.tokens import TokenFile
-    from training.train import split_indices
 
     data = TokenFile.load(greedy_data)
     _, dev = split_indices(data)
     target = Target(bigram_target, "cpu", torch.float32)
     for algorithm in ALGORITHMS:
-        untrained = build_recipe(algorithm, target, data, STEPS[algorithm], draft_vocab=200)
+        untrained = build_recipe(algorithm, target, data, DEPTH[algorithm], draft_vocab=200)
         before = estimate_accept_length(untrained, target, data, dev, 5, 640, 2048)
         after = trained[algorithm]["result"]
         assert after["iterations"] > 0
         assert after["accept_length"] > before["accept_length"] + 0.25, algorithm
-        assert np.all(np.diff(after["per_step"]) <= 0)  # P(accept >= k + 1) falls with k
+
+
+def test_a_shorter_chain_is_estimated_as_a_draft_of_that_depth(bigram_target, greedy_data, trained):
+    """Walking 2 steps of a 3-step draft must not depend on its third step (whose missing
+    tokens at the end of each sequence once counted as rejections)."""
+    from training.build import split_indices
+    from training.estimate import estimate_accept_length
+
+    data = TokenFile.load(greedy_data)
+    _, dev = split_indices(data)
+    target = Target(bigram_target, "cpu", torch.float32)
+    draft = trained["eagle3"]["draft"]
+    deep = build_recipe("eagle3", target, None, 3, init_from=draft)
+    shallow = build_recipe("eagle3", target, None, 2, init_from=draft)
+    a = estimate_accept_length(deep, target, data, dev, 2, 640, 2048)
+    b = estimate_accept_length(shallow, target, data, dev, 2, 640, 2048)
+    assert a == b and a["depth"] == 2 and a["iterations"] > 0

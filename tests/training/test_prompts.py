@@ -13,6 +13,7 @@ import pytest
 
 from training.prompts import (
     Decontaminator,
+    PromptsConfig,
     benchmark_texts,
     build_prompt_file,
     conversation_prompts,
@@ -214,8 +215,8 @@ def build(model_dir, sharegpt_path, mt_bench_path, tmp_path_factory):
 
     def build(name: str, **kwargs) -> tuple[dict, TokenFile]:
         out = str(out_dir / f"{name}.npz")
-        kwargs = {"dev_size": 5, "max_prompt_tokens": 512, "sharegpt_path": sharegpt_path} | kwargs
-        summary = build_prompt_file(model_dir, out, mt_bench_path, **kwargs)
+        kwargs = {"dev_size": 5, "max_prompt_tokens": 512, "sharegpt": sharegpt_path} | kwargs
+        summary = build_prompt_file(PromptsConfig(model_dir, mt_bench_path, out, **kwargs))
         return summary, TokenFile.load(out)
 
     return build
