@@ -309,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
             launcher.listening["http_url"], launcher.listening["zmq_address"],
             served.model.model_path, served.model.device, served.model.dtype,
         )
+        spec = served.speculative
+        if spec.enabled:
+            log.info(
+                "speculative decoding: %s, draft %s, S=%s topk=%s ND=%s",
+                spec.speculative_algorithm, spec.speculative_draft_model_path or "in the model",
+                spec.speculative_num_steps, spec.speculative_eagle_topk,
+                spec.speculative_num_draft_tokens,
+            )
         sd_notify("READY=1")
         launcher.supervise()
         sd_notify("STOPPING=1")

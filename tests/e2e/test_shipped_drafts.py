@@ -43,6 +43,8 @@ def test_the_shipped_draft_serves_the_default_model(plain_outputs, algorithm, mi
     with Server("--speculative-algorithm", algorithm, "--chunked-prefill-size", "64") as server:
         outputs = chat_greedy(server.url)
         info = httpx.get(server.url + "/server_info").json()
+        assert f"speculative decoding: {algorithm}, draft " in server.log_text()
+        assert f"drafts/SmolLM2-135M-Instruct/{algorithm.lower()}" in server.log_text()
     assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in plain_outputs]
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     verify = sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
