@@ -2,8 +2,9 @@
 
     python launch.py [--model-path DIR] [--port 30000] ...     (python launch.py --help)
 
-Start order: the GPU worker first (it loads weights and measures how much KV fits), then the
-scheduler, detokenizer and tokenizer with the worker's KV capacity filled into the config.
+Start order: the GPU worker first (it loads weights and measures how much KV fits; with
+--tp-size N, one worker process per tensor-parallel rank), then the scheduler, detokenizer and
+tokenizer with the worker's KV capacity filled into the config.
 If any child fails or dies, every child is stopped and the launcher exits non-zero. SIGTERM or
 SIGINT drains: the tokenizer answers new requests with 503, running requests finish (bounded
 by --drain-timeout-s), then children stop in order. Under systemd (Type=notify) it reports
@@ -50,7 +51,7 @@ class LaunchError(RuntimeError):
     """A child failed to start or died; the message names it."""
 
 
-def _entry_point(name: str) -> Callable[[AerieConfig], None]:
+def _entry_point(name: str) -> Callable[..., None]:
     if name == "tokenizer":
         from tokenizer_proc.process import run_tokenizer_process
 
@@ -59,7 +60,7 @@ def _entry_point(name: str) -> Callable[[AerieConfig], None]:
         from scheduler_proc.process import run_scheduler_process
 
         return run_scheduler_process
-    if name == "gpu_worker":
+    if name.endswith("worker"):  # gpu_worker and the other TP ranks (tp1_worker, ...)
         from gpu_worker.process import run_gpu_worker_process
 
         return run_gpu_worker_process
@@ -128,7 +129,9 @@ class Launcher:
         self.inbox = Receiver(endpoints.inbox(config, "launcher"))
         # One long-lived sender per child inbox: a sender dropped right after send() may lose
         # the message before ZMQ has connected.
-        self.to = {name: Sender(endpoints.inbox(config, name)) for name in STOP_ORDER}
+        self.workers = endpoints.worker_names(config)  # "gpu_worker" is rank 0
+        self.stop_order = (*STOP_ORDER, *self.workers[1:])
+        self.to = {name: Sender(endpoints.inbox(config, name)) for name in self.stop_order}
         self.procs: dict[str, mp.Process] = {}
         self.listening: dict[str, int | float | str] = {}
         self.stop_signal: int | None = None
@@ -136,8 +139,10 @@ class Launcher:
 
     # ---------------------------------------------------------------------------- start-up
 
-    def spawn(self, name: str, config: AerieConfig) -> None:
-        proc = self._mp.Process(target=_entry_point(name), args=(config,), name=f"aerie-{name}")
+    def spawn(self, name: str, config: AerieConfig, *args: object) -> None:
+        proc = self._mp.Process(
+            target=_entry_point(name), args=(config, *args), name=f"aerie-{name}"
+        )
         proc.start()
         self.procs[name] = proc
 
@@ -164,8 +169,9 @@ class Launcher:
 
     def start(self) -> AerieConfig:
         """Start all children; returns the config with the worker's KV capacity filled in."""
-        self.spawn("gpu_worker", self.config)
-        info = self.wait_ready(("gpu_worker",))["gpu_worker"].info
+        for rank, name in enumerate(self.workers):
+            self.spawn(name, self.config, rank)
+        info = self.wait_ready(self.workers)["gpu_worker"].info
         config = self.config.replace(
             cache={"max_total_tokens": int(info["max_total_tokens"])},
             scheduler={"max_running_requests": int(info["max_running_requests"])},
@@ -192,7 +198,9 @@ class Launcher:
             error = self.failure_report(name) if proc.exitcode and proc.exitcode > 0 else None
             if error is not None:
                 raise LaunchError(f"the {name} process failed{phase}:\n{error}")
-            raise LaunchError(f"the {name} process exited unexpectedly (code {proc.exitcode})")
+            raise LaunchError(
+                f"the {self.describe(name)} exited unexpectedly (code {proc.exitcode})"
+            )
 
     def failure_report(self, name: str, wait_s: float = 1.0) -> str | None:
         """The error a dead child reported, if it reaches the inbox within wait_s."""
@@ -226,10 +234,30 @@ class Launcher:
                 sd_notify("WATCHDOG=1")
             message = self.inbox.recv(timeout_s=_POLL_S)
             if isinstance(message, ProcessFailed):
-                raise LaunchError(f"the {message.name} process failed:\n{message.error}")
+                self.raise_failure(message)
             if isinstance(message, HeartbeatAck):
                 watchdog.answered(message, time.monotonic())
             self.raise_if_dead()
+
+    def describe(self, name: str) -> str:
+        """A child as errors name it: "tp1_worker process (tensor-parallel rank 1)"."""
+        if name in self.workers[1:]:
+            return f"{name} process (tensor-parallel rank {self.workers.index(name)})"
+        return f"{name} process"
+
+    def raise_failure(self, failure: ProcessFailed) -> None:
+        """Raise LaunchError for a child's failure report. A tensor-parallel rank fails when a
+        peer dies under it (its collective loses the connection): the dead peer is the cause,
+        so it is named first."""
+        if failure.name in self.workers:
+            for name in self.workers:
+                proc = self.procs[name]
+                if name != failure.name and not proc.is_alive():
+                    raise LaunchError(
+                        f"the {self.describe(name)} exited unexpectedly (code {proc.exitcode});"
+                        f" the {failure.name} process failed after it:\n{failure.error}"
+                    )
+        raise LaunchError(f"the {failure.name} process failed:\n{failure.error}")
 
     def drain(self) -> None:
         """Let running requests finish (bounded), with new requests refused by the tokenizer."""
@@ -253,7 +281,7 @@ class Launcher:
         first), give them STOP_TIMEOUT_S together to exit, then kill whatever is left (no
         orphans). They exit in parallel: each takes about a second to tear down."""
         alive = {n: p for n, p in self.procs.items() if p.is_alive()}
-        for name in STOP_ORDER:
+        for name in self.stop_order:
             if name in alive:
                 self.to[name].send(Shutdown(reason=reason))
         deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -306,15 +334,20 @@ def main(argv: list[str] | None = None) -> int:
         served = launcher.start()
         log.info(
             "Aerie is ready: %s (ZMQ %s), model %s on %s/%s",
-            launcher.listening["http_url"], launcher.listening["zmq_address"],
-            served.model.model_path, served.model.device, served.model.dtype,
+            launcher.listening["http_url"],
+            launcher.listening["zmq_address"],
+            served.model.model_path,
+            served.model.device,
+            served.model.dtype,
         )
         spec = served.speculative
         if spec.enabled:
             log.info(
                 "speculative decoding: %s, draft %s, S=%s topk=%s ND=%s",
-                spec.speculative_algorithm, spec.speculative_draft_model_path or "in the model",
-                spec.speculative_num_steps, spec.speculative_eagle_topk,
+                spec.speculative_algorithm,
+                spec.speculative_draft_model_path or "in the model",
+                spec.speculative_num_steps,
+                spec.speculative_eagle_topk,
                 spec.speculative_num_draft_tokens,
             )
         sd_notify("READY=1")

@@ -119,6 +119,23 @@ def draft_alloc_len(topk: int, num_steps: int, num_draft_tokens: int) -> int:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = _opt(
+        1,
+        "Tensor-parallel ranks: the model's heads, MLP and vocabulary are split over this "
+        "many GPUs (one process each; on CPU, processes joined over gloo).",
+    )
+    dp_size: int = _opt(1, "Data-parallel replicas behind the one frontend (only 1 so far).")
+    nnodes: int = _opt(1, "Machines the server spans (only 1 so far).")
+    node_rank: int = _opt(0, "This machine's index among --nnodes.")
+    dist_init_addr: str | None = _opt(
+        None,
+        "HOST:PORT where the tensor-parallel ranks meet (default: a free port on "
+        "127.0.0.1). It listens only on HOST.",
+    )
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = _opt("127.0.0.1", "HTTP host.")
     port: int = _opt(30000, "HTTP port (0: any free port, reported when ready).")
@@ -132,7 +149,8 @@ class ServerConfig:
         None, "Model name in /v1/models and responses (default: the model directory's name)."
     )
     watchdog_timeout_s: float = _opt(
-        30.0, "A process that answers no heartbeat for this long is reported stuck and the "
+        30.0,
+        "A process that answers no heartbeat for this long is reported stuck and the "
         "server exits (systemd then restarts it).",
     )
 
@@ -146,15 +164,18 @@ class SecurityConfig:
         secret=True,
     )
     allow_unauthenticated: bool = _opt(
-        False, "Listen beyond loopback without --api-key (anyone who can connect may use it).",
+        False,
+        "Listen beyond loopback without --api-key (anyone who can connect may use it).",
         flag=True,
     )
     allowed_hosts: str | None = _opt(
-        None, "Comma list of Host header values HTTP accepts (default: loopback names when "
+        None,
+        "Comma list of Host header values HTTP accepts (default: loopback names when "
         "bound to loopback, any otherwise); stops DNS rebinding.",
     )
     zmq_curve: bool = _opt(
-        False, "Encrypt the ZMQ port with CURVE; the server key pair is kept in the cache "
+        False,
+        "Encrypt the ZMQ port with CURVE; the server key pair is kept in the cache "
         "directory (or --zmq-curve-key-file) and its public key is logged at start.",
         flag=True,
     )
@@ -162,7 +183,8 @@ class SecurityConfig:
         None, "File holding the server's CURVE secret key (Z85), created if missing."
     )
     enable_debug_info: bool = _opt(
-        False, "Publish filesystem paths (model, tokenizer, runtime directory) in /server_info.",
+        False,
+        "Publish filesystem paths (model, tokenizer, runtime directory) in /server_info.",
         flag=True,
     )
 
@@ -188,6 +210,7 @@ class AerieConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -222,7 +245,8 @@ class AerieConfig:
 
 
 _SECTIONS = (
-    "model", "cache", "scheduler", "runner", "speculative", "server", "security", "limits"
+    "model", "cache", "scheduler", "runner", "speculative", "parallel", "server", "security",
+    "limits",
 )  # fmt: skip
 
 

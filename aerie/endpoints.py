@@ -14,9 +14,20 @@ from aerie.config import AerieConfig
 PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
 
 
+def worker_name(rank: int) -> str:
+    """The process name of tensor-parallel rank `rank`: rank 0 is "gpu_worker" (the one the
+    scheduler talks to), the others "tp1_worker", ...; rank 0 forwards them its plans."""
+    return "gpu_worker" if rank == 0 else f"tp{rank}_worker"
+
+
+def worker_names(config: AerieConfig) -> tuple[str, ...]:
+    return tuple(worker_name(rank) for rank in range(config.parallel.tp_size))
+
+
 def inbox(config: AerieConfig, name: str) -> str:
-    """The ipc:// address of process `name`'s inbox ("launcher" included)."""
-    if name not in PROCESS_NAMES and name != "launcher":
+    """The ipc:// address of process `name`'s inbox ("launcher" and worker ranks included)."""
+    ranks = range(1, config.parallel.tp_size)
+    if name not in PROCESS_NAMES and name != "launcher" and name not in map(worker_name, ranks):
         raise ValueError(f"unknown process {name!r}")
     if not config.runtime_dir:
         raise ValueError("config.runtime_dir is not resolved")

@@ -16,7 +16,7 @@ import os
 import tempfile
 
 from aerie.config import AerieConfig, SpeculativeConfig
-from aerie.model_info import read_model_info
+from aerie.model_info import ModelInfo, read_model_info
 
 
 class ConfigError(ValueError):
@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when a GPU is present, else "cpu"; "cuda" without one is an error."""
+    """ "auto" -> "cuda" when a GPU is present, else "cpu"; "cuda" without one is an error."""
     if device != "auto":
         if device == "cuda":
             import torch
@@ -38,7 +38,7 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None) -> str:
-    """"auto" -> float32 on CPU; on CUDA bfloat16 (float16 for float16 checkpoints)."""
+    """ "auto" -> float32 on CPU; on CUDA bfloat16 (float16 for float16 checkpoints)."""
     if dtype != "auto":
         return dtype
     if device == "cpu":
@@ -66,7 +66,7 @@ def default_zmq_port(port: int, zmq_port: int | None) -> int:
 
 
 def resolve_attention_backend(backend: str, device: str) -> str:
-    """"auto" -> triton on CUDA, torch_native on CPU. Triton on CPU runs in Triton's
+    """ "auto" -> triton on CUDA, torch_native on CPU. Triton on CPU runs in Triton's
     interpreter, which must be switched on before the server starts."""
     if backend == "auto":
         return "triton" if device == "cuda" else "torch_native"
@@ -128,6 +128,50 @@ def _validate(config: AerieConfig) -> None:
     fraction = config.cache.mem_fraction_static
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
+
+
+def _resolve_parallel(config: AerieConfig, device: str, info: ModelInfo) -> dict:
+    """Check the parallel flags and pick the ranks' meeting address (a free local port)."""
+    parallel = config.parallel
+    if parallel.dp_size != 1 or parallel.nnodes != 1 or parallel.node_rank != 0:
+        raise ConfigError(
+            "--dp-size, --nnodes and --node-rank other than 1 / 1 / 0 are not supported yet: "
+            "run one server per replica behind a load balancer, or shard the model over the "
+            "GPUs of one machine with --tp-size"
+        )
+    size = parallel.tp_size
+    if size < 1:
+        raise ConfigError(f"--tp-size must be >= 1, got {size}")
+    heads, kv_heads = info.num_attention_heads, info.num_kv_heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ConfigError(
+            f"--tp-size {size} must divide the model's {heads} attention heads, and divide or "
+            f"be a multiple of its {kv_heads} KV heads"
+        )
+    if device == "cuda":
+        import torch
+
+        if size > torch.cuda.device_count():
+            raise ConfigError(
+                f"--tp-size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}"
+            )
+    address = parallel.dist_init_addr
+    if size > 1 and address is None:
+        address = f"127.0.0.1:{free_port()}"
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {address!r}")
+    return {"dist_init_addr": address}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (on 127.0.0.1)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 DRAFT_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
@@ -286,6 +330,7 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
             "max_running_requests": config.scheduler.max_running_requests or default_rows,
         },
         speculative=speculative,
+        parallel=_resolve_parallel(config, device, info),
         runner={
             "attention_backend": resolve_attention_backend(config.runner.attention_backend, device),
             "cuda_graph_max_bs": resolve_cuda_graph_max_bs(config, device, default_rows),

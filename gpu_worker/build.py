@@ -21,6 +21,7 @@ from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner, Po
 from gpu_worker.models import read_arch_config
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
 from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir
+from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
 from gpu_worker.speculative.iteration import SpeculativeWorker
@@ -44,17 +45,18 @@ class Models:
     speculative: SpeculativeWorker | None
 
 
-def build_models(config: AerieConfig) -> Models:
+def build_models(config: AerieConfig, tp: TensorParallel = SINGLE) -> Models:
+    """tp: this process's rank in the tensor-parallel group (every runner is sharded over it)."""
     if "auto" in (config.model.device, config.model.dtype, config.runner.attention_backend):
         raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
     if not config.model.model_path:
         raise ValueError("config.model.model_path is not resolved")
-    target = ModelRunner(target_spec(config), target_pools(config))
+    target = ModelRunner(target_spec(config, tp), target_pools(config))
     sampling = SamplingState(target.max_running_requests, target.vocab_size, target.device)
     spec = config.speculative
     if not spec.enabled:
         return Models(target, [], sampling, None)
-    drafts = [ModelRunner(s, target.pools, draft_of=target) for s in draft_specs(config)]
+    drafts = [ModelRunner(s, target.pools, draft_of=target) for s in draft_specs(config, tp)]
     worker: SpeculativeWorker
     if spec.speculative_algorithm == "MTP":
         worker = MTPWorker(spec, target, drafts, sampling, graph_max_bs(config))
@@ -70,11 +72,16 @@ def graph_max_bs(config: AerieConfig) -> int:
     return config.runner.cuda_graph_max_bs or 0
 
 
-def target_spec(config: AerieConfig) -> RunnerSpec:
+def rank_device(device: str, tp: TensorParallel) -> str:
+    """The device of a tensor-parallel rank: GPU r of the machine for rank r."""
+    return f"cuda:{tp.rank}" if device == "cuda" and tp.size > 1 else device
+
+
+def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
     model, spec = config.model, config.speculative
     return RunnerSpec(
         model.model_path or "",
-        device=model.device,
+        device=rank_device(model.device, tp),
         dtype=DTYPES[model.dtype],
         load_format=model.load_format,
         seed=model.random_seed,
@@ -84,6 +91,7 @@ def target_spec(config: AerieConfig) -> RunnerSpec:
         # step, or the speculative stages), budgeted through graph_tokens.
         cuda_graph_max_bs=0,
         graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1),
+        tp=tp,
     )  # fmt: skip
 
 
@@ -108,17 +116,19 @@ def target_pools(config: AerieConfig) -> PoolSpec:
     )
 
 
-def draft_specs(config: AerieConfig) -> list[RunnerSpec]:
+def draft_specs(config: AerieConfig, tp: TensorParallel = SINGLE) -> list[RunnerSpec]:
     """One EAGLE / EAGLE-3 draft, or one runner per MTP layer (each its own seed, so random
-    layers differ). --load-format dummy (benchmarks) gives the drafts random weights too."""
+    layers differ), in the target's tensor-parallel group. --load-format dummy (benchmarks)
+    gives the drafts random weights too."""
     model, spec = config.model, config.speculative
     common = RunnerSpec(
         spec.speculative_draft_model_path or "",
-        device=model.device,
+        device=rank_device(model.device, tp),
         dtype=DTYPES[model.dtype],
         load_format="dummy" if model.load_format == "dummy" else "auto",
         seed=model.random_seed,
         attention_backend=config.runner.attention_backend,
+        tp=tp,
     )
     if spec.speculative_algorithm != "MTP":
         return [common]

@@ -33,6 +33,7 @@ from gpu_worker.layers.rotary import init_cos_sin_caches
 from gpu_worker.models import ArchConfig, build_model, read_arch_config
 from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
+from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class RunnerSpec:
     attention backend supports it; the same padded path eagerly otherwise); 0: always eager.
     graph_tokens: tokens per forward of the CUDA graphs others capture this runner's forwards
     in (the speculative stages: max batch x ND), kept out of the KV budget like its own graphs.
+    tp: the tensor-parallel group the model is sharded over (a draft's must be its target's).
     """
 
     model_dir: str
@@ -81,6 +83,7 @@ class RunnerSpec:
     aux_hidden_layers: tuple[int, ...] = ()
     cuda_graph_max_bs: int = 0
     graph_tokens: int = 0
+    tp: TensorParallel = SINGLE
 
 
 @dataclass(frozen=True)
@@ -118,12 +121,17 @@ class ModelRunner:
             raise ValueError("an MTP layer is a draft: pass draft_of")
         if draft_of is not None and pools != draft_of.pools:
             raise ValueError("a draft shares its target's slots: pass draft_of.pools")
-        self.spec = spec
+        if draft_of is not None and spec.tp != draft_of.spec.tp:
+            raise ValueError("a draft runs in its target's tensor-parallel group")
+        self.spec, self.tp = spec, spec.tp
         self.model_dir, self.mtp_layer = spec.model_dir, spec.mtp_layer
         self.device, self.dtype = torch.device(spec.device), spec.dtype
         self.config: ArchConfig = read_arch_config(self.model_dir)
         if self.mtp_layer is not None:
             self.config = mtp_arch_config(self.config, self.mtp_layer)
+        # This rank's share of the heads (all of them without tensor parallelism).
+        self.num_heads = self.tp.split(self.config.num_heads, "the number of attention heads")[1]
+        self.num_kv_heads = self.tp.kv_heads(self.config.num_kv_heads)[1]
         self.page_size = pools.page_size
         self.max_running_requests = pools.max_running_requests
         self.context_length = pools.context_length or self.config.max_position_embeddings
@@ -147,12 +155,12 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, row_width, self.device)
         config = self.config
         self.kv_pool = KVPool(
-            self.max_total_tokens, self.page_size, config.num_layers, config.num_kv_heads,
+            self.max_total_tokens, self.page_size, config.num_layers, self.num_kv_heads,
             config.head_dim, self.dtype, self.device,
         )  # fmt: skip
         self.staging = Staging(self.device)
         self.attn_backend = create_attention_backend(
-            spec.attention_backend, self.req_to_token_pool, self.kv_pool, config.num_heads
+            spec.attention_backend, self.req_to_token_pool, self.kv_pool, self.num_heads
         )
         self.graph_runner: CudaGraphRunner | None = None
         if spec.cuda_graph_max_bs > 0:
@@ -191,7 +199,7 @@ class ModelRunner:
         elif is_draft:
             dummy = load_format == "dummy"
             options["tensor_names"] = None if dummy else list_tensor_names(self.model_dir)
-        model = build_model(self.config, self.device, self.dtype, **options)
+        model = build_model(self.config, self.device, self.dtype, tp=self.tp, **options)
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
@@ -219,13 +227,15 @@ class ModelRunner:
         and the pools sharing its slot count; a page_size multiple."""
         if max_total_tokens is None:
             per_token = shared_per_token + kv_bytes_per_token(
-                self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
+                self.config.num_layers, self.num_kv_heads, self.config.head_dim, self.dtype
             )
             max_total_tokens = self._kv_budget_bytes(mem_fraction) // per_token
             # More than every row at full context can never be used.
             max_total_tokens = min(
                 max_total_tokens, self.max_running_requests * self.context_length
             )
+            # Each tensor-parallel rank measures its own memory; all hold what the least fits.
+            max_total_tokens = self.tp.agree_min(max_total_tokens)
         max_total_tokens = max_total_tokens // self.page_size * self.page_size
         if max_total_tokens <= 0:
             raise RuntimeError(
@@ -252,9 +262,7 @@ class ModelRunner:
         return self.run_model(batch)
 
     @torch.inference_mode()
-    def forward_host(
-        self, host: HostBatch, input_ids: torch.Tensor | None = None
-    ) -> LogitsOutput:
+    def forward_host(self, host: HostBatch, input_ids: torch.Tensor | None = None) -> LogitsOutput:
         """Run a batch given on the host: in a CUDA graph when one fits (the outputs are then
         views of its static buffers, valid until the next call), else eagerly after one copy
         through pinned staging. input_ids: token ids already on the device, instead of

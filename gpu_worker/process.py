@@ -6,6 +6,13 @@ sent to the scheduler. While a step runs on the device the loop keeps reading th
 the next plan (the scheduler keeps up to two in flight) is queued behind it before it ends:
 the device does not wait for the host between steps. Shutdown ends the loop. Handlers are
 dispatched by message type through a table.
+
+With tensor parallelism (`--tp-size N`) there is one such process per rank. Rank 0 is the
+"gpu_worker" the scheduler talks to: it forwards every plan (and Shutdown) to the other ranks'
+inboxes before launching it itself, and only it sends results. The other ranks run the same
+loop on what rank 0 forwards, so every rank launches the same steps in the same order and
+their collectives meet; their results are dropped (they are rank 0's, see
+`gpu_worker.parallel`).
 """
 
 from __future__ import annotations
@@ -22,34 +29,43 @@ from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, Heartbeat, Shutdown
 from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
+from gpu_worker.build import rank_device
+from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.step_profile import StepProfiler
 from gpu_worker.worker import GPUWorker, Launched
 
 
 class WorkerLoop:
-    """The worker core plus its sockets (inbox bound before readiness is reported)."""
+    """The worker core of one tensor-parallel rank plus its sockets (inbox bound before
+    readiness is reported)."""
 
-    def __init__(self, config: AerieConfig) -> None:
-        if config.model.device != "cuda":
-            torch.set_num_threads(os.cpu_count() or 1)
-        self.worker = GPUWorker(config)
-        self.inbox = Receiver(endpoints.inbox(config, "gpu_worker"))
-        self.scheduler = Sender(endpoints.inbox(config, "scheduler"))
+    def __init__(self, config: AerieConfig, rank: int = 0) -> None:
+        self.worker = GPUWorker(config, join_group(config, rank))
+        self.name = endpoints.worker_name(rank)
+        self.inbox = Receiver(endpoints.inbox(config, self.name))
+        # Rank 0 reports to the scheduler and forwards plans to the other ranks.
+        self.scheduler = Sender(endpoints.inbox(config, "scheduler")) if rank == 0 else None
+        others = endpoints.worker_names(config)[1:] if rank == 0 else ()
+        self.followers = [Sender(endpoints.inbox(config, name)) for name in others]
         self.running = True
         self.launched: deque[Launched] = deque()
         self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
             Shutdown: self.handle_shutdown,
-            Heartbeat: HeartbeatResponder(config, "gpu_worker"),
+            Heartbeat: HeartbeatResponder(config, self.name),
         }
 
     def handle_plan(self, plan: ForwardPlan) -> None:
+        for follower in self.followers:
+            follower.send(plan)
         if self.profiler is not None:
             self.profiler.on_launch()
         self.launched.append(self.worker.launch(plan))
 
     def handle_shutdown(self, message: Shutdown) -> None:
+        for follower in self.followers:
+            follower.send(message)
         self.running = False
 
     def run(self) -> None:
@@ -63,11 +79,15 @@ class WorkerLoop:
             if message is not None:
                 self.dispatch(message)
             elif self.launched[0].ready():
-                self.scheduler.send(self.worker.finish(self.launched.popleft()))
+                result = self.worker.finish(self.launched.popleft())
+                if self.scheduler is not None:
+                    self.scheduler.send(result)
                 if self.profiler is not None:
                     self.profiler.on_finish()
         self.inbox.close()
-        self.scheduler.close()
+        for sender in (self.scheduler, *self.followers):
+            if sender is not None:
+                sender.close()
 
     def dispatch(self, message: Any) -> None:
         handler = self.handlers.get(type(message))
@@ -76,11 +96,22 @@ class WorkerLoop:
         handler(message)
 
 
-def run_gpu_worker_process(config: AerieConfig) -> None:
+def join_group(config: AerieConfig, rank: int) -> TensorParallel:
+    """Set up this rank's device and threads, and join the tensor-parallel group."""
+    size = config.parallel.tp_size
+    device = torch.device(rank_device(config.model.device, TensorParallel(rank, size)))
+    if device.index is not None:  # "cuda:r": each rank its own GPU
+        torch.cuda.set_device(device)
+    elif device.type == "cpu":  # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    return init_tensor_parallel(rank, size, config.parallel.dist_init_addr or "", device)
+
+
+def run_gpu_worker_process(config: AerieConfig, rank: int = 0) -> None:
     run_process(
-        "gpu_worker",
+        endpoints.worker_name(rank),
         config,
-        build=WorkerLoop,
+        build=lambda config: WorkerLoop(config, rank),
         loop=lambda core: core.run(),
         ready_info=lambda core: core.worker.info(),
     )

@@ -5,7 +5,8 @@ do); those are read with torch's weights-only unpickler, which refuses arbitrary
 
 Name mapping goes through `model.map_weight_name(name)` (None skips a tensor, e.g. a tied
 `lm_head.weight`); names of the projections a model merges (q/k/v_proj into qkv_proj,
-gate/up_proj into gate_up_proj) load into their rows of the merged parameter. Every parameter
+gate/up_proj into gate_up_proj) load into their rows of the merged parameter, and a
+tensor-parallel module loads only its rank's slice (`checkpoint_loaders`). Every parameter
 (shard) must be loaded exactly once and every tensor must map to one; otherwise a
 `WeightLoadError` names the offenders.
 """
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from gpu_worker.layers.linear import MergedLinear
+from gpu_worker.layers.linear import Loader
 
 _MAX_NAMES_SHOWN = 10
 # (index file, glob of weight files), in order of preference
@@ -94,41 +95,42 @@ def _describe(names: list[str]) -> str:
     return shown + (f" (and {more} more)" if more > 0 else "")
 
 
-def merged_shard_names(model: nn.Module) -> dict[str, tuple[MergedLinear, str, str]]:
-    """The checkpoint names a model's merged projections load from, e.g.
-    `model.layers.0.self_attn.k_proj.weight` -> (that layer's qkv_proj, "k_proj", "weight")."""
-    names: dict[str, tuple[MergedLinear, str, str]] = {}
+def checkpoint_loaders(model: nn.Module) -> tuple[dict[str, Loader], set[int]]:
+    """The checkpoint names that sharded or merged modules load themselves (`MergedLinear`,
+    `RowParallelLinear`, the vocabulary-parallel embedding and LM head: each copies its rank's
+    slice), e.g. `model.layers.0.self_attn.k_proj.weight` -> that layer's qkv_proj loader; and
+    the ids of the parameters those loaders fill. A parameter shared by two modules (a tied LM
+    head) is loaded through the first one only, as `named_parameters` names it once."""
+    loaders: dict[str, Loader] = {}
+    covered: set[int] = set()
     for path, module in model.named_modules():
-        if not isinstance(module, MergedLinear):
+        if not hasattr(module, "checkpoint_loaders"):
             continue
-        parent = path.rpartition(".")[0]
-        for shard in module.shard_rows:
-            for param_name, _ in module.named_parameters(recurse=False):
-                name = f"{parent}.{shard}.{param_name}" if parent else f"{shard}.{param_name}"
-                names[name] = (module, shard, param_name)
-    return names
+        params = [id(p) for p in module.parameters(recurse=False)]
+        if params and all(p in covered for p in params):
+            continue
+        loaders.update(module.checkpoint_loaders(path))
+        covered.update(params)
+    return loaders, covered
 
 
 @torch.no_grad()
 def load_weights(model: nn.Module, model_dir: str, what: str | None = None) -> None:
-    """Copy every checkpoint tensor into the parameter of the same (mapped) name, or into its
-    rows of a merged projection (`MergedLinear`), casting to the parameter's dtype and device.
-    Mutates the model's parameters in place. `what` names the model in errors (default: its
-    class)."""
+    """Copy every checkpoint tensor into the parameter of the same (mapped) name, or through
+    the loader of the module that takes it (merged projections, tensor-parallel shards),
+    casting to the parameter's dtype and device. Mutates the model's parameters in place.
+    `what` names the model in errors (default: its class)."""
     params = dict(model.named_parameters())
-    shards = merged_shard_names(model)
-    merged = {id(module.weight) for module, _, _ in shards.values()}
-    merged |= {id(module.bias) for module, _, _ in shards.values() if module.bias is not None}
-    expected = {n for n, p in params.items() if id(p) not in merged} | set(shards)
+    loaders, covered = checkpoint_loaders(model)
+    expected = {n for n, p in params.items() if id(p) not in covered} | set(loaders)
     loaded: set[str] = set()
     unexpected: list[str] = []
     mapped = lambda name: model.map_weight_name(name) is not None  # noqa: E731
     for name, tensor in iterate_tensors(list_weight_files(model_dir), keep=mapped):
         target = model.map_weight_name(name)
-        if target in shards:
-            module, shard, param_name = shards[target]
+        if target in loaders:
             try:
-                module.load_shard(shard, param_name, tensor)
+                loaders[target](tensor)
             except ValueError as e:
                 raise WeightLoadError(f"tensor {name!r}: {e}") from None
         elif target in params and target in expected:

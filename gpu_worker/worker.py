@@ -33,6 +33,7 @@ from aerie.messages import ForwardPlan, RequestStart, StepResult
 from gpu_worker.build import build_models, graph_max_bs
 from gpu_worker.decode_step import DecodeStep
 from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
+from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.plan_arrays import PlanArrays, parse_plan
 from gpu_worker.row_state import RowState
 from gpu_worker.speculative.target_verify import SpecStepOutput
@@ -54,10 +55,11 @@ class Launched:
 
 
 class GPUWorker:
-    def __init__(self, config: AerieConfig) -> None:
-        """config: resolved (model_path a local directory; device and dtype concrete)."""
-        self.config = config
-        models = build_models(config)
+    def __init__(self, config: AerieConfig, tp: TensorParallel = SINGLE) -> None:
+        """config: resolved (model_path a local directory; device and dtype concrete). tp: this
+        worker's tensor-parallel rank; every rank runs every plan (see `gpu_worker.parallel`)."""
+        self.config, self.tp = config, tp
+        models = build_models(config, tp)
         self.runner, self.draft_runner_list = models.target, models.draft_runner_list
         self.runners = [self.runner, *self.draft_runner_list]
         self.sampling, self.spec = models.sampling, models.speculative
@@ -169,9 +171,7 @@ class GPUWorker:
 
         return Launched(plan_id, copy, pack)
 
-    def _launch_speculative(
-        self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor
-    ) -> Launched:
+    def _launch_speculative(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
         assert self.spec is not None
         want = bool(self.return_logprob[arrays.rows].any())
         prefix_lens, bonus = self.rows.prefix_lens[rows], self.rows.tokens[rows]

@@ -8,6 +8,7 @@
 #   overlap schedule, served on/off (SPEC=EAGLE3 for speculation): bash tools/device_bench.sh overlap
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
+#   tensor parallelism on 2 GPUs (kind nvidia-h200-x2): bash tools/device_bench.sh tp
 #   the shipped drafts, trained and measured on MT-bench (several chained calls; see the branch):
 #   bash tools/device_bench.sh train
 # Before the calls, here (no GPU): bash ../shared/device/prepare.sh --model && bash tools/device_bench.sh prepare
@@ -218,7 +219,7 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
     for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
     # Warm-up at the largest concurrency: the first prefills of new shapes compile kernels.
     python benchmarks/bench_serving.py --num-prompts 256 --output-len 16 --max-concurrency 256 \
-      --dataset-path .device-carry/sharegpt_subset.json --tokenizer $model --seed 7 > /dev/null 2>&1
+      --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model --seed 7 > /dev/null 2>&1
     for conc in ${CONCURRENCY:-64 1 8 32 128 256} poisson; do
       backend=openai; [[ $conc == 1 ]] && backend=native
       if [[ $conc == poisson ]]; then rate=${POISSON_RATE:-32}; n=256; c=256
@@ -269,6 +270,46 @@ for path in glob.glob(f"{out}/serve_{tag}_{mode}_c*.txt"):
     os.remove(path)
 json.dump(runs, open(f"{out}/serving_{tag}_{mode}.json", "w"), indent=1)
 PY
+  done
+  exit 0
+fi
+if [[ $1 == tp ]]; then
+  # Tensor parallelism on the 2-GPU machine (kind nvidia-h200-x2): the sharded model against HF
+  # over NCCL (rank r on cuda:r), launched --tp-size 2 servers against transformers (triton and
+  # CUDA graphs with the all-reduces captured; EAGLE / EAGLE-3 / MTP drafts; a killed rank),
+  # then the Llama-3.1-8B shape (random weights) served at TP 1 and 2: one stream (native
+  # /generate, OUTPUT_LEN tokens) and CONCURRENCY streams, each TP in its own server.
+  # carry: .device-carry/wheels .device-carry/llama8b .device-carry/sharegpt_subset.json
+  # .device-carry/on_device.sh (or, with the shipped drafts left in the tree, a 300-conversation
+  # .device-carry/sharegpt_small.json instead of the subset, named by DATASET)
+  nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+  [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_TP_TEST_DEVICE=cuda timeout ${UNIT_S:-150} python -m pytest \
+    tests/gpu_worker/test_tensor_parallel.py -q -p no:cacheprovider > "$OUT/unit.txt" 2>&1
+  tail -2 "$OUT/unit.txt"
+  [[ ${SKIP_E2E:-0} == 1 ]] || AERIE_E2E_DEVICE=cuda timeout ${E2E_S:-300} python -m pytest \
+    tests/e2e/test_tensor_parallel.py -q -p no:cacheprovider -n ${E2E_WORKERS:-3} -k "${E2E_K:-}" \
+    > "$OUT/e2e.txt" 2>&1
+  tail -3 "$OUT/e2e.txt"
+  for f in $(ls -t /tmp/aerie-e2e-*.log 2>/dev/null | head -6); do
+    echo "== $f"; tail -c 20000 "$f"; done > "$OUT/e2e_server_logs.txt"
+  [[ ${SKIP_BENCH:-0} == 1 ]] && exit 0
+  model=.device-carry/llama8b
+  for tp in ${TPS:-1 2}; do
+    python launch.py --model-path $model --load-format dummy --port 30000 --tp-size $tp \
+      --max-running-requests 128 > "$OUT/server_tp$tp.log" 2>&1 &
+    server=$!
+    for _ in $(seq ${START_S:-240}); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+    python benchmarks/bench_serving.py --num-prompts 64 --output-len 16 --max-concurrency 64 \
+      --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model --seed 7 > /dev/null 2>&1
+    for conc in 1 ${CONCURRENCY:-64}; do
+      backend=openai; [[ $conc == 1 ]] && backend=native
+      echo "== TP $tp concurrency $conc"
+      timeout 120 python benchmarks/bench_serving.py --backend $backend --num-prompts $((conc == 1 ? 8 : conc * 2)) \
+        --output-len ${OUTPUT_LEN:-256} --max-concurrency $conc --max-input-len 512 \
+        --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model --seed 3 \
+        --output "$OUT/serving_tp${tp}_c$conc.json" 2>&1 | tail -9
+    done
+    kill -TERM $server; wait $server; echo "server TP $tp exit $?"
   done
   exit 0
 fi

@@ -17,14 +17,17 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels import activation, small_m_linear
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.linear import MergedLinear
+from gpu_worker.layers.linear import MergedLinear, RowParallelLinear, Shard
 from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.models.config import ArchConfig
+from gpu_worker.parallel import SINGLE, TensorParallel
 
 
 class LlamaAttention(nn.Module):
     """Self-attention with one merged qkv projection. qkv_bias/o_bias add projection biases
-    (Qwen2), qk_norm adds per-head RMSNorm of q and k before rotary (Qwen3)."""
+    (Qwen2), qk_norm adds per-head RMSNorm of q and k before rotary (Qwen3). Under TP this
+    rank runs its query heads and the KV heads they read (`TensorParallel.kv_heads`)."""
 
     def __init__(
         self,
@@ -34,16 +37,21 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         in_features: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         """in_features: width of the attention input (default hidden_size; EAGLE-3: 2H)."""
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = MergedLinear(
-            in_features or h, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, qkv_bias
+        first_head, self.num_heads = tp.split(config.num_heads, "the number of attention heads")
+        first_kv, self.num_kv_heads = tp.kv_heads(config.num_kv_heads)
+        self.head_dim = d
+        q = Shard.heads(first_head, self.num_heads, config.num_heads, d)
+        kv = Shard.heads(first_kv, self.num_kv_heads, config.num_kv_heads, d)
+        shards = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        self.qkv_proj = MergedLinear(in_features or h, shards, qkv_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * d, h, o_bias, tp, "the attention width (heads x head_dim)"
         )
-        self.o_proj = nn.Linear(q_rows, h, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -71,11 +79,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     use_triton = False
 
-    def __init__(self, config: ArchConfig) -> None:
+    def __init__(self, config: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        rows = Shard.split(i, tp, "intermediate_size")
+        self.gate_up_proj = MergedLinear(h, {"gate_proj": rows, "up_proj": rows}, bias)
+        self.down_proj = RowParallelLinear(i, h, bias, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [n, 2 * intermediate]
@@ -95,10 +104,12 @@ class LlamaDecoderLayer(nn.Module):
 
     use_triton = False
 
-    def __init__(self, config: ArchConfig, layer_id: int, **attn_options: bool) -> None:
+    def __init__(
+        self, config: ArchConfig, layer_id: int, tp: TensorParallel = SINGLE, **attn_options: bool
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, **attn_options)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, tp=tp, **attn_options)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -144,13 +155,14 @@ class LlamaDecoderLayer(nn.Module):
                 x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias
             )
         o = attn.attend(qkv, batch, cos_sin_cache)
-        x = small_m_linear.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+        x = attn.o_proj.reduce(small_m_linear.linear(o, attn.o_proj.weight, attn.o_proj.bias))
         norm = self.post_attention_layernorm
         gate_up, residual = small_m_linear.rms_norm_linear(
             x, residual, norm.weight, norm.eps, gate_up_proj.weight, gate_up_proj.bias
         )
         down = mlp.down_proj
-        return small_m_linear.silu_mul_linear(gate_up, down.weight, down.bias), residual
+        out = small_m_linear.silu_mul_linear(gate_up, down.weight, down.bias)
+        return down.reduce(out), residual
 
 
 def run_layers(
@@ -175,11 +187,11 @@ def run_layers(
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchConfig, **attn_options: bool) -> None:
+    def __init__(self, config: ArchConfig, tp: TensorParallel = SINGLE, **attn_options: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, **attn_options) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, tp, **attn_options) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -201,11 +213,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ArchConfig) -> None:
+    def __init__(self, config: ArchConfig, tp: TensorParallel = SINGLE) -> None:
+        """tp: this rank's place in its tensor-parallel group (`gpu_worker.parallel`)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, **self.attention_options(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, tp, **self.attention_options(config))
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:

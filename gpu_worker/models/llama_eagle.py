@@ -12,8 +12,10 @@ and passes `h` back to itself as the next draft step's hidden. Embedding and LM 
 TARGET's modules (the same Parameters), attached by `attach_target` after loading.
 
 Draft-model contract (also followed by `LlamaForCausalLMEagle3`):
-- `__init__(config, tensor_names)`: tensor_names = the checkpoint's tensor names (None for dummy
-  weights); decides which optional modules the draft owns, so nothing is allocated twice.
+- `__init__(config, tensor_names, tp)`: tensor_names = the checkpoint's tensor names (None for
+  dummy weights); decides which optional modules the draft owns, so nothing is allocated twice.
+  tp: the target's tensor-parallel group; the draft's decoder layers (and any embedding or LM
+  head of its own) are sharded like the target's, the small input projection is replicated.
 - `forward(batch) -> [num_tokens, H]` pass-back hidden; `compute_logits(hidden) -> [n, V] f32`.
 - `attach_target(target)`: after weights are loaded, share the target's modules the format
   leaves out and finish derived tensors. Until then the draft cannot run.
@@ -28,6 +30,7 @@ from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.models.config import ArchConfig
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, run_layers
+from gpu_worker.parallel import SINGLE, TensorParallel
 
 # Tensors a draft checkpoint may hold that a draft model never loads.
 _ALWAYS_SKIPPED = ("rotary_emb.inv_freq",)
@@ -59,7 +62,12 @@ def read_spec_hidden(batch: ForwardBatch) -> torch.Tensor:
 
 
 class LlamaForCausalLMEagle(nn.Module):
-    def __init__(self, config: ArchConfig, tensor_names: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        tensor_names: set[str] | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.config = config
         names = normalized_names(tensor_names)
@@ -68,7 +76,7 @@ class LlamaForCausalLMEagle(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=has_bias)
         attn_options = LlamaForCausalLM.attention_options(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, **attn_options) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, tp, **attn_options) for i in range(config.num_layers)
         )
         # NOTE: EAGLE's first layer has no input norm: fc's output enters attention as is.
         self.layers[0].input_layernorm = None

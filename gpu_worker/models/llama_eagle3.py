@@ -23,6 +23,7 @@ from torch import nn
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.models.config import ArchConfig
 from gpu_worker.models.llama import LlamaAttention, LlamaMLP
 from gpu_worker.models.llama_eagle import (
@@ -31,6 +32,7 @@ from gpu_worker.models.llama_eagle import (
     strip_model_prefix,
     target_embed_and_head,
 )
+from gpu_worker.parallel import SINGLE, TensorParallel
 
 NUM_DEFAULT_AUX_LAYERS = 3
 
@@ -67,17 +69,17 @@ def eagle3_aux_layer_ids(draft_config: dict, num_target_layers: int) -> list[int
 class Eagle3DecoderLayer(nn.Module):
     """The draft's single layer (`midlayer.*` in checkpoints)."""
 
-    def __init__(self, config: ArchConfig) -> None:
+    def __init__(self, config: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.hidden_norm = RMSNorm(h, eps)
         self.input_layernorm = RMSNorm(h, eps)
         bias = config.attention_bias
         self.self_attn = LlamaAttention(
-            config, 0, qkv_bias=bias, o_bias=bias, qk_norm=False, in_features=2 * h
+            config, 0, qkv_bias=bias, o_bias=bias, qk_norm=False, in_features=2 * h, tp=tp
         )  # q/k/v read the 2H-wide cat(embeds, hidden)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -94,7 +96,12 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLMEagle3(nn.Module):
-    def __init__(self, config: ArchConfig, tensor_names: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        tensor_names: set[str] | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.config = config
         names = normalized_names(tensor_names)
@@ -106,15 +113,15 @@ class LlamaForCausalLMEagle3(nn.Module):
         self.aux_width = num_aux * target_hidden
         has_bias = names is not None and "fc.bias" in names
         self.fc = nn.Linear(self.aux_width, h, bias=has_bias)
-        self.midlayer = Eagle3DecoderLayer(config)
+        self.midlayer = Eagle3DecoderLayer(config, tp)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.embed_tokens: nn.Embedding | None = None
         if names is not None and "embed_tokens.weight" in names:
-            self.embed_tokens = nn.Embedding(config.vocab_size, h)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp)
         self.lm_head: nn.Linear | None = None
         if smaller_vocab or (names is not None and "lm_head.weight" in names):
-            self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(h, self.draft_vocab_size, tp)
         self.d2t: nn.Parameter | None = None
         if smaller_vocab or (names is not None and "d2t" in names):
             self.d2t = nn.Parameter(

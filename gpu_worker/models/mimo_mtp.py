@@ -40,6 +40,7 @@ from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.models.config import ArchConfig, read_arch_config
 from gpu_worker.models.llama import LlamaDecoderLayer
 from gpu_worker.models.llama_eagle import read_spec_hidden, target_embed_and_head
+from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.weights import WeightLoadError, list_tensor_names
 
 MTP_ARCHITECTURE = "MiMoMTPLayer"
@@ -123,7 +124,11 @@ class MiMoMTPLayer(nn.Module):
     unused (the layout has no optional modules)."""
 
     def __init__(
-        self, config: ArchConfig, tensor_names: set[str] | None = None, mtp_layer: int = 0
+        self,
+        config: ArchConfig,
+        tensor_names: set[str] | None = None,
+        mtp_layer: int = 0,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
@@ -132,7 +137,7 @@ class MiMoMTPLayer(nn.Module):
         self.token_layernorm = RMSNorm(h, eps)
         self.hidden_layernorm = RMSNorm(h, eps)
         self.input_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = LlamaDecoderLayer(config, 0, **_block_attention_options(config))
+        self.block = LlamaDecoderLayer(config, 0, tp, **_block_attention_options(config))
         self.final_layernorm = RMSNorm(h, eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.embed_tokens: nn.Embedding | None = None  # the target's, see attach_target

@@ -52,7 +52,8 @@ def build_model(
 ) -> nn.Module:
     """An uninitialised model of `config` on `device` in `dtype` (weights are garbage until
     loaded or dummy-initialised). Built on the meta device first, so nothing is initialised
-    twice. model_options go to the class (drafts take `tensor_names`, an MTP layer `mtp_layer`)."""
+    twice. model_options go to the class (drafts take `tensor_names`, an MTP layer `mtp_layer`;
+    every model `tp`, its tensor-parallel group)."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config, **model_options)

@@ -17,7 +17,7 @@ def test_every_design_flag_exists():
         "--mem-fraction-static --chunked-prefill-size --attention-backend --disable-cuda-graph "
         "--cuda-graph-max-bs --speculative-algorithm --speculative-draft-model-path "
         "--speculative-num-steps --speculative-eagle-topk --speculative-num-draft-tokens "
-        "--random-seed --log-level"
+        "--random-seed --log-level --tp-size --dp-size --nnodes --node-rank --dist-init-addr"
     ).split()
     assert set(design) <= flags
 
@@ -91,12 +91,29 @@ def test_port_zero_asks_for_any_free_ports(tmp_path):
         (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
         (["--port", "70000"], r"--port must be in \[0, 65535\]"),
         (["--zmq-port", "-1"], r"--zmq-port must be in \[0, 65535\]"),
+        (["--tp-size", "0"], "--tp-size must be >= 1"),
+        (["--tp-size", "3"], "--tp-size 3 must divide the model's 2 attention heads"),
+        (["--dp-size", "2"], "not supported yet"),
+        (["--nnodes", "2"], "not supported yet"),
+        (["--tp-size", "2", "--dist-init-addr", "nohost"], "must be HOST:PORT"),
     ],
 )
 def test_resolve_refuses_impossible_values(tmp_path, argv, message):
     path = _model_dir(tmp_path)
     with pytest.raises(ConfigError, match=message):
         resolve_config(config_from_args(["--model-path", path, "--device", "cpu", *argv]))
+
+
+def test_tensor_parallel_ranks_meet_at_a_local_port(tmp_path):
+    path = _model_dir(tmp_path)
+    single = resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
+    assert single.parallel.dist_init_addr is None
+    cfg = resolve_config(config_from_args(["--model-path", path, "--device", "cpu",
+                                           "--tp-size", "2"]))  # fmt: skip
+    host, _, port = cfg.parallel.dist_init_addr.rpartition(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    for c in (single, cfg):
+        os.rmdir(c.runtime_dir)
 
 
 def test_missing_weights_suggest_dummy(tmp_path):

@@ -7,13 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_worker.layers.linear import MergedLinear
 from gpu_worker.models import build_model, get_model_class, read_arch_config
-from gpu_worker.weights import (
-    WeightLoadError,
-    list_weight_files,
-    load_weights,
-    merged_shard_names,
-)
+from gpu_worker.weights import WeightLoadError, list_weight_files, load_weights
 
 
 def load(model_dir: str):
@@ -29,7 +25,13 @@ def test_sharded_checkpoint_loads_every_tensor(tiny_dirs):
     stored = {}
     for path in files:
         stored.update(load_file(path))
-    merged = merged_shard_names(model)
+    merged = {  # checkpoint name -> (merged module, shard, parameter)
+        f"{path.rpartition('.')[0]}.{shard}.{param_name}": (module, shard, param_name)
+        for path, module in model.named_modules()
+        if isinstance(module, MergedLinear)
+        for shard in module.shard_rows
+        for param_name in ("weight", "bias")
+    }
     for name, tensor in stored.items():
         if name in merged:  # q/k/v, gate/up: their rows of the merged projection
             module, shard, param_name = merged[name]
@@ -38,7 +40,9 @@ def test_sharded_checkpoint_loads_every_tensor(tiny_dirs):
         else:
             assert torch.equal(model.get_parameter(name), tensor), name
     assert {n for n in stored if ".self_attn." in n} >= {  # HF names: the merge is ours
-        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    }
 
 
 def test_tied_embeddings_share_one_parameter(tiny_dirs):

@@ -1,0 +1,123 @@
+"""Tensor parallelism: the rank's place in its group (`TensorParallel`) and its collectives.
+
+A model sharded over N ranks runs the same forward on every rank, each on its part of the
+weights (`gpu_worker.layers.linear`, `gpu_worker.layers.vocab`):
+
+    merged qkv / gate_up    column-parallel: each rank its heads / its intermediate rows
+    o_proj / down_proj      row-parallel: each rank its input columns, then an all-reduce
+    embedding / LM head     vocabulary-parallel: each rank a contiguous block of token ids;
+                            the embedding all-reduces, the LM head all-gathers the logits
+
+so a layer costs two all-reduces. KV heads are split like the query heads; with fewer KV heads
+than ranks each KV head is replicated on N / num_kv_heads ranks (the ranks whose query heads
+read it).
+
+NOTE: every rank computes the same logits (an all-gather copies, and an all-reduce hands every
+rank the same sum), samples the same tokens from the same seeds and so keeps the same row
+state: only rank 0 reports results, and nothing is broadcast after a step.
+
+`TensorParallel()` (size 1) is what a single-device model gets: every collective is then the
+identity, and the models are exactly the unsharded ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# How long a rank waits for the others in init and in a collective before it fails (instead
+# of hanging when a peer died).
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """rank in [0, size); group: the process group of the ranks (None when size is 1);
+    cpu_group: a gloo group over the same ranks for host values (sizes agreed at start-up)."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside a group of {self.size}")
+
+    def split(self, total: int, what: str) -> tuple[int, int]:
+        """(start, count) of this rank's equal share of `total` (heads, rows); raises
+        ValueError naming `what` when it does not divide."""
+        if total % self.size:
+            raise ValueError(f"{what} ({total}) is not divisible by the TP size ({self.size})")
+        count = total // self.size
+        return self.rank * count, count
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank holds: its share, or with fewer KV heads
+        than ranks the one KV head its query heads read (replicated)."""
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads, "the number of KV heads")
+        if self.size % num_kv_heads:
+            raise ValueError(
+                f"the TP size ({self.size}) must be a multiple of the number of KV heads "
+                f"({num_kv_heads}) when it exceeds it"
+            )
+        return self.rank // (self.size // num_kv_heads), 1
+
+    def vocab_block(self, vocab_size: int) -> tuple[int, int]:
+        """(start, count) of this rank's token ids: blocks of ceil(V / size), the last one
+        padded past V (padded rows hold zeros and their logits are dropped)."""
+        count = -(-vocab_size // self.size)
+        return self.rank * count, count
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks (in place; x itself when size is 1)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, k] on each rank -> [n, size * k], rank blocks in rank order."""
+        if self.size == 1:
+            return x
+        n, k = x.shape
+        gathered = torch.empty((self.size * n, k), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(gathered, x.contiguous(), group=self.group)
+        return gathered.view(self.size, n, k).permute(1, 0, 2).reshape(n, self.size * k)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's value (each rank's KV pool holds what the smallest
+        one fits, so one slot count serves all)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+
+SINGLE = TensorParallel()  # one device: no sharding, every collective the identity
+
+
+def init_tensor_parallel(
+    rank: int, size: int, init_address: str, device: torch.device
+) -> TensorParallel:
+    """Join the group of `size` ranks that meet at init_address (host:port, rank 0 listens):
+    NCCL on CUDA (rank r on cuda:r of the node), gloo on CPU; plus a gloo group for host
+    values. Size 1 needs no group."""
+    if size == 1:
+        return TensorParallel()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{init_address}", rank=rank, world_size=size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )  # fmt: skip
+    ranks = list(range(size))
+    cpu_group = dist.new_group(ranks, backend="gloo") if backend == "nccl" else dist.group.WORLD
+    log.info("TP rank %d of %d joined (%s) at %s", rank, size, backend, init_address)
+    return TensorParallel(rank, size, dist.group.WORLD, cpu_group)
