@@ -42,7 +42,6 @@ from aerie.transport import Receiver, Sender
 
 log = logging.getLogger("launcher")
 
-STOP_ORDER = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
 STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.2
 
@@ -56,11 +55,11 @@ def _entry_point(name: str) -> Callable[..., None]:
         from tokenizer_proc.process import run_tokenizer_process
 
         return run_tokenizer_process
-    if name == "scheduler":
+    if name.endswith("scheduler"):  # one per data-parallel replica
         from scheduler_proc.process import run_scheduler_process
 
         return run_scheduler_process
-    if name.endswith("worker"):  # gpu_worker and the other TP ranks (tp1_worker, ...)
+    if name.endswith("worker"):  # every replica's ranks (gpu_worker, tp1_worker, dp1_worker...)
         from gpu_worker.process import run_gpu_worker_process
 
         return run_gpu_worker_process
@@ -129,8 +128,12 @@ class Launcher:
         self.inbox = Receiver(endpoints.inbox(config, "launcher"))
         # One long-lived sender per child inbox: a sender dropped right after send() may lose
         # the message before ZMQ has connected.
-        self.workers = endpoints.worker_names(config)  # "gpu_worker" is rank 0
-        self.stop_order = (*STOP_ORDER, *self.workers[1:])
+        replicas = range(config.parallel.dp_size)
+        # Per data-parallel replica: its scheduler and its worker ranks (rank 0 first).
+        self.schedulers = [endpoints.scheduler_name(r) for r in replicas]
+        self.replica_workers = [endpoints.worker_names(config, r) for r in replicas]
+        self.workers = tuple(name for names in self.replica_workers for name in names)
+        self.stop_order = ("tokenizer", *self.schedulers, *self.workers, "detokenizer")
         self.to = {name: Sender(endpoints.inbox(config, name)) for name in self.stop_order}
         self.procs: dict[str, mp.Process] = {}
         self.listening: dict[str, int | float | str] = {}
@@ -169,16 +172,23 @@ class Launcher:
 
     def start(self) -> AerieConfig:
         """Start all children; returns the config with the worker's KV capacity filled in."""
-        for rank, name in enumerate(self.workers):
-            self.spawn(name, self.config, rank)
-        info = self.wait_ready(self.workers)["gpu_worker"].info
-        config = self.config.replace(
-            cache={"max_total_tokens": int(info["max_total_tokens"])},
-            scheduler={"max_running_requests": int(info["max_running_requests"])},
-        )
-        for name in ("scheduler", "detokenizer", "tokenizer"):
+        for replica, names in enumerate(self.replica_workers):
+            for rank, name in enumerate(names):
+                self.spawn(name, self.config, rank, replica)
+        workers_ready = self.wait_ready(self.workers)
+        configs = []  # each replica's scheduler plans for its own worker's KV capacity
+        for names in self.replica_workers:
+            replica_info = workers_ready[names[0]].info
+            configs.append(self.config.replace(
+                cache={"max_total_tokens": int(replica_info["max_total_tokens"])},
+                scheduler={"max_running_requests": int(replica_info["max_running_requests"])},
+            ))  # fmt: skip
+        info, config = workers_ready["gpu_worker"].info, configs[0]
+        for replica, name in enumerate(self.schedulers):
+            self.spawn(name, configs[replica], replica)
+        for name in ("detokenizer", "tokenizer"):
             self.spawn(name, config)
-        ready = self.wait_ready(("scheduler", "detokenizer", "tokenizer"))
+        ready = self.wait_ready((*self.schedulers, "detokenizer", "tokenizer"))
         self.listening = ready["tokenizer"].info  # the addresses actually bound (port 0)
         server_info = {**public_info(config), **info, **self.listening, "version": "0.1.0"}
         pids = {name: proc.pid for name, proc in self.procs.items() if proc.pid is not None}
@@ -241,16 +251,19 @@ class Launcher:
 
     def describe(self, name: str) -> str:
         """A child as errors name it: "tp1_worker process (tensor-parallel rank 1)"."""
-        if name in self.workers[1:]:
-            return f"{name} process (tensor-parallel rank {self.workers.index(name)})"
+        for replica, names in enumerate(self.replica_workers):
+            if name in names and len(self.workers) > 1:
+                where = f"rank {names.index(name)} of replica {replica}"
+                return f"{name} process (tensor-parallel {where})"
         return f"{name} process"
 
     def raise_failure(self, failure: ProcessFailed) -> None:
         """Raise LaunchError for a child's failure report. A tensor-parallel rank fails when a
         peer dies under it (its collective loses the connection): the dead peer is the cause,
         so it is named first."""
-        if failure.name in self.workers:
-            for name in self.workers:
+        peers = [names for names in self.replica_workers if failure.name in names]
+        if peers:
+            for name in peers[0]:
                 proc = self.procs[name]
                 if name != failure.name and not proc.is_alive():
                     raise LaunchError(
@@ -277,9 +290,10 @@ class Launcher:
                 return
 
     def stop_children(self, reason: str) -> None:
-        """Send Shutdown to every child (in STOP_ORDER, so the frontend stops taking requests
-        first), give them STOP_TIMEOUT_S together to exit, then kill whatever is left (no
-        orphans). They exit in parallel: each takes about a second to tear down."""
+        """Send Shutdown to every child (the frontend first, so it stops taking requests, then
+        the schedulers, workers and the detokenizer), give them STOP_TIMEOUT_S together to
+        exit, then kill whatever is left (no orphans). They exit in parallel: each takes about
+        a second to tear down."""
         alive = {n: p for n, p in self.procs.items() if p.is_alive()}
         for name in self.stop_order:
             if name in alive:

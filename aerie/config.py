@@ -125,7 +125,10 @@ class ParallelConfig:
         "Tensor-parallel ranks: the model's heads, MLP and vocabulary are split over this "
         "many GPUs (one process each; on CPU, processes joined over gloo).",
     )
-    dp_size: int = _opt(1, "Data-parallel replicas behind the one frontend (only 1 so far).")
+    dp_size: int = _opt(
+        1, "Data-parallel replicas (each a scheduler and --tp-size GPUs) behind the one "
+        "frontend, which sends each new request to the replica with the fewest unfinished."
+    )
     nnodes: int = _opt(1, "Machines the server spans (only 1 so far).")
     node_rank: int = _opt(0, "This machine's index among --nnodes.")
     dist_init_addr: str | None = _opt(

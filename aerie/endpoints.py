@@ -14,20 +14,37 @@ from aerie.config import AerieConfig
 PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
 
 
-def worker_name(rank: int) -> str:
-    """The process name of tensor-parallel rank `rank`: rank 0 is "gpu_worker" (the one the
-    scheduler talks to), the others "tp1_worker", ...; rank 0 forwards them its plans."""
-    return "gpu_worker" if rank == 0 else f"tp{rank}_worker"
+def scheduler_name(replica: int = 0) -> str:
+    """The scheduler of data-parallel replica `replica` ("scheduler" for replica 0)."""
+    return "scheduler" if replica == 0 else f"dp{replica}_scheduler"
 
 
-def worker_names(config: AerieConfig) -> tuple[str, ...]:
-    return tuple(worker_name(rank) for rank in range(config.parallel.tp_size))
+def worker_name(rank: int, replica: int = 0) -> str:
+    """The GPU worker of tensor-parallel rank `rank` in replica `replica`. Rank 0 is the one
+    its scheduler talks to and forwards plans to the others: "gpu_worker", "tp1_worker", ...
+    in replica 0; "dp1_worker", "dp1_tp1_worker", ... in replica 1. (Process names show the
+    first 15 bytes of "aerie-" + name, so each stays apart there.)"""
+    if replica == 0:
+        return "gpu_worker" if rank == 0 else f"tp{rank}_worker"
+    return f"dp{replica}_worker" if rank == 0 else f"dp{replica}_tp{rank}_worker"
+
+
+def worker_names(config: AerieConfig, replica: int = 0) -> tuple[str, ...]:
+    return tuple(worker_name(rank, replica) for rank in range(config.parallel.tp_size))
+
+
+def engine_names(config: AerieConfig) -> tuple[str, ...]:
+    """Every replica's scheduler and worker ranks, replica by replica."""
+    names: list[str] = []
+    for replica in range(config.parallel.dp_size):
+        names += [scheduler_name(replica), *worker_names(config, replica)]
+    return tuple(names)
 
 
 def inbox(config: AerieConfig, name: str) -> str:
-    """The ipc:// address of process `name`'s inbox ("launcher" and worker ranks included)."""
-    ranks = range(1, config.parallel.tp_size)
-    if name not in PROCESS_NAMES and name != "launcher" and name not in map(worker_name, ranks):
+    """The ipc:// address of process `name`'s inbox ("launcher", every replica's scheduler and
+    worker ranks included)."""
+    if name not in PROCESS_NAMES and name != "launcher" and name not in engine_names(config):
         raise ValueError(f"unknown process {name!r}")
     if not config.runtime_dir:
         raise ValueError("config.runtime_dir is not resolved")

@@ -192,6 +192,8 @@ class SchedulerStats:
     avg_accept_length: float
     accepted_per_position: list[int] = field(default_factory=list)
     num_retractions: int = 0  # requests retracted since start (KV ran out)
+    num_requests: int = 0  # requests received since start
+    replica: int = 0  # the data-parallel replica whose scheduler reports
 
 
 # --------------------------------------------------------------------------------------------

@@ -131,17 +131,17 @@ def _validate(config: AerieConfig) -> None:
 
 
 def _resolve_parallel(config: AerieConfig, device: str, info: ModelInfo) -> dict:
-    """Check the parallel flags and pick the ranks' meeting address (a free local port)."""
+    """Check the parallel flags and pick where each replica's ranks meet (replica d at the
+    port of --dist-init-addr plus d; by default a free local port)."""
     parallel = config.parallel
-    if parallel.dp_size != 1 or parallel.nnodes != 1 or parallel.node_rank != 0:
+    if parallel.nnodes != 1 or parallel.node_rank != 0:
         raise ConfigError(
-            "--dp-size, --nnodes and --node-rank other than 1 / 1 / 0 are not supported yet: "
-            "run one server per replica behind a load balancer, or shard the model over the "
-            "GPUs of one machine with --tp-size"
+            "--nnodes and --node-rank other than 1 / 0 are not supported yet: run one server "
+            "per machine (--dp-size for its GPUs) behind a load balancer"
         )
-    size = parallel.tp_size
-    if size < 1:
-        raise ConfigError(f"--tp-size must be >= 1, got {size}")
+    size, replicas = parallel.tp_size, parallel.dp_size
+    if size < 1 or replicas < 1:
+        raise ConfigError(f"--tp-size and --dp-size must be >= 1, got {size} and {replicas}")
     heads, kv_heads = info.num_attention_heads, info.num_kv_heads
     if heads % size or (kv_heads % size and size % kv_heads):
         raise ConfigError(
@@ -151,16 +151,17 @@ def _resolve_parallel(config: AerieConfig, device: str, info: ModelInfo) -> dict
     if device == "cuda":
         import torch
 
-        if size > torch.cuda.device_count():
+        if size * replicas > torch.cuda.device_count():
             raise ConfigError(
-                f"--tp-size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}"
+                f"--tp-size {size} x --dp-size {replicas} needs {size * replicas} GPUs, this "
+                f"machine has {torch.cuda.device_count()}"
             )
     address = parallel.dist_init_addr
     if size > 1 and address is None:
         address = f"127.0.0.1:{free_port()}"
     if address is not None:
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535 - replicas:
             raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {address!r}")
     return {"dist_init_addr": address}
 

@@ -72,16 +72,11 @@ def graph_max_bs(config: AerieConfig) -> int:
     return config.runner.cuda_graph_max_bs or 0
 
 
-def rank_device(device: str, tp: TensorParallel) -> str:
-    """The device of a tensor-parallel rank: GPU r of the machine for rank r."""
-    return f"cuda:{tp.rank}" if device == "cuda" and tp.size > 1 else device
-
-
 def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
     model, spec = config.model, config.speculative
     return RunnerSpec(
         model.model_path or "",
-        device=rank_device(model.device, tp),
+        device=model.device,
         dtype=DTYPES[model.dtype],
         load_format=model.load_format,
         seed=model.random_seed,
@@ -123,7 +118,7 @@ def draft_specs(config: AerieConfig, tp: TensorParallel = SINGLE) -> list[Runner
     model, spec = config.model, config.speculative
     common = RunnerSpec(
         spec.speculative_draft_model_path or "",
-        device=rank_device(model.device, tp),
+        device=model.device,
         dtype=DTYPES[model.dtype],
         load_format="dummy" if model.load_format == "dummy" else "auto",
         seed=model.random_seed,

@@ -29,7 +29,6 @@ from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, Heartbeat, Shutdown
 from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
-from gpu_worker.build import rank_device
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.step_profile import StepProfiler
 from gpu_worker.worker import GPUWorker, Launched
@@ -39,13 +38,16 @@ class WorkerLoop:
     """The worker core of one tensor-parallel rank plus its sockets (inbox bound before
     readiness is reported)."""
 
-    def __init__(self, config: AerieConfig, rank: int = 0) -> None:
-        self.worker = GPUWorker(config, join_group(config, rank))
-        self.name = endpoints.worker_name(rank)
+    def __init__(self, config: AerieConfig, rank: int = 0, replica: int = 0) -> None:
+        """rank: in the tensor-parallel group of data-parallel replica `replica`."""
+        config = config.replace(model={"device": worker_device(config, rank, replica)})
+        self.worker = GPUWorker(config, join_group(config, rank, replica))
+        self.name = endpoints.worker_name(rank, replica)
         self.inbox = Receiver(endpoints.inbox(config, self.name))
-        # Rank 0 reports to the scheduler and forwards plans to the other ranks.
-        self.scheduler = Sender(endpoints.inbox(config, "scheduler")) if rank == 0 else None
-        others = endpoints.worker_names(config)[1:] if rank == 0 else ()
+        # Rank 0 reports to its replica's scheduler and forwards plans to the other ranks.
+        scheduler = endpoints.inbox(config, endpoints.scheduler_name(replica))
+        self.scheduler = Sender(scheduler) if rank == 0 else None
+        others = endpoints.worker_names(config, replica)[1:] if rank == 0 else ()
         self.followers = [Sender(endpoints.inbox(config, name)) for name in others]
         self.running = True
         self.launched: deque[Launched] = deque()
@@ -96,22 +98,36 @@ class WorkerLoop:
         handler(message)
 
 
-def join_group(config: AerieConfig, rank: int) -> TensorParallel:
-    """Set up this rank's device and threads, and join the tensor-parallel group."""
-    size = config.parallel.tp_size
-    device = torch.device(rank_device(config.model.device, TensorParallel(rank, size)))
-    if device.index is not None:  # "cuda:r": each rank its own GPU
+def worker_device(config: AerieConfig, rank: int, replica: int) -> str:
+    """The device of one worker: with several workers on CUDA, GPU replica * tp_size + rank of
+    the machine; else the configured device."""
+    parallel = config.parallel
+    device = config.model.device
+    if device == "cuda" and parallel.tp_size * parallel.dp_size > 1:
+        return f"cuda:{replica * parallel.tp_size + rank}"
+    return device
+
+
+def join_group(config: AerieConfig, rank: int, replica: int) -> TensorParallel:
+    """Set up this worker's device and threads and join its replica's tensor-parallel group,
+    which meets at the port of --dist-init-addr plus the replica's index."""
+    parallel = config.parallel
+    device = torch.device(config.model.device)
+    if device.index is not None:  # "cuda:N": each worker its own GPU
         torch.cuda.set_device(device)
-    elif device.type == "cpu":  # the ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    return init_tensor_parallel(rank, size, config.parallel.dist_init_addr or "", device)
+    elif device.type == "cpu":  # the workers share the machine's cores
+        workers = parallel.tp_size * parallel.dp_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    host, _, port = (parallel.dist_init_addr or ":0").rpartition(":")
+    address = f"{host}:{int(port) + replica}"
+    return init_tensor_parallel(rank, parallel.tp_size, address, device)
 
 
-def run_gpu_worker_process(config: AerieConfig, rank: int = 0) -> None:
+def run_gpu_worker_process(config: AerieConfig, rank: int = 0, replica: int = 0) -> None:
     run_process(
-        endpoints.worker_name(rank),
+        endpoints.worker_name(rank, replica),
         config,
-        build=lambda config: WorkerLoop(config, rank),
+        build=lambda config: WorkerLoop(config, rank, replica),
         loop=lambda core: core.run(),
         ready_info=lambda core: core.worker.info(),
     )

@@ -10,6 +10,7 @@ loop blocks on its inbox while it cannot plan.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -78,7 +79,8 @@ def _cleans_up_spaces(tokenizer_path: str) -> bool:
 class SchedulerLoop:
     """The event loop around one `Scheduler`; handlers are dispatched by message type."""
 
-    def __init__(self, config: AerieConfig) -> None:
+    def __init__(self, config: AerieConfig, replica: int = 0) -> None:
+        """replica: the data-parallel replica this scheduler plans for (its own worker)."""
         model_path = config.model.model_path
         assert model_path is not None and config.cache.max_total_tokens is not None
         self.core = Scheduler(
@@ -87,8 +89,9 @@ class SchedulerLoop:
             max_total_tokens=config.cache.max_total_tokens,
             decode_tokens=load_decoder(config.model.tokenizer_path or model_path),
         )
-        self.inbox = Receiver(endpoints.inbox(config, "scheduler"))
-        self.to_worker = Sender(endpoints.inbox(config, "gpu_worker"))
+        self.replica, self.name = replica, endpoints.scheduler_name(replica)
+        self.inbox = Receiver(endpoints.inbox(config, self.name))
+        self.to_worker = Sender(endpoints.inbox(config, endpoints.worker_name(0, replica)))
         self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
         self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
         self.applied: list[RequestDelta] = []  # from results, sent after the next plan
@@ -101,7 +104,7 @@ class SchedulerLoop:
             AbortRequest: lambda msg: self.core.abort(msg.rid),
             StepResult: self.handle_result,
             Shutdown: self.handle_shutdown,
-            Heartbeat: HeartbeatResponder(config, "scheduler"),
+            Heartbeat: HeartbeatResponder(config, self.name),
         }
 
     def handle_result(self, result: StepResult) -> None:
@@ -156,7 +159,7 @@ class SchedulerLoop:
             self.to_detokenizer.send(deltas)
 
     def send_stats(self) -> None:
-        stats = self.core.stats()
+        stats = dataclasses.replace(self.core.stats(), replica=self.replica)
         now = time.monotonic()
         last = self._last_stats
         changed = last is None or (last.num_running, last.num_waiting) != (
@@ -183,12 +186,12 @@ def run_loop(loop: SchedulerLoop) -> None:
         loop.close()
 
 
-def run_scheduler_process(config: AerieConfig) -> None:
-    """Entry point of the scheduler child process (see `aerie.process.run_process`)."""
+def run_scheduler_process(config: AerieConfig, replica: int = 0) -> None:
+    """Entry point of the scheduler child process of a replica (see `aerie.process.run_process`)."""
     run_process(
-        "scheduler",
+        endpoints.scheduler_name(replica),
         config,
-        build=SchedulerLoop,
+        build=lambda config: SchedulerLoop(config, replica),
         loop=run_loop,
         ready_info=lambda loop: {
             "max_total_tokens": loop.core.allocator.num_total_tokens,

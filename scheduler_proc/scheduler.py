@@ -93,6 +93,7 @@ class Scheduler:
         self._num_verify = 0
         self._accepted_per_position: list[int] = []
         self._num_retractions = 0
+        self._num_requests = 0  # requests received since start
         # Admission's estimate of the KV running requests will still take.
         self.new_tokens = NewTokenEstimate(config.scheduler.schedule_conservativeness)
 
@@ -110,6 +111,7 @@ class Scheduler:
             return_logprob=msg.return_logprob,
         )
         self._requests[req.rid] = req
+        self._num_requests += 1
         if not req.prompt_ids:
             self._finish(req, FinishReason("abort", message="the prompt is empty"))
         elif req.sampling.max_new_tokens <= 0:
@@ -389,4 +391,5 @@ class Scheduler:
             avg_accept_length=avg,
             accepted_per_position=list(self._accepted_per_position),
             num_retractions=self._num_retractions,
+            num_requests=self._num_requests,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,11 +31,18 @@ from tokenizer_proc.validation import (
 
 
 class Backend(Protocol):
-    """Where tokenized requests go (the scheduler in the real process)."""
+    """Where tokenized requests go (the schedulers in the real process)."""
 
     async def submit(self, request: TokenizedRequest) -> None: ...
 
-    async def abort(self, rid: str) -> None: ...
+    def abort(self, rid: str) -> Coroutine[Any, Any, None]:
+        """The abort's send; called while the request is still in flight (a backend that routes
+        requests looks up where this one went at the call, not when it is awaited)."""
+        ...
+
+    def finished(self, rid: str) -> None:
+        """rid is done (finished, or aborted after its `abort` was made)."""
+        ...
 
 
 HTTP_SCOPE = "http"  # HTTP clients have no identity: their rids share one namespace
@@ -66,7 +74,7 @@ class Frontend:
         self.metrics = Metrics()
         self.tracker = RequestTracker(
             on_first_output=self.metrics.observe_first_output,
-            on_finish=self.metrics.observe_finish,
+            on_finish=self.on_finish,
         )
         self.ready = False
         self.draining = False
@@ -206,11 +214,17 @@ class Frontend:
             raise
         return states
 
+    def on_finish(self, state: RequestState) -> None:
+        self.metrics.observe_finish(state)
+        self.backend.finished(state.rid)
+
     def abort(self, rid: str) -> None:
         """Drop rid locally and tell the backend (in the background; safe while cancelled)."""
-        if not self.tracker.abort(rid):
+        if rid not in self.tracker:
             return
-        task = asyncio.get_running_loop().create_task(self.backend.abort(rid))
+        send = self.backend.abort(rid)  # made while the backend still knows the request
+        self.tracker.abort(rid)
+        task = asyncio.get_running_loop().create_task(send)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

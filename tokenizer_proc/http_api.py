@@ -194,7 +194,9 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.get("/get_server_info")
     async def server_info() -> JSONResponse:
         info = {"model_path": frontend.model_name, **frontend.server_info}  # public values
-        info.update(frontend.metrics.live_stats(frontend.server_info.get("max_total_tokens", 0)))
+        capacity = frontend.server_info.get("max_total_tokens", 0)  # one replica's
+        replicas = frontend.server_info.get("dp_size", 1)
+        info.update(frontend.metrics.live_stats(capacity, replicas))
         info["num_in_flight"] = frontend.tracker.num_in_flight
         info["draining"] = frontend.draining
         return JSONResponse(info)

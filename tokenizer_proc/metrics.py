@@ -2,11 +2,14 @@
 
 `Metrics` owns its own `CollectorRegistry` (several apps in one test process never collide).
 The request tracker calls `observe_first_output` / `observe_finish`; the process calls
-`observe_stats` for each `SchedulerStats`. Metric names are prefixed `aerie_`.
+`observe_stats` for each `SchedulerStats`. Metric names are prefixed `aerie_`. With several
+data-parallel replicas the gauges and counters are the sums over them, and the
+`aerie_replica_*` gauges (label `replica`) give each one's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,7 +75,16 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.last_stats: SchedulerStats | None = None
+        labels = ["replica"]
+        self.replica_running = Gauge("aerie_replica_num_running_requests",
+                                     "Requests running, per replica.", labels, registry=r)
+        self.replica_queued = Gauge("aerie_replica_num_queued_requests",
+                                    "Requests waiting, per replica.", labels, registry=r)
+        self.replica_kv_usage = Gauge("aerie_replica_kv_cache_usage",
+                                      "Fraction of KV slots in use, per replica.", labels,
+                                      registry=r)  # fmt: skip
+        self.replica_stats: dict[int, SchedulerStats] = {}  # each replica's last report
+        self.last_stats: SchedulerStats | None = None  # their sum
         r.register(SchedulerTotals(self))
 
     def observe_first_output(self, state: RequestState) -> None:
@@ -87,8 +99,13 @@ class Metrics:
         self.generation_tokens.inc(state.completion_tokens)
         self.e2e.observe(state.e2e_latency())
 
-    def observe_stats(self, stats: SchedulerStats) -> None:
-        self.last_stats = stats
+    def observe_stats(self, report: SchedulerStats) -> None:
+        self.replica_stats[report.replica] = report
+        replica = str(report.replica)
+        self.replica_running.labels(replica=replica).set(report.num_running)
+        self.replica_queued.labels(replica=replica).set(report.num_waiting)
+        self.replica_kv_usage.labels(replica=replica).set(kv_usage(report))
+        stats = self.last_stats = combine_stats(list(self.replica_stats.values()))
         self.num_running.set(stats.num_running)
         self.num_queued.set(stats.num_waiting)
         self.kv_usage.set(kv_usage(stats))
@@ -97,22 +114,54 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def live_stats(self, kv_total_tokens: int = 0) -> dict[str, Any]:
-        """The last SchedulerStats as a dict for /server_info. Before the first report the keys
-        are the same, with an idle engine's values (kv_total_tokens: the configured capacity)."""
-        s = self.last_stats
-        if s is None:
-            s = SchedulerStats(0, 0, 0, kv_total_tokens, 0.0)
+    def live_stats(self, kv_total_tokens: int = 0, num_replicas: int = 1) -> dict[str, Any]:
+        """The last stats as a dict for /server_info: the sums over the replicas, and under
+        "replicas" each one's. Before a replica's first report it shows an idle engine's values
+        (kv_total_tokens: the configured capacity of one replica)."""
+        idle = SchedulerStats(0, 0, 0, kv_total_tokens, 0.0)
+        reports = [
+            self.replica_stats.get(i, dataclasses.replace(idle, replica=i))
+            for i in range(max(num_replicas, len(self.replica_stats)))
+        ]
         return {
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_used_tokens": s.kv_used_tokens,
-            "kv_total_tokens": s.kv_total_tokens,
-            "kv_usage": kv_usage(s),
-            "avg_accept_length": s.avg_accept_length,
-            "accepted_per_position": list(s.accepted_per_position),
-            "num_retractions": s.num_retractions,
+            **stats_dict(combine_stats(reports)),
+            "replicas": [{"replica": r.replica, **stats_dict(r)} for r in reports],
         }
+
+
+def stats_dict(s: SchedulerStats) -> dict[str, Any]:
+    return {
+        "num_running": s.num_running,
+        "num_waiting": s.num_waiting,
+        "kv_used_tokens": s.kv_used_tokens,
+        "kv_total_tokens": s.kv_total_tokens,
+        "kv_usage": kv_usage(s),
+        "avg_accept_length": s.avg_accept_length,
+        "accepted_per_position": list(s.accepted_per_position),
+        "num_retractions": s.num_retractions,
+        "num_requests": s.num_requests,
+    }
+
+
+def combine_stats(reports: list[SchedulerStats]) -> SchedulerStats:
+    """The replicas' reports as one: counts summed; the accept length of all verify steps
+    together (accepted_per_position[0] counts a replica's verify steps and the sum over
+    positions its decoded tokens)."""
+    if len(reports) == 1:
+        return reports[0]
+    positions = max(len(r.accepted_per_position) for r in reports)
+    accepted = [sum(r.accepted_per_position[k] for r in reports
+                    if k < len(r.accepted_per_position)) for k in range(positions)]  # fmt: skip
+    return SchedulerStats(
+        num_running=sum(r.num_running for r in reports),
+        num_waiting=sum(r.num_waiting for r in reports),
+        kv_used_tokens=sum(r.kv_used_tokens for r in reports),
+        kv_total_tokens=sum(r.kv_total_tokens for r in reports),
+        avg_accept_length=sum(accepted) / accepted[0] if accepted and accepted[0] else 0.0,
+        accepted_per_position=accepted,
+        num_retractions=sum(r.num_retractions for r in reports),
+        num_requests=sum(r.num_requests for r in reports),
+    )
 
 
 class SchedulerTotals(Collector):

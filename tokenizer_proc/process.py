@@ -16,7 +16,7 @@ import contextlib
 import logging
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import uvicorn
@@ -51,16 +51,29 @@ UVICORN_GRACEFUL_S = 3.0
 
 
 class SchedulerBackend:
-    """The Frontend's backend in the real process: sends to the scheduler's inbox."""
+    """The Frontend's backend in the real process: the schedulers' inboxes, one per
+    data-parallel replica. A new request goes to the replica with the fewest unfinished
+    requests sent to it (the first such replica on a tie); its abort follows it there."""
 
-    def __init__(self, sender: AsyncSender) -> None:
-        self._sender = sender
+    def __init__(self, senders: list[AsyncSender]) -> None:
+        self._senders = senders
+        self._replica_of: dict[str, int] = {}  # rid -> replica, while unfinished
+        self.load = [0] * len(senders)  # unfinished requests per replica
 
     async def submit(self, request: TokenizedRequest) -> None:
-        await self._sender.send(request)
+        replica = min(range(len(self._senders)), key=self.load.__getitem__)
+        self._replica_of[request.rid] = replica
+        self.load[replica] += 1
+        await self._senders[replica].send(request)
 
-    async def abort(self, rid: str) -> None:
-        await self._sender.send(AbortRequest(rid))
+    def abort(self, rid: str) -> Coroutine[Any, Any, None]:
+        replica = self._replica_of.get(rid, 0)
+        return self._senders[replica].send(AbortRequest(rid))
+
+    def finished(self, rid: str) -> None:
+        replica = self._replica_of.pop(rid, None)
+        if replica is not None:
+            self.load[replica] -= 1
 
 
 class _Server(uvicorn.Server):
@@ -90,7 +103,7 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 
 def frontend_limits(config: AerieConfig, tokenizer: Tokenizer) -> Limits:
     assert config.model.context_length is not None
-    rows = config.scheduler.max_running_requests or 0
+    rows = (config.scheduler.max_running_requests or 0) * config.parallel.dp_size
     return Limits(
         vocab_size=tokenizer.vocab_size,
         context_length=config.model.context_length,
@@ -121,10 +134,13 @@ class TokenizerProcess:
                 and config.server.served_model_name):
             raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
         tokenizer = Tokenizer.from_config(config)
-        self.scheduler = AsyncSender(endpoints.inbox(config, "scheduler"))
+        self.schedulers = [
+            AsyncSender(endpoints.inbox(config, endpoints.scheduler_name(replica)))
+            for replica in range(config.parallel.dp_size)
+        ]
         self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
         self.frontend = Frontend(
-            tokenizer, frontend_limits(config, tokenizer), SchedulerBackend(self.scheduler),
+            tokenizer, frontend_limits(config, tokenizer), SchedulerBackend(self.schedulers),
             config.server.served_model_name,  # resolved: the model directory's name by default
         )  # fmt: skip
         self.http_socket = bind_http_socket(config.server.host, config.server.port)
@@ -215,7 +231,8 @@ class TokenizerProcess:
     def close(self) -> None:
         self.zmq.close()
         self.inbox.close()
-        self.scheduler.close()
+        for sender in self.schedulers:
+            sender.close()
         self.launcher.close()
         self.http_socket.close()
 

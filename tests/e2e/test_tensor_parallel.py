@@ -28,6 +28,7 @@ def test_two_ranks_match_transformers(tiny_model_dirs, arch):
         assert info["tp_size"] == 2
         child_named(server, "tp1_worker")  # the second rank is a process of its own
         check_parity(path, server.url, vocab=320, seed=11)
+        assert server.stop() == 0  # every rank stops cleanly
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,6 @@ def test_a_dead_rank_stops_the_server_and_is_named(tiny_model_dirs):
         code = server.proc.wait(timeout=30)
         assert time.monotonic() - start < 10
         assert code == 1
-        expected = "the tp1_worker process (tensor-parallel rank 1) exited unexpectedly"
+        expected = "the tp1_worker process (tensor-parallel rank 1 of replica 0) exited"
         assert expected in server.log_text()
         assert_no_orphans(server)

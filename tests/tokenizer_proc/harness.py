@@ -58,6 +58,9 @@ class FakeEngine:
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
+    def finished(self, rid: str) -> None:
+        pass
+
     async def play(self, request: TokenizedRequest) -> None:
         ids = fake_output_ids(request)
         prompt_len = len(unpack_ids(request.input_ids))
