@@ -129,11 +129,19 @@ class Launcher:
         # One long-lived sender per child inbox: a sender dropped right after send() may lose
         # the message before ZMQ has connected.
         replicas = range(config.parallel.dp_size)
-        # Per data-parallel replica: its scheduler and its worker ranks (rank 0 first).
-        self.schedulers = [endpoints.scheduler_name(r) for r in replicas]
-        self.replica_workers = [endpoints.worker_names(config, r) for r in replicas]
+        # Node 0 serves (frontend, schedulers, detokenizer); with --nnodes the other machines
+        # run worker ranks only.
+        self.serving = config.parallel.node_rank == 0
+        self.ranks = endpoints.node_ranks(config)  # the tensor-parallel ranks of this machine
+        # Per data-parallel replica: its scheduler and this machine's worker ranks, in order.
+        self.schedulers = [endpoints.scheduler_name(r) for r in replicas] if self.serving else []
+        self.replica_workers = [
+            tuple(endpoints.worker_name(rank, r) for rank in self.ranks) for r in replicas
+        ]
         self.workers = tuple(name for names in self.replica_workers for name in names)
-        self.stop_order = ("tokenizer", *self.schedulers, *self.workers, "detokenizer")
+        frontend = ("tokenizer",) if self.serving else ()
+        backend = ("detokenizer",) if self.serving else ()
+        self.stop_order = (*frontend, *self.schedulers, *self.workers, *backend)
         self.to = {name: Sender(endpoints.inbox(config, name)) for name in self.stop_order}
         self.procs: dict[str, mp.Process] = {}
         self.listening: dict[str, int | float | str] = {}
@@ -173,9 +181,11 @@ class Launcher:
     def start(self) -> AerieConfig:
         """Start all children; returns the config with the worker's KV capacity filled in."""
         for replica, names in enumerate(self.replica_workers):
-            for rank, name in enumerate(names):
+            for rank, name in zip(self.ranks, names, strict=True):
                 self.spawn(name, self.config, rank, replica)
         workers_ready = self.wait_ready(self.workers)
+        if not self.serving:
+            return self.config
         configs = []  # each replica's scheduler plans for its own worker's KV capacity
         for names in self.replica_workers:
             replica_info = workers_ready[names[0]].info
@@ -247,15 +257,25 @@ class Launcher:
                 self.raise_failure(message)
             if isinstance(message, HeartbeatAck):
                 watchdog.answered(message, time.monotonic())
+            if not self.serving and self.stopped_by_node_zero():
+                return
             self.raise_if_dead()
 
     def describe(self, name: str) -> str:
         """A child as errors name it: "tp1_worker process (tensor-parallel rank 1)"."""
         for replica, names in enumerate(self.replica_workers):
             if name in names and len(self.workers) > 1:
-                where = f"rank {names.index(name)} of replica {replica}"
+                where = f"rank {self.ranks[names.index(name)]} of replica {replica}"
                 return f"{name} process (tensor-parallel {where})"
         return f"{name} process"
+
+    def stopped_by_node_zero(self) -> bool:
+        """On a machine other than node 0: a worker that exited cleanly was told to stop by
+        rank 0 (node 0 is stopping the server)."""
+        if any(proc.exitcode == 0 for proc in self.procs.values()):
+            log.info("node 0 stopped the server")
+            return True
+        return False
 
     def raise_failure(self, failure: ProcessFailed) -> None:
         """Raise LaunchError for a child's failure report. A tensor-parallel rank fails when a
@@ -270,7 +290,10 @@ class Launcher:
                         f"the {self.describe(name)} exited unexpectedly (code {proc.exitcode});"
                         f" the {failure.name} process failed after it:\n{failure.error}"
                     )
-        raise LaunchError(f"the {failure.name} process failed:\n{failure.error}")
+        hint = ""
+        if peers and self.config.parallel.nnodes > 1:
+            hint = " (if a rank on another machine stopped, its node's log says why)"
+        raise LaunchError(f"the {failure.name} process failed{hint}:\n{failure.error}")
 
     def drain(self) -> None:
         """Let running requests finish (bounded), with new requests refused by the tokenizer."""
@@ -333,6 +356,33 @@ def public_info(config: AerieConfig) -> dict:
     return info
 
 
+def log_ready(launcher: Launcher, served: AerieConfig) -> None:
+    parallel = served.parallel
+    if not launcher.serving:
+        log.info(
+            "Aerie node %d of %d is ready: tensor-parallel ranks %d..%d, with node 0 at %s",
+            parallel.node_rank, parallel.nnodes, launcher.ranks[0], launcher.ranks[-1],
+            parallel.dist_init_addr,
+        )  # fmt: skip
+        return
+    log.info(
+        "Aerie is ready: %s (ZMQ %s), model %s on %s/%s",
+        launcher.listening["http_url"], launcher.listening["zmq_address"],
+        served.model.model_path, served.model.device, served.model.dtype,
+    )  # fmt: skip
+    if parallel.tp_size * parallel.dp_size > 1:
+        log.info("%d replica(s) of %d tensor-parallel rank(s) over %d machine(s)",
+                 parallel.dp_size, parallel.tp_size, parallel.nnodes)  # fmt: skip
+    spec = served.speculative
+    if spec.enabled:
+        log.info(
+            "speculative decoding: %s, draft %s, S=%s topk=%s ND=%s",
+            spec.speculative_algorithm, spec.speculative_draft_model_path or "in the model",
+            spec.speculative_num_steps, spec.speculative_eagle_topk,
+            spec.speculative_num_draft_tokens,
+        )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = resolve_config(config_from_args(argv))
@@ -345,29 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, launcher.on_signal)
     code = 0
     try:
-        served = launcher.start()
-        log.info(
-            "Aerie is ready: %s (ZMQ %s), model %s on %s/%s",
-            launcher.listening["http_url"],
-            launcher.listening["zmq_address"],
-            served.model.model_path,
-            served.model.device,
-            served.model.dtype,
-        )
-        spec = served.speculative
-        if spec.enabled:
-            log.info(
-                "speculative decoding: %s, draft %s, S=%s topk=%s ND=%s",
-                spec.speculative_algorithm,
-                spec.speculative_draft_model_path or "in the model",
-                spec.speculative_num_steps,
-                spec.speculative_eagle_topk,
-                spec.speculative_num_draft_tokens,
-            )
+        log_ready(launcher, launcher.start())
         sd_notify("READY=1")
         launcher.supervise()
         sd_notify("STOPPING=1")
-        launcher.drain()
+        if launcher.serving:
+            launcher.drain()
         launcher.stop_children("signal")
     except LaunchError as e:
         log.error("%s", e)

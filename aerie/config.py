@@ -129,12 +129,16 @@ class ParallelConfig:
         1, "Data-parallel replicas (each a scheduler and --tp-size GPUs) behind the one "
         "frontend, which sends each new request to the replica with the fewest unfinished."
     )
-    nnodes: int = _opt(1, "Machines the server spans (only 1 so far).")
-    node_rank: int = _opt(0, "This machine's index among --nnodes.")
+    nnodes: int = _opt(
+        1, "Machines the --tp-size ranks are spread over: run the same command on each, with "
+        "its --node-rank. Node 0 serves HTTP/ZMQ and runs the scheduler; the others run "
+        "worker ranks only."
+    )
+    node_rank: int = _opt(0, "This machine's index among --nnodes (0: the one that serves).")
     dist_init_addr: str | None = _opt(
-        None,
-        "HOST:PORT where the tensor-parallel ranks meet (default: a free port on "
-        "127.0.0.1). It listens only on HOST.",
+        None, "HOST:PORT where the tensor-parallel ranks meet; rank 0 listens there (with "
+        "--nnodes > 1 an address of node 0 every node reaches; default: a free port on "
+        "127.0.0.1). Replica d of --dp-size meets at PORT + d."
     )
 
 

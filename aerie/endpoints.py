@@ -2,12 +2,15 @@
 
 Every process binds one PULL inbox (`ipc://` in the per-launch runtime directory) and connects
 PUSH senders to the inboxes of the processes it talks to. The tokenizer also binds a `tcp://`
-ROUTER socket for external ZMQ clients (`aerie.client`).
+ROUTER socket for external ZMQ clients (`aerie.client`). With --nnodes > 1, the worker ranks on
+machines other than node 0 also bind a `tcp://` address for rank 0's plans
+(`remote_inbox_address`).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 from aerie.config import AerieConfig
 
@@ -31,6 +34,28 @@ def worker_name(rank: int, replica: int = 0) -> str:
 
 def worker_names(config: AerieConfig, replica: int = 0) -> tuple[str, ...]:
     return tuple(worker_name(rank, replica) for rank in range(config.parallel.tp_size))
+
+
+def node_ranks(config: AerieConfig) -> range:
+    """The tensor-parallel ranks this machine runs (--nnodes splits them evenly, in order)."""
+    parallel = config.parallel
+    per_node = parallel.tp_size // parallel.nnodes
+    return range(parallel.node_rank * per_node, (parallel.node_rank + 1) * per_node)
+
+
+def remote_inbox_address(config: AerieConfig) -> str | None:
+    """With --nnodes > 1, where a worker also receives from rank 0 on another machine: a
+    tcp:// port the OS picks (rank 0 learns it from the group) on this machine's address
+    towards --dist-init-addr (the loopback address for a loopback init address). None on one
+    machine, where the ipc:// inbox serves."""
+    if config.parallel.nnodes == 1:
+        return None
+    host = (config.parallel.dist_init_addr or "").rpartition(":")[0].strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                       socket.SOCK_DGRAM) as probe:  # fmt: skip
+        probe.connect((host, 9))  # no packet is sent: this only picks the outgoing interface
+        local = probe.getsockname()[0]
+    return f"tcp://[{local}]:*" if ":" in local else f"tcp://{local}:*"
 
 
 def engine_names(config: AerieConfig) -> tuple[str, ...]:

@@ -134,14 +134,24 @@ def _resolve_parallel(config: AerieConfig, device: str, info: ModelInfo) -> dict
     """Check the parallel flags and pick where each replica's ranks meet (replica d at the
     port of --dist-init-addr plus d; by default a free local port)."""
     parallel = config.parallel
-    if parallel.nnodes != 1 or parallel.node_rank != 0:
+    size, replicas, nodes = parallel.tp_size, parallel.dp_size, parallel.nnodes
+    if size < 1 or replicas < 1 or nodes < 1:
         raise ConfigError(
-            "--nnodes and --node-rank other than 1 / 0 are not supported yet: run one server "
-            "per machine (--dp-size for its GPUs) behind a load balancer"
+            f"--tp-size, --dp-size and --nnodes must be >= 1, got {size}, {replicas}, {nodes}"
         )
-    size, replicas = parallel.tp_size, parallel.dp_size
-    if size < 1 or replicas < 1:
-        raise ConfigError(f"--tp-size and --dp-size must be >= 1, got {size} and {replicas}")
+    if not 0 <= parallel.node_rank < nodes:
+        raise ConfigError(f"--node-rank must be in [0, {nodes}), got {parallel.node_rank}")
+    if nodes > 1:
+        if replicas != 1 or size % nodes:
+            raise ConfigError(
+                f"--nnodes {nodes} splits the --tp-size ranks over the machines: --tp-size must "
+                f"be a multiple of it ({size} is not) and --dp-size 1"
+            )
+        if parallel.dist_init_addr is None:
+            raise ConfigError(
+                f"--nnodes {nodes} needs --dist-init-addr HOST:PORT: an address of node 0 that "
+                "every node can reach, the same on every node"
+            )
     heads, kv_heads = info.num_attention_heads, info.num_kv_heads
     if heads % size or (kv_heads % size and size % kv_heads):
         raise ConfigError(
@@ -151,10 +161,11 @@ def _resolve_parallel(config: AerieConfig, device: str, info: ModelInfo) -> dict
     if device == "cuda":
         import torch
 
-        if size * replicas > torch.cuda.device_count():
+        needed = size * replicas // nodes
+        if needed > torch.cuda.device_count():
             raise ConfigError(
-                f"--tp-size {size} x --dp-size {replicas} needs {size * replicas} GPUs, this "
-                f"machine has {torch.cuda.device_count()}"
+                f"--tp-size {size} x --dp-size {replicas} over {nodes} machine(s) needs "
+                f"{needed} GPUs here, this machine has {torch.cuda.device_count()}"
             )
     address = parallel.dist_init_addr
     if size > 1 and address is None:

@@ -40,8 +40,13 @@ class Receiver:
     def __init__(self, address: str, context: zmq.Context | None = None) -> None:
         self._socket = (context or zmq.Context.instance()).socket(zmq.PULL)
         _configure(self._socket)
+        self.address = self.bind(address)
+
+    def bind(self, address: str) -> str:
+        """Also receive at `address`; returns the address bound (a tcp://host:* address gets
+        the port the OS picked)."""
         self._socket.bind(address)
-        self.address = address
+        return self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def recv(self, timeout_s: float | None = None) -> Any | None:
         """The next message, or None if none came within timeout_s (None waits forever)."""

@@ -91,6 +91,14 @@ class TensorParallel:
         dist.all_gather_single(gathered, x.contiguous(), group=self.group)
         return gathered.view(self.size, n, k).permute(1, 0, 2).reshape(n, self.size * k)
 
+    def gather_objects(self, value: object) -> list[object]:
+        """Every rank's value, in rank order (host values over the gloo group)."""
+        if self.size == 1:
+            return [value]
+        values: list[object] = [None] * self.size
+        dist.all_gather_object(values, value, group=self.cpu_group)
+        return values
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (each rank's KV pool holds what the smallest
         one fits, so one slot count serves all)."""

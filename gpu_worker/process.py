@@ -18,6 +18,8 @@ their collectives meet; their results are dropped (they are rank 0's, see
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,8 @@ from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.step_profile import StepProfiler
 from gpu_worker.worker import GPUWorker, Launched
 
+IDLE_CHECK_S = 2.0  # how often an idle rank on another machine checks that rank 0 is alive
+
 
 class WorkerLoop:
     """The worker core of one tensor-parallel rank plus its sockets (inbox bound before
@@ -44,11 +48,22 @@ class WorkerLoop:
         self.worker = GPUWorker(config, join_group(config, rank, replica))
         self.name = endpoints.worker_name(rank, replica)
         self.inbox = Receiver(endpoints.inbox(config, self.name))
-        # Rank 0 reports to its replica's scheduler and forwards plans to the other ranks.
+        # A rank on another machine than rank 0 also listens where rank 0 can reach it.
+        on_node_zero = rank in range(config.parallel.tp_size // config.parallel.nnodes)
+        remote = None if on_node_zero else endpoints.remote_inbox_address(config)
+        address = self.inbox.bind(remote) if remote is not None else self.inbox.address
+        # Rank 0 reports to its replica's scheduler and forwards plans to the other ranks, at
+        # the addresses they bound (tcp:// on other machines with --nnodes).
+        addresses = self.worker.tp.gather_objects(address)
         scheduler = endpoints.inbox(config, endpoints.scheduler_name(replica))
         self.scheduler = Sender(scheduler) if rank == 0 else None
-        others = endpoints.worker_names(config, replica)[1:] if rank == 0 else ()
-        self.followers = [Sender(endpoints.inbox(config, name)) for name in others]
+        others = addresses[1:] if rank == 0 else []
+        self.followers = [Sender(str(address)) for address in others]
+        # A rank on another machine than rank 0 is not stopped by node 0's launcher: when idle
+        # it checks every few seconds that rank 0 still holds the group's meeting address.
+        self.idle_check_s = None if on_node_zero else IDLE_CHECK_S
+        self.init_address = config.parallel.dist_init_addr or ""
+        self.next_check = 0.0
         self.running = True
         self.launched: deque[Launched] = deque()
         self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
@@ -57,6 +72,18 @@ class WorkerLoop:
             Shutdown: self.handle_shutdown,
             Heartbeat: HeartbeatResponder(config, self.name),
         }
+
+    def check_rank_zero(self) -> None:
+        """On another machine than rank 0 (idle_check_s set): every idle_check_s, fail if rank 0
+        no longer holds the group's meeting address."""
+        if self.idle_check_s is None or time.monotonic() < self.next_check:
+            return
+        if not rank_zero_alive(self.init_address):
+            raise RuntimeError(
+                f"tensor-parallel rank 0 (node 0, {self.init_address}) is gone: the server on "
+                "node 0 stopped or its machine is unreachable"
+            )
+        self.next_check = time.monotonic() + self.idle_check_s
 
     def handle_plan(self, plan: ForwardPlan) -> None:
         for follower in self.followers:
@@ -73,7 +100,10 @@ class WorkerLoop:
     def run(self) -> None:
         while self.running:
             if not self.launched:
-                self.dispatch(self.inbox.recv())
+                message = self.inbox.recv(timeout_s=self.idle_check_s)
+                if message is not None:
+                    self.dispatch(message)
+                self.check_rank_zero()
                 continue
             # A step is on the device: take the next plan if one came, else send the oldest
             # result as soon as it is ready (polling both: a step lasts a millisecond or two).
@@ -98,13 +128,25 @@ class WorkerLoop:
         handler(message)
 
 
+def rank_zero_alive(address: str) -> bool:
+    """Whether something accepts connections at rank 0's meeting address (its group's store)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=IDLE_CHECK_S):
+            return True
+    except OSError:
+        return False
+
+
 def worker_device(config: AerieConfig, rank: int, replica: int) -> str:
     """The device of one worker: with several workers on CUDA, GPU replica * tp_size + rank of
-    the machine; else the configured device."""
+    the machine (less the ranks of the machines before it, with --nnodes); else the configured
+    device."""
     parallel = config.parallel
     device = config.model.device
     if device == "cuda" and parallel.tp_size * parallel.dp_size > 1:
-        return f"cuda:{replica * parallel.tp_size + rank}"
+        first = endpoints.node_ranks(config).start
+        return f"cuda:{replica * parallel.tp_size + rank - first}"
     return device
 
 
@@ -116,7 +158,7 @@ def join_group(config: AerieConfig, rank: int, replica: int) -> TensorParallel:
     if device.index is not None:  # "cuda:N": each worker its own GPU
         torch.cuda.set_device(device)
     elif device.type == "cpu":  # the workers share the machine's cores
-        workers = parallel.tp_size * parallel.dp_size
+        workers = parallel.tp_size * parallel.dp_size // parallel.nnodes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     host, _, port = (parallel.dist_init_addr or ":0").rpartition(":")
     address = f"{host}:{int(port) + replica}"

@@ -91,9 +91,11 @@ def test_port_zero_asks_for_any_free_ports(tmp_path):
         (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
         (["--port", "70000"], r"--port must be in \[0, 65535\]"),
         (["--zmq-port", "-1"], r"--zmq-port must be in \[0, 65535\]"),
-        (["--tp-size", "0"], "--tp-size and --dp-size must be >= 1"),
+        (["--tp-size", "0"], "--tp-size, --dp-size and --nnodes must be >= 1"),
         (["--tp-size", "3"], "--tp-size 3 must divide the model's 2 attention heads"),
-        (["--nnodes", "2"], "not supported yet"),
+        (["--nnodes", "2", "--tp-size", "2"], "needs --dist-init-addr HOST:PORT"),
+        (["--nnodes", "2", "--dist-init-addr", "127.0.0.1:29500"], "must be a multiple"),
+        (["--nnodes", "2", "--node-rank", "2"], r"--node-rank must be in \[0, 2\)"),
         (["--tp-size", "2", "--dist-init-addr", "nohost"], "must be HOST:PORT"),
     ],
 )
