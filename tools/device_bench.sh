@@ -277,8 +277,9 @@ if [[ $1 == tp ]]; then
   # Tensor parallelism on the 2-GPU machine (kind nvidia-h200-x2): the sharded model against HF
   # over NCCL (rank r on cuda:r), launched --tp-size 2 servers against transformers (triton and
   # CUDA graphs with the all-reduces captured; EAGLE / EAGLE-3 / MTP drafts; a killed rank),
-  # then the Llama-3.1-8B shape (random weights) served at TP 1 and 2: one stream (native
-  # /generate, OUTPUT_LEN tokens) and CONCURRENCY streams, each TP in its own server.
+  # then the Llama-3.1-8B shape (random weights) served at TP 1, TP 2 and DP 2 (LAYOUTS): one
+  # stream (native /generate, OUTPUT_LEN tokens) and CONCURRENCY streams (128 for the DP target),
+  # each layout in its own server.
   # carry: .device-carry/wheels .device-carry/llama8b .device-carry/sharegpt_subset.json
   # .device-carry/on_device.sh (or, with the shipped drafts left in the tree, a 300-conversation
   # .device-carry/sharegpt_small.json instead of the subset, named by DATASET)
@@ -294,22 +295,23 @@ if [[ $1 == tp ]]; then
     echo "== $f"; tail -c 20000 "$f"; done > "$OUT/e2e_server_logs.txt"
   [[ ${SKIP_BENCH:-0} == 1 ]] && exit 0
   model=.device-carry/llama8b
-  for tp in ${TPS:-1 2}; do
-    python launch.py --model-path $model --load-format dummy --port 30000 --tp-size $tp \
-      --max-running-requests 128 > "$OUT/server_tp$tp.log" 2>&1 &
+  for tp in ${LAYOUTS:-tp1 tp2 dp2}; do  # tp2: --tp-size 2; dp2: --dp-size 2 (one GPU each)
+    size=(--tp-size ${tp#tp}); [[ $tp == dp* ]] && size=(--dp-size ${tp#dp})
+    python launch.py --model-path $model --load-format dummy --port 30000 "${size[@]}" \
+      --max-running-requests 128 > "$OUT/server_$tp.log" 2>&1 &
     server=$!
     for _ in $(seq ${START_S:-240}); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
     python benchmarks/bench_serving.py --num-prompts 64 --output-len 16 --max-concurrency 64 \
       --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model --seed 7 > /dev/null 2>&1
-    for conc in 1 ${CONCURRENCY:-64}; do
+    for conc in 1 ${CONCURRENCY:-128}; do
       backend=openai; [[ $conc == 1 ]] && backend=native
-      echo "== TP $tp concurrency $conc"
+      echo "== $tp concurrency $conc"
       timeout 120 python benchmarks/bench_serving.py --backend $backend --num-prompts $((conc == 1 ? 8 : conc * 2)) \
         --output-len ${OUTPUT_LEN:-256} --max-concurrency $conc --max-input-len 512 \
         --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model --seed 3 \
-        --output "$OUT/serving_tp${tp}_c$conc.json" 2>&1 | tail -9
+        --output "$OUT/serving_${tp}_c$conc.json" 2>&1 | tail -9
     done
-    kill -TERM $server; wait $server; echo "server TP $tp exit $?"
+    kill -TERM $server; wait $server; echo "server $tp exit $?"
   done
   exit 0
 fi
