@@ -319,7 +319,7 @@ class Launcher:
         a second to tear down."""
         alive = {n: p for n, p in self.procs.items() if p.is_alive()}
         for name in self.stop_order:
-            if name in alive:
+            if name in alive and not self.forwarded_by_rank_zero(name, alive):
                 self.to[name].send(Shutdown(reason=reason))
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in alive.values():
@@ -328,6 +328,15 @@ class Launcher:
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=2)
+
+    def forwarded_by_rank_zero(self, name: str, alive: dict[str, mp.Process]) -> bool:
+        """Whether rank 0 of name's replica runs here and will pass Shutdown on: it forwards
+        it after the plans it forwarded before, so every rank runs those plans (a Shutdown
+        of ours could overtake them and leave rank 0 in a collective with no peer)."""
+        for names in self.replica_workers:
+            if name in names[1:]:
+                return self.ranks.start == 0 and names[0] in alive
+        return False
 
     def on_signal(self, signum: int, _frame: object) -> None:
         """First SIGTERM/SIGINT: drain. A second one: kill every child and exit at once."""
@@ -342,8 +351,10 @@ class Launcher:
         os._exit(128 + signum)
 
 
+# Filesystem paths and internal addresses: /server_info shows them only with
+# --enable-debug-info.
 PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "runtime_dir",
-               "zmq_curve_key_file")  # fmt: skip
+               "zmq_curve_key_file", "dist_init_addr")  # fmt: skip
 
 
 def public_info(config: AerieConfig) -> dict:

@@ -43,6 +43,22 @@ def node_ranks(config: AerieConfig) -> range:
     return range(parallel.node_rank * per_node, (parallel.node_rank + 1) * per_node)
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """"HOST:PORT" (IPv6 hosts may be bracketed) -> (host without brackets, port); raises
+    ValueError naming the address when it is not that."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def init_address(config: AerieConfig, replica: int) -> str:
+    """Where data-parallel replica `replica`'s ranks meet: --dist-init-addr's port plus the
+    replica's index."""
+    host, port = split_host_port(config.parallel.dist_init_addr or "")
+    return f"[{host}]:{port + replica}" if ":" in host else f"{host}:{port + replica}"
+
+
 def remote_inbox_address(config: AerieConfig) -> str | None:
     """With --nnodes > 1, where a worker also receives from rank 0 on another machine: a
     tcp:// port the OS picks (rank 0 learns it from the group) on this machine's address
@@ -50,7 +66,7 @@ def remote_inbox_address(config: AerieConfig) -> str | None:
     machine, where the ipc:// inbox serves."""
     if config.parallel.nnodes == 1:
         return None
-    host = (config.parallel.dist_init_addr or "").rpartition(":")[0].strip("[]")
+    host, _ = split_host_port(config.parallel.dist_init_addr or "")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                        socket.SOCK_DGRAM) as probe:  # fmt: skip
         probe.connect((host, 9))  # no packet is sent: this only picks the outgoing interface

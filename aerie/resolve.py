@@ -16,6 +16,7 @@ import os
 import tempfile
 
 from aerie.config import AerieConfig, SpeculativeConfig
+from aerie.endpoints import split_host_port
 from aerie.model_info import ModelInfo, read_model_info
 
 
@@ -169,10 +170,13 @@ def _resolve_parallel(config: AerieConfig, device: str, info: ModelInfo) -> dict
             )
     address = parallel.dist_init_addr
     if size > 1 and address is None:
-        address = f"127.0.0.1:{free_port()}"
+        address = f"127.0.0.1:{free_ports(replicas)}"
     if address is not None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) <= 65535 - replicas:
+        try:
+            _, port = split_host_port(address)
+        except ValueError:
+            port = -1
+        if not 0 < port <= 65536 - replicas:  # replica d meets at port + d
             raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {address!r}")
     return {"dist_init_addr": address}
 
@@ -184,6 +188,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive TCP ports nothing listens on now (on 127.0.0.1)."""
+    import socket
+
+    for _ in range(100):
+        first = free_port()
+        if first + count - 1 > 65535:
+            continue
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise ConfigError(f"found no {count} consecutive free ports for --dist-init-addr: pass one")
 
 
 DRAFT_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}

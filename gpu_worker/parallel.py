@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-# How long a rank waits for the others in init and in a collective before it fails (instead
-# of hanging when a peer died).
+# How long a serving rank waits for the others in a collective before it fails (instead of
+# hanging when a peer died). Start-up (rendezvous, loading, agreeing on the KV size) gets the
+# server's start-up timeout instead: ranks may load weights at different speeds.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
@@ -88,7 +89,7 @@ class TensorParallel:
             return x
         n, k = x.shape
         gathered = torch.empty((self.size * n, k), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(gathered, x.contiguous(), group=self.group)
+        _all_gather_single(gathered, x.contiguous(), group=self.group)
         return gathered.view(self.size, n, k).permute(1, 0, 2).reshape(n, self.size * k)
 
     def gather_objects(self, value: object) -> list[object]:
@@ -98,6 +99,14 @@ class TensorParallel:
         values: list[object] = [None] * self.size
         dist.all_gather_object(values, value, group=self.cpu_group)
         return values
+
+    def start_serving(self) -> None:
+        """Shorten the groups' timeout from the start-up one to COLLECTIVE_TIMEOUT."""
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if self.size == 1 or set_timeout is None:  # older torch: the start-up timeout stays
+            return
+        for group in {self.group, self.cpu_group}:
+            set_timeout(COLLECTIVE_TIMEOUT, group)
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (each rank's KV pool holds what the smallest
@@ -112,18 +121,30 @@ class TensorParallel:
 SINGLE = TensorParallel()  # one device: no sharding, every collective the identity
 
 
+# torch 2.13 names it all_gather_single; older releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def init_tensor_parallel(
-    rank: int, size: int, init_address: str, device: torch.device
+    rank: int,
+    size: int,
+    init_address: str,
+    device: torch.device,
+    startup_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
 ) -> TensorParallel:
     """Join the group of `size` ranks that meet at init_address (host:port, rank 0 listens):
-    NCCL on CUDA (rank r on cuda:r of the node), gloo on CPU; plus a gloo group for host
-    values. Size 1 needs no group."""
+    NCCL on CUDA (each rank on its own GPU, `device`), gloo on CPU; plus a gloo group for host
+    values. Collectives wait up to startup_timeout until `start_serving`. Size 1 needs no
+    group."""
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # NOTE: with device_id NCCL sets up its communicator now, so its buffers are taken before
+    # the KV pool is sized from the free memory.
+    device_id = device if device.type == "cuda" else None
     dist.init_process_group(
         backend, init_method=f"tcp://{init_address}", rank=rank, world_size=size,
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=startup_timeout, device_id=device_id,
     )  # fmt: skip
     ranks = list(range(size))
     cpu_group = dist.new_group(ranks, backend="gloo") if backend == "nccl" else dist.group.WORLD

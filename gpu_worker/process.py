@@ -17,6 +17,7 @@ their collectives meet; their results are dropped (they are rank 0's, see
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import time
@@ -62,7 +63,9 @@ class WorkerLoop:
         # A rank on another machine than rank 0 is not stopped by node 0's launcher: when idle
         # it checks every few seconds that rank 0 still holds the group's meeting address.
         self.idle_check_s = None if on_node_zero else IDLE_CHECK_S
-        self.init_address = config.parallel.dist_init_addr or ""
+        # Start-up is over: from now on a collective that waits this long means a dead peer.
+        self.worker.tp.start_serving()
+        self.init_address = "" if on_node_zero else endpoints.init_address(config, replica)
         self.next_check = 0.0
         self.running = True
         self.launched: deque[Launched] = deque()
@@ -95,6 +98,9 @@ class WorkerLoop:
     def handle_shutdown(self, message: Shutdown) -> None:
         for follower in self.followers:
             follower.send(message)
+        # Steps already launched run to their end on every rank (their collectives meet).
+        while self.launched:
+            self.worker.finish(self.launched.popleft())
         self.running = False
 
     def run(self) -> None:
@@ -130,9 +136,8 @@ class WorkerLoop:
 
 def rank_zero_alive(address: str) -> bool:
     """Whether something accepts connections at rank 0's meeting address (its group's store)."""
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=IDLE_CHECK_S):
+        with socket.create_connection(endpoints.split_host_port(address), timeout=IDLE_CHECK_S):
             return True
     except OSError:
         return False
@@ -160,9 +165,11 @@ def join_group(config: AerieConfig, rank: int, replica: int) -> TensorParallel:
     elif device.type == "cpu":  # the workers share the machine's cores
         workers = parallel.tp_size * parallel.dp_size // parallel.nnodes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    host, _, port = (parallel.dist_init_addr or ":0").rpartition(":")
-    address = f"{host}:{int(port) + replica}"
-    return init_tensor_parallel(rank, parallel.tp_size, address, device)
+    if parallel.tp_size == 1:
+        return TensorParallel()
+    address = endpoints.init_address(config, replica)
+    startup = datetime.timedelta(seconds=config.server.startup_timeout_s)
+    return init_tensor_parallel(rank, parallel.tp_size, address, device, startup)
 
 
 def run_gpu_worker_process(config: AerieConfig, rank: int = 0, replica: int = 0) -> None:
