@@ -126,8 +126,6 @@ class Launcher:
     def __init__(self, config: AerieConfig) -> None:
         self.config = config
         self.inbox = Receiver(endpoints.inbox(config, "launcher"))
-        # One long-lived sender per child inbox: a sender dropped right after send() may lose
-        # the message before ZMQ has connected.
         replicas = range(config.parallel.dp_size)
         # Node 0 serves (frontend, schedulers, detokenizer); with --nnodes the other machines
         # run worker ranks only.
@@ -142,6 +140,8 @@ class Launcher:
         frontend = ("tokenizer",) if self.serving else ()
         backend = ("detokenizer",) if self.serving else ()
         self.stop_order = (*frontend, *self.schedulers, *self.workers, *backend)
+        # One long-lived sender per child inbox: a sender dropped right after send() may lose
+        # the message before ZMQ has connected.
         self.to = {name: Sender(endpoints.inbox(config, name)) for name in self.stop_order}
         self.procs: dict[str, mp.Process] = {}
         self.listening: dict[str, int | float | str] = {}

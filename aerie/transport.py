@@ -30,7 +30,11 @@ class Sender:
         self.address = address
 
     def send(self, message: Any) -> None:
-        self._socket.send(codec.encode(message), copy=False)
+        self.send_encoded(codec.encode(message))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Send a message already encoded by `aerie.codec` (one encoding for many peers)."""
+        self._socket.send(data, copy=False)
 
     def close(self) -> None:
         self._socket.close()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from aerie import endpoints
+from aerie import codec, endpoints
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, Heartbeat, Shutdown
 from aerie.process import HeartbeatResponder, run_process
@@ -50,7 +50,7 @@ class WorkerLoop:
         self.name = endpoints.worker_name(rank, replica)
         self.inbox = Receiver(endpoints.inbox(config, self.name))
         # A rank on another machine than rank 0 also listens where rank 0 can reach it.
-        on_node_zero = rank in range(config.parallel.tp_size // config.parallel.nnodes)
+        on_node_zero = config.parallel.node_rank == 0
         remote = None if on_node_zero else endpoints.remote_inbox_address(config)
         address = self.inbox.bind(remote) if remote is not None else self.inbox.address
         # Rank 0 reports to its replica's scheduler and forwards plans to the other ranks, at
@@ -61,12 +61,11 @@ class WorkerLoop:
         others = addresses[1:] if rank == 0 else []
         self.followers = [Sender(str(address)) for address in others]
         # A rank on another machine than rank 0 is not stopped by node 0's launcher: when idle
-        # it checks every few seconds that rank 0 still holds the group's meeting address.
-        self.idle_check_s = None if on_node_zero else IDLE_CHECK_S
+        # it checks every IDLE_CHECK_S that rank 0 still holds the group's meeting address.
+        self.rank_zero_address = None if on_node_zero else endpoints.init_address(config, replica)
+        self.next_check = 0.0
         # Start-up is over: from now on a collective that waits this long means a dead peer.
         self.worker.tp.start_serving()
-        self.init_address = "" if on_node_zero else endpoints.init_address(config, replica)
-        self.next_check = 0.0
         self.running = True
         self.launched: deque[Launched] = deque()
         self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
@@ -77,27 +76,33 @@ class WorkerLoop:
         }
 
     def check_rank_zero(self) -> None:
-        """On another machine than rank 0 (idle_check_s set): every idle_check_s, fail if rank 0
-        no longer holds the group's meeting address."""
-        if self.idle_check_s is None or time.monotonic() < self.next_check:
+        """On another machine than rank 0: every IDLE_CHECK_S, fail if rank 0 no longer holds
+        the group's meeting address."""
+        address = self.rank_zero_address
+        if address is None or time.monotonic() < self.next_check:
             return
-        if not rank_zero_alive(self.init_address):
+        if not rank_zero_alive(address):
             raise RuntimeError(
-                f"tensor-parallel rank 0 (node 0, {self.init_address}) is gone: the server on "
-                "node 0 stopped or its machine is unreachable"
+                f"tensor-parallel rank 0 (node 0, {address}) is gone: the server on node 0 "
+                "stopped or its machine is unreachable"
             )
-        self.next_check = time.monotonic() + self.idle_check_s
+        self.next_check = time.monotonic() + IDLE_CHECK_S
+
+    def forward(self, message: ForwardPlan | Shutdown) -> None:
+        """Pass a message on to the other ranks (encoded once for all of them)."""
+        if self.followers:
+            data = codec.encode(message)
+            for follower in self.followers:
+                follower.send_encoded(data)
 
     def handle_plan(self, plan: ForwardPlan) -> None:
-        for follower in self.followers:
-            follower.send(plan)
+        self.forward(plan)
         if self.profiler is not None:
             self.profiler.on_launch()
         self.launched.append(self.worker.launch(plan))
 
     def handle_shutdown(self, message: Shutdown) -> None:
-        for follower in self.followers:
-            follower.send(message)
+        self.forward(message)
         # Steps already launched run to their end on every rank (their collectives meet).
         while self.launched:
             self.worker.finish(self.launched.popleft())
@@ -106,7 +111,8 @@ class WorkerLoop:
     def run(self) -> None:
         while self.running:
             if not self.launched:
-                message = self.inbox.recv(timeout_s=self.idle_check_s)
+                wait_s = None if self.rank_zero_address is None else IDLE_CHECK_S
+                message = self.inbox.recv(timeout_s=wait_s)
                 if message is not None:
                     self.dispatch(message)
                 self.check_rank_zero()

@@ -36,10 +36,6 @@ class Shard:
     rows: int
 
     @classmethod
-    def whole(cls, rows: int) -> Shard:
-        return cls(rows, 0, rows)
-
-    @classmethod
     def heads(cls, first: int, count: int, total: int, head_dim: int) -> Shard:
         """Heads [first, first + count) of `total` heads of head_dim rows each."""
         return cls(total * head_dim, first * head_dim, count * head_dim)

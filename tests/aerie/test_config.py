@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import pytest
 
 from aerie.config import AerieConfig, build_arg_parser, config_from_args
+from aerie.endpoints import split_host_port
 from aerie.resolve import ConfigError, resolve_config
+from launch import public_info
 
 
 def test_every_design_flag_exists():
@@ -110,9 +113,14 @@ def test_tensor_parallel_ranks_meet_at_a_local_port(tmp_path):
     single = resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
     assert single.parallel.dist_init_addr is None
     cfg = resolve_config(config_from_args(["--model-path", path, "--device", "cpu",
-                                           "--tp-size", "2"]))  # fmt: skip
-    host, _, port = cfg.parallel.dist_init_addr.rpartition(":")
-    assert host == "127.0.0.1" and 0 < int(port) < 65536
+                                           "--tp-size", "2", "--dp-size", "3"]))  # fmt: skip
+    host, port = split_host_port(cfg.parallel.dist_init_addr)
+    assert host == "127.0.0.1" and 0 < port <= 65536 - 3
+    for replica in range(3):  # replica d meets at port + d: each one free
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port + replica))
+    assert "dist_init_addr" not in public_info(cfg)  # an internal address: debug info only
+    assert public_info(cfg.replace(security={"enable_debug_info": True}))["dist_init_addr"]
     for c in (single, cfg):
         os.rmdir(c.runtime_dir)
 

@@ -14,13 +14,19 @@ from tests.gpu_worker.draft_checkpoints import make_agreeing_eagle_draft, make_b
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
 
+def write_questions(tmp_path, *turns: str):
+    """An MT-bench-style questions file, one first turn per question."""
+    path = tmp_path / "questions.jsonl"
+    path.write_text("\n".join(json.dumps({"turns": [t]}) for t in turns))
+    return path
+
+
 @pytest.mark.parametrize("algorithm", ["EAGLE", "MTP"])
 def test_bench_speculative_reports_plain_and_speculative_rows(tmp_path, algorithm):
     model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
                                  max_position_embeddings=512)
     make_tiny_tokenizer(model)
-    prompts = tmp_path / "questions.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("Hello?", "Why?")))
+    prompts = write_questions(tmp_path, "Hello?", "Why?")
     out = tmp_path / "result.json"
     bench_speculative.main([
         "--model-path", model, "--load-format", "dummy", "--algorithm", algorithm,
@@ -41,8 +47,7 @@ def test_a_draft_that_always_agrees_is_accepted_at_every_position(tmp_path):
     target = make_bigram_target(str(tmp_path / "bigram"), max_position_embeddings=512)
     make_tiny_tokenizer(target)
     draft = make_agreeing_eagle_draft(str(tmp_path / "agreeing"), target)
-    prompts = tmp_path / "questions.jsonl"
-    prompts.write_text("\n".join(json.dumps({"turns": [t]}) for t in ("Hello?", "Why not?")))
+    prompts = write_questions(tmp_path, "Hello?", "Why not?")
     out = tmp_path / "result.json"
     bench_speculative.main([
         "--model-path", target, "--algorithm", "EAGLE", "--draft-path", draft,

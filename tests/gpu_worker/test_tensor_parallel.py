@@ -14,9 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from aerie import endpoints
+from aerie.config import config_from_args
 from aerie.resolve import free_port
 from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
+from gpu_worker.process import worker_device
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint, reference_logits
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
@@ -125,3 +128,20 @@ def test_shares_and_their_errors():
     assert [TensorParallel(r, 4).vocab_block(250) for r in (0, 3)] == [(0, 63), (189, 63)]
     with pytest.raises(ValueError, match="rank 2 outside a group of 2"):
         TensorParallel(2, 2)
+
+
+@pytest.mark.parametrize(
+    "argv, node_rank, expected",
+    [
+        (["--tp-size", "2", "--dp-size", "2"], 0, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
+        (["--tp-size", "4", "--nnodes", "2"], 1, ["cuda:0", "cuda:1"]),  # ranks 2, 3 of node 1
+        ([], 0, ["cuda"]),  # one GPU: the device as configured
+    ],
+)
+def test_each_worker_gets_its_own_gpu(argv, node_rank, expected):
+    config = config_from_args(["--device", "cuda", "--node-rank", str(node_rank), *argv])
+    parallel = config.parallel
+    ranks = endpoints.node_ranks(config)
+    devices = [worker_device(config, rank, replica)
+               for replica in range(parallel.dp_size) for rank in ranks]  # fmt: skip
+    assert devices == expected
