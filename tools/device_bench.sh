@@ -8,6 +8,7 @@
 #   overlap schedule, served on/off (SPEC=EAGLE3 for speculation): bash tools/device_bench.sh overlap
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
+#   the decode attention kernel's knobs: bash tools/device_bench.sh decode-attention
 #   tensor parallelism on 2 GPUs (kind nvidia-h200-x2): bash tools/device_bench.sh tp
 #   the shipped drafts, trained and measured on MT-bench (several chained calls; see the branch):
 #   bash tools/device_bench.sh train
@@ -136,6 +137,19 @@ if [[ $1 == speed ]]; then
   grep -v "^\[" "$OUT/bench.txt" | tail -14
   exit 0
 fi
+if [[ $1 == decode-attention ]]; then
+  # The fused decode attention kernel over its knobs (min keys per split, keys per iteration,
+  # warps), after its backend tests on CUDA (carry: .device-carry/wheels).
+  [[ ${SKIP_UNIT:-0} == 1 ]] || timeout ${UNIT_S:-240} python -m pytest tests/gpu_worker/attention -q -x -p no:cacheprovider \
+    > "$OUT/attention_tests.txt" 2>&1; tail -2 "$OUT/attention_tests.txt"
+  # SWEEPS: one argument list per sweep, separated by ';' (default: the script's defaults).
+  IFS=';' read -ra sweeps <<< "${SWEEPS:- }"; n=0
+  for sweep in "${sweeps[@]}"; do n=$((n + 1))
+    timeout ${BENCH_S:-300} python benchmarks/bench_decode_attention.py $sweep \
+      --output "$OUT/decode_attention_$n.json" 2>&1 | tee "$OUT/decode_attention_$n.txt" | cut -c1-160
+  done
+  exit 0
+fi
 if [[ $1 == speed-8b ]]; then
   # The Llama-3.1-8B shape (random weights): batch 1 against the roofline and the compiled
   # baseline (carry: .device-carry/wheels).
@@ -161,7 +175,9 @@ if [[ $1 == spec-graphs ]]; then
   # GPU speed, part 2: the speculative worker tests on CUDA (triton, stages in CUDA graphs, the
   # iteration under sync-debug "error"), launched-server speculative parity, then the cost of
   # one iteration against a plain graphed step (carry wheels, smollm2-config, llama8b).
-  # MODELS picks the shapes; SKIP_UNIT=1 / SKIP_E2E=1 skip the tests.
+  # MODELS picks the shapes; SKIP_UNIT=1 / SKIP_E2E=1 skip the tests; DRAFT=DIR shapes the draft
+  # after that checkpoint's config (e.g. the shipped aerie/drafts/SmolLM2-135M-Instruct/eagle3)
+  # instead of a random one after the target's.
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-300} python -m pytest \
     tests/gpu_worker/speculative tests/gpu_worker/test_worker.py tests/gpu_worker/attention \
     -q -p no:cacheprovider \
@@ -173,7 +189,7 @@ if [[ $1 == spec-graphs ]]; then
     for algo in ${ALGOS:-EAGLE3 MTP}; do
       shapes=${SHAPES:-"1,1,2 3,1,4 5,1,6 5,4,8 6,8,32"}; [[ $algo == MTP ]] && shapes="1,1,2 3,1,4"
       timeout ${BENCH_S:-240} python benchmarks/bench_speculative.py --mode iteration \
-        --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" \
+        --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" ${DRAFT:+--draft-path $DRAFT} \
         --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} ${PROFILE:+--profile --profile-top ${PROFILE_TOP:-0}} \
         --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1
       grep -v "INFO\|^\[" "$OUT/iter_${m}_$algo.txt" | tail -14

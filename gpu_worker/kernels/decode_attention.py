@@ -13,12 +13,16 @@ new token itself, taken from registers. Numerics match `rotary.rope_and_store_kv
 attention over the pool (q and k rounded to the model dtype after rotation).
 
 Work split (split-K, GQA grouped): a program per (request, KV head, split) serves all H / KH
-query heads of its KV head, so K and V are read once per group. A request uses
-min(num_splits, its number of BLOCK_N key blocks) splits (programs beyond that return at
-once), each covering a contiguous run of whole blocks. Each program writes its partial output
-and log-sum-exp, then counts itself done on a per-(request, KV head) counter; the program that
-finishes last combines the partials and writes o, and resets the counter (so the same launch
-replays in a CUDA graph).
+query heads of its KV head, so K and V are read once per group. A request of n BLOCK_N key
+blocks uses min(num_splits, ceil(n / min_blocks)) splits, min_blocks covering
+MIN_KEYS_PER_SPLIT keys, (programs beyond that
+return at once), each covering a contiguous run of whole blocks. A request served by one split
+writes o directly. Otherwise each program writes its partial output and log-sum-exp, then
+counts itself done on a per-(request, KV head) counter; the program that finishes last
+combines the partials and writes o, and resets the counter (so the same launch replays in a
+CUDA graph). The combine costs three dependent memory round trips (partials out, the atomic,
+partials in), which at a few hundred keys is more than scanning a few blocks in one program:
+hence the minimum run of blocks per split.
 Everything is read from device tensors: no host value of seq_lens is needed.
 
 `DecodeScratch` holds the partials and the counters; size it for the largest batch.
@@ -36,7 +40,7 @@ import triton.language as tl
 from gpu_worker.kernels import next_power_of_2
 from gpu_worker.kernels.rotary import rotate_halves
 
-BLOCK_N = 64
+MIN_KEYS_PER_SPLIT = 256
 LOG2E = 1.4426950408889634
 
 
@@ -107,6 +111,18 @@ def online_update(s, v1, v2, m_i, l_i, acc1, acc2, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def store_output(out1, out2, total, unit, rc_mask, c, o_ptr, HEAD_DIM: tl.constexpr):
+    """o rows unit [R] (each HEAD_DIM wide) = (out1 | out2) / total; rows whose total is 0
+    (no keys, padding) get 0."""
+    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+    o_offsets = unit[:, None] * HEAD_DIM + c[None, :]
+    o_type = o_ptr.dtype.element_ty
+    tl.store(o_ptr + o_offsets, (out1 * inv_total[:, None]).to(o_type), mask=rc_mask)
+    tl.store(o_ptr + o_offsets + HEAD_DIM // 2, (out2 * inv_total[:, None]).to(o_type),
+             mask=rc_mask)  # fmt: skip
+
+
+@triton.jit
 def finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active, counter,
                  partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -149,11 +165,7 @@ def finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active,
             out2 += w[:, None] * tl.load(partial_o_ptr + offsets + half, mask=rc_mask,
                                          other=0.0, cache_modifier=".cg")  # fmt: skip
             total += w
-        inv_total = 1.0 / tl.where(total > 0, total, 1.0)
-        o_offsets = unit[:, None] * HEAD_DIM + c[None, :]
-        o_type = o_ptr.dtype.element_ty
-        tl.store(o_ptr + o_offsets, (out1 * inv_total[:, None]).to(o_type), mask=rc_mask)
-        tl.store(o_ptr + o_offsets + half, (out2 * inv_total[:, None]).to(o_type), mask=rc_mask)
+        store_output(out1, out2, total, unit, rc_mask, c, o_ptr, HEAD_DIM)
         tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
@@ -185,6 +197,7 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_BLOCKS_PER_SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -233,7 +246,8 @@ def _decode_kernel(
 
     # This split's keys from the pool (the new key excluded: it is not stored yet).
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
-    active = tl.minimum(num_blocks, NUM_SPLITS)  # splits with keys: short sequences use few
+    # splits with keys: short sequences use few
+    active = tl.minimum(tl.cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT), NUM_SPLITS)
     if split >= active:
         return
     blocks_per_split = tl.cdiv(num_blocks, active)
@@ -274,11 +288,17 @@ def _decode_kernel(
     tl.store(v_ptr + kv_dst, v1.to(v_ptr.dtype.element_ty), mask=store_mask)
     tl.store(v_ptr + kv_dst + half, v2.to(v_ptr.dtype.element_ty), mask=store_mask)
 
-    # Partial result, then the last program of (request, KV head) combines all splits.
-    counter = counter_ptr + req * NUM_KV_HEADS + kv_head
-    finish_split(acc1, acc2, m_i, l_i, req * NUM_HEADS + heads, head_mask, c, c_mask, split,
-                 active, counter, partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM, NUM_SPLITS,
-                 BLOCK_H, BLOCK_HALF)  # fmt: skip
+    # One split: the output. Several: a partial result, then the last program of (request,
+    # KV head) combines all splits.
+    unit = req * NUM_HEADS + heads
+    if active == 1:
+        rc_mask = head_mask[:, None] & c_mask[None, :]
+        store_output(acc1, acc2, l_i, unit, rc_mask, c, o_ptr, HEAD_DIM)
+    else:
+        counter = counter_ptr + req * NUM_KV_HEADS + kv_head
+        finish_split(acc1, acc2, m_i, l_i, unit, head_mask, c, c_mask, split, active, counter,
+                     partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM, NUM_SPLITS, BLOCK_H,
+                     BLOCK_HALF)  # fmt: skip
 
 
 def decode_attention(
@@ -298,14 +318,22 @@ def decode_attention(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    min_keys_per_split: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
-    """See the module docstring; returns o [bs, H * D] in qkv's dtype."""
+    """See the module docstring; returns o [bs, H * D] in qkv's dtype. min_keys_per_split
+    (default MIN_KEYS_PER_SPLIT), block_n and num_warps (default `choose_launch`) are tuning
+    knobs for benchmarks."""
     bs = qkv.shape[0]
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     o = torch.empty(bs, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if bs == 0:
         return o
     has_norm = q_norm is not None
+    chosen_block_n, chosen_warps = choose_launch(bs, num_kv_heads, head_dim)
+    block_n, num_warps = block_n or chosen_block_n, num_warps or chosen_warps
+    min_blocks = min_blocks_per_split(block_n, min_keys_per_split)
     _decode_kernel[(bs, num_kv_heads, num_splits)](
         qkv, positions, cos_sin_cache, q_norm if has_norm else qkv, k_norm if has_norm else qkv,
         k_buffer, v_buffer, out_cache_loc, req_to_token, req_pool_indices, seq_lens, o,
@@ -313,11 +341,30 @@ def decode_attention(
         req_to_token.stride(0), scaling * LOG2E, eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)),
-        BLOCK_H=max(16, next_power_of_2(num_heads // num_kv_heads)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, HAS_NORM=has_norm, DOT_PRECISION=dot_precision(qkv.dtype),
-        num_warps=4,
+        BLOCK_H=max(16, next_power_of_2(num_heads // num_kv_heads)), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, MIN_BLOCKS_PER_SPLIT=min_blocks, HAS_NORM=has_norm,
+        DOT_PRECISION=dot_precision(qkv.dtype), num_warps=num_warps,
     )  # fmt: skip
     return o
+
+
+def min_blocks_per_split(block_n: int, min_keys: int | None = None) -> int:
+    """Blocks of block_n keys a split covers at least (MIN_KEYS_PER_SPLIT keys by default)."""
+    return -(-(min_keys or MIN_KEYS_PER_SPLIT) // block_n)
+
+
+def choose_launch(bs: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(keys per loop iteration, warps) for a decode launch. Measured on the H100
+    (benchmarks/bench_decode_attention.py, docs/performance.md): with few programs a wide
+    block is best, because each iteration costs dependent memory round trips (slots, then
+    their keys) rather than bandwidth: 256 keys of head dim 64 took 4.9 us at one request of
+    160 keys where 64 keys per iteration took 6.6 us. With many programs, half that width
+    and, past 256 (request, KV head) pairs, two warps keep more programs resident (8B shape,
+    64 requests: 15.5 us against 21.5 with four warps)."""
+    units = bs * num_kv_heads
+    elements = 16384 if units <= 64 else 8192
+    block_n = max(32, min(256, elements // head_dim))
+    return block_n, 2 if units >= 256 else 4
 
 
 def choose_num_splits(bs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:

@@ -11,7 +11,8 @@ This kernel is `decode_attention`'s work split instead: a program per (request, 
 split) serves every query of the request for all heads of its KV group (num_queries x H / KH
 rows of one tile), reads a contiguous run of whole key blocks once, and writes a partial
 output and log-sum-exp; the last program of (request, KV head) to arrive combines the splits
-and resets its counter, so the launch replays in a CUDA graph.
+and resets its counter, so the launch replays in a CUDA graph. As in decode, a split covers
+at least MIN_KEYS_PER_SPLIT keys, and a request served by one split writes o directly.
 
 q [bs * num_queries, H * D] (rotated, request b's queries at rows b*num_queries ..); the new
 tokens' K/V are already in the pool (`rotary.rope_and_store_kv`); request b attends the keys at
@@ -42,7 +43,9 @@ from gpu_worker.kernels.decode_attention import (
     dot_precision,
     finish_split,
     load_key_block,
+    min_blocks_per_split,
     online_update,
+    store_output,
 )
 from gpu_worker.kernels.extend_attention import kernel_mask
 from gpu_worker.kernels.rotary import rotate_halves
@@ -118,6 +121,7 @@ def _few_query_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_BLOCKS_PER_SPLIT: tl.constexpr,
     MASK_WIDTH: tl.constexpr,  # 0: causal
     FUSED: tl.constexpr,  # q_ptr is qkv: rotate, store the new K/V, attend them from registers
     HAS_NORM: tl.constexpr,
@@ -157,7 +161,8 @@ def _few_query_kernel(
         pool_end = seq_len - NUM_QUERIES
 
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
-    active = tl.minimum(num_blocks, NUM_SPLITS)  # splits with keys: short sequences use few
+    # splits with keys: short sequences use few
+    active = tl.minimum(tl.cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT), NUM_SPLITS)
     if split >= active:
         return
     blocks_per_split = tl.cdiv(num_blocks, active)
@@ -224,11 +229,17 @@ def _few_query_kernel(
             tl.store(v_ptr + dst, nv1.to(v_ptr.dtype.element_ty), mask=jc_mask)
             tl.store(v_ptr + dst + half, nv2.to(v_ptr.dtype.element_ty), mask=jc_mask)
 
-    # Partial result, then the last program of (request, KV head) combines all splits.
-    counter = counter_ptr + req * NUM_KV_HEADS + kv_head
-    finish_split(acc1, acc2, m_i, l_i, token * NUM_HEADS + heads, row_mask, c, c_mask, split,
-                 active, counter, partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM, NUM_SPLITS,
-                 BLOCK_M, BLOCK_HALF)  # fmt: skip
+    # One split: the output. Several: a partial result, then the last program of (request,
+    # KV head) combines all splits.
+    unit = token * NUM_HEADS + heads
+    if active == 1:
+        store_output(acc1, acc2, l_i, unit, row_mask[:, None] & c_mask[None, :], c, o_ptr,
+                     HEAD_DIM)  # fmt: skip
+    else:
+        counter = counter_ptr + req * NUM_KV_HEADS + kv_head
+        finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active, counter,
+                     partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM, NUM_SPLITS, BLOCK_M,
+                     BLOCK_HALF)  # fmt: skip
 
 
 def few_query_attention(
@@ -314,7 +325,8 @@ def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_toke
         BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)), NUM_QUERIES=num_queries,
         BLOCK_M=max(16, next_power_of_2(num_queries * group)),
         BLOCK_Q=max(16, next_power_of_2(num_queries)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, MASK_WIDTH=mask_width, FUSED=fused, HAS_NORM=has_norm,
+        NUM_SPLITS=num_splits, MIN_BLOCKS_PER_SPLIT=min_blocks_per_split(BLOCK_N),
+        MASK_WIDTH=mask_width, FUSED=fused, HAS_NORM=has_norm,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )  # fmt: skip
     return o

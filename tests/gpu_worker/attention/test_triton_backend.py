@@ -15,6 +15,7 @@ import torch
 from gpu_worker.attention import RopeArgs, create_attention_backend
 from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from gpu_worker.kernels import decode_attention as decode_attention_module
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.speculative.draft_layout import draft_decode_mask
@@ -117,9 +118,25 @@ def test_decode(device, dtype, heads, kv_heads, head_dim, page_size, qk_norm):
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=heads + page_size)
     if qk_norm:
         pools.with_qk_norm()
-    seq_lens = [1, 37, 64, 150]  # one key; a partial block; whole blocks; several splits
+    seq_lens = [1, 37, 64, 150]  # one key; a partial block; a whole block; several blocks
     batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens],
                      [1] * 4)  # fmt: skip
+    check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize("min_keys, block_n", [(1, 64), (128, 64), (512, 64), (64, 32), (256, 256)])
+def test_decode_split_policies(device, dtype, min_keys, block_n, monkeypatch):
+    """However many keys a split must cover at least, and however many a loop iteration
+    reads: requests served by one split (written directly) and by several (combined), uneven
+    runs of blocks included; twice, since the combining program resets its counter."""
+    monkeypatch.setattr(decode_attention_module, "MIN_KEYS_PER_SPLIT", min_keys)
+    monkeypatch.setattr(decode_attention_module, "choose_launch", lambda *_: (block_n, 4))
+    pools = Pools(device, dtype, 9, 3, 64, page_size=4, seed=min_keys, max_len=320)
+    seq_lens = [1, 150, 300, 64]
+    batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens],
+                     [1] * 4)  # fmt: skip
+    check(pools, batch)
     check(pools, batch)
 
 
@@ -137,7 +154,11 @@ def test_extend_over_a_prefix(device, dtype, heads, kv_heads, head_dim, page_siz
 @pytest.mark.parametrize("device, dtype", setups())
 @pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES[1:3])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_tree_verify_with_a_tree_local_mask(device, dtype, heads, kv_heads, head_dim, page_size):
+@pytest.mark.parametrize("min_keys", [1, None])  # a split per key block; the default
+def test_tree_verify_with_a_tree_local_mask(device, dtype, heads, kv_heads, head_dim, page_size,
+                                            min_keys, monkeypatch):  # fmt: skip
+    if min_keys:
+        monkeypatch.setattr(decode_attention_module, "MIN_KEYS_PER_SPLIT", min_keys)
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=11)
     nd, prefix_lens = 8, [0, 17, 64, 100]
     masks = torch.zeros(len(prefix_lens), nd, nd, dtype=torch.bool)
@@ -180,10 +201,12 @@ def few_query_metadata(pools: Pools, batch: ForwardBatch):
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fixed_windows_run_the_few_query_kernel(device, dtype, heads, kv_heads, head_dim,
-                                                page_size, qk_norm):  # fmt: skip
+                                                page_size, qk_norm, monkeypatch):  # fmt: skip
     """The same number of queries per request, causal (the draft extend's fixed S+1 windows):
     RoPE (and q/k norm) and the K/V store in the kernel, split-K over the keys, GQA grouped;
-    twice in a row, since the last program of each (request, KV head) resets its counter."""
+    twice in a row, since the last program of each (request, KV head) resets its counter
+    (a split per key block, so that the splits are combined)."""
+    monkeypatch.setattr(decode_attention_module, "MIN_KEYS_PER_SPLIT", 1)
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=3 * heads)
     if qk_norm:
         pools.with_qk_norm()

@@ -38,16 +38,17 @@ types = {"q_ptr": "*bf16", "positions_ptr": "*i64", "cache_ptr": "*bf16", "q_nor
 # 8B-shaped heads; the query tile (32 rows) and the new-key tile (16) differ in size.
 for fused, width, norm in [(True, 0, False), (True, 8, True), (False, 24, False)]:
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, NUM_QUERIES=8,
-                 BLOCK_M=32, BLOCK_Q=16, BLOCK_N=64, NUM_SPLITS=16, MASK_WIDTH=width,
+                 BLOCK_M=32, BLOCK_Q=16, BLOCK_N=64, NUM_SPLITS=16, MIN_BLOCKS_PER_SPLIT=4,
+                 MASK_WIDTH=width,
                  FUSED=fused, HAS_NORM=norm, DOT_PRECISION="tf32")
     compile_for_sm90(_few_query_kernel, types, const)
 decode_types = {**{k: v for k, v in types.items() if k not in ("q_ptr", "mask_ptr",
                                                                 "q_stride", "mask_batch_stride")},
                 "qkv_ptr": "*bf16", "qkv_stride": "i32"}
-for norm in (False, True):
+for norm, block_n in ((False, 64), (True, 256)):
     compile_for_sm90(_decode_kernel, decode_types, dict(
-        NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_H=16, BLOCK_N=64,
-        NUM_SPLITS=16, HAS_NORM=norm, DOT_PRECISION="tf32"))
+        NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_H=16, BLOCK_N=block_n,
+        NUM_SPLITS=16, MIN_BLOCKS_PER_SPLIT=2, HAS_NORM=norm, DOT_PRECISION="tf32"))
 print("compiled")
 """
 

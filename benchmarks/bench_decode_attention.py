@@ -1,0 +1,132 @@
+"""Per-launch time of the fused decode attention kernel (RoPE, the K/V store and split-K
+attention over the paged pool) over its tuning knobs: the least number of keys a split covers
+(`min_keys_per_split`), the keys per loop iteration (`block_n`) and the warps per program, at
+the attention shapes of SmolLM2-135M (9 heads, 3 KV heads, head dim 64) and Llama-3.1-8B
+(32, 8, 128), for several batch sizes and sequence lengths.
+
+Each measurement replays a CUDA graph of CALLS back-to-back launches (a decode graph runs one
+per layer), so a figure is the kernel's time plus the gap between graph nodes. Every
+configuration's output is first checked against the default configuration's (the knobs
+`choose_launch` picks), which the backend tests check against the torch_native reference.
+
+  python benchmarks/bench_decode_attention.py --output decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpu_worker.kernels import decode_attention as da  # noqa: E402
+from gpu_worker.layers.rotary import RotaryEmbedding  # noqa: E402
+
+CALLS = 30
+SHAPES = {"135m": (9, 3, 64), "8b": (32, 8, 128)}  # heads, KV heads, head dim
+
+
+def time_graph(fn, repeats: int = 5) -> float:
+    """Microseconds per call of fn, replayed CALLS times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / CALLS)
+    return best
+
+
+class Case:
+    """A batch of bs requests of seq_len keys each (the last one the new token), their pages
+    shuffled over the pool, at one attention shape."""
+
+    def __init__(self, shape: str, bs: int, seq_len: int, num_sms: int):
+        heads, kv_heads, head_dim = SHAPES[shape]
+        self.heads = heads
+        dev, dtype = "cuda", torch.bfloat16
+        gen = torch.Generator(device=dev).manual_seed(bs * 7919 + seq_len)
+        slots = bs * seq_len + 1
+        self.k = torch.randn(slots, kv_heads, head_dim, device=dev, generator=gen).to(dtype)
+        self.v = torch.randn(slots, kv_heads, head_dim, device=dev, generator=gen).to(dtype)
+        order = torch.randperm(slots - 1, device=dev, generator=gen) + 1  # slot 0 reserved
+        self.req_to_token = order.view(bs, seq_len).to(torch.int32)
+        self.rows = torch.arange(bs, device=dev)
+        self.seq_lens = torch.full((bs,), seq_len, device=dev, dtype=torch.int32)
+        self.positions = (self.seq_lens - 1).to(torch.int64)
+        self.loc = self.req_to_token[:, -1].to(torch.int64)
+        width = (heads + 2 * kv_heads) * head_dim
+        self.qkv = torch.randn(bs, width, device=dev, generator=gen).to(dtype)
+        self.cache = RotaryEmbedding(head_dim, 10000.0).build_cos_sin_cache(seq_len + 1, dev)
+        self.scale = head_dim**-0.5
+        self.splits = da.choose_num_splits(bs, kv_heads, num_sms)
+        self.scratch = da.DecodeScratch.allocate(bs, heads, kv_heads, head_dim, num_sms, dev)
+
+    def run(self, min_keys: int | None, block_n: int | None, warps: int | None) -> torch.Tensor:
+        return da.decode_attention(
+            self.qkv, self.positions, self.cache, self.k, self.v, self.loc, self.req_to_token,
+            self.rows, self.seq_lens, self.heads, self.scale, self.splits, self.scratch,
+            min_keys_per_split=min_keys, block_n=block_n, num_warps=warps,
+        )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="135m,8b")
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--seq-lens", default="160,512,2048,8192")
+    parser.add_argument("--min-keys", default="64,256,1024")
+    parser.add_argument("--block-n", default="64")
+    parser.add_argument("--warps", default="2,4")
+    parser.add_argument("--output", default="")
+    args = parser.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for shape, bs, seq_len in itertools.product(
+        args.shapes.split(","), ints(args.batch_sizes), ints(args.seq_lens)
+    ):
+        case = Case(shape, bs, seq_len, num_sms)
+        want = case.run(None, None, None).float()  # the defaults
+        line = []
+        knobs = itertools.product(ints(args.min_keys), ints(args.block_n), ints(args.warps))
+        for min_keys, block_n, warps in knobs:
+            got = case.run(min_keys, block_n, warps).float()
+            err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+            us = time_graph(lambda: case.run(min_keys, block_n, warps))  # noqa: B023 (used in this iteration)
+            rows.append({"shape": shape, "bs": bs, "seq_len": seq_len, "splits": case.splits,
+                         "min_keys": min_keys, "block_n": block_n, "warps": warps,
+                         "us": round(us, 2), "rel_err": err})  # fmt: skip
+            if err > 2e-2:
+                raise SystemExit(f"{rows[-1]}: differs from the default configuration")
+            line.append(f"{min_keys}/{block_n}/{warps}:{us:.1f}")
+        best = min(rows[-len(line):], key=lambda r: r["us"])
+        print(f"{shape} bs={bs} seq={seq_len} splits={case.splits} best (min keys/block n/warps) "
+              f"{best['min_keys']}/{best['block_n']}/{best['warps']} {best['us']} us | "
+              + " ".join(line), flush=True)  # fmt: skip
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "calls": CALLS, "rows": rows},
+                      f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
