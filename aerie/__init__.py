@@ -3,6 +3,7 @@
 Owns the configuration dataclasses and their resolution (`config`, `resolve`), the endpoint
 table (`endpoints`), every IPC message (`messages`) and its msgpack codec (`codec`), the
 ZMQ transport (`transport`), process bootstrap and logging (`process`, `logging`), model
-directory facts (`model_info`), the default model (`default_model`) and the public ZMQ client
-(`client`). It imports nothing from the process packages.
+directory facts (`model_info`), loading a model's Hugging Face tokenizer (`hf_tokenizer`), the
+default model (`default_model`) and the public ZMQ client (`client`). It imports nothing from
+the process packages.
 """

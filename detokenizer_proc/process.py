@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from aerie import endpoints
 from aerie.config import AerieConfig
+from aerie.hf_tokenizer import load_hf_tokenizer
 from aerie.messages import Heartbeat, Shutdown, TextDelta, TextDeltas, TokenDeltas
 from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
@@ -76,7 +75,7 @@ def load_tokenizer(config: AerieConfig):
     path = config.model.tokenizer_path or config.model.model_path
     if path is None:
         raise ValueError("the detokenizer needs a resolved tokenizer_path or model_path")
-    return AutoTokenizer.from_pretrained(path)
+    return load_hf_tokenizer(path)
 
 
 def build_server(config: AerieConfig) -> DetokenizerServer:

@@ -11,16 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from aerie.config import AerieConfig
+from aerie.hf_tokenizer import load_hf_tokenizer
 from aerie.model_info import read_model_info
 
 
 class Tokenizer:
     def __init__(self, path: str, model_vocab_size: int = 0) -> None:
         self.path = path
-        self._tok = AutoTokenizer.from_pretrained(path)
+        self._tok = load_hf_tokenizer(path)
         self.vocab_size = max(len(self._tok), model_vocab_size)
         self.max_token_bytes = self._longest_token_bytes()
         self._warm_up()
