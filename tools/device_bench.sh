@@ -208,6 +208,8 @@ if [[ $1 == overlap ]]; then
   # PYSPY_S=6 (with py-spy among the carried wheels): host profiles of every process for that
   # many seconds in the runs at PYSPY_CONC (default "64 1"), which then send 8x the requests.
   # carry: .device-carry/wheels .device-carry/smollm2-config .device-carry/sharegpt_subset.json
+  # (or DATASET=.device-carry/sharegpt_small.json, carried instead: the shipped drafts leave
+  # too little of the 64 MiB for the 11 MB subset)
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-200} python -m pytest \
     tests/gpu_worker/test_cuda.py tests/gpu_worker/test_worker.py tests/gpu_worker/test_cuda_graph.py \
     tests/gpu_worker/speculative/test_stage_graphs.py tests/gpu_worker/speculative/test_eagle_worker.py \
@@ -245,7 +247,7 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
       echo "== $tag overlap $mode concurrency $conc rate $rate"
       timeout 150 python benchmarks/bench_serving.py --backend $backend --num-prompts $n \
         --output-len ${OUTPUT_LEN:-256} --max-concurrency $c --request-rate $rate \
-        --dataset-path .device-carry/sharegpt_subset.json --tokenizer $model \
+        --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model \
         --output "$OUT/serve_${tag}_${mode}_c$conc.json" > "$OUT/serve_${tag}_${mode}_c$conc.txt" 2>&1 &
       client=$!
       if [[ $spy == 1 ]]; then
