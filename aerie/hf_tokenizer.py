@@ -3,10 +3,13 @@ processes.
 
 `AutoTokenizer` imports torch (through the model configuration classes it may need to pick a
 tokenizer class): about 3.5 s of CPU in each of those two processes, at every start, though
-neither runs a tensor. When tokenizer_config.json names the generic fast tokenizer (the class
-`AutoTokenizer` would build from tokenizer.json anyway), it is loaded directly, which imports
-no torch (0.15 s for the default model). Any other class, or no tokenizer_config.json, goes
-through `AutoTokenizer` as before.
+neither runs a tensor. When tokenizer_config.json names the generic fast tokenizer and the
+directory's model type is one for which `AutoTokenizer` builds that very class from
+tokenizer.json, it is loaded directly, which imports no torch (0.15 s for the default model).
+Some model types get a class of their own even where the generic one is named (transformers 5
+gives qwen2 `Qwen2Tokenizer`, with its own normalizer and split pattern), so only the types
+checked against `AutoTokenizer` (tests/aerie/test_hf_tokenizer.py) take the direct path;
+everything else goes through `AutoTokenizer` as before.
 """
 
 from __future__ import annotations
@@ -15,23 +18,35 @@ import json
 import os
 
 GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+DIRECT_MODEL_TYPES = (None, "llama", "qwen3")  # None: no config.json or no model_type in it
+
+
+def _json_field(path: str, name: str, field: str) -> str | None:
+    try:
+        with open(os.path.join(path, name)) as f:
+            return json.load(f).get(field)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def tokenizer_class_name(path: str) -> str | None:
     """The tokenizer_class of path/tokenizer_config.json (None: no file or no name)."""
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            return json.load(f).get("tokenizer_class")
-    except (OSError, ValueError):
-        return None
+    return _json_field(path, "tokenizer_config.json", "tokenizer_class")
+
+
+def loads_directly(path: str) -> bool:
+    """Whether `load_hf_tokenizer` skips `AutoTokenizer` for this directory."""
+    return (
+        tokenizer_class_name(path) in GENERIC_FAST_CLASSES
+        and _json_field(path, "config.json", "model_type") in DIRECT_MODEL_TYPES
+        and os.path.isfile(os.path.join(path, "tokenizer.json"))
+    )
 
 
 def load_hf_tokenizer(path: str):
     """The tokenizer `AutoTokenizer.from_pretrained(path)` gives, without importing torch where
-    the directory names the generic fast tokenizer."""
-    if tokenizer_class_name(path) in GENERIC_FAST_CLASSES and os.path.isfile(
-        os.path.join(path, "tokenizer.json")
-    ):
+    `loads_directly`."""
+    if loads_directly(path):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)

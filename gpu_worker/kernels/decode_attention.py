@@ -363,7 +363,7 @@ def choose_launch(bs: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
     64 requests: 15.5 us against 21.5 with four warps)."""
     units = bs * num_kv_heads
     elements = 16384 if units <= 64 else 8192
-    block_n = max(32, min(256, elements // head_dim))
+    block_n = max(32, min(256, 1 << (elements // head_dim).bit_length() - 1))  # a power of 2
     return block_n, 2 if units >= 256 else 4
 
 

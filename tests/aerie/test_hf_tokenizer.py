@@ -11,11 +11,12 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from aerie.hf_tokenizer import load_hf_tokenizer, tokenizer_class_name
+from aerie.hf_tokenizer import load_hf_tokenizer, loads_directly, tokenizer_class_name
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEXTS = ["Hello, world!", "  two  spaces\nand a newline", "héllo ünïcode ✓", "<|im_start|>x"]
+TEXTS = ["Hello, world!", "  two  spaces\nand a newline", "héllo ünïcode ✓", "<|im_start|>x",
+         "cafe\u0301"]
 
 
 def test_the_process_modules_import_no_torch():
@@ -27,9 +28,18 @@ def test_the_process_modules_import_no_torch():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_generic_fast_tokenizer_loads_as_autotokenizer_would(tmp_path):
+def write_model_type(path: str, model_type: str | None) -> None:
+    if model_type is not None:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({"model_type": model_type}, f)
+
+
+@pytest.mark.parametrize("model_type", [None, "llama", "qwen3"])
+def test_the_generic_fast_tokenizer_loads_as_autotokenizer_would(tmp_path, model_type):
     path = make_tiny_tokenizer(tmp_path / "tok")
+    write_model_type(path, model_type)
     assert tokenizer_class_name(path) in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert loads_directly(path)
     code = ("import sys; from aerie.hf_tokenizer import load_hf_tokenizer; "
             f"load_hf_tokenizer({path!r}); print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
@@ -44,6 +54,15 @@ def test_the_generic_fast_tokenizer_loads_as_autotokenizer_would(tmp_path):
     assert got.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
         want.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     )
+
+
+def test_a_model_type_with_its_own_tokenizer_class_goes_through_autotokenizer(tmp_path):
+    """transformers builds Qwen2Tokenizer (its own normalizer) for qwen2 even where the
+    generic class is named: the direct load would differ, so it is not taken."""
+    path = make_tiny_tokenizer(tmp_path / "tok")
+    write_model_type(path, "qwen2")
+    assert not loads_directly(path)
+    assert type(load_hf_tokenizer(path)) is type(AutoTokenizer.from_pretrained(path))
 
 
 @pytest.mark.parametrize("config", [None, {}, {"tokenizer_class": "SomeModelTokenizer"}])

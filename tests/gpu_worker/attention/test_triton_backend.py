@@ -65,6 +65,7 @@ class Pools:
             self.req.req_to_token[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
         self.layer = Layer(1, heads, kv_heads, head_dim, head_dim**-0.5)
         self.gen = gen
+        self.backends = {}
         self.rope = RopeArgs(RotaryEmbedding(head_dim, 10000.0).build_cos_sin_cache(512, device))
 
     def with_qk_norm(self) -> Pools:
@@ -78,7 +79,12 @@ class Pools:
         return torch.randn(num_tokens, width, generator=self.gen).to(self.device, self.dtype)
 
     def run(self, name: str, batch: ForwardBatch, qkv: torch.Tensor) -> torch.Tensor:
-        backend = create_attention_backend(name, self.req, self.kv, self.layer.num_heads)
+        """One backend per name for the pools' life, so a second launch sees the split-K
+        counters the first one left (they must be back at zero)."""
+        if name not in self.backends:
+            self.backends[name] = create_attention_backend(name, self.req, self.kv,
+                                                           self.layer.num_heads)  # fmt: skip
+        backend = self.backends[name]
         batch = dataclasses.replace(
             batch, attn_backend=backend, attn_metadata=backend.init_forward_metadata(batch)
         )
@@ -110,7 +116,7 @@ def check(pools: Pools, batch: ForwardBatch) -> None:
 
 
 @pytest.mark.parametrize("device, dtype", setups())
-@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [*SHAPES, (4, 2, 80)])  # 80: no power of 2
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_decode(device, dtype, heads, kv_heads, head_dim, page_size, qk_norm):
@@ -138,6 +144,14 @@ def test_decode_split_policies(device, dtype, min_keys, block_n, monkeypatch):
                      [1] * 4)  # fmt: skip
     check(pools, batch)
     check(pools, batch)
+
+
+def test_decode_launches_read_a_power_of_two_keys_per_iteration():
+    """tl.arange needs a power of 2: head dims such as 80 or 96 must not give 204 or 170."""
+    for head_dim in (16, 48, 64, 80, 96, 100, 128, 256):
+        for bs in (1, 8, 64, 512):
+            block_n, warps = decode_attention_module.choose_launch(bs, 8, head_dim)
+            assert 32 <= block_n <= 256 and block_n & (block_n - 1) == 0 and warps in (2, 4)
 
 
 @pytest.mark.parametrize("device, dtype", setups())
