@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import graph_timing  # noqa: E402
 from gpu_worker.kernels import decode_attention as da  # noqa: E402
 from gpu_worker.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -31,28 +32,9 @@ CALLS = 30
 SHAPES = {"135m": (9, 3, 64), "8b": (32, 8, 128)}  # heads, KV heads, head dim
 
 
-def time_graph(fn, repeats: int = 5) -> float:
+def time_graph(fn) -> float:
     """Microseconds per call of fn, replayed CALLS times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / CALLS)
-    return best
+    return graph_timing.time_graph(fn, CALLS)
 
 
 class Case:

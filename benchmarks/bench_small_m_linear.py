@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import graph_timing  # noqa: E402
 from gpu_worker.kernels import small_m_linear as sml  # noqa: E402
 
 CALLS = 50
@@ -31,28 +32,9 @@ SHAPES = {  # name: (N, K)
 }  # fmt: skip
 
 
-def time_graph(fn, repeats: int = 5) -> float:
+def time_graph(fn) -> float:
     """Microseconds per call of fn, replayed CALLS times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / CALLS)
-    return best
+    return graph_timing.time_graph(fn, CALLS)
 
 
 def configs():
