@@ -10,15 +10,21 @@ host synchronisation inside the timed loop) for these variants:
   unfused, unfused+graph
                  triton without the small-batch fused projections (each norm, SiLU-and-mul
                  and projection a kernel of its own, projections by the library GEMM)
+  library, library+graph
+                 triton with the one-row projections of large weights (over
+                 small_m_linear.MAX_FUSED_WEIGHT elements: the 8B shape's) by the library GEMM
+                 instead of the kernel at small_m_linear.GEMV_CONFIG
   compiled       a gpt-fast-style static-KV decoder on the same weights, compiled with
                  torch.compile(mode="reduce-overhead") (benchmarks/static_kv_baseline.py)
 
-and reports tokens/s, step time (device events over the whole loop), kernels per step (the
-profiler's CUDA kernel records over a few steps), host time per step (the time the host takes
-to issue one step) and the roofline: at batch 1 a step reads every weight once, so the best
-possible speed is bandwidth / weight bytes (bandwidth measured here by a device-to-device
-copy). Models: `smollm2` (the default model's shape, random weights unless --real-weights),
-`llama3-8b` (Llama-3.1-8B shape, random weights), or a model directory.
+(--gemv-configs adds triton+graph@<config> variants: the graphs captured again with each
+launch shape as GEMV_CONFIG) and reports tokens/s, step time (device events over the whole
+loop), kernels per step (the profiler's CUDA kernel records over a few steps), host time per
+step (the time the host takes to issue one step) and the roofline: at batch 1 a step reads
+every weight once, so the best possible speed is bandwidth / weight bytes (bandwidth measured
+here by a device-to-device copy). Models: `smollm2` (the default model's shape, random
+weights unless --real-weights), `llama3-8b` (Llama-3.1-8B shape, random weights), or a model
+directory.
 
   python benchmarks/bench_decode.py --models smollm2,llama3-8b --batch-size 1,64 --output d.json
 """
@@ -43,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
 from gpu_worker.build import DTYPES  # noqa: E402
+from gpu_worker.cuda_graph import CudaGraphRunner  # noqa: E402
 from gpu_worker.forward_batch import ForwardMode  # noqa: E402
 from gpu_worker.host_batch import HostBatch  # noqa: E402
 from gpu_worker.kernels import small_m_linear  # noqa: E402
@@ -51,7 +58,21 @@ from gpu_worker.models import read_arch_config  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
 FUSED_WEIGHT = small_m_linear.MAX_FUSED_WEIGHT  # the "unfused" variants set it to 0
-VARIANTS = ("torch_native", "triton", "triton+graph", "unfused", "unfused+graph", "compiled")
+GEMV_CONFIG = small_m_linear.GEMV_CONFIG  # "unfused" and "library" set it to None
+VARIANTS = ("torch_native", "triton", "triton+graph", "unfused", "unfused+graph", "library",
+            "library+graph", "compiled")  # fmt: skip
+GROUPS = ("torch_native", "triton", "unfused", "library")  # one runner (and graphs) each
+
+
+def configure_kernels(group: str, gemv: small_m_linear.Config | None = GEMV_CONFIG) -> None:
+    small_m_linear.MAX_FUSED_WEIGHT = 0 if group == "unfused" else FUSED_WEIGHT
+    small_m_linear.GEMV_CONFIG = None if group in ("unfused", "library") else gemv
+
+
+def parse_gemv_configs(text: str) -> list[small_m_linear.Config]:
+    """'4,2048,4;8,1024,4' -> Configs (block_n, block_k, num_warps)."""
+    return [small_m_linear.Config(*(int(v) for v in part.split(",")))
+            for part in text.split(";") if part.strip()]  # fmt: skip
 LLAMA31_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -94,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per run")
     p.add_argument("--warmup-steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant")
+    p.add_argument("--gemv-configs", default="", type=parse_gemv_configs,
+                   help="BN,BK,WARPS;...: triton+graph@<config> variants")  # fmt: skip
     p.add_argument("--profile-steps", type=int, default=4, help="steps profiled for kernels")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
@@ -354,13 +377,15 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
                   for bs in sizes}  # the same prompts for every variant  # fmt: skip
     results: dict[tuple[str, int], dict] = {}
     weight_bytes, num_layers = 0, 0
-    for group in ("torch_native", "triton", "unfused"):  # one runner (and graphs) per group
+    for group in GROUPS:
         wanted = [v for v in variants if v.split("+")[0] == group or (
             group == "triton" and v == "compiled")]  # fmt: skip
-        if not wanted:
+        gemv_configs = args.gemv_configs if group == "triton" else []
+        if not wanted and not gemv_configs:
             continue
-        graph_bs = max(sizes) if any(v.endswith("+graph") for v in wanted) else 0
-        small_m_linear.MAX_FUSED_WEIGHT = 0 if group == "unfused" else FUSED_WEIGHT
+        with_graphs = gemv_configs or any(v.endswith("+graph") for v in wanted)
+        graph_bs = max(sizes) if with_graphs else 0
+        configure_kernels(group)
         backend = "torch_native" if group == "torch_native" else "triton"
         runner = build_runner(path, load_format, args, backend, graph_bs)
         weight_bytes, num_layers = weight_bytes_per_token(runner), runner.config.num_layers
@@ -376,6 +401,18 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
                 results[(variant, bs)] = bench_variant(
                     lambda r=runner, b=bs, g=use_graph: Decoder(r, b, max_len, g), prompts, args
                 )
+        for config in gemv_configs:  # the same runner, its graphs captured again
+            configure_kernels(group, config)
+            runner.graph_runner = None
+            torch.cuda.empty_cache()
+            on_cuda = runner.device.type == "cuda"
+            runner.graph_runner = CudaGraphRunner(runner, graph_bs, capture=on_cuda)
+            tag = ",".join(str(v) for v in dataclasses.astuple(config))
+            for bs in sizes:
+                results[(f"triton+graph@{tag}", bs)] = bench_variant(
+                    lambda r=runner, b=bs: Decoder(r, b, max_len, True), prompts_of[bs], args
+                )
+        configure_kernels("triton")
         del runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -420,13 +457,13 @@ def print_table(report: dict) -> None:
           f"{report['bandwidth_gbps']:.0f} GB/s")  # fmt: skip
     header = ("model", "variant", "bs", "step ms", "busy ms", "tok/s", "host us", "kern/step",
               "kern/layer", "of roof", "vs comp")  # fmt: skip
-    print(f"{header[0]:<10}{header[1]:<14}" + "".join(f"{h:>10}" for h in header[2:]))
+    print(f"{header[0]:<10}{header[1]:<22}" + "".join(f"{h:>10}" for h in header[2:]))
 
     def fmt(value, spec):
         return f"{value:{spec}}" if value is not None else "-"
 
     for r in report["results"]:
-        print(f"{r['model'][-10:]:<10}{r['variant']:<14}{r['batch_size']:>10}"
+        print(f"{r['model'][-10:]:<10}{r['variant']:<22}{r['batch_size']:>10}"
               f"{r['step_ms']:>10.3f}{fmt(r['gpu_busy_ms_per_step'], '.3f'):>10}"
               f"{r['tokens_per_s']:>10.0f}{r['host_us_per_step']:>10.0f}"
               f"{fmt(r['kernels_per_step'], '.0f'):>10}{fmt(r['kernels_per_layer'], '.1f'):>10}"

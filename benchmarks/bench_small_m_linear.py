@@ -2,10 +2,12 @@
 over launch shapes, at the decoder projections of the SmolLM2-135M and Llama-3.1-8B shapes.
 
 Each measurement replays a CUDA graph of CALLS back-to-back calls (as a decode graph does), so
-a figure is the kernel's time plus the gap between graph nodes. Every configuration is first
-checked against the reference.
+a figure is the kernel's time plus the gap between graph nodes. The calls cycle through enough
+copies of the weight (--rotate-mb in all) that each reads its weight from device memory, as a
+decode step does, not from the 50 MB L2 cache. Every configuration is first checked against
+the reference.
 
-  python benchmarks/bench_small_m_linear.py --rows 1,4 --output sml.json
+  python benchmarks/bench_small_m_linear.py --rows 1 --output sml.json
 """
 
 from __future__ import annotations
@@ -37,43 +39,69 @@ def time_graph(fn) -> float:
     return graph_timing.time_graph(fn, CALLS)
 
 
-def configs():
-    for block_n, block_k, warps in itertools.product((4, 8, 16), (128, 256, 512), (4, 8)):
+def weights(n: int, k: int, rotate_mb: int) -> list[torch.Tensor]:
+    """Copies of one random weight, enough that cycling through them misses the L2 cache."""
+    copies = max(1, min(CALLS, -(-rotate_mb * 2**20 // (n * k * 2))))
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    return [w] + [w.clone() for _ in range(copies - 1)]
+
+
+def cycling(ws: list[torch.Tensor], call):
+    """fn() that calls call(w) with the next weight of ws each time."""
+    turn = itertools.count()
+    return lambda: call(ws[next(turn) % len(ws)])
+
+
+def configs(n: int, k: int):
+    small = n * k <= sml.MAX_FUSED_WEIGHT
+    blocks_k = (128, 256, 512) if small else (1024, 2048, 4096)
+    blocks_n = (4, 8, 16) if small else (2, 4, 8, 16)
+    for block_n, block_k, warps in itertools.product(blocks_n, blocks_k, (4, 8)):
         yield sml.Config(block_n, block_k, warps)
 
 
-def time_prologues(name: str, n: int, k: int, args) -> list[dict]:
-    """The fused kernel a decoder layer runs at this projection (residual add + RMSNorm before
-    qkv and gate_up, SiLU-and-mul before down) against the unfused kernels it replaces."""
+def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> list[dict]:
+    """The kernel with the step before the projection fused as its prologue (residual add +
+    RMSNorm before qkv and gate_up, SiLU-and-mul before down), against the separate Triton
+    kernel followed by the kernel alone at `gemv` (the best plain launch shape of this weight,
+    None: skipped) or by the library GEMM."""
     from gpu_worker.kernels.activation import silu_and_mul
     from gpu_worker.kernels.norm import add_rms_norm
 
     out = []
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    ws = weights(n, k, args.rotate_mb)
+    fused_config = sml.choose_config(1, n, k, prologue=True) or gemv or sml.Config(8, 512, 4)
     for rows in (int(r) for r in args.rows.split(",")):
         if name.endswith((".qkv", ".gate_up")):
             x, res, nw = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in "xrn")
             nw = nw[0]
-            c = sml.choose_config(1, n, k) or sml.Config(8, 512, 4)  # the kernel, always
-            fused = lambda: sml.rms_norm_linear(x, res, nw, 1e-5, w, config=c)  # noqa: E731, B023 (used in this iteration)
-            unfused = lambda: F.linear(add_rms_norm(x, res, nw, 1e-5)[0], w)  # noqa: E731, B023 (used in this iteration)
+            fused = lambda w: sml.rms_norm_linear(x, res, nw, 1e-5, w, config=fused_config)  # noqa: E731, B023 (used in this iteration)
+            before = lambda: add_rms_norm(x, res, nw, 1e-5)[0]  # noqa: E731, B023 (used in this iteration)
         elif name.endswith(".down"):
             gu = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
-            c = sml.choose_config(1, n, k) or sml.Config(8, 512, 4)  # the kernel, always
-            fused = lambda: sml.silu_mul_linear(gu, w, config=c)  # noqa: E731, B023 (used in this iteration)
-            unfused = lambda: F.linear(silu_and_mul(gu), w)  # noqa: E731, B023 (used in this iteration)
+            fused = lambda w: sml.silu_mul_linear(gu, w, config=fused_config)  # noqa: E731, B023 (used in this iteration)
+            before = lambda: silu_and_mul(gu)  # noqa: E731, B023 (used in this iteration)
         else:
             continue
-        f_us, u_us = time_graph(fused), time_graph(unfused)
-        print(f"{name:<13} rows {rows:>2}: fused {f_us:6.2f} us, unfused {u_us:6.2f} us",
+        f_us = time_graph(cycling(ws, fused))
+        library_us = time_graph(cycling(ws, lambda w: F.linear(before(), w)))  # noqa: B023 (used in this iteration)
+        gemv_us = None
+        if gemv is not None and rows <= sml.MAX_KERNEL_ROWS:
+            gemv_us = time_graph(cycling(ws, lambda w: sml.linear(before(), w, config=gemv)))  # noqa: B023 (used in this iteration)
+        print(f"{name:<13} rows {rows:>2}: fused {f_us:6.2f} us ({fused_config}), separate + "
+              f"library {library_us:6.2f} us, separate + kernel {gemv_us} us",
               flush=True)  # fmt: skip
-        out.append({"shape": name, "rows": rows, "fused_us": f_us, "unfused_us": u_us})
+        out.append({"shape": name, "rows": rows, "fused_us": f_us,
+                    "fused_config": fused_config.__dict__, "unfused_us": library_us,
+                    "separate_gemv_us": gemv_us})  # fmt: skip
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4")
+    p.add_argument("--rotate-mb", type=int, default=256,
+                   help="weight copies the calls cycle through, MB in all")  # fmt: skip
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--output")
     p.add_argument("--prologues-only", action="store_true", help="skip the sweep")
@@ -83,21 +111,22 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         if args.prologues_only:
-            results += time_prologues(name, n, k, args)
+            results += time_prologues(name, n, k, args, sml.choose_config(1, n, k))
             continue
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+        ws = weights(n, k, args.rotate_mb)
+        best_plain = None
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x, w)
-            library = time_graph(lambda x=x, w=w: F.linear(x, w))
+            ref = F.linear(x, ws[0])
+            library = time_graph(cycling(ws, lambda w, x=x: F.linear(x, w)))
             timed = []
-            for c in configs():
+            for c in configs(n, k):
                 if c.block_n * c.block_k * rows > 32768:
                     continue  # too many registers
                 try:
-                    out = sml.linear(x, w, config=c)
+                    out = sml.linear(x, ws[0], config=c)
                     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
-                    call = lambda x=x, w=w, c=c: sml.linear(x, w, config=c)  # noqa: E731
+                    call = cycling(ws, lambda w, x=x, c=c: sml.linear(x, w, config=c))
                     timed.append((time_graph(call), c))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(f"  {name} rows {rows} {c}: {type(e).__name__}", flush=True)
@@ -105,12 +134,16 @@ def main() -> None:
             chosen = sml.choose_config(rows, n, k)
             chosen_us = next((t for t, c in timed if c == chosen), None)
             best_us, best = timed[0]
-            print(f"{name:<13} rows {rows:>2}: library {library:6.2f} us, best {best_us:6.2f} us "
-                  f"{best}, chosen {chosen_us} us", flush=True)  # fmt: skip
+            best_plain = best_plain or best
+            gbps = lambda us, b=n * k * 2: b / us / 1e3  # noqa: E731
+            print(f"{name:<13} rows {rows:>2}: library {library:6.2f} us ({gbps(library):.0f} "
+                  f"GB/s), best {best_us:6.2f} us ({gbps(best_us):.0f} GB/s) {best}, chosen "
+                  f"{chosen_us} us", flush=True)  # fmt: skip
             results.append({"shape": name, "rows": rows, "n": n, "k": k, "library_us": library,
                             "best_us": best_us, "best": best.__dict__, "chosen_us": chosen_us,
+                            "weight_copies": len(ws),
                             "top5": [(t, c.__dict__) for t, c in timed[:5]]})  # fmt: skip
-        results += time_prologues(name, n, k, args)
+        results += time_prologues(name, n, k, args, best_plain)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)

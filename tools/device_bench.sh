@@ -9,6 +9,7 @@
 #   serving on a SmolLM2-shaped model with random weights (same speed, one call; carry .device-carry/wheels
 #   .device-carry/smollm2-config .device-carry/sharegpt_subset.json): bash tools/device_bench.sh serve-dummy
 #   the decode attention kernel's knobs: bash tools/device_bench.sh decode-attention
+#   one-row projections of the 8B shape's weights (GEMV): bash tools/device_bench.sh gemv
 #   tensor parallelism on 2 GPUs (kind nvidia-h200-x2): bash tools/device_bench.sh tp
 #   the shipped drafts, trained and measured on MT-bench (several chained calls; see the branch):
 #   bash tools/device_bench.sh train
@@ -148,6 +149,22 @@ if [[ $1 == decode-attention ]]; then
     timeout ${BENCH_S:-300} python benchmarks/bench_decode_attention.py $sweep \
       --output "$OUT/decode_attention_$n.json" 2>&1 | tee "$OUT/decode_attention_$n.txt" | cut -c1-160
   done
+  exit 0
+fi
+if [[ $1 == gemv ]]; then
+  # One-row projections of large weights (the 8B shape): the kernel tests on CUDA, the launch
+  # shapes of bench_small_m_linear.py (weights read from memory, not L2), then the 8B decode
+  # step with the kernel at GEMV_CONFIG (triton+graph), the library GEMM (library+graph) and
+  # the kernel at each of GEMV_CONFIGS ("BN,BK,WARPS;..."). Carry: .device-carry/wheels.
+  [[ ${SKIP_UNIT:-0} == 1 ]] || timeout ${UNIT_S:-200} python -m pytest ${UNIT_TESTS:-tests/gpu_worker/kernels} \
+    -q -x -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1; tail -2 "$OUT/kernel_tests.txt"
+  [[ ${SKIP_SWEEP:-0} == 1 ]] || timeout ${SWEEP_S:-300} python benchmarks/bench_small_m_linear.py --rows 1 \
+    --shapes ${SHAPES:-8b.down,8b.qkv,8b.o,8b.gate_up} --output "$OUT/small_m_linear_sweep.json" 2>&1 \
+    | tee "$OUT/sweep.txt" | grep -v "^  "
+  timeout ${BENCH_S:-300} python benchmarks/bench_decode.py --models llama3-8b --batch-size 1 \
+    --variants ${VARIANTS:-triton+graph,library+graph,compiled} --gemv-configs "${GEMV_CONFIGS:-}" \
+    --decode-steps 64 --warmup-steps 8 --repeats 3 --output "$OUT/decode_llama8b.json" 2>&1 \
+    | grep -v "^\[" | tail -12
   exit 0
 fi
 if [[ $1 == speed-8b ]]; then

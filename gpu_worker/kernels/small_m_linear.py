@@ -10,9 +10,10 @@ shapes, where the weight itself takes under 1 us to read). The kernel gives each
 output columns, computes their dot products on the CUDA cores, and does the step before the
 projection in its prologue, so a decoder layer runs five kernels: norm+qkv, attention, o_proj,
 norm+gate_up, silu+down. The residual add before a norm is computed by every program (its input
-is a few KB) and stored by the first. Where the fused kernel is not the faster way
-(`choose_config` returns None: several rows, or a weight large enough that the library GEMM's
-bandwidth matters more than its latency) the same functions run the separate kernels.
+is a few KB) and stored by the first. Where the fused prologue does not pay (`choose_config`):
+one row of a large weight (the 8B shape's) runs the separate norm or SiLU kernel, then this
+kernel without a prologue, which reads the weight closer to the memory bandwidth than the
+library GEMM does; several rows run the separate kernels and the library GEMM.
 
 Numerics are the references' (`norm.add_rms_norm_reference`, `activation.silu_and_mul_reference`
 followed by `F.linear`): the normalised or gated input is rounded to the input dtype before the
@@ -126,18 +127,31 @@ class Config:
 
 
 MAX_FUSED_WEIGHT = 4 << 20  # elements; 0 never fuses (bench_decode's "unfused" variants)
+# One row of a larger weight: the kernel without the prologue (the norm or SiLU runs as its
+# own kernel first), or the library GEMM where None (bench_decode's "library" variants).
+# Two columns per program and 2048 keys per iteration: the best or within 1% of the best
+# launch shape at every projection of the 8B shape (bench_small_m_linear.py on the H100).
+GEMV_CONFIG: Config | None = Config(block_n=2, block_k=2048, num_warps=4)
 
 
-def choose_config(rows: int, n: int, k: int) -> Config | None:
-    """The launch shape for rows x [n, k], or None where the separate kernels (the Triton norm
-    or SiLU kernel, then the library GEMM) are faster. From benchmarks/bench_small_m_linear.py
-    on the H100 (bf16, per call inside a CUDA graph): for one row and a small weight (every
-    projection of the 135M shape) the fused kernel takes 2.5-3.8 us where norm + GEMM takes
-    4.7-6.2 us; for several rows, or a large weight (the 8B shape: 23-84 us of bandwidth), the
-    library GEMM is as fast or faster and the fused prologue costs more than it saves."""
-    if rows != 1 or n * k > MAX_FUSED_WEIGHT:  # more rows: see the docstring above
+def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config | None:
+    """The launch shape for rows x [n, k] (with the norm or SiLU step fused before it where
+    `prologue`), or None where the separate kernels (the Triton norm or SiLU kernel, then the
+    library GEMM) are faster. From benchmarks/bench_small_m_linear.py on the H100 (bf16, per
+    call inside a CUDA graph, weights read from memory as in a step):
+    - one row, a small weight (every projection of the 135M shape): the fused kernel takes
+      2.5-3.8 us where norm + GEMM takes 4.7-6.2 us;
+    - one row, a large weight (the 8B shape: 13-85 us of bandwidth): the kernel alone reads
+      the weight at 2.5-3.1 TB/s where the library GEMM reaches 2.0-2.8 (its split-K tiles
+      for the down projection leave bandwidth unused), and a fused prologue, which every
+      program repeats over the whole input row, costs more than the separate kernel it saves
+      (GEMV_CONFIG, after that kernel);
+    - several rows: the library GEMM is as fast or faster."""
+    if rows != 1:
         return None
-    return Config(block_n=4 if n <= 1024 else 8, block_k=512, num_warps=4)
+    if n * k <= MAX_FUSED_WEIGHT:
+        return Config(block_n=4 if n <= 1024 else 8, block_k=512, num_warps=4)
+    return None if prologue else GEMV_CONFIG
 
 
 def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Config):
@@ -170,12 +184,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=None):
     """-> (rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: the norm of
     x alone, and x itself second."""
-    config = config or choose_config(x.shape[0], *weight.shape)
+    config = config or choose_config(x.shape[0], *weight.shape, prologue=True)
     if config is None:
         if residual is None:
-            return F.linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
+            return linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
         normed, summed = norm.add_rms_norm(x, residual, norm_weight, eps)
-        return F.linear(normed, weight, bias), summed
+        return linear(normed, weight, bias), summed
     prologue = _NORM if residual is None else _ADD_NORM
     return _launch(prologue, x, weight, bias, residual, norm_weight, eps, config)
 
@@ -183,7 +197,7 @@ def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=Non
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias=None, config=None):
     """gate_up [m, 2I] -> (silu(gate) * up) @ weight [H, I].T + bias -> [m, H]."""
     assert gate_up.shape[1] == 2 * weight.shape[1]
-    config = config or choose_config(gate_up.shape[0], *weight.shape)
+    config = config or choose_config(gate_up.shape[0], *weight.shape, prologue=True)
     if config is None:
-        return F.linear(activation.silu_and_mul(gate_up), weight, bias)
+        return linear(activation.silu_and_mul(gate_up), weight, bias)
     return _launch(_SILU_MUL, gate_up, weight, bias, None, None, 0.0, config)[0]

@@ -60,6 +60,33 @@ def test_cli_writes_table_json_and_roofline(bench, tiny_dir: str, tmp_path, caps
         assert r["prefill_logits_rel_diff_vs_torch_native"] < 1e-5
 
 
+def test_gemv_variants_decode_the_reference_tokens(bench, tiny_dir, tmp_path, monkeypatch):
+    """library+graph (large weights by the library GEMM) and triton+graph@<config> (the graphs
+    captured again with each GEMV launch shape) decode what torch_native does, and the module
+    settings are the production ones afterwards. Every weight counts as large here."""
+    skip_unless_triton_runs_on("cpu")
+    from gpu_worker.kernels import small_m_linear as sml
+
+    monkeypatch.setattr(bench, "FUSED_WEIGHT", 0)
+    monkeypatch.setattr(sml, "MAX_FUSED_WEIGHT", 0)
+    production = sml.GEMV_CONFIG
+    launched = []
+    launch = sml._launch
+    monkeypatch.setattr(sml, "_launch", lambda p, *a: launched.append(a[-1]) or launch(p, *a))
+    output = tmp_path / "decode.json"
+    bench.main(["--models", tiny_dir, "--device", "cpu", "--dtype", "float32", "--prompt-len",
+                "6", "--decode-steps", "2", "--warmup-steps", "0", "--repeats", "1",
+                "--variants", "torch_native,library+graph", "--gemv-configs", "2,64,2;4,32,2",
+                "--bandwidth-mib", "4", "--output", str(output)])  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(output.read_text())["results"]}
+    assert set(rows) == {"torch_native", "library+graph", "triton+graph@2,64,2",
+                         "triton+graph@4,32,2"}  # fmt: skip
+    for r in rows.values():
+        assert r["greedy_agreement_with_torch_native"] == 1.0
+    assert {sml.Config(2, 64, 2), sml.Config(4, 32, 2)} <= set(launched)
+    assert sml.GEMV_CONFIG == production
+
+
 @pytest.mark.parametrize("variant", ["torch_native", "triton", "triton+graph"])
 def test_decode_loop_produces_greedy_tokens(bench, tiny_dir: str, variant: str) -> None:
     args = bench.parse_args(["--device", "cpu", "--dtype", "float32", "--prompt-len", "6",

@@ -78,9 +78,35 @@ def test_silu_mul_linear(device, dtype, rows, k, n, config):
 
 
 def test_the_fused_kernel_runs_only_where_it_pays():
-    assert sml.choose_config(1, 3072, 576) is not None  # the 135M shape's gate_up, batch 1
+    assert sml.choose_config(1, 3072, 576, prologue=True) is not None  # 135M gate_up, batch 1
     assert sml.choose_config(2, 960, 576) is None  # several rows: the library GEMM
-    assert sml.choose_config(1, 6144, 4096) is None  # the 8B shape's qkv: bandwidth-bound
+    # the 8B shape's qkv: bandwidth-bound; the kernel alone, after a separate norm
+    assert sml.choose_config(1, 6144, 4096) == sml.GEMV_CONFIG is not None
+    assert sml.choose_config(1, 6144, 4096, prologue=True) is None
     with pytest.raises(AssertionError, match="rows"):
         sml.linear(torch.zeros(sml.MAX_KERNEL_ROWS + 1, 8), torch.zeros(4, 8),
                    config=sml.Config(4, 64, 2))  # fmt: skip
+
+
+@CASES
+@pytest.mark.parametrize("gemv", [sml.GEMV_CONFIG, sml.Config(4, 64, 2), None])
+def test_a_large_weight_runs_the_separate_step_then_the_gemv(monkeypatch, device, dtype, gemv):
+    """Above MAX_FUSED_WEIGHT one row runs the norm or SiLU kernel, then the kernel without a
+    prologue at GEMV_CONFIG (the library GEMM where that is None)."""
+    monkeypatch.setattr(sml, "MAX_FUSED_WEIGHT", 0)  # every weight counts as large
+    monkeypatch.setattr(sml, "GEMV_CONFIG", gemv)
+    launches = []
+    launch = sml._launch
+    monkeypatch.setattr(sml, "_launch", lambda p, *a: launches.append((p, a[-1])) or launch(p, *a))
+    gen = torch.Generator().manual_seed(3)
+    k, n = 2100, 7  # a partial key block after a whole one at GEMV_CONFIG, a partial column
+    x, residual, nw = (random(gen, device, dtype, 1, k) for _ in range(3))
+    w = random(gen, device, dtype, n, k, scale=k**-0.5)
+    out, summed = sml.rms_norm_linear(x, residual, nw[0], 1e-5, w)
+    ref, ref_summed = sml.rms_norm_linear_reference(x, residual, nw[0], 1e-5, w)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
+    gate_up = random(gen, device, dtype, 1, 2 * k)
+    want = sml.silu_mul_linear_reference(gate_up, w)
+    torch.testing.assert_close(sml.silu_mul_linear(gate_up, w), want, **tolerance(dtype))
+    assert launches == ([(sml._PLAIN, gemv)] * 2 if gemv else [])
