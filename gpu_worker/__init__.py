@@ -7,5 +7,6 @@ model architectures, layers, attention backends and KV storage, per-row sampling
 speculative decoding (`speculative`), and tensor parallelism (`parallel`: the rank's group and
 collectives; the sharded layers are in `layers`). `build.build_models` makes all of it from the
 configuration; `worker.GPUWorker` is the socket-free core that runs plans on it;
-`process.run_gpu_worker_process` moves messages.
+`warm_up` compiles the eager paths' kernels at start-up; `process.run_gpu_worker_process`
+moves messages.
 """

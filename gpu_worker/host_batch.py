@@ -85,9 +85,15 @@ def _flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
 
 
 class Staging:
-    """Pinned host buffers (RING, in turn) and device buffers for uploads of int64 arrays."""
+    """Pinned host buffers (RING, in turn) and device buffers for uploads of int64 arrays.
+
+    `upload` starts every array at a 16-byte boundary: Triton compiles a kernel once per
+    specialization, and a pointer's 16-byte alignment is part of it, so views at odd int64
+    offsets (which depend on the batch's sizes) would make eager steps such as prefill
+    compile another variant of a kernel partway through serving."""
 
     RING = 4
+    ALIGN = 2  # int64 entries: 16 bytes
 
     def __init__(self, device: torch.device | str, capacity: int = 4096) -> None:
         self.device = torch.device(device)
@@ -106,21 +112,25 @@ class Staging:
         self._events = [None] * self.RING
 
     def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """Device int64 views of arrays, in order, after one host-to-device copy."""
-        device = self._copy(arrays, None)
-        views, start = [], 0
+        """Device int64 views of arrays, in order, each 16-byte aligned, after one
+        host-to-device copy."""
+        starts, total = [], 0
         for a in arrays:
-            views.append(device[start : start + len(a)])
-            start += len(a)
-        return views
+            starts.append(total)
+            total += -(-len(a) // self.ALIGN) * self.ALIGN
+        device = self._copy(arrays, None, starts, total)
+        return [device[start : start + len(a)] for start, a in zip(starts, arrays, strict=True)]
 
     def upload_into(self, dst: torch.Tensor, arrays: Sequence[np.ndarray]) -> None:
         """Copy the concatenation of arrays into the start of dst (int64, on the device) in
         one host-to-device copy (e.g. a CUDA graph's static inputs)."""
-        self._copy(arrays, dst)
+        self._copy(arrays, dst, None, sum(len(a) for a in arrays))
 
-    def _copy(self, arrays: Sequence[np.ndarray], dst: torch.Tensor | None) -> torch.Tensor:
-        total = sum(len(a) for a in arrays)
+    def _copy(
+        self, arrays: Sequence[np.ndarray], dst: torch.Tensor | None, starts: list[int] | None,
+        total: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """starts: where each array goes (None: back to back) in the first total entries."""
         if total > self._host[0].numel():
             for event in self._events:
                 if event is not None:
@@ -132,7 +142,11 @@ class Staging:
             self._events[slot].synchronize()  # the copy that last read this buffer is done
         host = self._host[slot]
         device = self._device[slot] if dst is None else dst
-        if arrays:
+        if starts is not None:
+            buffer = host.numpy()
+            for start, a in zip(starts, arrays, strict=True):
+                buffer[start : start + len(a)] = a
+        elif arrays:
             np.concatenate(arrays, out=host.numpy()[:total], casting="unsafe")
         device[:total].copy_(host[:total], non_blocking=self.pinned)
         if self.pinned:

@@ -5,7 +5,9 @@ the device); launched steps are finished in order (`GPUWorker.finish`) and their
 sent to the scheduler. While a step runs on the device the loop keeps reading the inbox, so
 the next plan (the scheduler keeps up to two in flight) is queued behind it before it ends:
 the device does not wait for the host between steps. Shutdown ends the loop. Handlers are
-dispatched by message type through a table.
+dispatched by message type through a table. On CUDA, before it reports ready, the worker
+runs a few dummy prefills so that Triton compiles the eager paths' kernels at start-up, not
+during a request (`gpu_worker.warm_up`).
 
 With tensor parallelism (`--tp-size N`) there is one such process per rank. Rank 0 is the
 "gpu_worker" the scheduler talks to: it forwards every plan (and Shutdown) to the other ranks'
@@ -18,6 +20,7 @@ their collectives meet; their results are dropped (they are rank 0's, see
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import time
@@ -34,7 +37,10 @@ from aerie.process import HeartbeatResponder, run_process
 from aerie.transport import Receiver, Sender
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.step_profile import StepProfiler
+from gpu_worker.warm_up import run_warm_up, watch_compiles
 from gpu_worker.worker import GPUWorker, Launched
+
+log = logging.getLogger(__name__)
 
 IDLE_CHECK_S = 2.0  # how often an idle rank on another machine checks that rank 0 is alive
 
@@ -47,6 +53,11 @@ class WorkerLoop:
         """rank: in the tensor-parallel group of data-parallel replica `replica`."""
         config = config.replace(model={"device": worker_device(config, rank, replica)})
         self.worker = GPUWorker(config, join_group(config, rank, replica))
+        if self.worker.device.type == "cuda":  # the interpreter on CPU compiles nothing
+            seconds = run_warm_up(self.worker)
+            if seconds is not None:
+                log.info("start-up warm-up: prefill kernels compiled in %.1f s", seconds)
+            watch_compiles()
         self.name = endpoints.worker_name(rank, replica)
         self.inbox = Receiver(endpoints.inbox(config, self.name))
         # A rank on another machine than rank 0 also listens where rank 0 can reach it.

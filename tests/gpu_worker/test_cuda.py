@@ -74,8 +74,8 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     from aerie.codec import pack_ids
     from aerie.config import AerieConfig
     from aerie.messages import RequestStart, SamplingParams
+    from gpu_worker.plan_builders import decode_plan, extend_plan
     from gpu_worker.worker import GPUWorker
-    from tests.plan_builders import decode_plan, extend_plan
 
     config = AerieConfig().replace(
         model={"model_path": tiny_dirs["llama"], "device": "cuda", "dtype": "float32"},

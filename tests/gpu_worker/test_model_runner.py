@@ -206,8 +206,9 @@ def test_kv_pool_sizing_on_cpu(tiny_dirs):
 
 def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, monkeypatch):
     """With the triton backend a forward of one token runs each decoder layer as five kernels
-    (norm+qkv, attention, o_proj, norm+gate_up, silu+down), with the same logits; more tokens,
-    or fusion switched off, take the separate kernels and the library GEMMs."""
+    (norm+qkv, attention, o_proj, norm+gate_up, silu+down), with the same logits; weights over
+    the fusion limit take the separate norm and SiLU kernels and the kernel without a prologue
+    (the GEMV), or the library GEMM where GEMV_CONFIG is None; more tokens the library GEMMs."""
     from gpu_worker.kernels import small_m_linear
 
     launches = []
@@ -219,8 +220,14 @@ def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, mon
                  small_m_linear._SILU_MUL]  # the first layer's stream has no residual yet
     per_layer_later = [small_m_linear._ADD_NORM, *per_layer[1:]]
     expected_fused = per_layer + per_layer_later * (runner.config.num_layers - 1)
-    for length, fuse, expected in ((1, True, expected_fused), (2, True, []), (1, False, [])):
+    gemv = small_m_linear.GEMV_CONFIG
+    expected_gemv = [small_m_linear._PLAIN] * 4 * runner.config.num_layers
+    for length, fuse, gemv_config, expected in ((1, True, gemv, expected_fused),
+                                                (2, True, gemv, []),
+                                                (1, False, gemv, expected_gemv),
+                                                (1, False, None, [])):  # fmt: skip
         monkeypatch.setattr(small_m_linear, "MAX_FUSED_WEIGHT", 4 << 20 if fuse else 0)
+        monkeypatch.setattr(small_m_linear, "GEMV_CONFIG", gemv_config)
         launches.clear()
         ids = prompt(length, seed=length)
         out = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids], shuffled_slots(runner, 1, 2))

@@ -12,10 +12,11 @@ from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, RequestStart, SamplingParams, Shutdown, StepResult
 from aerie.transport import Receiver, Sender
+from gpu_worker.plan_builders import decode_plan, extend_plan
 from gpu_worker.process import WorkerLoop
+from gpu_worker.warm_up import run_warm_up, warm_up_plans
 from gpu_worker.worker import GPUWorker
 from tests.gpu_worker.checkpoints import reference_logits
-from tests.plan_builders import decode_plan, extend_plan
 
 PAGE_SIZE = 4
 
@@ -62,9 +63,15 @@ def hf_greedy(reference, ids: list[int], num_new: int) -> tuple[list[int], list[
     return seq[len(ids) :], logprobs
 
 
-def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference_models):
-    worker = GPUWorker(make_config(tiny_dirs["llama"]))
-    assert worker.info()["max_total_tokens"] == 64
+@pytest.mark.parametrize("warm_up", [False, True])
+def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference_models, warm_up):
+    """warm_up: the start-up warm-up ran first, on rows 1 and 2 and KV slots 4..96, where the
+    requests use rows 2 and 3 and slots 4..67; they must not see it."""
+    pool = 128 if warm_up else 64
+    worker = GPUWorker(make_config(tiny_dirs["llama"]).replace(cache={"max_total_tokens": pool}))
+    assert worker.info()["max_total_tokens"] == pool
+    if warm_up:
+        assert run_warm_up(worker) is not None
     sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
     a, b = [5, 17, 99, 3, 42, 7, 8], [200, 1, 64]
     # Step 1: a's first chunk (no token) and all of b.
@@ -98,6 +105,19 @@ def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference
     torch.testing.assert_close(
         torch.tensor(logprobs_a), torch.tensor(expected_logprobs_a), atol=1e-4, rtol=0
     )
+
+
+def test_warm_up_plans_fit_the_pool_or_are_skipped(tiny_dirs):
+    worker = GPUWorker(make_config(tiny_dirs["llama"]))  # a pool of 64 tokens
+    plans = warm_up_plans(2, PAGE_SIZE, worker.runner.vocab_size)
+    assert [codec.unpack_ids(p.extend_lens) for p in plans] == [[5], [40], [3, 41]]
+    for plan in plans:  # each request's run of slots starts on a page (slot = run + position)
+        starts, slots = codec.unpack_ids(plan.slot_starts), codec.unpack_ids(plan.slots)
+        assert (slots[0] - starts[0]) % PAGE_SIZE == 0 and slots[0] >= PAGE_SIZE
+    assert max(max(codec.unpack_ids(p.slots)) for p in plans) >= 64
+    assert run_warm_up(worker) is None  # 64 tokens are too few for both rows
+    worker.max_running_requests = 1
+    assert run_warm_up(worker) is not None  # row 1 alone fits
 
 
 @pytest.mark.parametrize("graph_max_bs", [0, 4])  # direct, and padded to the bucket
@@ -178,3 +198,17 @@ def test_malformed_plans_are_refused_with_the_reason():
     for reason, plan in cases.items():
         with pytest.raises(ValueError, match=reason):
             parse_plan(plan, 4)
+
+
+def test_compiles_after_the_warm_up_are_logged(monkeypatch, caplog):
+    from triton import knobs
+
+    from gpu_worker.warm_up import watch_compiles
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    assert watch_compiles()
+    hook = knobs.runtime.jit_post_compile_hook
+    with caplog.at_level("WARNING", logger="gpu_worker.warm_up"):
+        hook(key="k", repr="_extend_kernel[num_warps=4](q: *bf16)", fn=None, compile={},
+             is_manual_warmup=False, already_compiled=False)  # fmt: skip
+    assert "_extend_kernel[num_warps=4]" in caplog.text and "warm-up" in caplog.text

@@ -18,6 +18,7 @@ from aerie.codec import pack_ids, unpack_ids
 from aerie.config import AerieConfig
 from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.speculative.eagle_worker import rotate_prefill_inputs
+from gpu_worker.warm_up import run_warm_up
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.devices import skip_unless_triton_runs_on
@@ -51,10 +52,13 @@ def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_d
     )
 
 
-def run_engine(config: AerieConfig, prompts: list[list[int]], max_new: int | list[int]):
-    """Serve `prompts` greedily to the end (max_new: for all, or per prompt); returns
-    (outputs, verify counts, decode results)."""
+def run_engine(config: AerieConfig, prompts: list[list[int]], max_new: int | list[int],
+               warm_up: bool = False):  # fmt: skip
+    """Serve `prompts` greedily to the end (max_new: for all, or per prompt), after the
+    start-up warm-up where `warm_up`; returns (outputs, verify counts, decode results)."""
     worker = GPUWorker(config)
+    if warm_up:
+        assert run_warm_up(worker) is not None
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     limits = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
@@ -106,6 +110,17 @@ def test_greedy_speculative_output_equals_target_greedy(
         assert all(1 <= n <= steps + 1 for n in counts)
         assert all(v > 0 for v in verify_ct.values())
     assert run_engine(make_config(models["target"], page_size=page_size), prompts, 20)[0] == base
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_start_up_warm_up_leaves_no_trace(models, algorithm):
+    """The warm-up's dummy prefills (rows 1-2, the first KV slots, the draft's prefill too)
+    change nothing the requests served after it see."""
+    prompts = random_prompts(seed=5)
+    base, _, _ = run_engine(make_config(models["target"], overlap=False), prompts, 12)
+    draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
+    config = make_config(models["target"], algorithm, draft, 3, 2, 5, page_size=4)
+    assert run_engine(config, prompts, 12, warm_up=True)[0] == base
 
 
 @pytest.mark.parametrize("algorithm, page_size", [("EAGLE", 4), ("EAGLE3", 1)])

@@ -1,4 +1,5 @@
-"""Columnar `ForwardPlan`s from per-request lists, for worker tests that schedule by hand."""
+"""Columnar `ForwardPlan`s from per-request lists: the start-up warm-up's plans, and worker tests
+that schedule by hand."""
 
 from __future__ import annotations
 

@@ -1,0 +1,101 @@
+"""Start-up warm-up: the eager paths' Triton kernels compiled before the first request.
+
+CUDA graph capture at start-up compiles the kernels of decode and of the speculative stages.
+Prefill (and the draft's prefill) runs eagerly, so without a warm-up the first request with
+a new kind of prompt waits while Triton compiles a kernel (up to a second on the H100). A
+kernel is compiled once per specialization: its constexprs (for the extend attention kernel,
+a query block of 16 tokens for chunks up to 16 tokens and of 64 beyond), whether each integer
+argument is 1 or a multiple of 16, and whether each pointer is 16-byte aligned (the staging
+buffer keeps every uploaded array aligned, so that does not vary with the batch).
+
+`run_warm_up` sends the worker extend steps of dummy requests that cover those variants: one
+request of a short chunk, one of a long chunk, then two requests, one of them extending a
+cached prefix. Their rows and KV slots are free at start-up, and a request that later runs on
+those rows starts afresh (its RequestStart resets the row's sampling state, its first extend
+the row's device state, and it only reads KV slots it wrote). After it, `watch_compiles` makes
+every further compile log a warning naming the kernel, so a variant the warm-up missed shows
+in the server's log instead of as an unexplained slow request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from aerie.codec import pack_ids, unpack_ids
+from aerie.messages import ForwardPlan, RequestStart, SamplingParams
+from gpu_worker.plan_builders import extend_plan
+
+if TYPE_CHECKING:
+    from gpu_worker.worker import GPUWorker
+
+log = logging.getLogger(__name__)
+
+SHORT, LONG, PREFIX_EXTEND = 5, 40, 3  # chunk lengths: a 16-token query block, a 64-token one
+
+
+def warm_up_plans(num_rows: int, page_size: int, vocab_size: int) -> list[ForwardPlan]:
+    """The warm-up's extend plans on request rows 1 (and 2 where num_rows > 1). Each request
+    writes its own page-aligned run of KV slots (position p of a run starting at s in slot
+    s + p), after the reserved page 0."""
+    greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
+    next_slot = page_size
+
+    def run_of(n: int) -> int:
+        nonlocal next_slot
+        start = -(-next_slot // page_size) * page_size
+        next_slot = start + n
+        return start
+
+    def chunk(row: int, run: int, prefix: int, length: int) -> tuple:
+        ids = [(7 * (prefix + i) + row) % vocab_size for i in range(length)]
+        return (row, prefix, ids, list(range(run + prefix, run + prefix + length)), True)
+
+    short, long = run_of(SHORT), run_of(LONG + PREFIX_EXTEND)
+    chunks = [[chunk(1, short, 0, SHORT)], [chunk(1, long, 0, LONG)]]
+    if num_rows > 1:  # row 1 extends its cached LONG tokens; row 2 starts a long chunk
+        second = run_of(LONG + 1)
+        chunks.append([chunk(1, long, LONG, PREFIX_EXTEND), chunk(2, second, 0, LONG + 1)])
+
+    def starts(plan: list[tuple]) -> list[RequestStart]:
+        return [RequestStart(c[0], greedy, False, pack_ids(c[2])) for c in plan if c[1] == 0]
+
+    return [extend_plan(-1 - i, plan, starts(plan)) for i, plan in enumerate(chunks)]
+
+
+def run_warm_up(worker: GPUWorker) -> float | None:
+    """Run the warm-up plans on `worker` (every tensor-parallel rank runs the same ones);
+    returns the seconds they took, or None where the KV pool is too small for them."""
+    runner = worker.runner
+    plans = warm_up_plans(min(2, worker.max_running_requests), runner.page_size,
+                          runner.vocab_size)  # fmt: skip
+    last_slot = max(max(unpack_ids(p.slots)) for p in plans)
+    if last_slot >= runner.max_total_tokens:
+        log.info("start-up warm-up skipped: the KV pool holds %d tokens",
+                 runner.max_total_tokens)  # fmt: skip
+        return None
+    began = time.perf_counter()
+    for plan in plans:
+        worker.execute(plan)
+    return time.perf_counter() - began
+
+
+def watch_compiles() -> bool:
+    """From now on, log a warning for every Triton kernel built in this process (compiled, or
+    loaded from Triton's cache). Returns whether this Triton version has the hook."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+
+    def warn(**kwargs) -> None:
+        log.warning("Triton built a kernel while serving, so this step waited for it: %s (a "
+                    "specialization the start-up warm-up did not meet)",
+                    str(kwargs.get("repr", kwargs.get("key", "?")))[:300])  # fmt: skip
+
+    runtime.jit_post_compile_hook = warn
+    return True
