@@ -3,8 +3,9 @@ over launch shapes, at the decoder projections of the SmolLM2-135M and Llama-3.1
 
 Each measurement replays a CUDA graph of CALLS back-to-back calls (as a decode graph does), so
 a figure is the kernel's time plus the gap between graph nodes. The calls cycle through enough
-copies of the weight (--rotate-mb in all) that each reads its weight from device memory, as a
-decode step does, not from the 50 MB L2 cache. Every configuration is first checked against
+copies of the weight (--rotate-mb in all, at most one per call) that each reads its weight
+from device memory, as a decode step does, not from the 50 MB L2 cache (for the 135M shape's
+smallest weights the CALLS copies still fit in L2). Every configuration is first checked against
 the reference.
 
   python benchmarks/bench_small_m_linear.py --rows 1 --output sml.json

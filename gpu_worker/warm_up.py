@@ -1,20 +1,23 @@
 """Start-up warm-up: the eager paths' Triton kernels compiled before the first request.
 
-CUDA graph capture at start-up compiles the kernels of decode and of the speculative stages.
-Prefill (and the draft's prefill) runs eagerly, so without a warm-up the first request with
-a new kind of prompt waits while Triton compiles a kernel (up to a second on the H100). A
-kernel is compiled once per specialization: its constexprs (for the extend attention kernel,
-a query block of 16 tokens for chunks up to 16 tokens and of 64 beyond), whether each integer
+CUDA graph capture at start-up compiles the kernels of decode and of the speculative stages
+(with --disable-cuda-graph decode compiles on the first requests instead). Prefill (and the
+draft's prefill) runs eagerly, so without a warm-up the first request with a new kind of
+prompt waits while Triton compiles a kernel (up to a second on the H100). A kernel is
+compiled once per specialization: its constexprs (for the extend attention kernel, a query
+block of 16 tokens for chunks up to 16 tokens and of 64 beyond; for the few-query kernel,
+which the draft's prefill of equal short chunks runs, the chunk length), whether each integer
 argument is 1 or a multiple of 16, and whether each pointer is 16-byte aligned (the staging
 buffer keeps every uploaded array aligned, so that does not vary with the batch).
 
 `run_warm_up` sends the worker extend steps of dummy requests that cover those variants: one
 request of a short chunk, one of a long chunk, then two requests, one of them extending a
-cached prefix. Their rows and KV slots are free at start-up, and a request that later runs on
-those rows starts afresh (its RequestStart resets the row's sampling state, its first extend
-the row's device state, and it only reads KV slots it wrote). After it, `watch_compiles` makes
-every further compile log a warning naming the kernel, so a variant the warm-up missed shows
-in the server's log instead of as an unexplained slow request.
+cached prefix; with a draft on the triton backend, one request of each chunk length the
+few-query kernel takes. Their rows and KV slots are free at start-up, and a request that
+later runs on those rows starts afresh (its RequestStart resets the row's sampling state, its
+first extend the row's device state, and it only reads KV slots it wrote). After it,
+`watch_compiles` makes every further compile log a warning naming the kernel, so a variant the
+warm-up missed shows in the server's log instead of as an unexplained slow request.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import TYPE_CHECKING
 
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import ForwardPlan, RequestStart, SamplingParams
+from gpu_worker.attention.triton import TritonBackend
+from gpu_worker.kernels.few_query_attention import MAX_ROWS, fits
 from gpu_worker.plan_builders import extend_plan
 
 if TYPE_CHECKING:
@@ -35,10 +40,13 @@ log = logging.getLogger(__name__)
 SHORT, LONG, PREFIX_EXTEND = 5, 40, 3  # chunk lengths: a 16-token query block, a 64-token one
 
 
-def warm_up_plans(num_rows: int, page_size: int, vocab_size: int) -> list[ForwardPlan]:
-    """The warm-up's extend plans on request rows 1 (and 2 where num_rows > 1). Each request
-    writes its own page-aligned run of KV slots (position p of a run starting at s in slot
-    s + p), after the reserved page 0."""
+def warm_up_plans(
+    num_rows: int, page_size: int, vocab_size: int, draft_lengths: list[int] = ()
+) -> list[ForwardPlan]:
+    """The warm-up's extend plans on request rows 1 (and 2 where num_rows > 1), then one
+    single-chunk plan on row 1 per length of `draft_lengths`. Each request writes its own
+    page-aligned run of KV slots (position p of a run starting at s in slot s + p), after the
+    reserved page 0."""
     greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
     next_slot = page_size
 
@@ -57,6 +65,7 @@ def warm_up_plans(num_rows: int, page_size: int, vocab_size: int) -> list[Forwar
     if num_rows > 1:  # row 1 extends its cached LONG tokens; row 2 starts a long chunk
         second = run_of(LONG + 1)
         chunks.append([chunk(1, long, LONG, PREFIX_EXTEND), chunk(2, second, 0, LONG + 1)])
+    chunks += [[chunk(1, run_of(n), 0, n)] for n in draft_lengths]
 
     def starts(plan: list[tuple]) -> list[RequestStart]:
         return [RequestStart(c[0], greedy, False, pack_ids(c[2])) for c in plan if c[1] == 0]
@@ -64,14 +73,34 @@ def warm_up_plans(num_rows: int, page_size: int, vocab_size: int) -> list[Forwar
     return [extend_plan(-1 - i, plan, starts(plan)) for i, plan in enumerate(chunks)]
 
 
+def draft_prefill_lengths(worker: GPUWorker) -> list[int]:
+    """Chunk lengths whose draft prefill runs the few-query attention kernel: a batch of
+    equal chunks that fit its tile does, and the chunk length is one of its constexprs, so
+    each length is a compile of its own."""
+    lengths: set[int] = set()
+    for runner in worker.draft_runner_list:
+        backend = runner.attn_backend
+        if isinstance(backend, TritonBackend):
+            lengths |= {n for n in range(1, MAX_ROWS + 1)
+                        if fits(n, backend.num_heads, backend.num_kv_heads)}  # fmt: skip
+    return sorted(lengths)
+
+
 def run_warm_up(worker: GPUWorker) -> float | None:
-    """Run the warm-up plans on `worker` (every tensor-parallel rank runs the same ones);
-    returns the seconds they took, or None where the KV pool is too small for them."""
+    """Run the warm-up plans on `worker` (every tensor-parallel rank runs the same ones), on
+    two request rows or, where the KV pool is too small for that, one; returns the seconds
+    they took, or None where the pool or the context length is too small for them."""
     runner = worker.runner
-    plans = warm_up_plans(min(2, worker.max_running_requests), runner.page_size,
-                          runner.vocab_size)  # fmt: skip
-    last_slot = max(max(unpack_ids(p.slots)) for p in plans)
-    if last_slot >= runner.max_total_tokens:
+    if runner.context_length <= LONG + PREFIX_EXTEND + 1:
+        log.info("start-up warm-up skipped: the context length is %d tokens",
+                 runner.context_length)  # fmt: skip
+        return None
+    lengths = draft_prefill_lengths(worker)
+    for rows in sorted({min(2, worker.max_running_requests), 1}, reverse=True):
+        plans = warm_up_plans(rows, runner.page_size, runner.vocab_size, lengths)
+        if max(max(unpack_ids(p.slots)) for p in plans) < runner.max_total_tokens:
+            break
+    else:
         log.info("start-up warm-up skipped: the KV pool holds %d tokens",
                  runner.max_total_tokens)  # fmt: skip
         return None

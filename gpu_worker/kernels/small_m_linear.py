@@ -136,8 +136,9 @@ GEMV_CONFIG: Config | None = Config(block_n=2, block_k=2048, num_warps=4)
 
 def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config | None:
     """The launch shape for rows x [n, k] (with the norm or SiLU step fused before it where
-    `prologue`), or None where the separate kernels (the Triton norm or SiLU kernel, then the
-    library GEMM) are faster. From benchmarks/bench_small_m_linear.py on the H100 (bf16, per
+    `prologue`), or None where the caller runs something else: with `prologue`, the Triton
+    norm or SiLU kernel and then `linear` (which asks again without the prologue); without,
+    the library GEMM. From benchmarks/bench_small_m_linear.py on the H100 (bf16, per
     call inside a CUDA graph, weights read from memory as in a step):
     - one row, a small weight (every projection of the 135M shape): the fused kernel takes
       2.5-3.8 us where norm + GEMM takes 4.7-6.2 us;

@@ -109,15 +109,26 @@ def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference
 
 def test_warm_up_plans_fit_the_pool_or_are_skipped(tiny_dirs):
     worker = GPUWorker(make_config(tiny_dirs["llama"]))  # a pool of 64 tokens
-    plans = warm_up_plans(2, PAGE_SIZE, worker.runner.vocab_size)
-    assert [codec.unpack_ids(p.extend_lens) for p in plans] == [[5], [40], [3, 41]]
+    plans = warm_up_plans(2, PAGE_SIZE, worker.runner.vocab_size, draft_lengths=[1, 2])
+    assert [codec.unpack_ids(p.extend_lens) for p in plans] == [[5], [40], [3, 41], [1], [2]]
     for plan in plans:  # each request's run of slots starts on a page (slot = run + position)
-        starts, slots = codec.unpack_ids(plan.slot_starts), codec.unpack_ids(plan.slots)
-        assert (slots[0] - starts[0]) % PAGE_SIZE == 0 and slots[0] >= PAGE_SIZE
-    assert max(max(codec.unpack_ids(p.slots)) for p in plans) >= 64
-    assert run_warm_up(worker) is None  # 64 tokens are too few for both rows
-    worker.max_running_requests = 1
-    assert run_warm_up(worker) is not None  # row 1 alone fits
+        starts, lens = codec.unpack_ids(plan.slot_starts), codec.unpack_ids(plan.slot_lens)
+        slots = codec.unpack_ids(plan.slots)
+        firsts = [slots[sum(lens[:i])] for i in range(len(lens))]
+        assert all((f - p) % PAGE_SIZE == 0 and f >= PAGE_SIZE
+                   for f, p in zip(firsts, starts, strict=True))  # fmt: skip
+    all_slots = [s for p in plans for s in codec.unpack_ids(p.slots)]
+    assert len(all_slots) == len(set(all_slots))  # no two requests share a slot
+    assert max(all_slots) >= 64
+    # 64 tokens are too few for both rows: row 1 alone (its two plans) fits
+    began = worker.sampling._flags_cpu.clone()
+    assert run_warm_up(worker) is not None
+    assert bool((worker.sampling._flags_cpu == began).all())  # greedy dummies set no flags
+    small = make_config(tiny_dirs["llama"]).replace(cache={"max_total_tokens": 40})
+    assert run_warm_up(GPUWorker(small)) is None  # not even row 1's 40-token chunk
+    short = make_config(tiny_dirs["llama"]).replace(model={"context_length": 32},
+                                                    cache={"max_total_tokens": 256})  # fmt: skip
+    assert run_warm_up(GPUWorker(short)) is None  # positions past the context: skipped
 
 
 @pytest.mark.parametrize("graph_max_bs", [0, 4])  # direct, and padded to the bucket
@@ -201,8 +212,7 @@ def test_malformed_plans_are_refused_with_the_reason():
 
 
 def test_compiles_after_the_warm_up_are_logged(monkeypatch, caplog):
-    from triton import knobs
-
+    knobs = pytest.importorskip("triton.knobs")  # Triton before 3.4 has no hook: no warning
     from gpu_worker.warm_up import watch_compiles
 
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)

@@ -18,7 +18,7 @@ from aerie.codec import pack_ids, unpack_ids
 from aerie.config import AerieConfig
 from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.speculative.eagle_worker import rotate_prefill_inputs
-from gpu_worker.warm_up import run_warm_up
+from gpu_worker.warm_up import draft_prefill_lengths, run_warm_up
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.devices import skip_unless_triton_runs_on
@@ -121,6 +121,20 @@ def test_start_up_warm_up_leaves_no_trace(models, algorithm):
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
     config = make_config(models["target"], algorithm, draft, 3, 2, 5, page_size=4)
     assert run_engine(config, prompts, 12, warm_up=True)[0] == base
+
+
+def test_warm_up_covers_each_draft_prefill_length_of_the_few_query_kernel(models):
+    """With a draft on the triton backend the warm-up adds one prefill per chunk length the
+    few-query kernel takes (a constexpr of it); with torch_native, none."""
+    skip_unless_triton_runs_on("cpu")
+    for backend in ("triton", "torch_native"):
+        config = make_config(models["target"], "EAGLE", models["eagle"], 3, 1, 4,
+                             backend=backend)  # fmt: skip
+        worker = GPUWorker(config)
+        attn = worker.draft_runner_list[0].attn_backend
+        group = attn.num_heads // attn.num_kv_heads if backend == "triton" else 0
+        want = list(range(1, 64 // group + 1)) if group else []
+        assert draft_prefill_lengths(worker) == want
 
 
 @pytest.mark.parametrize("algorithm, page_size", [("EAGLE", 4), ("EAGLE3", 1)])
