@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from aerie.codec import pack_ids, unpack_ids
@@ -41,7 +42,7 @@ SHORT, LONG, PREFIX_EXTEND = 5, 40, 3  # chunk lengths: a 16-token query block, 
 
 
 def warm_up_plans(
-    num_rows: int, page_size: int, vocab_size: int, draft_lengths: list[int] = ()
+    num_rows: int, page_size: int, vocab_size: int, draft_lengths: Sequence[int] = ()
 ) -> list[ForwardPlan]:
     """The warm-up's extend plans on request rows 1 (and 2 where num_rows > 1), then one
     single-chunk plan on row 1 per length of `draft_lengths`. Each request writes its own
