@@ -48,6 +48,7 @@ from aerie.resolve import (  # noqa: E402
     resolve_dtype,
 )
 from benchmarks.spec_requests import Engine, run, served_config, sync  # noqa: E402
+from gpu_worker.kernels import small_m_linear  # noqa: E402
 from gpu_worker.worker import GPUWorker  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
@@ -275,6 +276,8 @@ def print_iterations(args, rows: list[dict]) -> None:
     print(f"{'mode':30s} {'bs':>3s} {'plain ms':>9s} {'iter ms':>8s} {'ratio':>6s} "
           f"{'bound':>6s} {'agree acc':>9s} {'agree tok/s vs plain':>21s}")
     for r in rows:
+        if len({row["fused_rows"] for row in rows}) > 1:
+            print(f"  (fused kernel up to {r['fused_rows']} rows)")
         print(f"{r['mode']:30s} {r['batch_size']:3d} {r['plain_step_ms']:9.3f} "
               f"{r['iteration_ms']:8.3f} {r['ratio']:6.2f} {r['byte_bound']:6.2f} "
               f"{r['agreeing_tokens_per_iteration']:9.2f} {r['agreeing_speedup']:20.2f}x")
@@ -318,6 +321,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=50, help="--mode iteration: timed steps")
     parser.add_argument("--profile-top", type=int, default=0,
                         help="with --profile: print the N most expensive kernels of each row")
+    parser.add_argument("--fused-rows", default="",
+                        help="--mode iteration: e.g. 1,4: measure every shape once per value of "
+                        "small_m_linear.MAX_FUSED_ROWS (rows up to which the triton backend's "
+                        "projections run the fused kernel)")
     parser.add_argument("--profile", action="store_true",
                         help="--mode iteration on CUDA: kernels and GPU busy time per step")
     args = parser.parse_args(argv)
@@ -336,7 +343,14 @@ def main(argv: list[str] | None = None) -> None:
         if draft_dir is None or args.model_path is None:
             parser.error("--mode iteration needs --model-path, and --draft-path or "
                          "--load-format dummy")
-        rows = measure_iterations(args, shapes, draft_dir)
+        rows = []
+        default_rows = small_m_linear.MAX_FUSED_ROWS
+        limits = [int(n) for n in args.fused_rows.split(",")] if args.fused_rows else [default_rows]
+        for fused_rows in limits:
+            small_m_linear.MAX_FUSED_ROWS = fused_rows
+            rows += [{**row, "fused_rows": small_m_linear.MAX_FUSED_ROWS}
+                     for row in measure_iterations(args, shapes, draft_dir)]  # fmt: skip
+        small_m_linear.MAX_FUSED_ROWS = default_rows
         print_iterations(args, rows)
         if args.output:
             with open(args.output, "w") as f:

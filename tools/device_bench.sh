@@ -194,7 +194,8 @@ if [[ $1 == spec-graphs ]]; then
   # one iteration against a plain graphed step (carry wheels, smollm2-config, llama8b).
   # MODELS picks the shapes; SKIP_UNIT=1 / SKIP_E2E=1 skip the tests; DRAFT=DIR shapes the draft
   # after that checkpoint's config (e.g. the shipped aerie/drafts/SmolLM2-135M-Instruct/eagle3)
-  # instead of a random one after the target's.
+  # instead of a random one after the target's. FUSED_ROWS="1,4" measures every shape once per
+  # limit of rows that run the fused projection kernel (bench_speculative.py --fused-rows).
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-300} python -m pytest \
     tests/gpu_worker/speculative tests/gpu_worker/test_worker.py tests/gpu_worker/attention \
     -q -p no:cacheprovider \
@@ -208,6 +209,7 @@ if [[ $1 == spec-graphs ]]; then
       timeout ${BENCH_S:-240} python benchmarks/bench_speculative.py --mode iteration \
         --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" ${DRAFT:+--draft-path $DRAFT} \
         --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} ${PROFILE:+--profile --profile-top ${PROFILE_TOP:-0}} \
+        ${FUSED_ROWS:+--fused-rows $FUSED_ROWS} \
         --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1
       grep -v "INFO\|^\[" "$OUT/iter_${m}_$algo.txt" | tail -14
     done
@@ -247,7 +249,8 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
   fi
   for mode in ${MODES:-on off}; do
     flag=(); [[ $mode == off ]] && flag=(--disable-overlap-schedule)
-    AERIE_PROFILE_STEPS=${PROFILE_FIRST:-150},${PROFILE_COUNT:-50},$OUT/idle_${tag}_$mode.json \
+    depth=; [[ $mode == on3 ]] && depth=3  # MODES="on on3": two or three plans in flight
+    AERIE_OVERLAP_DEPTH=$depth AERIE_PROFILE_STEPS=${PROFILE_FIRST:-150},${PROFILE_COUNT:-50},$OUT/idle_${tag}_$mode.json \
       python launch.py --model-path $model --load-format dummy --port 30000 \
       --max-running-requests 256 "${spec_args[@]}" "${flag[@]}" > "$OUT/server_${tag}_$mode.log" 2>&1 &
     server=$!
@@ -291,6 +294,27 @@ print(json.load(sys.stdin).get('num_running', 0))" 2>/dev/null)
       grep -E "completed|output throughput|ttft_ms|itl_ms|tpot_ms|accept" "$OUT/serve_${tag}_${mode}_c$conc.txt"
     done
     cat "$OUT/idle_${tag}_$mode.json" 2>/dev/null
+    # TTFT_PROBE=1: time to the first streamed token of one request at a time (native
+    # /generate) for prompts of 8, 256 and 1024 tokens: the fixed cost of a request's path
+    # through the processes against its prefill.
+    [[ -n ${TTFT_PROBE:-} ]] && python - <<'PY'
+import statistics, time, httpx
+for n in (8, 256, 1024):
+    ttfts = []
+    for i in range(12):
+        ids = [(97 + 31 * (i + j)) % 40000 + 100 for j in range(n)]
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        start = time.perf_counter()
+        with httpx.stream("POST", "http://127.0.0.1:30000/generate", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    ttfts.append(time.perf_counter() - start)
+                    break
+    ttfts = ttfts[2:]  # the first of each length may meet a new kernel shape
+    print(f"ttft probe: {n:5d}-token prompt, median {1e3 * statistics.median(ttfts):6.2f} ms, "
+          f"min {1e3 * min(ttfts):6.2f} ms over {len(ttfts)}")
+PY
     kill -TERM $server; wait $server; echo "server exit $?"
     # One summary file per server (the device returns only a few files): the summaries of
     # every run; the per-request JSON files are dropped.

@@ -62,10 +62,12 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, out=None):
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)
-    out = torch.empty(rows.shape, dtype=torch.result_type(x, weight), device=x.device)
+    if out is None:
+        out = torch.empty(rows.shape, dtype=torch.result_type(x, weight), device=x.device)
+    assert out.shape == rows.shape and out.stride(-1) == 1
     residual_out = torch.empty_like(rows) if residual is not None else out
     res = residual.reshape(-1, hidden) if residual is not None else rows
     block = next_power_of_2(hidden)
@@ -76,12 +78,15 @@ def _launch(x, residual, weight, eps):
             HAS_RESIDUAL=residual is not None, BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
-    return out.view(x.shape), residual_out.view(x.shape)
+    return out.view(x.shape) if out.is_contiguous() else out, residual_out.view(x.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., hidden] (rows may be strided, the last dim contiguous) -> a new tensor."""
-    return _launch(x, None, weight, eps)[0]
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., hidden] (rows may be strided, the last dim contiguous) -> a new tensor, or
+    `out` [rows, hidden] (rows may be strided: e.g. one half of a wider buffer) filled."""
+    return _launch(x, None, weight, eps, out)[0]
 
 
 def add_rms_norm(

@@ -127,6 +127,10 @@ class Config:
 
 
 MAX_FUSED_WEIGHT = 4 << 20  # elements; 0 never fuses (bench_decode's "unfused" variants)
+# Rows (tokens) up to which a small weight runs the fused kernel: a speculative verify of a
+# chain (S + 1 tokens of one request) and the draft extend have a few rows, and in a step the
+# kernels the fused prologue saves outweigh the library GEMM's faster tile (measured below).
+MAX_FUSED_ROWS = MAX_KERNEL_ROWS
 # One row of a larger weight: the kernel without the prologue (the norm or SiLU runs as its
 # own kernel first), or the library GEMM where None (bench_decode's "library" variants).
 # Two columns per program and 2048 keys per iteration: the best or within 1% of the best
@@ -147,11 +151,13 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
       for the down projection leave bandwidth unused), and a fused prologue, which every
       program repeats over the whole input row, costs more than the separate kernel it saves
       (GEMV_CONFIG, after that kernel);
-    - several rows: the library GEMM is as fast or faster."""
-    if rows != 1:
-        return None
-    if n * k <= MAX_FUSED_WEIGHT:
+    - two to four rows of a small weight (MAX_FUSED_ROWS; a chain's verify, the draft
+      extend): PLACEHOLDER;
+    - more rows, or several of a large weight: the library GEMM is as fast or faster."""
+    if n * k <= MAX_FUSED_WEIGHT and rows <= MAX_FUSED_ROWS:
         return Config(block_n=4 if n <= 1024 else 8, block_k=512, num_warps=4)
+    if rows != 1 or n * k <= MAX_FUSED_WEIGHT:
+        return None
     return None if prologue else GEMV_CONFIG
 
 

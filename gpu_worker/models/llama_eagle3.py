@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.kernels import norm, small_m_linear
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -67,7 +68,12 @@ def eagle3_aux_layer_ids(draft_config: dict, num_target_layers: int) -> list[int
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The draft's single layer (`midlayer.*` in checkpoints)."""
+    """The draft's single layer (`midlayer.*` in checkpoints). With Triton kernels
+    (`use_triton`) the two input norms write the halves of one buffer and the projections go
+    through `small_m_linear` (the post-attention norm fused into gate_up, SiLU-and-multiply
+    into down) as the target's layers do; the same values as the reference path."""
+
+    use_triton = False
 
     def __init__(self, config: ArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -89,13 +95,40 @@ class Eagle3DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         """embeds, hidden [n, H] -> h [n, H] (pre-norm; hidden is the residual)."""
+        if self.use_triton:
+            return self._forward_triton(embeds, hidden, batch, cos_sin_cache)
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [n, 2H]
         attn = self.self_attn(x, batch, cos_sin_cache)
         normed, h = self.post_attention_layernorm(attn, hidden)  # h = hidden + attn
         return h + self.mlp(normed)
 
+    def _forward_triton(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        n, h = embeds.shape
+        x = torch.empty(n, 2 * h, dtype=embeds.dtype, device=embeds.device)  # cat(...) in place
+        first, second = self.input_layernorm, self.hidden_norm
+        norm.rms_norm(embeds, first.weight, first.eps, out=x[:, :h])
+        norm.rms_norm(hidden, second.weight, second.eps, out=x[:, h:])
+        attn, mlp = self.self_attn, self.mlp
+        qkv = small_m_linear.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        o = attn.attend(qkv, batch, cos_sin_cache)
+        o = attn.o_proj.reduce(small_m_linear.linear(o, attn.o_proj.weight, attn.o_proj.bias))
+        post = self.post_attention_layernorm
+        gate_up, summed = small_m_linear.rms_norm_linear(
+            o, hidden, post.weight, post.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
+        )  # summed = hidden + attention
+        down = mlp.down_proj
+        return summed + down.reduce(small_m_linear.silu_mul_linear(gate_up, down.weight, down.bias))
+
 
 class LlamaForCausalLMEagle3(nn.Module):
+    use_triton = False  # fc through small_m_linear (see Eagle3DecoderLayer)
+
     def __init__(
         self,
         config: ArchConfig,
@@ -161,7 +194,10 @@ class LlamaForCausalLMEagle3(nn.Module):
         embeds = self.embed_tokens(batch.input_ids)  # [num_tokens, H]
         hidden_in = hidden_in.to(embeds.dtype)
         if hidden_in.shape[-1] != self.config.hidden_size:
-            hidden_in = self.fc(hidden_in)  # [num_tokens, H]
+            if self.use_triton:
+                hidden_in = small_m_linear.linear(hidden_in, self.fc.weight, self.fc.bias)
+            else:
+                hidden_in = self.fc(hidden_in)  # [num_tokens, H]
         return self.midlayer(embeds, hidden_in, batch, self.rotary.cos_sin_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

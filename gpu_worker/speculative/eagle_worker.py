@@ -97,11 +97,15 @@ class EagleWorker(SpeculativeWorker):
         return layers * self.target.config.hidden_size
 
     def draft_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [n, V_draft] -> (probs [n, topk] float32, token ids [n, topk] in target vocab)."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        if self.topk == 1:  # a max is one reduction; a top-k over the vocabulary several
-            topk_p, topk_index = probs.max(dim=-1, keepdim=True)
+        """logits [n, V_draft] -> (probs [n, topk] float32, token ids [n, topk] in target vocab).
+        A chain (topk 1) takes the argmax and reports probability 1: nothing reads a chain's
+        path scores (its tree is fixed), so the softmax would be two kernels per draft step
+        for nothing."""
+        if self.topk == 1:  # an argmax is one reduction; a top-k over the vocabulary several
+            topk_index = logits.argmax(dim=-1, keepdim=True)
+            topk_p = constants.ones_float(logits.shape[0], logits.device)[:, None]
         else:
+            probs = torch.softmax(logits.float(), dim=-1)
             topk_p, topk_index = probs.topk(self.topk, dim=-1)
         if self.draft.hot_token_id is not None:
             topk_index = self.draft.hot_token_id[topk_index]

@@ -208,7 +208,8 @@ def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, mon
     """With the triton backend a forward of one token runs each decoder layer as five kernels
     (norm+qkv, attention, o_proj, norm+gate_up, silu+down), with the same logits; weights over
     the fusion limit take the separate norm and SiLU kernels and the kernel without a prologue
-    (the GEMV), or the library GEMM where GEMV_CONFIG is None; more tokens the library GEMMs."""
+    (the GEMV), or the library GEMM where GEMV_CONFIG is None. Up to MAX_FUSED_ROWS tokens (a
+    chain's verify) run the fused kernels too; more tokens the library GEMMs."""
     from gpu_worker.kernels import small_m_linear
 
     launches = []
@@ -222,15 +223,18 @@ def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, mon
     expected_fused = per_layer + per_layer_later * (runner.config.num_layers - 1)
     gemv = small_m_linear.GEMV_CONFIG
     expected_gemv = [small_m_linear._PLAIN] * 4 * runner.config.num_layers
+    rows = small_m_linear.MAX_FUSED_ROWS
     for length, fuse, gemv_config, expected in ((1, True, gemv, expected_fused),
-                                                (2, True, gemv, []),
+                                                (rows, True, gemv, expected_fused),
+                                                (rows + 1, True, gemv, []),
                                                 (1, False, gemv, expected_gemv),
                                                 (1, False, None, [])):  # fmt: skip
         monkeypatch.setattr(small_m_linear, "MAX_FUSED_WEIGHT", 4 << 20 if fuse else 0)
         monkeypatch.setattr(small_m_linear, "GEMV_CONFIG", gemv_config)
         launches.clear()
         ids = prompt(length, seed=length)
-        out = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids], shuffled_slots(runner, 1, 2))
+        slots = shuffled_slots(runner, 1, length)
+        out = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids], slots)
         reference = reference_logits(reference_models("qwen2"), ids)
         torch.testing.assert_close(all_logits(runner, out), reference, atol=ATOL, rtol=0)
         assert launches == expected

@@ -25,9 +25,10 @@ def random(gen, device, dtype, *shape, scale=1.0):
 
 
 # (rows, K, N, config): the chosen launch shape for one row of a narrow and of a wide
-# projection, a forced one for several rows, and None for the separate kernels (16 rows).
-SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (3, 200, 136, sml.Config(4, 64, 2)),
-          (16, 64, 48, None)]  # fmt: skip
+# projection and for four rows (a chain's verify), a forced one for three rows, and None for
+# the separate kernels (16 rows).
+SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (4, 520, 1040, "chosen"),
+          (3, 200, 136, sml.Config(4, 64, 2)), (16, 64, 48, None)]  # fmt: skip
 
 
 def config_for(rows, k, n, config):
@@ -79,7 +80,10 @@ def test_silu_mul_linear(device, dtype, rows, k, n, config):
 
 def test_the_fused_kernel_runs_only_where_it_pays():
     assert sml.choose_config(1, 3072, 576, prologue=True) is not None  # 135M gate_up, batch 1
-    assert sml.choose_config(2, 960, 576) is None  # several rows: the library GEMM
+    # up to MAX_FUSED_ROWS rows of a small weight (a chain's verify): fused; more, the library
+    assert sml.choose_config(sml.MAX_FUSED_ROWS, 960, 576, prologue=True) is not None
+    assert sml.choose_config(sml.MAX_FUSED_ROWS + 1, 960, 576) is None
+    assert sml.choose_config(2, 6144, 4096) is None  # several rows of a large weight: the library
     # the 8B shape's qkv: bandwidth-bound; the kernel alone, after a separate norm
     assert sml.choose_config(1, 6144, 4096) == sml.GEMV_CONFIG is not None
     assert sml.choose_config(1, 6144, 4096, prologue=True) is None

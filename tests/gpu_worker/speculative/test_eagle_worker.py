@@ -137,19 +137,45 @@ def test_warm_up_covers_each_draft_prefill_length_of_the_few_query_kernel(models
         assert draft_prefill_lengths(worker) == want
 
 
-@pytest.mark.parametrize("algorithm, page_size", [("EAGLE", 4), ("EAGLE3", 1)])
-def test_triton_backend_gives_the_same_speculative_output(models, algorithm, page_size):
+TRITON_CASES = [("EAGLE", 4, 2, 6), ("EAGLE3", 1, 2, 6), ("EAGLE3", 1, 1, 4)]  # the last a chain
+
+
+@pytest.mark.parametrize("algorithm, page_size, topk, num_draft", TRITON_CASES)
+def test_triton_backend_gives_the_same_speculative_output(
+    models, monkeypatch, algorithm, page_size, topk, num_draft
+):
     """Draft decode (branch-local keys), tree verify and draft extend in the Triton kernels
-    (interpreter on CPU): the same tokens and accept lengths as the torch_native reference."""
+    (interpreter on CPU): the same tokens and accept lengths as the torch_native reference.
+    The chain's verify (4 tokens) runs the fused projection kernels, and so does the EAGLE-3
+    draft layer (`Eagle3DecoderLayer._forward_triton`)."""
+    from gpu_worker.kernels import small_m_linear
+    from gpu_worker.models.llama_eagle3 import Eagle3DecoderLayer
+
     skip_unless_triton_runs_on("cpu")
+    calls = {"fused": 0, "eagle3 layer": 0}
+
+    def spy(name, fn):
+        def counted(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return counted
+
+    monkeypatch.setattr(small_m_linear, "_launch", spy("fused", small_m_linear._launch))
+    monkeypatch.setattr(Eagle3DecoderLayer, "_forward_triton",
+                        spy("eagle3 layer", Eagle3DecoderLayer._forward_triton))  # fmt: skip
     prompts = random_prompts(seed=3, n=3)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
-    runs = [
-        run_engine(make_config(models["target"], algorithm, draft, 3, 2, 6, page_size, 8,
-                               backend=backend), prompts, 12)  # fmt: skip
-        for backend in ("torch_native", "triton")
-    ]
+    runs = []
+    for backend in ("torch_native", "triton"):
+        config = make_config(models["target"], algorithm, draft, 3, topk, num_draft,
+                             page_size, 8, backend=backend)  # fmt: skip
+        runs.append(run_engine(config, prompts, 12))
+        if backend == "torch_native":
+            assert calls == {"fused": 0, "eagle3 layer": 0}
     assert runs[0] == runs[1]
+    assert calls["fused"] > 0
+    assert (calls["eagle3 layer"] > 0) == (algorithm == "EAGLE3")
 
 
 @pytest.mark.parametrize("topk, num_draft", [(1, 4), (3, 7)])
