@@ -71,8 +71,9 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
 
     out = []
     ws = weights(n, k, args.rotate_mb)
-    fused_config = sml.choose_config(1, n, k, prologue=True) or gemv or sml.Config(8, 512, 4)
     for rows in (int(r) for r in args.rows.split(",")):
+        fused_config = (sml.choose_config(rows, n, k, prologue=True) or gemv
+                        or sml.Config(8, 512, 4))  # fmt: skip
         if name.endswith((".qkv", ".gate_up")):
             x, res, nw = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in "xrn")
             nw = nw[0]

@@ -127,10 +127,11 @@ class Config:
 
 
 MAX_FUSED_WEIGHT = 4 << 20  # elements; 0 never fuses (bench_decode's "unfused" variants)
-# Rows (tokens) up to which a small weight runs the fused kernel: a speculative verify of a
-# chain (S + 1 tokens of one request) and the draft extend have a few rows, and in a step the
-# kernels the fused prologue saves outweigh the library GEMM's faster tile (measured below).
-MAX_FUSED_ROWS = MAX_KERNEL_ROWS
+# Rows (tokens) up to which a small weight runs the fused kernel. One: at two to four rows (a
+# chain's verify, the draft extend) the kernel on the CUDA cores costs more than the separate
+# norm or SiLU kernel and the library GEMM together (see choose_config); bench_speculative.py
+# --fused-rows measures a speculative iteration at other limits.
+MAX_FUSED_ROWS = 1
 # One row of a larger weight: the kernel without the prologue (the norm or SiLU runs as its
 # own kernel first), or the library GEMM where None (bench_decode's "library" variants).
 # Two columns per program and 2048 keys per iteration: the best or within 1% of the best
@@ -151,8 +152,12 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
       for the down projection leave bandwidth unused), and a fused prologue, which every
       program repeats over the whole input row, costs more than the separate kernel it saves
       (GEMV_CONFIG, after that kernel);
-    - two to four rows of a small weight (MAX_FUSED_ROWS; a chain's verify, the draft
-      extend): PLACEHOLDER;
+    - two to four rows of a small weight (a chain's verify of 4 tokens, the draft extend):
+      the fused kernel takes 5.6-8.6 us at four rows against 5.4-6.6 us for the separate
+      kernel and the library GEMM, and a chain S=3 iteration on the 135M shape took 1.35 ms
+      of GPU time with it against 1.21 ms without (MAX_FUSED_ROWS 4 against 1). A variant
+      on the tensor cores (rows padded to a 16-row tile) matched the library GEMM alone, but
+      with the prologue took 7.4-22 us, so several rows run the separate kernels;
     - more rows, or several of a large weight: the library GEMM is as fast or faster."""
     if n * k <= MAX_FUSED_WEIGHT and rows <= MAX_FUSED_ROWS:
         return Config(block_n=4 if n <= 1024 else 8, block_k=512, num_warps=4)

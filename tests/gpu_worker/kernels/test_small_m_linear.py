@@ -25,9 +25,9 @@ def random(gen, device, dtype, *shape, scale=1.0):
 
 
 # (rows, K, N, config): the chosen launch shape for one row of a narrow and of a wide
-# projection and for four rows (a chain's verify), a forced one for three rows, and None for
-# the separate kernels (16 rows).
-SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (4, 520, 1040, "chosen"),
+# projection, forced ones for three and four rows (bench_speculative.py --fused-rows), and
+# None for the separate kernels (16 rows).
+SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (4, 520, 1040, sml.Config(8, 512, 4)),
           (3, 200, 136, sml.Config(4, 64, 2)), (16, 64, 48, None)]  # fmt: skip
 
 
@@ -80,7 +80,7 @@ def test_silu_mul_linear(device, dtype, rows, k, n, config):
 
 def test_the_fused_kernel_runs_only_where_it_pays():
     assert sml.choose_config(1, 3072, 576, prologue=True) is not None  # 135M gate_up, batch 1
-    # up to MAX_FUSED_ROWS rows of a small weight (a chain's verify): fused; more, the library
+    # up to MAX_FUSED_ROWS rows of a small weight: fused; more (a chain's verify), the library
     assert sml.choose_config(sml.MAX_FUSED_ROWS, 960, 576, prologue=True) is not None
     assert sml.choose_config(sml.MAX_FUSED_ROWS + 1, 960, 576) is None
     assert sml.choose_config(2, 6144, 4096) is None  # several rows of a large weight: the library
