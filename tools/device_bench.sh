@@ -261,7 +261,7 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
     for conc in ${CONCURRENCY:-64 1 8 32 128 256} poisson; do
       backend=openai; [[ $conc == 1 ]] && backend=native
       if [[ $conc == poisson ]]; then rate=${POISSON_RATE:-32}; n=256; c=256
-      else rate=inf; n=$((conc == 1 ? 8 : conc * 2)); c=$conc; fi
+      else rate=inf; n=$((conc == 1 ? ${N1:-8} : conc * 2)); c=$conc; fi  # N1: requests at c=1
       spy=0; [[ " ${PYSPY_CONC:-64 1} " == *" $conc "* && -n ${PYSPY_S:-} ]] && spy=1 \
         && n=$((c * 8 > 32 ? c * 8 : 32))
       echo "== $tag overlap $mode concurrency $conc rate $rate"
