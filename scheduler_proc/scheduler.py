@@ -25,7 +25,6 @@ With plans in flight the scheduler plans without knowing their results:
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Callable
 
@@ -52,18 +51,7 @@ from scheduler_proc.stop import FinishChecker
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
-OVERLAP_DEPTH = 2  # plans in flight with the overlap schedule
 
-
-def overlap_depth() -> int:
-    """Plans in flight with the overlap schedule: OVERLAP_DEPTH, or AERIE_OVERLAP_DEPTH (a
-    benchmark knob: how deep the pipeline must be for the round trip to hide)."""
-    depth = int(os.environ.get("AERIE_OVERLAP_DEPTH") or OVERLAP_DEPTH)
-    if depth < 2:
-        raise ValueError(
-            f"AERIE_OVERLAP_DEPTH={depth}: at least 2 (1 is --disable-overlap-schedule)"
-        )
-    return depth
 PROMPT_TAIL_LEN = 5  # prompt ids sent to the detokenizer as decoding context
 
 
@@ -83,7 +71,7 @@ class Scheduler:
         page_size = config.cache.page_size
         max_running = config.scheduler.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.allocator = KVAllocator(max_total_tokens // page_size, page_size, max_running)
-        self.max_in_flight = 1 if config.scheduler.disable_overlap_schedule else overlap_depth()
+        self.max_in_flight = 1 if config.scheduler.disable_overlap_schedule else 2
         self.policy = SchedulePolicy(
             chunked_prefill_size=config.scheduler.chunked_prefill_size,
             decode_alloc_len=decode_alloc_len or decode_alloc_len_for(config),

@@ -249,8 +249,7 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
   fi
   for mode in ${MODES:-on off}; do
     flag=(); [[ $mode == off ]] && flag=(--disable-overlap-schedule)
-    depth=; [[ $mode == on3 ]] && depth=3  # MODES="on on3": two or three plans in flight
-    AERIE_OVERLAP_DEPTH=$depth AERIE_PROFILE_STEPS=${PROFILE_FIRST:-150},${PROFILE_COUNT:-50},$OUT/idle_${tag}_$mode.json \
+    AERIE_PROFILE_STEPS=${PROFILE_FIRST:-150},${PROFILE_COUNT:-50},$OUT/idle_${tag}_$mode.json \
       python launch.py --model-path $model --load-format dummy --port 30000 \
       --max-running-requests 256 "${spec_args[@]}" "${flag[@]}" > "$OUT/server_${tag}_$mode.log" 2>&1 &
     server=$!
@@ -295,10 +294,11 @@ print(json.load(sys.stdin).get('num_running', 0))" 2>/dev/null)
     done
     cat "$OUT/idle_${tag}_$mode.json" 2>/dev/null
     # TTFT_PROBE=1: time to the first streamed token of one request at a time (native
-    # /generate) for prompts of 8, 256 and 1024 tokens: the fixed cost of a request's path
-    # through the processes against its prefill.
+    # /generate, one kept-alive connection) for prompts of 8, 256 and 1024 tokens: the fixed
+    # cost of a request's path through the processes against its prefill.
     [[ -n ${TTFT_PROBE:-} ]] && python - <<'PY'
 import statistics, time, httpx
+client = httpx.Client()  # one connection: a new client costs the caller tens of ms to build
 for n in (8, 256, 1024):
     ttfts = []
     for i in range(12):
@@ -306,7 +306,7 @@ for n in (8, 256, 1024):
         body = {"input_ids": ids, "stream": True,
                 "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
         start = time.perf_counter()
-        with httpx.stream("POST", "http://127.0.0.1:30000/generate", json=body, timeout=30) as r:
+        with client.stream("POST", "http://127.0.0.1:30000/generate", json=body, timeout=30) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     ttfts.append(time.perf_counter() - start)
