@@ -312,9 +312,39 @@ for n in (8, 256, 1024):
                     ttfts.append(time.perf_counter() - start)
                     break
     ttfts = ttfts[2:]  # the first of each length may meet a new kernel shape
+    whole = []  # the same prompt, one token, not streamed: the response as a whole
+    for i in range(8):
+        body = {"input_ids": [(97 + 31 * (i + j)) % 40000 + 100 for j in range(n)],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        start = time.perf_counter()
+        client.post("http://127.0.0.1:30000/generate", json=body, timeout=30)
+        whole.append(time.perf_counter() - start)
     print(f"ttft probe: {n:5d}-token prompt, median {1e3 * statistics.median(ttfts):6.2f} ms, "
-          f"min {1e3 * min(ttfts):6.2f} ms over {len(ttfts)}")
+          f"min {1e3 * min(ttfts):6.2f} ms over {len(ttfts)}; one token not streamed: median "
+          f"{1e3 * statistics.median(whole[2:]):6.2f} ms")
 PY
+    # With PYSPY_S too: host profiles of every engine process while one-token requests of 8
+    # prompt tokens arrive one at a time (where a request's fixed cost goes).
+    if [[ -n ${TTFT_PROBE:-} && -n ${PYSPY_S:-} ]]; then
+      python - $((PYSPY_S + 2)) <<'PY' &
+import sys, time, httpx
+client, end, n = httpx.Client(), time.monotonic() + float(sys.argv[1]), 0
+while time.monotonic() < end:
+    n += 1
+    client.post("http://127.0.0.1:30000/generate", timeout=30, json={"input_ids": list(range(100, 108)),
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+print(f"profiled probe: {n} one-token requests in {sys.argv[1]} s")
+PY
+      prober=$!; sleep 1; spies=()
+      for proc in gpu_worke scheduler detokeniz tokenizer; do
+        $HOME/aerie-site/bin/py-spy record -p $(pgrep -x aerie-$proc | head -1) -d $PYSPY_S -r 250 \
+          -f raw --threads --idle --nonblocking -o "$OUT/spy_$proc.txt" > /dev/null 2>&1 &
+        spies+=($!)
+      done
+      wait "${spies[@]}" $prober
+      python tools/profile_summary.py --rate 250 --seconds $PYSPY_S "$OUT"/spy_*.txt \
+        > "$OUT/host_profile_ttft_${tag}_$mode.txt" 2>&1; rm -f "$OUT"/spy_*.txt
+    fi
     kill -TERM $server; wait $server; echo "server exit $?"
     # One summary file per server (the device returns only a few files): the summaries of
     # every run; the per-request JSON files are dropped.
