@@ -79,8 +79,6 @@ class WorkerLoop:
         self.worker.tp.start_serving()
         self.running = True
         self.launched: deque[Launched] = deque()
-        # CUDA queues a step's work and returns; elsewhere `launch` computes the step.
-        self.launches_run_steps = self.worker.device.type != "cuda"
         self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
@@ -132,28 +130,19 @@ class WorkerLoop:
                 continue
             # A step is on the device: take the next plan if one came, else send the oldest
             # result as soon as it is ready (polling both: a step lasts a millisecond or two).
-            # Where a launch runs its step to the end (the CPU), a ready result goes out
-            # first: launching the next plan before it would hold the result back a step
-            # (a stream's first token would arrive with its second).
-            if self.launches_run_steps and self.launched[0].ready():
-                self.finish_oldest()
-                continue
             message = self.inbox.recv(timeout_s=0)
             if message is not None:
                 self.dispatch(message)
             elif self.launched[0].ready():
-                self.finish_oldest()
+                result = self.worker.finish(self.launched.popleft())
+                if self.scheduler is not None:
+                    self.scheduler.send(result)
+                if self.profiler is not None:
+                    self.profiler.on_finish()
         self.inbox.close()
         for sender in (self.scheduler, *self.followers):
             if sender is not None:
                 sender.close()
-
-    def finish_oldest(self) -> None:
-        result = self.worker.finish(self.launched.popleft())
-        if self.scheduler is not None:
-            self.scheduler.send(result)
-        if self.profiler is not None:
-            self.profiler.on_finish()
 
     def dispatch(self, message: Any) -> None:
         handler = self.handlers.get(type(message))
