@@ -51,7 +51,6 @@ from scheduler_proc.stop import FinishChecker
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
-
 PROMPT_TAIL_LEN = 5  # prompt ids sent to the detokenizer as decoding context
 
 
