@@ -275,8 +275,9 @@ def print_iterations(args, rows: list[dict]) -> None:
           f"{args.context_len} tokens, {args.iters} iterations each")
     print(f"{'mode':30s} {'bs':>3s} {'plain ms':>9s} {'iter ms':>8s} {'ratio':>6s} "
           f"{'bound':>6s} {'agree acc':>9s} {'agree tok/s vs plain':>21s}")
+    several_limits = len({r["fused_rows"] for r in rows}) > 1
     for r in rows:
-        if len({row["fused_rows"] for row in rows}) > 1:
+        if several_limits:
             print(f"  (fused kernel up to {r['fused_rows']} rows)")
         print(f"{r['mode']:30s} {r['batch_size']:3d} {r['plain_step_ms']:9.3f} "
               f"{r['iteration_ms']:8.3f} {r['ratio']:6.2f} {r['byte_bound']:6.2f} "
@@ -346,11 +347,13 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         default_rows = small_m_linear.MAX_FUSED_ROWS
         limits = [int(n) for n in args.fused_rows.split(",")] if args.fused_rows else [default_rows]
-        for fused_rows in limits:
-            small_m_linear.MAX_FUSED_ROWS = fused_rows
-            rows += [{**row, "fused_rows": small_m_linear.MAX_FUSED_ROWS}
-                     for row in measure_iterations(args, shapes, draft_dir)]  # fmt: skip
-        small_m_linear.MAX_FUSED_ROWS = default_rows
+        try:
+            for fused_rows in limits:
+                small_m_linear.MAX_FUSED_ROWS = fused_rows
+                rows += [{**row, "fused_rows": fused_rows}
+                         for row in measure_iterations(args, shapes, draft_dir)]  # fmt: skip
+        finally:
+            small_m_linear.MAX_FUSED_ROWS = default_rows
         print_iterations(args, rows)
         if args.output:
             with open(args.output, "w") as f:

@@ -55,6 +55,13 @@ def test_rms_norm_and_the_fused_residual_add(device, dtype, hidden):
         rms_norm(strided, weight, 1e-6), rms_norm_reference(strided, weight, 1e-6),
         **tolerance(dtype),
     )  # fmt: skip
+    # into the second half of a wider buffer (the EAGLE-3 draft's cat): the first untouched
+    wide = torch.full((7, 2 * hidden), -7.0, dtype=dtype, device=device)
+    into = rms_norm(x, weight, 1e-6, out=wide[:, hidden:])
+    assert into.data_ptr() == wide[:, hidden:].data_ptr()
+    torch.testing.assert_close(wide[:, hidden:], rms_norm_reference(x, weight, 1e-6),
+                               **tolerance(dtype))  # fmt: skip
+    assert bool((wide[:, :hidden] == -7.0).all())
 
 
 @CASES
