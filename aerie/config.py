@@ -83,6 +83,11 @@ class RunnerConfig:
     )
     disable_cuda_graph: bool = _opt(False, "Run every forward eagerly.", flag=True)
     cuda_graph_max_bs: int | None = _opt(None, "Largest batch size captured in a CUDA graph.")
+    cuda_graph_max_prefill_tokens: int | None = _opt(
+        None,
+        "Largest prefill step (prompt tokens of all its requests) replayed as a CUDA graph; "
+        "longer ones run eagerly, 0 runs every prefill eagerly. Default: 1024 on CUDA.",
+    )
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,22 @@ def resolve_cuda_graph_max_bs(config: AerieConfig, device: str, default_rows: in
     return min(rows, 256 if device == "cuda" else 32)
 
 
+DEFAULT_PREFILL_GRAPH_TOKENS = 1024
+
+
+def resolve_prefill_graph_tokens(config: AerieConfig, device: str) -> int:
+    """--cuda-graph-max-prefill-tokens, else DEFAULT_PREFILL_GRAPH_TOKENS on CUDA; 0 (every
+    prefill eager) on CPU, where nothing is captured, or with --disable-cuda-graph."""
+    given = config.runner.cuda_graph_max_prefill_tokens
+    if given is not None and given < 0:
+        raise ConfigError("--cuda-graph-max-prefill-tokens must be >= 0 (0: prefill eagerly)")
+    if config.runner.disable_cuda_graph:
+        return 0
+    if given is not None:
+        return given
+    return DEFAULT_PREFILL_GRAPH_TOKENS if device == "cuda" else 0
+
+
 def _resolve_model_path(model_path: str | None) -> str:
     if model_path is None:
         from aerie.default_model import ensure_default_model
@@ -368,6 +384,7 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
         runner={
             "attention_backend": resolve_attention_backend(config.runner.attention_backend, device),
             "cuda_graph_max_bs": resolve_cuda_graph_max_bs(config, device, default_rows),
+            "cuda_graph_max_prefill_tokens": resolve_prefill_graph_tokens(config, device),
         },
         server={
             "zmq_port": default_zmq_port(server.port, server.zmq_port),

@@ -72,6 +72,13 @@ def graph_max_bs(config: AerieConfig) -> int:
     return config.runner.cuda_graph_max_bs or 0
 
 
+def prefill_graph_tokens(config: AerieConfig) -> int:
+    """The largest prefill replayed as a CUDA graph (0: none)."""
+    if config.runner.disable_cuda_graph:
+        return 0
+    return config.runner.cuda_graph_max_prefill_tokens or 0
+
+
 def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
     model, spec = config.model, config.speculative
     return RunnerSpec(
@@ -86,6 +93,7 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
         # step, or the speculative stages), budgeted through graph_tokens.
         cuda_graph_max_bs=0,
         graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1),
+        prefill_graph_tokens=prefill_graph_tokens(config),
         tp=tp,
     )  # fmt: skip
 

@@ -34,6 +34,7 @@ from gpu_worker.models import ArchConfig, build_model, read_arch_config
 from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.prefill_graph import graph_bytes as prefill_graph_bytes
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class RunnerSpec:
     attention backend supports it; the same padded path eagerly otherwise); 0: always eager.
     graph_tokens: tokens per forward of the CUDA graphs others capture this runner's forwards
     in (the speculative stages: max batch x ND), kept out of the KV budget like its own graphs.
+    prefill_graph_tokens: the largest prefill others replay as a graph of this runner's
+    forward (`prefill_graph.PrefillGraphs`), budgeted the same way.
     tp: the tensor-parallel group the model is sharded over (a draft's must be its target's).
     """
 
@@ -83,6 +86,7 @@ class RunnerSpec:
     aux_hidden_layers: tuple[int, ...] = ()
     cuda_graph_max_bs: int = 0
     graph_tokens: int = 0
+    prefill_graph_tokens: int = 0
     tp: TensorParallel = SINGLE
 
 
@@ -144,6 +148,7 @@ class ModelRunner:
         graph_tokens = max(spec.cuda_graph_max_bs, spec.graph_tokens)
         self.graph_reserve_bytes = (
             estimate_graph_bytes(self.config, graph_tokens, self.dtype)
+            + prefill_graph_bytes(self.config, spec.prefill_graph_tokens, self.dtype)
             if self.device.type == "cuda" else 0
         )  # fmt: skip
         self.max_total_tokens = self._size_kv_pool(

@@ -1,9 +1,10 @@
 """Start-up warm-up: the eager paths' Triton kernels compiled before the first request.
 
-CUDA graph capture at start-up compiles the kernels of decode and of the speculative stages
-(with --disable-cuda-graph decode compiles on the first requests instead). Prefill (and the
-draft's prefill) runs eagerly, so without a warm-up the first request with a new kind of
-prompt waits while Triton compiles a kernel (up to a second on the H100). A kernel is
+CUDA graph capture at start-up compiles the kernels of decode, of the speculative stages and
+of short prefills (with --disable-cuda-graph they compile on the first requests instead).
+Longer prefills (and the draft's prefill) run eagerly, so without a warm-up the first request
+with a new kind of prompt waits while Triton compiles a kernel (up to a second on the H100);
+the warm-up's plans therefore run with the prefill graphs set aside. A kernel is
 compiled once per specialization: its constexprs (for the extend attention kernel, a query
 block of 16 tokens for chunks up to 16 tokens and of 64 beyond; for the few-query kernel,
 which the draft's prefill of equal short chunks runs, the chunk length), whether each integer
@@ -106,8 +107,13 @@ def run_warm_up(worker: GPUWorker) -> float | None:
                  runner.max_total_tokens)  # fmt: skip
         return None
     began = time.perf_counter()
-    for plan in plans:
-        worker.execute(plan)
+    # The prefill graphs compiled their kernels when captured: the plans take the eager path.
+    graphs, worker.prefill_graphs = worker.prefill_graphs, None
+    try:
+        for plan in plans:
+            worker.execute(plan)
+    finally:
+        worker.prefill_graphs = graphs
     return time.perf_counter() - began
 
 

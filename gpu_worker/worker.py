@@ -30,11 +30,12 @@ import torch
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, RequestStart, StepResult
-from gpu_worker.build import build_models, graph_max_bs
+from gpu_worker.build import build_models, graph_max_bs, prefill_graph_tokens
 from gpu_worker.decode_step import DecodeStep
 from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.plan_arrays import PlanArrays, parse_plan
+from gpu_worker.prefill_graph import PrefillGraphs
 from gpu_worker.row_state import RowState
 from gpu_worker.speculative.target_verify import SpecStepOutput
 
@@ -70,6 +71,14 @@ class GPUWorker:
         self.decode_step = (
             DecodeStep(self.runner, self.rows, graph_max_bs(config)) if self.spec is None else None
         )
+        # Short prefills replay graphs where they can be captured (the speculative draft's
+        # prefill reads the target's hidden states, so they are kept with a draft).
+        self.prefill_graphs: PrefillGraphs | None = None
+        backend = self.runner.attn_backend
+        if (prefill_graph_tokens(config) > 0 and self.device.type == "cuda"
+                and backend.supports_cuda_graph):  # fmt: skip
+            self.prefill_graphs = PrefillGraphs(self.runner, prefill_graph_tokens(config),
+                                                capture=True, keep_hidden=self.spec is not None)
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
@@ -117,8 +126,11 @@ class GPUWorker:
 
     def _launch_extend(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
         host = arrays.extend_batch()
-        batch = host.to_device(self.device, self.runner.staging)
-        out = self.runner.forward(batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(host):
+            batch, out = self.prefill_graphs.run(host)
+        else:
+            batch = host.to_device(self.device, self.runner.staging)
+            out = self.runner.forward(batch)
         sampled_ids, next_ids = self.staging.upload([arrays.sample.astype(np.int64),
                                                      arrays.next_input_ids])  # fmt: skip
         sampled = sampled_ids.bool()

@@ -231,6 +231,7 @@ if [[ $1 == overlap ]]; then
   # too little of the 64 MiB for the 11 MB subset)
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-200} python -m pytest \
     tests/gpu_worker/test_cuda.py tests/gpu_worker/test_worker.py tests/gpu_worker/test_cuda_graph.py \
+    tests/gpu_worker/test_prefill_graph.py \
     tests/gpu_worker/speculative/test_stage_graphs.py tests/gpu_worker/speculative/test_eagle_worker.py \
     -k "not triton_backend_gives" -q -p no:cacheprovider > "$OUT/unit.txt" 2>&1; tail -4 "$OUT/unit.txt"
   [[ ${SKIP_BASELINE:-0} == 1 ]] || timeout ${BASE_S:-200} python benchmarks/bench_decode.py \

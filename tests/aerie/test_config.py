@@ -35,6 +35,21 @@ def test_flags_land_in_their_sections():
     assert config_from_args([]) == AerieConfig()
 
 
+def test_prefill_graph_tokens_resolve_per_device_and_flag():
+    from aerie.resolve import DEFAULT_PREFILL_GRAPH_TOKENS, resolve_prefill_graph_tokens
+
+    def resolved(args: list[str], device: str) -> int:
+        return resolve_prefill_graph_tokens(config_from_args(args), device)
+
+    assert resolved([], "cuda") == DEFAULT_PREFILL_GRAPH_TOKENS
+    assert resolved([], "cpu") == 0  # nothing is captured on CPU
+    assert resolved(["--cuda-graph-max-prefill-tokens", "256"], "cuda") == 256
+    assert resolved(["--cuda-graph-max-prefill-tokens", "0"], "cuda") == 0
+    assert resolved(["--cuda-graph-max-prefill-tokens", "256", "--disable-cuda-graph"], "cuda") == 0
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        resolved(["--cuda-graph-max-prefill-tokens", "-1"], "cuda")
+
+
 def test_bad_choice_is_refused(capsys):
     with pytest.raises(SystemExit):
         config_from_args(["--device", "tpu"])

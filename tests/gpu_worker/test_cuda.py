@@ -81,10 +81,12 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
         model={"model_path": tiny_dirs["llama"], "device": "cuda", "dtype": "float32"},
         cache={"max_total_tokens": 64, "page_size": 1},
         scheduler={"max_running_requests": 4},
-        runner={"attention_backend": "triton", "cuda_graph_max_bs": 4},
+        runner={"attention_backend": "triton", "cuda_graph_max_bs": 4,
+                "cuda_graph_max_prefill_tokens": 16},
     )
     worker = GPUWorker(config)
     assert worker.decode_step.stage.graphs  # the decode step is captured
+    assert worker.prefill_graphs is not None and worker.prefill_graphs.graphs  # short prefills
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3)
     start = RequestStart(1, params, True, pack_ids([5, 6, 7]))
     prefill = extend_plan(1, [(1, 0, [5, 6, 7], [1, 2, 3], True)], [start])

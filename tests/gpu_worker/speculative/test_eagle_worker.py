@@ -32,13 +32,15 @@ on_cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU memory 
 
 def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_draft=None,
                 page_size=1, chunk=64, backend=None, graph_max_bs=None,
-                overlap=True) -> AerieConfig:
+                overlap=True, prefill_graphs=True) -> AerieConfig:  # fmt: skip
     """backend / graph_max_bs default to the device's: torch_native and no graphs on CPU,
-    triton and graphs up to 8 requests on CUDA. overlap: two plans in flight (`drive`)."""
+    triton and graphs up to 8 requests on CUDA, where prefills of up to 32 tokens replay
+    graphs too unless not prefill_graphs. overlap: two plans in flight (`drive`)."""
     if backend is None:
         backend = "torch_native" if DEVICE == "cpu" else "triton"
     if graph_max_bs is None and DEVICE == "cuda":
         graph_max_bs = 8
+    prefill_tokens = 32 if DEVICE == "cuda" and prefill_graphs else 0
     return AerieConfig().replace(
         model={"model_path": target, "tokenizer_path": target, "device": DEVICE,
                "dtype": "float32", "load_format": "safetensors", "context_length": 256},
@@ -48,7 +50,8 @@ def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_d
         speculative={"speculative_algorithm": algorithm, "speculative_draft_model_path": draft,
                      "speculative_num_steps": steps, "speculative_eagle_topk": topk,
                      "speculative_num_draft_tokens": num_draft},
-        runner={"attention_backend": backend, "cuda_graph_max_bs": graph_max_bs},
+        runner={"attention_backend": backend, "cuda_graph_max_bs": graph_max_bs,
+                "cuda_graph_max_prefill_tokens": prefill_tokens},
     )
 
 
@@ -97,9 +100,10 @@ def test_greedy_speculative_output_equals_target_greedy(
     models, algorithm, steps, topk, num_draft, page_size, chunk
 ):
     """With the overlap schedule (two plans in flight) and without; the plain baseline runs
-    without it."""
+    without it, and on CUDA with eager prefills (the others replay prefill graphs)."""
     prompts = random_prompts(seed=steps * 10 + topk)
-    base_config = make_config(models["target"], page_size=page_size, overlap=False)
+    base_config = make_config(models["target"], page_size=page_size, overlap=False,
+                              prefill_graphs=False)  # fmt: skip
     base, _, _ = run_engine(base_config, prompts, 20)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
     for overlap in (True, False):
