@@ -2,7 +2,9 @@
 attention over the paged pool) over its tuning knobs: the least number of keys a split covers
 (`min_keys_per_split`), the keys per loop iteration (`block_n`) and the warps per program, at
 the attention shapes of SmolLM2-135M (9 heads, 3 KV heads, head dim 64) and Llama-3.1-8B
-(32, 8, 128), for several batch sizes and sequence lengths.
+(32, 8, 128), for several batch sizes and sequence lengths. `--queries N` (N > 1) times the
+few-query kernel instead, with its own knobs: N new tokens per request, the speculative
+verify's and draft extend's shape (causal, or `--tree` for a random tree-local mask).
 
 Each measurement replays a CUDA graph of CALLS back-to-back launches (a decode graph runs one
 per layer), so a figure is the kernel's time plus the gap between graph nodes. Every
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import graph_timing  # noqa: E402
 from gpu_worker.kernels import decode_attention as da  # noqa: E402
+from gpu_worker.kernels import few_query_attention as fq  # noqa: E402
 from gpu_worker.layers.rotary import RotaryEmbedding  # noqa: E402
 
 CALLS = 30
@@ -41,9 +44,10 @@ class Case:
     """A batch of bs requests of seq_len keys each (the last one the new token), their pages
     shuffled over the pool, at one attention shape."""
 
-    def __init__(self, shape: str, bs: int, seq_len: int, num_sms: int):
+    def __init__(self, shape: str, bs: int, seq_len: int, num_sms: int, queries: int = 1,
+                 tree: bool = False):  # fmt: skip
         heads, kv_heads, head_dim = SHAPES[shape]
-        self.heads = heads
+        self.heads, self.queries = heads, queries
         dev, dtype = "cuda", torch.bfloat16
         gen = torch.Generator(device=dev).manual_seed(bs * 7919 + seq_len)
         slots = bs * seq_len + 1
@@ -53,16 +57,38 @@ class Case:
         self.req_to_token = order.view(bs, seq_len).to(torch.int32)
         self.rows = torch.arange(bs, device=dev)
         self.seq_lens = torch.full((bs,), seq_len, device=dev, dtype=torch.int32)
-        self.positions = (self.seq_lens - 1).to(torch.int64)
-        self.loc = self.req_to_token[:, -1].to(torch.int64)
+        # the new tokens: each request's last `queries` keys
+        new = torch.arange(seq_len - queries, seq_len, device=dev)
+        self.positions = new.repeat(bs)
+        self.loc = self.req_to_token[:, -queries:].flatten().to(torch.int64)
         width = (heads + 2 * kv_heads) * head_dim
-        self.qkv = torch.randn(bs, width, device=dev, generator=gen).to(dtype)
+        self.qkv = torch.randn(bs * queries, width, device=dev, generator=gen).to(dtype)
+        self.mask = None
+        if tree:  # node k's parent is a random earlier node; a node sees its ancestors
+            parents = [-1] + [int(torch.randint(k, (1,))) for k in range(1, queries)]
+            mask = torch.zeros(queries, queries, dtype=torch.bool)
+            for k in range(queries):
+                node = k
+                while node != -1:
+                    mask[k, node], node = True, parents[node]
+            self.mask = mask.to(dev)[None].expand(bs, -1, -1).contiguous()
         self.cache = RotaryEmbedding(head_dim, 10000.0).build_cos_sin_cache(seq_len + 1, dev)
         self.scale = head_dim**-0.5
         self.splits = da.choose_num_splits(bs, kv_heads, num_sms)
-        self.scratch = da.DecodeScratch.allocate(bs, heads, kv_heads, head_dim, num_sms, dev)
+        self.scratch = da.DecodeScratch.allocate(bs, heads * queries, kv_heads, head_dim,
+                                                 num_sms, dev)  # fmt: skip
 
     def run(self, min_keys: int | None, block_n: int | None, warps: int | None) -> torch.Tensor:
+        if self.queries > 1:
+            knobs = None
+            if block_n is not None:
+                knobs = fq.Knobs(block_n, min_keys, warps)
+            new = fq.NewTokens(self.positions, self.loc, self.cache)
+            return fq.few_query_attend(
+                self.qkv, self.heads, new, self.k, self.v, self.req_to_token, self.rows,
+                self.seq_lens, self.queries, self.scale, self.splits, self.scratch, self.mask,
+                knobs,
+            )  # fmt: skip
         return da.decode_attention(
             self.qkv, self.positions, self.cache, self.k, self.v, self.loc, self.req_to_token,
             self.rows, self.seq_lens, self.heads, self.scale, self.splits, self.scratch,
@@ -78,6 +104,9 @@ def main() -> None:
     parser.add_argument("--min-keys", default="64,256,1024")
     parser.add_argument("--block-n", default="64")
     parser.add_argument("--warps", default="2,4")
+    parser.add_argument("--queries", type=int, default=1,
+                        help="new tokens per request; above 1 the few-query kernel")
+    parser.add_argument("--tree", action="store_true", help="--queries: a tree-local mask")
     parser.add_argument("--output", default="")
     args = parser.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
@@ -86,7 +115,7 @@ def main() -> None:
     for shape, bs, seq_len in itertools.product(
         args.shapes.split(","), ints(args.batch_sizes), ints(args.seq_lens)
     ):
-        case = Case(shape, bs, seq_len, num_sms)
+        case = Case(shape, bs, seq_len, num_sms, args.queries, args.tree)
         want = case.run(None, None, None).float()  # the defaults
         line = []
         knobs = itertools.product(ints(args.min_keys), ints(args.block_n), ints(args.warps))
@@ -94,7 +123,8 @@ def main() -> None:
             got = case.run(min_keys, block_n, warps).float()
             err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
             us = time_graph(lambda: case.run(min_keys, block_n, warps))  # noqa: B023 (used in this iteration)
-            rows.append({"shape": shape, "bs": bs, "seq_len": seq_len, "splits": case.splits,
+            rows.append({"shape": shape, "queries": args.queries, "tree": args.tree, "bs": bs,
+                         "seq_len": seq_len, "splits": case.splits,
                          "min_keys": min_keys, "block_n": block_n, "warps": warps,
                          "us": round(us, 2), "rel_err": err})  # fmt: skip
             if err > 2e-2:
@@ -106,8 +136,8 @@ def main() -> None:
               + " ".join(line), flush=True)  # fmt: skip
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "calls": CALLS, "rows": rows},
-                      f, indent=1)  # fmt: skip
+            json.dump({"device": torch.cuda.get_device_name(0), "calls": CALLS,
+                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import triton.language as tl
 from gpu_worker.kernels import next_power_of_2
 from gpu_worker.kernels.decode_attention import (
     DecodeScratch,
+    active_splits,
     dot_precision,
     finish_split,
     load_key_block,
@@ -50,9 +51,30 @@ from gpu_worker.kernels.decode_attention import (
 from gpu_worker.kernels.extend_attention import kernel_mask
 from gpu_worker.kernels.rotary import rotate_halves
 
-BLOCK_N = 64
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # num_queries x (H / KH) rows in one program's tile
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """A launch's tuning: keys per loop iteration, the least keys a split covers (None:
+    decode's MIN_KEYS_PER_SPLIT) and warps per program."""
+
+    block_n: int = 64
+    min_keys: int | None = None
+    num_warps: int = 4
+
+
+def choose_launch(block_m: int, head_dim: int) -> Knobs:
+    """The launch for a tile of block_m query rows: as many keys per loop iteration as keep
+    the key tile at 16K elements and the score tile at 4K (each iteration is a dependent
+    round trip to memory, so fewer, wider ones are faster while registers hold them).
+    Measured on the H100 (`bench_decode_attention.py --queries 4`, docs/performance.md): a
+    verify of 4 tokens over 260 keys, 135M shape (16-row tile, head dim 64), took 7.7 us with
+    64 keys per iteration and 5.9 with 256; the 8B shape (head dim 128) 8.9 with 64 and 7.5
+    with 128. Eight warps were never faster than four."""
+    block_n = min(16384 // head_dim, 4096 // block_m, 256)
+    return Knobs(block_n=max(32, 1 << (block_n.bit_length() - 1)))
 
 
 def fits(num_queries: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -161,8 +183,7 @@ def _few_query_kernel(
         pool_end = seq_len - NUM_QUERIES
 
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
-    # splits with keys: short sequences use few
-    active = tl.minimum(tl.cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT), NUM_SPLITS)
+    active = active_splits(num_blocks, MIN_BLOCKS_PER_SPLIT, NUM_SPLITS)
     if split >= active:
         return
     blocks_per_split = tl.cdiv(num_blocks, active)
@@ -254,12 +275,13 @@ def few_query_attention(
     num_splits: int,
     scratch: DecodeScratch,
     custom_mask: torch.Tensor | None = None,
+    knobs: Knobs | None = None,
 ) -> torch.Tensor:
     """See the module docstring; q is rotated and the new K/V stored. Returns o
-    [bs * num_queries, H * D] in q's dtype."""
+    [bs * num_queries, H * D] in q's dtype. knobs: `choose_launch`'s unless given."""
     return _launch(q, q.shape[1] // k_buffer.shape[2], None, k_buffer, v_buffer, req_to_token,
                    req_pool_indices, seq_lens, num_queries, scaling, num_splits, scratch,
-                   custom_mask)  # fmt: skip
+                   custom_mask, knobs)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -289,6 +311,7 @@ def few_query_attend(
     num_splits: int,
     scratch: DecodeScratch,
     custom_mask: torch.Tensor | None = None,
+    knobs: Knobs | None = None,
 ) -> torch.Tensor:
     """The same attention from qkv [bs * num_queries, (H + 2*KH) * D] when the new tokens are
     each request's last num_queries keys (custom_mask None or [bs, num_queries, num_queries]):
@@ -297,12 +320,13 @@ def few_query_attend(
     `rotary.rope_and_store_kv` followed by `few_query_attention`). Returns o as above."""
     assert custom_mask is None or custom_mask.shape[-1] == num_queries
     return _launch(qkv, num_heads, new, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                   seq_lens, num_queries, scaling, num_splits, scratch, custom_mask)  # fmt: skip
+                   seq_lens, num_queries, scaling, num_splits, scratch, custom_mask,
+                   knobs)  # fmt: skip
 
 
 def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_token,
             req_pool_indices, seq_lens, num_queries, scaling, num_splits, scratch,
-            custom_mask):  # fmt: skip
+            custom_mask, knobs: Knobs | None = None):  # fmt: skip
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     bs = req_pool_indices.shape[0]
     assert q.shape[0] == bs * num_queries and fits(num_queries, num_heads, num_kv_heads)
@@ -314,6 +338,8 @@ def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_toke
     fused = new is not None
     has_norm = fused and new.q_norm is not None
     group = num_heads // num_kv_heads
+    block_m = max(16, next_power_of_2(num_queries * group))
+    knobs = knobs or choose_launch(block_m, head_dim)
     _few_query_kernel[(bs, num_kv_heads, num_splits)](
         q, new.positions if fused else q, new.cos_sin_cache if fused else q,
         new.q_norm if has_norm else q, new.k_norm if has_norm else q,
@@ -323,10 +349,10 @@ def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_toke
         scaling * LOG2E, new.eps if fused else 0.0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)), NUM_QUERIES=num_queries,
-        BLOCK_M=max(16, next_power_of_2(num_queries * group)),
-        BLOCK_Q=max(16, next_power_of_2(num_queries)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, MIN_BLOCKS_PER_SPLIT=min_blocks_per_split(BLOCK_N),
+        BLOCK_M=block_m, BLOCK_Q=max(16, next_power_of_2(num_queries)), BLOCK_N=knobs.block_n,
+        NUM_SPLITS=num_splits,
+        MIN_BLOCKS_PER_SPLIT=min_blocks_per_split(knobs.block_n, knobs.min_keys),
         MASK_WIDTH=mask_width, FUSED=fused, HAS_NORM=has_norm,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=knobs.num_warps,
     )  # fmt: skip
     return o

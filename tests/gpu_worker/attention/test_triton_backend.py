@@ -16,6 +16,7 @@ from gpu_worker.attention import RopeArgs, create_attention_backend
 from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from gpu_worker.kernels import decode_attention as decode_attention_module
+from gpu_worker.kernels import few_query_attention as few_query_module
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.speculative.draft_layout import draft_decode_mask
@@ -146,6 +147,13 @@ def test_decode_split_policies(device, dtype, min_keys, block_n, monkeypatch):
     check(pools, batch)
 
 
+def test_few_query_launches_read_a_power_of_two_keys_per_iteration():
+    for head_dim in (16, 48, 64, 80, 96, 128, 256):
+        for block_m in (16, 32, 64):
+            block_n = few_query_module.choose_launch(block_m, head_dim).block_n
+            assert 32 <= block_n <= 256 and block_n & (block_n - 1) == 0
+
+
 def test_decode_launches_read_a_power_of_two_keys_per_iteration():
     """tl.arange needs a power of 2: head dims such as 80 or 96 must not give 204 or 170."""
     for head_dim in (16, 48, 64, 80, 96, 100, 128, 256):
@@ -171,8 +179,10 @@ def test_extend_over_a_prefix(device, dtype, heads, kv_heads, head_dim, page_siz
 @pytest.mark.parametrize("min_keys", [1, None])  # a split per key block; the default
 def test_tree_verify_with_a_tree_local_mask(device, dtype, heads, kv_heads, head_dim, page_size,
                                             min_keys, monkeypatch):  # fmt: skip
-    if min_keys:
+    if min_keys:  # narrow key blocks, so that requests span several and are combined
         monkeypatch.setattr(decode_attention_module, "MIN_KEYS_PER_SPLIT", min_keys)
+        monkeypatch.setattr(few_query_module, "choose_launch",
+                            lambda *_: few_query_module.Knobs(32))  # fmt: skip
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=11)
     nd, prefix_lens = 8, [0, 17, 64, 100]
     masks = torch.zeros(len(prefix_lens), nd, nd, dtype=torch.bool)
@@ -219,12 +229,39 @@ def test_fixed_windows_run_the_few_query_kernel(device, dtype, heads, kv_heads, 
     """The same number of queries per request, causal (the draft extend's fixed S+1 windows):
     RoPE (and q/k norm) and the K/V store in the kernel, split-K over the keys, GQA grouped;
     twice in a row, since the last program of each (request, KV head) resets its counter
-    (a split per key block, so that the splits are combined)."""
+    (a split per narrow key block, so that the splits are combined)."""
     monkeypatch.setattr(decode_attention_module, "MIN_KEYS_PER_SPLIT", 1)
+    monkeypatch.setattr(few_query_module, "choose_launch", lambda *_: few_query_module.Knobs(32))
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=3 * heads)
     if qk_norm:
         pools.with_qk_norm()
     batch = batch_of(pools, ForwardMode.DRAFT_EXTEND, [4, 2, 3, 1], [0, 17, 64, 100], [4] * 4)
+    assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
+    check(pools, batch)
+    check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("block_n, min_keys", [(32, 1), (128, None), (256, None), (256, 512)])
+def test_few_query_launch_knobs(device, dtype, tree, block_n, min_keys, monkeypatch):
+    """Whatever keys a loop iteration reads and a split covers at least: one split written
+    directly, several combined (uneven runs of blocks, a last split holding only the new
+    keys), causal windows and tree-local masks; twice, since the combine resets counters."""
+    knobs = few_query_module.Knobs(block_n, min_keys, 4)
+    monkeypatch.setattr(few_query_module, "choose_launch", lambda *_: knobs)
+    pools = Pools(device, dtype, 9, 3, 64, page_size=4, seed=block_n, max_len=320)
+    nd, prefix_lens = 4, [0, 60, 252, 300]
+    masks = None
+    if tree:  # node 1 and 2 children of the root, node 3 of node 1
+        parents = [-1, 0, 0, 1]
+        masks = torch.zeros(len(prefix_lens), nd, nd, dtype=torch.bool)
+        for k in range(nd):
+            node = k
+            while node != -1:
+                masks[:, k, node], node = True, parents[node]
+    mode = ForwardMode.TARGET_VERIFY if tree else ForwardMode.DRAFT_EXTEND
+    batch = batch_of(pools, mode, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks)
     assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
     check(pools, batch)
     check(pools, batch)
