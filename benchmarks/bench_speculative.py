@@ -154,6 +154,18 @@ def time_plan(replay: Replayer, bs: int | None, device: str, iters: int) -> tupl
     return (time.perf_counter() - start) / iters, sum(unpack_ids(result.num_tokens))
 
 
+def spin(replay: Replayer, bs: int, name: str, seconds: float) -> None:
+    """Run the plan for `seconds` after printing a marker with this process's id, for a host
+    profiler to attach to (tools/device_bench.sh spec-graphs with PYSPY_S)."""
+    if seconds <= 0:
+        return
+    print(f"spinning {name} bs={bs} for {seconds} s in pid {os.getpid()}", flush=True)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        replay.execute(bs)
+    sync(replay.worker.device.type)
+
+
 def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
     """Per `execute` of the plan, from the profiler: GPU kernels, GPU busy milliseconds, and
     the kernels by name (count and microseconds per execute, the most expensive first)."""
@@ -225,6 +237,7 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
     replay = Replayer(plain_worker, plain_worker.config, max_bs, args.context_len)
     time_plan(replay, None, args.device, args.iters)  # warm-up: every kernel compiled
     plain = {bs: time_plan(replay, bs, args.device, args.iters)[0] for bs in sizes}
+    spin(replay, sizes[0], "plain", args.spin)
     profiles = {}
     if args.profile:
         profiles["plain"] = {bs: profile_plan(replay, bs) for bs in sizes}
@@ -237,6 +250,7 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
         bound = byte_bound(worker)
         time_plan(replay, None, args.device, args.iters)  # warm-up
         random_draft = {bs: time_plan(replay, bs, args.device, args.iters) for bs in sizes}
+        spin(replay, sizes[0], f"S={shape[0]} topk={shape[1]} ND={shape[2]}", args.spin)
         if args.profile:
             profiles[shape] = {bs: profile_plan(replay, bs) for bs in sizes}
         make_agreeing(worker, max_bs)
@@ -317,6 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--mode", default="requests", choices=("requests", "iteration"))
     parser.add_argument("--batch-sizes", default="1", help="--mode iteration: batch sizes")
+    parser.add_argument("--spin", type=float, default=0.0,
+                        help="--mode iteration: after timing plain decoding and each shape, run "
+                             "its first batch size this many seconds (for a host profiler)")
     parser.add_argument("--context-len", type=int, default=256,
                         help="--mode iteration: prompt tokens per request")
     parser.add_argument("--iters", type=int, default=50, help="--mode iteration: timed steps")

@@ -196,6 +196,8 @@ if [[ $1 == spec-graphs ]]; then
   # after that checkpoint's config (e.g. the shipped aerie/drafts/SmolLM2-135M-Instruct/eagle3)
   # instead of a random one after the target's. FUSED_ROWS="1,4" measures every shape once per
   # limit of rows that run the fused projection kernel (bench_speculative.py --fused-rows).
+  # PYSPY_S=6 (py-spy among the carried wheels): host profiles of plain steps and of each
+  # shape's iterations at the first batch size (host_profile_iter_*.txt).
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-300} python -m pytest \
     tests/gpu_worker/speculative tests/gpu_worker/test_worker.py tests/gpu_worker/attention \
     -q -p no:cacheprovider \
@@ -209,9 +211,25 @@ if [[ $1 == spec-graphs ]]; then
       timeout ${BENCH_S:-240} python benchmarks/bench_speculative.py --mode iteration \
         --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" ${DRAFT:+--draft-path $DRAFT} \
         --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} ${PROFILE:+--profile --profile-top ${PROFILE_TOP:-0}} \
-        ${FUSED_ROWS:+--fused-rows $FUSED_ROWS} \
-        --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1
-      grep -v "INFO\|^\[" "$OUT/iter_${m}_$algo.txt" | tail -14
+        ${FUSED_ROWS:+--fused-rows $FUSED_ROWS} ${PYSPY_S:+--spin $PYSPY_S} \
+        --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1 &
+      bench=$!; seen=0
+      # PYSPY_S: a host profile of the worker's loop over plain steps, then over each shape's
+      # iterations (the benchmark spins that long on each after printing "spinning ... pid").
+      while [[ -n ${PYSPY_S:-} ]] && kill -0 $bench 2>/dev/null; do
+        n=$(grep -c '^spinning' "$OUT/iter_${m}_$algo.txt")
+        if (( n > seen )); then
+          seen=$n; line=$(grep '^spinning' "$OUT/iter_${m}_$algo.txt" | tail -1)
+          spy="$OUT/spy_iter_${m}_$n.txt"
+          $HOME/aerie-site/bin/py-spy record -p ${line##* } -d $((PYSPY_S - 1)) -r 250 -f raw \
+            --threads --idle --nonblocking -o "$spy" > /dev/null 2>&1
+          { echo "== $line"; python tools/profile_summary.py --rate 250 --seconds $((PYSPY_S - 1)) \
+            "$spy"; } > "$OUT/host_profile_iter_${m}_$n.txt" 2>&1; rm -f "$spy"
+        fi
+        sleep 0.2
+      done
+      wait $bench
+      grep -v "INFO\|^\[\|^spinning" "$OUT/iter_${m}_$algo.txt" | tail -14
     done
   done
   exit 0
