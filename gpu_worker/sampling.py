@@ -18,6 +18,7 @@ logits, which is exactly the argmax of the raw logits when the row has no penalt
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -333,15 +334,18 @@ class SamplingState:
         self.counts.index_put_((rows, ids), counts, accumulate=True)
 
     def gather(
-        self, req_pool_indices: Tensor, rows_cpu: np.ndarray | Tensor | None = None
-    ) -> SamplingRows:
-        """Parameters of a batch's rows. A host copy of the rows (rows_cpu, or the indices
-        themselves when on the CPU) gives exact per-batch stage flags; without one, flags
-        cover every started row. Never a device sync."""
-        host = rows_cpu if rows_cpu is not None else None
-        if host is None and req_pool_indices.device.type == "cpu":
-            host = req_pool_indices
-        flags = self.stage_flags(host)
+        self, req_pool_indices: Tensor, rows_cpu: np.ndarray | Tensor | None = None,
+        flags: Sequence[bool] | None = None,
+    ) -> SamplingRows:  # fmt: skip
+        """Parameters of a batch's rows. flags (`_FLAG_COLUMNS` order) fix the stages that
+        run; else a host copy of the rows (rows_cpu, or the indices themselves when on the
+        CPU) gives exact per-batch stage flags, and without one they cover every started row.
+        Never a device sync."""
+        if flags is None:
+            host = rows_cpu if rows_cpu is not None else None
+            if host is None and req_pool_indices.device.type == "cpu":
+                host = req_pool_indices
+            flags = self.stage_flags(host)
         rows = req_pool_indices.to(self.device, torch.int64)
         floats = self._float_params[rows]  # [bs, 6]
         ints = self._int_params[rows]  # [bs, 2]
@@ -362,6 +366,15 @@ class SamplingState:
         use_penalty, use_sampling = self.stage_flags(rows_cpu)[:2]
         return not (use_penalty or use_sampling)
 
+    def fixed_stages(self, rows_cpu: np.ndarray) -> tuple[bool, ...]:
+        """Stage flags that serve a batch whatever its rows' values, so that one captured
+        graph serves many batches: every stage on but the sort behind top-k / top-p, which is
+        on only where a row of the batch asks for it. Stages a row does not need leave it
+        unchanged (identity penalties, min_p 0), so the tokens are those of `sample`."""
+        flags = dict(zip(_FLAG_COLUMNS, self.stage_flags(rows_cpu), strict=True))
+        sort = flags["use_top_k"] or flags["use_top_p"]
+        return (True, True, sort, sort, True)
+
     def penalize(self, logits: Tensor, req_pool_indices: Tensor, rows: SamplingRows) -> Tensor:
         """logits [bs, V] with the rows' penalties applied (the same tensor when none apply)."""
         if not rows.use_penalty:
@@ -376,6 +389,7 @@ class SamplingState:
         positions: Tensor,
         want_logprobs: bool = True,
         rows_cpu: np.ndarray | None = None,
+        flags: Sequence[bool] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Sample one token per row. logits [bs, V] float32 (not mutated); req_pool_indices
         [bs]; positions [bs]: absolute position of the token being generated.
@@ -384,9 +398,10 @@ class SamplingState:
         None), both on the device: the log-softmax of the processed distribution the token was
         drawn from (temperature and filters); for greedy rows the log-softmax of the
         (penalised) logits at temperature 1. rows_cpu: a host copy of req_pool_indices (exact
-        stage flags). No host synchronisation.
+        stage flags); flags: the stages to run, fixed (see `fixed_stages`; what a CUDA graph
+        captures). No host synchronisation.
         """
-        rows = self.gather(req_pool_indices, rows_cpu)
+        rows = self.gather(req_pool_indices, rows_cpu, flags)
         logits = self.penalize(logits.float(), req_pool_indices, rows)  # [bs, V]
         if not rows.use_sampling:
             token_ids = logits.argmax(dim=-1)

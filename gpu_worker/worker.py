@@ -68,8 +68,8 @@ class GPUWorker:
         self.max_running_requests = self.runner.max_running_requests
         self.rows = RowState(self.max_running_requests + 1, self.device)
         # Plain decoding only: a speculative iteration runs its own stages.
-        self.decode_step = (
-            DecodeStep(self.runner, self.rows, graph_max_bs(config)) if self.spec is None else None
+        self.decode_step = None if self.spec is not None else DecodeStep(
+            self.runner, self.rows, self.sampling, graph_max_bs(config)
         )
         # Short prefills replay graphs where they can be captured (the speculative draft's
         # prefill reads the target's hidden states, so they are kept with a draft).
@@ -160,15 +160,10 @@ class GPUWorker:
 
     def _launch_decode(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
         assert self.decode_step is not None
-        out = self.decode_step(rows)  # commits each row's argmax
         want = bool(self.return_logprob[arrays.rows].any())
-        if want or not self.sampling.plain_greedy(arrays.rows):
-            token_ids, logprobs = self.sampling.sample(
-                out.logits, rows, out.positions + 1, want, rows_cpu=arrays.rows
-            )
-            self.decode_step.resample(rows, token_ids)
-        else:
-            token_ids, logprobs = out.tokens, None
+        variant = self.decode_step.variant_for(arrays.rows, want)
+        out = self.decode_step(rows, variant)  # samples and commits each row's token
+        token_ids, logprobs = out.tokens, out.logprobs if want else None
         self.sampling.observe(rows, token_ids)
         copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
         bs = arrays.batch_size

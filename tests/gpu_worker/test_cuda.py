@@ -85,7 +85,7 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
                 "cuda_graph_max_prefill_tokens": 16},
     )
     worker = GPUWorker(config)
-    assert worker.decode_step.stage.graphs  # the decode step is captured
+    assert all(stage.graphs for stage in worker.decode_step.stages.values())  # captured
     assert worker.prefill_graphs is not None and worker.prefill_graphs.graphs  # short prefills
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3)
     start = RequestStart(1, params, True, pack_ids([5, 6, 7]))
@@ -114,3 +114,50 @@ def codec_first(result) -> int:
     from aerie.codec import unpack_ids
 
     return unpack_ids(result.token_ids)[0]
+
+
+def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
+    """Decode steps replayed as graphs (the greedy, sampling and sorting variants) emit the
+    tokens and logprobs of the same steps run directly, for greedy rows that want logprobs,
+    seeded sampled rows with top-p and top-k, and penalised rows."""
+    from aerie.codec import pack_ids, unpack_floats, unpack_ids
+    from aerie.config import AerieConfig
+    from aerie.messages import RequestStart, SamplingParams
+    from gpu_worker.plan_builders import decode_plan, extend_plan
+    from gpu_worker.worker import GPUWorker
+
+    params = [SamplingParams(max_new_tokens=16, temperature=0.0),
+              SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(max_new_tokens=16, temperature=1.2, top_k=20, seed=4),
+              SamplingParams(max_new_tokens=16, temperature=0.9, frequency_penalty=0.7,
+                             repetition_penalty=1.3, seed=5)]  # fmt: skip
+    prompts = [[5, 6, 7], [9, 8, 7, 6], [11, 12], [4, 4, 4, 5]]
+    outputs = []
+    for graph_max_bs in (4, 0):
+        config = AerieConfig().replace(
+            model={"model_path": tiny_dirs["llama"], "device": "cuda", "dtype": "float32"},
+            cache={"max_total_tokens": 256, "page_size": 1},
+            scheduler={"max_running_requests": 4},
+            runner={"attention_backend": "triton", "cuda_graph_max_bs": graph_max_bs},
+        )
+        worker = GPUWorker(config)
+        seen = []
+        # every variant: sample (logprobs; penalties), filter, then all rows together
+        for batch in ([0], [3], [0, 1], [1, 2, 3], [0, 1, 2, 3]):
+            starts = [RequestStart(i + 1, params[i], i == 0, pack_ids(prompts[i])) for i in batch]
+            chunks = [(i + 1, 0, prompts[i], [64 * i + 1 + j for j in range(len(prompts[i]))],
+                       True) for i in batch]  # fmt: skip
+            result = worker.execute(extend_plan(1, chunks, starts))
+            lengths = {i: len(prompts[i]) for i in batch}
+            for step in range(6):
+                new = [(lengths[i], [64 * i + 1 + lengths[i]]) for i in batch]
+                result = worker.execute(decode_plan(2 + step, [i + 1 for i in batch], new))
+                seen.append((unpack_ids(result.token_ids), unpack_floats(result.logprobs)))
+                for i in batch:
+                    lengths[i] += 1
+        outputs.append(seen)
+    graphed, direct = outputs
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(graphed, direct, strict=True):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2
@@ -297,3 +298,32 @@ def test_observe_counts_only_each_rows_accepted_prefix():
     state.observe(torch.tensor([1, 2]), tokens, lengths=torch.tensor([3, 1]))
     assert state.counts[1].tolist() == [0, 0, 0, 0, 2, 1, 0, 0, 0, 0]
     assert state.counts[2].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("extra", ["none", "top_p", "top_k", "penalty", "min_p"])
+def test_fixed_stages_give_each_row_its_own_token_and_logprob(extra):
+    """The stage flags a captured decode graph runs with (`fixed_stages`: every stage on but
+    the sort, which is on when a row asks for top-k / top-p) give exactly the tokens and
+    logprobs of the per-batch flags, for greedy and sampled rows next to a row with `extra`."""
+    state = make_state()
+    params = {
+        "none": SamplingParams(temperature=0.9, seed=4),
+        "top_p": SamplingParams(temperature=0.9, top_p=0.8, seed=4),
+        "top_k": SamplingParams(temperature=0.9, top_k=7, seed=4),
+        "penalty": SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4),
+        "min_p": SamplingParams(temperature=1.1, min_p=0.05, seed=4),
+    }[extra]
+    state.start(1, SamplingParams(temperature=0.0), [1, 2], 0, default_seed=0)
+    state.start(2, SamplingParams(temperature=0.7, seed=9), [3], 0, default_seed=0)
+    state.start(3, params, [5, 6, 6], 1, default_seed=0)
+    rows_cpu = np.array([1, 2, 3, 2])
+    flags = state.fixed_stages(rows_cpu)
+    assert flags == (True, True, extra in ("top_p", "top_k"), extra in ("top_p", "top_k"), True)
+    torch.manual_seed(1)
+    for _ in range(5):
+        logits = torch.randn(4, VOCAB) * 2
+        positions = torch.randint(0, 1000, (4,))
+        rows = torch.from_numpy(rows_cpu)
+        exact = state.sample(logits, rows, positions, rows_cpu=rows_cpu)
+        fixed = state.sample(logits, rows, positions, flags=flags)
+        assert torch.equal(exact[0], fixed[0]) and torch.equal(exact[1], fixed[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,3 +223,20 @@ def test_compiles_after_the_warm_up_are_logged(monkeypatch, caplog):
         hook(key="k", repr="_extend_kernel[num_warps=4](q: *bf16)", fn=None, compile={},
              is_manual_warmup=False, already_compiled=False)  # fmt: skip
     assert "_extend_kernel[num_warps=4]" in caplog.text and "warm-up" in caplog.text
+
+
+def test_decode_step_variant_serves_every_row_of_a_batch(tiny_dirs):
+    """Greedy batches without logprobs take the argmax graph; logprobs, sampling or penalties
+    the sampling graph; a top-k or top-p row the one that sorts."""
+    worker = GPUWorker(make_config(tiny_dirs["llama"]).replace(runner={"cuda_graph_max_bs": 4}))
+    params = {1: SamplingParams(temperature=0.0), 2: SamplingParams(temperature=0.8),
+              3: SamplingParams(temperature=0.0, presence_penalty=0.5),
+              4: SamplingParams(temperature=0.8, top_p=0.9)}  # fmt: skip
+    for row, p in params.items():
+        worker.sampling.start(row, p, [5, 6], 0, default_seed=0)
+    step = worker.decode_step
+    assert step.variant_for(np.array([1]), want_logprobs=False) == "greedy"
+    assert step.variant_for(np.array([1]), want_logprobs=True) == "sample"
+    assert step.variant_for(np.array([1, 2]), want_logprobs=False) == "sample"
+    assert step.variant_for(np.array([1, 3]), want_logprobs=False) == "sample"
+    assert step.variant_for(np.array([1, 2, 4]), want_logprobs=False) == "filter"
