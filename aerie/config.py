@@ -86,7 +86,8 @@ class RunnerConfig:
     cuda_graph_max_prefill_tokens: int | None = _opt(
         None,
         "Largest prefill step (prompt tokens of all its requests) replayed as a CUDA graph; "
-        "longer ones run eagerly, 0 runs every prefill eagerly. Default: 1024 on CUDA.",
+        "longer ones, and steps of more than 64 requests, run eagerly; 0 runs every prefill "
+        "eagerly. Default: 1024 on CUDA.",
     )
 
 

@@ -96,15 +96,16 @@ DEFAULT_PREFILL_GRAPH_TOKENS = 1024
 
 def resolve_prefill_graph_tokens(config: AerieConfig, device: str) -> int:
     """--cuda-graph-max-prefill-tokens, else DEFAULT_PREFILL_GRAPH_TOKENS on CUDA; 0 (every
-    prefill eager) on CPU, where nothing is captured, or with --disable-cuda-graph."""
+    prefill eager) on CPU, where nothing is captured, or with --disable-cuda-graph. At most
+    --chunked-prefill-size: no prefill step is longer."""
     given = config.runner.cuda_graph_max_prefill_tokens
     if given is not None and given < 0:
         raise ConfigError("--cuda-graph-max-prefill-tokens must be >= 0 (0: prefill eagerly)")
     if config.runner.disable_cuda_graph:
         return 0
-    if given is not None:
-        return given
-    return DEFAULT_PREFILL_GRAPH_TOKENS if device == "cuda" else 0
+    if given is None:
+        given = DEFAULT_PREFILL_GRAPH_TOKENS if device == "cuda" else 0
+    return min(given, config.scheduler.chunked_prefill_size)
 
 
 def _resolve_model_path(model_path: str | None) -> str:

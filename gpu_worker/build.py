@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from aerie.config import AerieConfig
+from gpu_worker.attention.base import backend_class
 from gpu_worker.kv_cache import kv_bytes_per_token
 from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner, PoolSpec, RunnerSpec
 from gpu_worker.models import read_arch_config
@@ -81,6 +82,9 @@ def prefill_graph_tokens(config: AerieConfig) -> int:
 
 def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
     model, spec = config.model, config.speculative
+    # Graph memory is kept out of the KV budget only where graphs will be captured.
+    captured = backend_class(config.runner.attention_backend).supports_cuda_graph
+    graph_bs = graph_max_bs(config) if captured else 0
     return RunnerSpec(
         model.model_path or "",
         device=model.device,
@@ -92,10 +96,10 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
         # The worker captures the target's forwards in its own stage graphs (the plain decode
         # step, or the speculative stages), budgeted through graph_tokens.
         cuda_graph_max_bs=0,
-        graph_tokens=graph_max_bs(config) * (spec.speculative_num_draft_tokens or 1),
-        prefill_graph_tokens=prefill_graph_tokens(config),
+        graph_tokens=graph_bs * (spec.speculative_num_draft_tokens or 1),
+        prefill_graph_tokens=prefill_graph_tokens(config) if captured else 0,
         # The plain decode step samples inside its graphs; speculation samples eagerly.
-        graph_sampled_rows=0 if spec.enabled else graph_max_bs(config),
+        graph_sampled_rows=0 if spec.enabled else graph_bs,
         tp=tp,
     )  # fmt: skip
 

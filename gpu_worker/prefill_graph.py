@@ -24,7 +24,9 @@ logits and, with `keep_hidden` (speculation: the draft's prefill reads them), ev
 hidden and aux hidden states. Views stay valid until the next `run`; all work is ordered on
 one stream, so a later run's input copy waits for the kernels that read the previous one.
 
-Without capture (tests on CPU) the same buffers, padding and output copies run eagerly.
+Without capture (tests on CPU) the same buffers, padding and output copies run eagerly, with
+the capture's host lengths (the reference backend, which plans from host lengths, gets the
+batch's own).
 """
 
 from __future__ import annotations
@@ -130,10 +132,12 @@ class PrefillGraphs:
         self._fill(host)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-        else:  # eagerly on the same buffers, with the batch's own (padded) host lengths
+        elif self.runner.attn_backend.reads_host_lengths:  # the reference backend: real ones
             lens = [*host.seq_lens.tolist(), *[0] * (r - bs)]
             extend = [*host.extend_seq_lens.tolist(), *[0] * (r - bs)]
             self._forward(self._static_batch(bucket, lens, extend))
+        else:  # eagerly, exactly as captured: the host lengths only size the grid
+            self._forward(self._static_batch(bucket, [bucket] * r, [bucket] * r))
         real = make_batch(
             ForwardMode.EXTEND, self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
             self.req_pool_indices[:bs], host.seq_lens.tolist(), host.extend_seq_lens.tolist(),

@@ -114,9 +114,8 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def create_attention_backend(
-    name: str, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int
-) -> AttentionBackend:
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The registered backend called name."""
     # Importing the implementations registers them.
     from gpu_worker.attention import torch_native, triton  # noqa: F401
 
@@ -124,4 +123,10 @@ def create_attention_backend(
         raise ValueError(
             f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}"
         )
-    return ATTENTION_BACKENDS[name](req_to_token_pool, kv_pool, num_heads)
+    return ATTENTION_BACKENDS[name]
+
+
+def create_attention_backend(
+    name: str, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int
+) -> AttentionBackend:
+    return backend_class(name)(req_to_token_pool, kv_pool, num_heads)

@@ -15,8 +15,9 @@ attention over the pool (q and k rounded to the model dtype after rotation).
 Work split (split-K, GQA grouped): a program per (request, KV head, split) serves all H / KH
 query heads of its KV head, so K and V are read once per group. A request of n BLOCK_N key
 blocks uses min(num_splits, ceil(n / min_blocks)) splits, min_blocks covering
-MIN_KEYS_PER_SPLIT keys, (programs beyond that
-return at once), each covering a contiguous run of whole blocks. A request served by one split
+MIN_KEYS_PER_SPLIT keys, or one where splitting would save a single loop iteration
+(`active_splits`; programs beyond that return at once), each covering a contiguous run of
+whole blocks. A request served by one split
 writes o directly. Otherwise each program writes its partial output and log-sum-exp, then
 counts itself done on a per-(request, KV head) counter; the program that finishes last
 combines the partials and writes o, and resets the counter (so the same launch replays in a
@@ -81,7 +82,7 @@ def active_splits(num_blocks, MIN_BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl
     MIN_BLOCKS_PER_SPLIT blocks, at most NUM_SPLITS of them; and one when splitting would save
     a single loop iteration, which the combine costs more than (H100, 135M shape, one request:
     260 keys in one split of two 256-key iterations took 5.9 us, in two splits 7.2)."""
-    active = tl.minimum(tl.cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT), NUM_SPLITS)
+    active = tl.maximum(tl.minimum(tl.cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT), NUM_SPLITS), 1)
     if num_blocks - tl.cdiv(num_blocks, active) < 2:
         active = 1
     return active

@@ -150,7 +150,9 @@ def extend_attention(
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     num_heads = q.shape[1] // head_dim
     bs = req_pool_indices.shape[0]
-    o = torch.empty_like(q)
+    # Zeros, not uninitialised memory, for tokens of no request (a prefill graph's padding):
+    # their K/V go to the dummy slot, which then holds finite values.
+    o = torch.zeros_like(q)
     if bs == 0 or q.shape[0] == 0:
         return o
     block_m = 16 if max_extend_len <= 16 else 64

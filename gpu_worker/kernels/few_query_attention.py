@@ -12,7 +12,9 @@ split) serves every query of the request for all heads of its KV group (num_quer
 rows of one tile), reads a contiguous run of whole key blocks once, and writes a partial
 output and log-sum-exp; the last program of (request, KV head) to arrive combines the splits
 and resets its counter, so the launch replays in a CUDA graph. As in decode, a split covers
-at least MIN_KEYS_PER_SPLIT keys, and a request served by one split writes o directly.
+at least `Knobs.min_keys` keys (decode's MIN_KEYS_PER_SPLIT by default; `active_splits`),
+and a request served by one split writes o directly. Keys per loop iteration and warps come
+from `choose_launch`.
 
 q [bs * num_queries, H * D] (rotated, request b's queries at rows b*num_queries ..); the new
 tokens' K/V are already in the pool (`rotary.rope_and_store_kv`); request b attends the keys at

@@ -46,6 +46,7 @@ def test_prefill_graph_tokens_resolve_per_device_and_flag():
     assert resolved(["--cuda-graph-max-prefill-tokens", "256"], "cuda") == 256
     assert resolved(["--cuda-graph-max-prefill-tokens", "0"], "cuda") == 0
     assert resolved(["--cuda-graph-max-prefill-tokens", "256", "--disable-cuda-graph"], "cuda") == 0
+    assert resolved(["--chunked-prefill-size", "512"], "cuda") == 512  # no longer step
     with pytest.raises(ConfigError, match="must be >= 0"):
         resolved(["--cuda-graph-max-prefill-tokens", "-1"], "cuda")
 

@@ -316,14 +316,16 @@ def test_fixed_stages_give_each_row_its_own_token_and_logprob(extra):
     state.start(1, SamplingParams(temperature=0.0), [1, 2], 0, default_seed=0)
     state.start(2, SamplingParams(temperature=0.7, seed=9), [3], 0, default_seed=0)
     state.start(3, params, [5, 6, 6], 1, default_seed=0)
-    rows_cpu = np.array([1, 2, 3, 2])
-    flags = state.fixed_stages(rows_cpu)
-    assert flags == (True, True, extra in ("top_p", "top_k"), extra in ("top_p", "top_k"), True)
+    sorts = extra in ("top_p", "top_k")
     torch.manual_seed(1)
-    for _ in range(5):
-        logits = torch.randn(4, VOCAB) * 2
-        positions = torch.randint(0, 1000, (4,))
-        rows = torch.from_numpy(rows_cpu)
-        exact = state.sample(logits, rows, positions, rows_cpu=rows_cpu)
-        fixed = state.sample(logits, rows, positions, flags=flags)
-        assert torch.equal(exact[0], fixed[0]) and torch.equal(exact[1], fixed[1])
+    # with a sampled row; without one (the eager sampler then takes the argmax branch)
+    for rows_cpu in (np.array([1, 2, 3, 2]), np.array([1, 3]), np.array([1])):
+        flags = state.fixed_stages(rows_cpu)
+        assert flags == (True, True, sorts and 3 in rows_cpu, sorts and 3 in rows_cpu, True)
+        for _ in range(5):
+            logits = torch.randn(len(rows_cpu), VOCAB) * 2
+            positions = torch.randint(0, 1000, (len(rows_cpu),))
+            rows = torch.from_numpy(rows_cpu)
+            exact = state.sample(logits, rows, positions, rows_cpu=rows_cpu)
+            fixed = state.sample(logits, rows, positions, flags=flags)
+            assert torch.equal(exact[0], fixed[0]) and torch.equal(exact[1], fixed[1])

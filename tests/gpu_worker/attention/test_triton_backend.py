@@ -67,7 +67,8 @@ class Pools:
         self.layer = Layer(1, heads, kv_heads, head_dim, head_dim**-0.5)
         self.gen = gen
         self.backends = {}
-        self.rope = RopeArgs(RotaryEmbedding(head_dim, 10000.0).build_cos_sin_cache(512, device))
+        cache = RotaryEmbedding(head_dim, 10000.0).build_cos_sin_cache(max(512, max_len), device)
+        self.rope = RopeArgs(cache)
 
     def with_qk_norm(self) -> Pools:
         d = self.layer.head_dim
@@ -246,12 +247,14 @@ def test_fixed_windows_run_the_few_query_kernel(device, dtype, heads, kv_heads, 
 @pytest.mark.parametrize("block_n, min_keys", [(32, 1), (128, None), (256, None), (256, 512)])
 def test_few_query_launch_knobs(device, dtype, tree, block_n, min_keys, monkeypatch):
     """Whatever keys a loop iteration reads and a split covers at least: one split written
-    directly, several combined (uneven runs of blocks, a last split holding only the new
-    keys), causal windows and tree-local masks; twice, since the combine resets counters."""
+    directly (few keys, or two blocks that one program reads faster than two combined),
+    several combined (1,004 keys: two splits for every knob on CPU), and a request alone,
+    whose 196 keys in 32-key blocks make seven splits, the last holding only the new keys;
+    causal windows and tree-local masks; twice, since the combine resets counters."""
     knobs = few_query_module.Knobs(block_n, min_keys, 4)
     monkeypatch.setattr(few_query_module, "choose_launch", lambda *_: knobs)
-    pools = Pools(device, dtype, 9, 3, 64, page_size=4, seed=block_n, max_len=320)
-    nd, prefix_lens = 4, [0, 60, 252, 300]
+    pools = Pools(device, dtype, 9, 3, 64, page_size=4, seed=block_n, max_len=1024)
+    nd, prefix_lens = 4, [0, 64, 252, 1000]
     masks = None
     if tree:  # node 1 and 2 children of the root, node 3 of node 1
         parents = [-1, 0, 0, 1]
@@ -261,10 +264,12 @@ def test_few_query_launch_knobs(device, dtype, tree, block_n, min_keys, monkeypa
             while node != -1:
                 masks[:, k, node], node = True, parents[node]
     mode = ForwardMode.TARGET_VERIFY if tree else ForwardMode.DRAFT_EXTEND
-    batch = batch_of(pools, mode, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks)
-    assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
-    check(pools, batch)
-    check(pools, batch)
+    alone = None if masks is None else masks[:1]
+    for batch in (batch_of(pools, mode, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks),
+                  batch_of(pools, mode, [2], [192], [nd], custom_mask=alone)):  # fmt: skip
+        assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
+        check(pools, batch)
+        check(pools, batch)
 
 
 @pytest.mark.parametrize("device, dtype", setups())
