@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +41,54 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NUM_WARMUP_RUNS = 2
+
+
+def capture_buckets(buckets: list[int], run: Callable[[int], None], device: torch.device,
+                    what: str, pool=None) -> dict[int, torch.cuda.CUDAGraph]:  # fmt: skip
+    """A CUDA graph of run(bucket) for every bucket: largest first (it allocates the static
+    outputs; the smaller ones reuse its memory), each after NUM_WARMUP_RUNS eager runs on the
+    capture stream (Triton compiles, cuBLAS picks its kernels), all in one memory pool (`pool`,
+    or a new one). Logs the time and memory they took; what: e.g. "decode step, batch sizes"."""
+    start = time.perf_counter()
+    reserved = torch.cuda.memory_reserved(device)
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    for bucket in reversed(buckets):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(NUM_WARMUP_RUNS):
+                run(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            run(bucket)
+        graphs[bucket] = graph
+    torch.cuda.synchronize(device)
+    log.info("captured %d CUDA graphs (%s %d..%d) in %.1f s, %.0f MiB", len(graphs), what,
+             buckets[0], buckets[-1], time.perf_counter() - start,
+             (torch.cuda.memory_reserved(device) - reserved) / 2**20)  # fmt: skip
+    return graphs
+
+
+def graph_body(runner: ModelRunner, batch: ForwardBatch, capturing: bool) -> LogitsOutput:
+    """What a graph of runner's forward captures: the attention metadata (the backend's
+    capture variant while capturing) and the model."""
+    backend = runner.attn_backend
+    if capturing:
+        metadata = backend.init_forward_metadata_capture(batch)
+    else:
+        metadata = backend.init_forward_metadata(batch)
+    batch = dataclasses.replace(batch, attn_backend=backend, attn_metadata=metadata)
+    return runner.run_model(batch)
+
+
+def copy_kept(out: LogitsOutput, static: LogitsOutput, names: tuple[str, ...]) -> None:
+    """Copy the named outputs of a forward into the leading rows of the static ones."""
+    for name in names:
+        src = getattr(out, name)
+        if src is not None:
+            getattr(static, name)[: src.shape[0]].copy_(src)
 
 
 def batch_size_buckets(max_bs: int) -> list[int]:
@@ -138,27 +187,9 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------------------ capture
 
     def capture_all(self) -> None:
-        start = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.runner.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.runner.device)
-        for bs in reversed(self.buckets):  # largest first: smaller ones reuse its memory
-            batch = self._batches[bs]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(NUM_WARMUP_RUNS):
-                    self._forward(batch)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._forward(batch)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.runner.device)
-        used = torch.cuda.memory_reserved(self.runner.device) - reserved
-        log.info(
-            "captured %d CUDA graphs (%s, batch sizes %d..%d) in %.1f s, %.0f MiB",
-            len(self.graphs), self.mode.name, self.buckets[0], self.max_bs,
-            time.perf_counter() - start, used / 2**20,
+        self.graphs = capture_buckets(
+            self.buckets, lambda bs: self._forward(self._batches[bs]), self.runner.device,
+            f"{self.mode.name}, batch sizes",
         )  # fmt: skip
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int] | None = None) -> ForwardBatch:
@@ -174,19 +205,10 @@ class CudaGraphRunner:
 
     def _forward(self, batch: ForwardBatch) -> None:
         """The captured work: metadata, the model, and copies into the static outputs."""
-        backend = self.runner.attn_backend
-        if self.captures:
-            metadata = backend.init_forward_metadata_capture(batch)
-        else:
-            metadata = backend.init_forward_metadata(batch)
-        batch = dataclasses.replace(batch, attn_backend=backend, attn_metadata=metadata)
-        out = self.runner.run_model(batch)
+        out = graph_body(self.runner, batch, self.captures)
         if self.outputs is None:
             self.outputs = self._allocate_outputs(out, batch.batch_size)
-        for name in self.outputs_kept:
-            src = getattr(out, name)
-            if src is not None:
-                getattr(self.outputs, name)[: src.shape[0]].copy_(src)
+        copy_kept(out, self.outputs, self.outputs_kept)
 
     def _allocate_outputs(self, out: LogitsOutput, bs: int) -> LogitsOutput:
         """Static outputs for max_bs, shaped like out (computed for bs requests)."""

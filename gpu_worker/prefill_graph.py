@@ -32,14 +32,12 @@ batch's own).
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from gpu_worker.cuda_graph import NUM_WARMUP_RUNS
+from gpu_worker.cuda_graph import capture_buckets, copy_kept, graph_body
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, make_batch
 from gpu_worker.host_batch import HostBatch, Staging
 
@@ -47,7 +45,6 @@ if TYPE_CHECKING:
     from gpu_worker.model_runner import LogitsOutput, ModelRunner
     from gpu_worker.models import ArchConfig
 
-log = logging.getLogger(__name__)
 
 MIN_TOKENS = 16  # the smallest bucket
 MAX_REQUESTS = 64  # requests one bucket holds at most
@@ -161,31 +158,13 @@ class PrefillGraphs:
     # ------------------------------------------------------------------------------ capture
 
     def capture_all(self) -> None:
-        start = time.perf_counter()
-        device = self.runner.device
-        reserved = torch.cuda.memory_reserved(device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        for tokens in reversed(self.buckets):  # largest first: it allocates the outputs
-            r = requests_for(tokens)
+        def run(tokens: int) -> None:
             # The host lengths only size the attention grid: a longest extend of the whole
             # bucket covers any request it holds.
-            batch = self._static_batch(tokens, [tokens] * r, [tokens] * r)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(NUM_WARMUP_RUNS):
-                    self._forward(batch)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._forward(batch)
-            self.graphs[tokens] = graph
-        torch.cuda.synchronize(device)
-        log.info(
-            "captured %d CUDA graphs (prefill, %d..%d tokens) in %.1f s, %.0f MiB",
-            len(self.graphs), self.buckets[0], self.max_tokens, time.perf_counter() - start,
-            (torch.cuda.memory_reserved(device) - reserved) / 2**20,
-        )  # fmt: skip
+            r = requests_for(tokens)
+            self._forward(self._static_batch(tokens, [tokens] * r, [tokens] * r))
+
+        self.graphs = capture_buckets(self.buckets, run, self.runner.device, "prefill, tokens")
 
     def _static_batch(self, tokens: int, seq_lens_cpu: list[int],
                       extend_cpu: list[int]) -> ForwardBatch:  # fmt: skip
@@ -198,19 +177,10 @@ class PrefillGraphs:
 
     def _forward(self, batch: ForwardBatch) -> None:
         """The captured work: metadata, the model, and copies into the static outputs."""
-        backend = self.runner.attn_backend
-        if self.captures:
-            metadata = backend.init_forward_metadata_capture(batch)
-        else:
-            metadata = backend.init_forward_metadata(batch)
-        batch = dataclasses.replace(batch, attn_backend=backend, attn_metadata=metadata)
-        out = self.runner.run_model(batch)
+        out = graph_body(self.runner, batch, self.captures)
         if self.outputs is None:
             self.outputs = self._allocate_outputs(out)
-        for name in self.kept:
-            src = getattr(out, name)
-            if src is not None:
-                getattr(self.outputs, name)[: src.shape[0]].copy_(src)
+        copy_kept(out, self.outputs, self.kept)
 
     def _allocate_outputs(self, out: LogitsOutput) -> LogitsOutput:
         """Static outputs for the largest bucket, shaped like out."""

@@ -23,16 +23,12 @@ copies, padding and output buffers run eagerly, so CI covers all but the replay.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.cuda_graph import NUM_WARMUP_RUNS, batch_size_buckets
-
-log = logging.getLogger(__name__)
+from gpu_worker.cuda_graph import batch_size_buckets, capture_buckets
 
 StageFn = Callable[[int, dict[str, torch.Tensor], list[int]], dict[str, torch.Tensor]]
 
@@ -133,25 +129,7 @@ class StageGraph:
             self.outputs[key][: value.shape[0]].copy_(value)
 
     def capture_all(self, pool=None) -> None:
-        start = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device)
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        for bs in reversed(self.buckets):  # largest first: it allocates the static outputs
-            prefix_cpu = [0] * bs
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(NUM_WARMUP_RUNS):
-                    self._run(bs, prefix_cpu)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._run(bs, prefix_cpu)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
-        log.info(
-            "captured %d CUDA graphs (%s, batch sizes %d..%d) in %.1f s, %.0f MiB",
-            len(self.graphs), self.name, self.buckets[0], self.max_bs,
-            time.perf_counter() - start,
-            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+        self.graphs = capture_buckets(
+            self.buckets, lambda bs: self._run(bs, [0] * bs), self.device,
+            f"{self.name}, batch sizes", pool,
         )  # fmt: skip

@@ -85,3 +85,41 @@ def test_batches_beyond_the_largest_bucket_run_eagerly(tiny_dirs, device):
     extend = HostBatch.from_requests(ForwardMode.EXTEND, [[5, 6]], [0], [[4, 5]], [1])
     assert not runner.graph_runner.can_run(extend)
     assert runner.forward_host(host).next_token_logits.shape == (3, 256)
+
+
+def test_capture_buckets_warms_up_then_captures_each_bucket_largest_first(monkeypatch):
+    """The capture loop every graph owner shares, with torch.cuda replaced by a recorder (CPU
+    has no graphs): per bucket, largest first, the eager warm-up runs on the capture stream
+    and then one run inside a capture into the shared pool."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from gpu_worker import cuda_graph
+
+    events = []
+
+    @contextlib.contextmanager
+    def graph(g, pool, stream):
+        events.append(("capture", pool))
+        yield
+        events.append(("captured", pool))
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        yield
+
+    fake = SimpleNamespace(
+        memory_reserved=lambda device: 0, graph_pool_handle=lambda: "new pool",
+        Stream=lambda device: SimpleNamespace(wait_stream=lambda other: None),
+        current_stream=lambda: SimpleNamespace(wait_stream=lambda other: None),
+        stream=on_stream, CUDAGraph=object, graph=graph, synchronize=lambda device: None,
+    )  # fmt: skip
+    monkeypatch.setattr(cuda_graph.torch, "cuda", fake)
+    graphs = cuda_graph.capture_buckets([1, 2, 4], lambda b: events.append(("run", b)), "cpu",
+                                        "test, batch sizes", pool="shared")  # fmt: skip
+    assert sorted(graphs) == [1, 2, 4]
+    warm = [("run", 4)] * cuda_graph.NUM_WARMUP_RUNS
+    assert events[: len(warm) + 3] == [*warm, ("capture", "shared"), ("run", 4),
+                                       ("captured", "shared")]  # fmt: skip
+    runs = [b for kind, b in events if kind == "run"]
+    assert runs == [b for b in (4, 2, 1) for _ in range(cuda_graph.NUM_WARMUP_RUNS + 1)]
