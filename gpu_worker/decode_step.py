@@ -28,7 +28,7 @@ import torch
 from gpu_worker.forward_batch import ForwardMode, make_batch
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.row_state import RowState
-from gpu_worker.sampling import SamplingState
+from gpu_worker.sampling import SamplingState, fixed_flags
 from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph
 
 VARIANTS = ("greedy", "sample", "filter")
@@ -66,9 +66,10 @@ class DecodeStep:
 
     def variant_for(self, rows_cpu: np.ndarray, want_logprobs: bool) -> str:
         """The cheapest variant that gives every row of the batch its own token."""
-        if not want_logprobs and self.sampling.plain_greedy(rows_cpu):
+        beyond_argmax, sort = self.sampling.needs(rows_cpu)
+        if not (want_logprobs or beyond_argmax):
             return "greedy"
-        return "filter" if self.sampling.fixed_stages(rows_cpu)[2] else "sample"
+        return "filter" if sort else "sample"
 
     def __call__(self, rows: torch.Tensor, variant: str = "greedy") -> DecodeOutput:
         """One step for request rows [bs] (on the device)."""
@@ -93,7 +94,7 @@ class DecodeStep:
         if variant == "greedy":
             tokens, result = logits.argmax(dim=-1), {}
         else:
-            flags = (True, True, variant == "filter", variant == "filter", True)
+            flags = fixed_flags(sort=variant == "filter")
             tokens, logprobs = self.sampling.sample(logits, rows, positions + 1, flags=flags)
             result = {"logprobs": logprobs}
         state.commit_decode(rows, 1, tokens)

@@ -216,6 +216,14 @@ def processed_probs(logits: Tensor, rows: SamplingRows) -> Tensor:
     return torch.where(rows.greedy[:, None], one_hot, probs)
 
 
+def fixed_flags(sort: bool) -> tuple[bool, ...]:
+    """Stage flags (`_FLAG_COLUMNS` order) that serve any batch, so that one captured graph
+    serves many: every stage on, the sort behind top-k / top-p only where asked for. Stages
+    a row does not need leave it unchanged (identity penalties, min_p 0, top_k V, top_p 1),
+    so each row gets the token and logprob of its batch's own flags."""
+    return (True, True, sort, sort, True)
+
+
 # --------------------------------------------------------------------------------------------
 # Per-row state
 
@@ -361,19 +369,15 @@ class SamplingState:
             torch.as_tensor(rows_cpu).long()]  # fmt: skip
         return flags.any(dim=0).tolist()
 
+    def needs(self, rows_cpu: np.ndarray) -> tuple[bool, bool]:
+        """For a batch (host only, one look at the flags): whether any row needs more than the
+        argmax of unpenalised logits, and whether any needs the sort behind top-k / top-p."""
+        use_penalty, use_sampling, use_top_k, use_top_p, _ = self.stage_flags(rows_cpu)
+        return use_penalty or use_sampling, use_top_k or use_top_p
+
     def plain_greedy(self, rows_cpu: np.ndarray) -> bool:
         """Whether every row of a batch takes the argmax of unpenalised logits."""
-        use_penalty, use_sampling = self.stage_flags(rows_cpu)[:2]
-        return not (use_penalty or use_sampling)
-
-    def fixed_stages(self, rows_cpu: np.ndarray) -> tuple[bool, ...]:
-        """Stage flags that serve a batch whatever its rows' values, so that one captured
-        graph serves many batches: every stage on but the sort behind top-k / top-p, which is
-        on only where a row of the batch asks for it. Stages a row does not need leave it
-        unchanged (identity penalties, min_p 0), so the tokens are those of `sample`."""
-        flags = dict(zip(_FLAG_COLUMNS, self.stage_flags(rows_cpu), strict=True))
-        sort = flags["use_top_k"] or flags["use_top_p"]
-        return (True, True, sort, sort, True)
+        return not self.needs(rows_cpu)[0]
 
     def penalize(self, logits: Tensor, req_pool_indices: Tensor, rows: SamplingRows) -> Tensor:
         """logits [bs, V] with the rows' penalties applied (the same tensor when none apply)."""
@@ -398,7 +402,7 @@ class SamplingState:
         None), both on the device: the log-softmax of the processed distribution the token was
         drawn from (temperature and filters); for greedy rows the log-softmax of the
         (penalised) logits at temperature 1. rows_cpu: a host copy of req_pool_indices (exact
-        stage flags); flags: the stages to run, fixed (see `fixed_stages`; what a CUDA graph
+        stage flags); flags: the stages to run, fixed (see `fixed_flags`; what a CUDA graph
         captures). No host synchronisation.
         """
         rows = self.gather(req_pool_indices, rows_cpu, flags)

@@ -14,6 +14,7 @@ from gpu_worker.sampling import (
     STREAM_SPEC_COIN,
     STREAM_TOKEN,
     SamplingState,
+    fixed_flags,
     processed_probs,
     uniform_noise,
 )
@@ -302,7 +303,7 @@ def test_observe_counts_only_each_rows_accepted_prefix():
 
 @pytest.mark.parametrize("extra", ["none", "top_p", "top_k", "penalty", "min_p"])
 def test_fixed_stages_give_each_row_its_own_token_and_logprob(extra):
-    """The stage flags a captured decode graph runs with (`fixed_stages`: every stage on but
+    """The stage flags a captured decode graph runs with (`fixed_flags`: every stage on but
     the sort, which is on when a row asks for top-k / top-p) give exactly the tokens and
     logprobs of the per-batch flags, for greedy and sampled rows next to a row with `extra`."""
     state = make_state()
@@ -320,8 +321,9 @@ def test_fixed_stages_give_each_row_its_own_token_and_logprob(extra):
     torch.manual_seed(1)
     # with a sampled row; without one (the eager sampler then takes the argmax branch)
     for rows_cpu in (np.array([1, 2, 3, 2]), np.array([1, 3]), np.array([1])):
-        flags = state.fixed_stages(rows_cpu)
-        assert flags == (True, True, sorts and 3 in rows_cpu, sorts and 3 in rows_cpu, True)
+        beyond_argmax, sort = state.needs(rows_cpu)
+        assert sort == (sorts and 3 in rows_cpu) and beyond_argmax == (len(rows_cpu) > 1)
+        flags = fixed_flags(sort)
         for _ in range(5):
             logits = torch.randn(len(rows_cpu), VOCAB) * 2
             positions = torch.randint(0, 1000, (len(rows_cpu),))
