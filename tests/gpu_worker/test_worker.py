@@ -240,3 +240,17 @@ def test_decode_step_variant_serves_every_row_of_a_batch(tiny_dirs):
     assert step.variant_for(np.array([1, 2]), want_logprobs=False) == "sample"
     assert step.variant_for(np.array([1, 3]), want_logprobs=False) == "sample"
     assert step.variant_for(np.array([1, 2, 4]), want_logprobs=False) == "filter"
+
+
+@pytest.mark.parametrize("backend, captured", [("triton", True), ("torch_native", False)])
+def test_graph_memory_is_budgeted_only_where_graphs_are_captured(tiny_dirs, backend, captured):
+    """The target's spec reserves memory for the decode graphs, their sampling and the
+    prefill graphs with a backend that can be captured, and none without one."""
+    from gpu_worker.build import target_spec
+
+    config = make_config(tiny_dirs["llama"]).replace(
+        runner={"attention_backend": backend, "cuda_graph_max_bs": 8,
+                "cuda_graph_max_prefill_tokens": 256})  # fmt: skip
+    spec = target_spec(config)
+    reserved = (spec.graph_tokens, spec.graph_sampled_rows, spec.prefill_graph_tokens)
+    assert reserved == ((8, 8, 256) if captured else (0, 0, 0))

@@ -297,3 +297,25 @@ def test_outgrown_split_scratch_stays_alive():
         grown = backend._scratch(queries, first.max_bs + 3)
         assert grown.max_bs >= first.max_bs + 3 and backend.scratch[queries] is grown
         assert any(old is first for old in backend.retired_scratch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+def test_extend_rows_of_no_request_are_zero(device, dtype):
+    """Tokens past the last request's (a prefill graph's padding) get zeros, not whatever
+    memory the output held: their K/V then go finite into the dummy slot. The output's block
+    is first dirtied with a freed tensor of the same size, which an uninitialised allocation
+    would reuse."""
+    from gpu_worker.kernels.extend_attention import extend_attention
+
+    pools = Pools(device, dtype, 8, 2, 32, 1, seed=9)
+    batch = batch_of(pools, ForwardMode.EXTEND, [1, 2], [0, 10], [5, 3])
+    q = torch.randn(batch.num_tokens + 6, 8 * 32, generator=pools.gen).to(device, dtype)
+    dirty = torch.full_like(q, float("nan"))
+    del dirty
+    k_buffer, v_buffer = pools.kv.get_kv(pools.layer.layer_id)
+    lens = batch.extend_seq_lens
+    starts = torch.cumsum(lens, 0) - lens
+    o = extend_attention(q, k_buffer, v_buffer, pools.req.req_to_token, batch.req_pool_indices,
+                         batch.seq_lens, lens, starts, 5, 32**-0.5)  # fmt: skip
+    assert torch.equal(o[batch.num_tokens :], torch.zeros_like(o[batch.num_tokens :]))
+    assert torch.isfinite(o[: batch.num_tokens]).all()
