@@ -48,6 +48,7 @@ from aerie.resolve import (  # noqa: E402
     resolve_dtype,
 )
 from benchmarks.spec_requests import Engine, run, served_config, sync  # noqa: E402
+from benchmarks.step_timeline import Interval, mean_timeline, split_steps, step_timeline  # noqa: E402,E501
 from gpu_worker.kernels import small_m_linear  # noqa: E402
 from gpu_worker.worker import GPUWorker  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
@@ -135,10 +136,14 @@ class Replayer:
         self.plan = plan
         self.saved = worker.rows.prefix_lens.clone(), worker.rows.tokens.clone()
 
-    def execute(self, bs: int | None = None):
-        """Run the plan (its first bs requests) from the saved state."""
+    def restore(self) -> None:
+        """The saved per-row state back in place (two copies on the device)."""
         self.worker.rows.prefix_lens.copy_(self.saved[0])
         self.worker.rows.tokens.copy_(self.saved[1])
+
+    def execute(self, bs: int | None = None):
+        """Run the plan (its first bs requests) from the saved state."""
+        self.restore()
         return self.worker.execute(self.plan if bs is None else sub_plan(self.plan, bs))
 
 
@@ -167,15 +172,25 @@ def spin(replay: Replayer, bs: int, name: str, seconds: float) -> None:
 
 
 def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
-    """Per `execute` of the plan, from the profiler: GPU kernels, GPU busy milliseconds, and
-    the kernels by name (count and microseconds per execute, the most expensive first)."""
+    """Per `execute` of the plan, from the profiler (device activity only, so the host runs
+    as it does unprofiled): GPU kernels, GPU busy milliseconds, the kernels by name (count and
+    microseconds per execute, the most expensive first), and the step's timeline
+    (`step_timeline`: GPU span, short and long gaps; host_us is the wall time outside the
+    span). The device idles between steps (a sync and a sleep), which separates them."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    plan = replay.plan if bs is None else sub_plan(replay.plan, bs)
+    walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            replay.execute(bs)
-        torch.cuda.synchronize()
+            replay.restore()
+            torch.cuda.synchronize()
+            time.sleep(0.002)
+            start = time.perf_counter()
+            replay.worker.execute(plan)
+            walls.append((time.perf_counter() - start) * 1e6)
+            time.sleep(0.002)
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     by_name: dict[str, list[float]] = {}
     for e in kernels:
@@ -185,7 +200,15 @@ def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
     table = [{"kernel": name, "count": n / iters, "us": us / iters}
              for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]  # fmt: skip
     busy_us = sum(e.device_time for e in kernels)
-    return {"kernels": len(kernels) / iters, "gpu_ms": busy_us / iters / 1e3, "table": table}
+    intervals = [Interval(e.time_range.start, e.time_range.end, e.name) for e in kernels]
+    groups = split_steps(intervals, 2 * iters)  # each step follows its restore's copies
+    steps = [step_timeline(g) for g in groups[1::2]]
+    timeline = mean_timeline(steps) if len(steps) == iters else {}
+    if timeline:
+        timeline["wall_us"] = sum(walls) / iters
+        timeline["host_us"] = timeline["wall_us"] - timeline["span_us"]
+    return {"kernels": len(kernels) / iters, "gpu_ms": busy_us / iters / 1e3, "table": table,
+            "timeline": timeline}  # fmt: skip
 
 
 def streamed_bytes(model: torch.nn.Module) -> int:
@@ -270,7 +293,9 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
                 rows[-1].update(plain_kernels=plain_profile["kernels"],
                                 plain_gpu_ms=plain_profile["gpu_ms"], kernels=profile["kernels"],
                                 gpu_ms=profile["gpu_ms"], kernel_table=profile["table"],
-                                plain_kernel_table=plain_profile["table"])  # fmt: skip
+                                plain_kernel_table=plain_profile["table"],
+                                plain_timeline=plain_profile["timeline"],
+                                timeline=profile["timeline"])  # fmt: skip
         del worker, replay
     return rows
 
@@ -299,6 +324,17 @@ def print_iterations(args, rows: list[dict]) -> None:
         if "kernels" in r:
             print(f"{'':34s} kernels {r['plain_kernels']:.0f} -> {r['kernels']:.0f}, GPU busy "
                   f"{r['plain_gpu_ms']:.3f} -> {r['gpu_ms']:.3f} ms")
+            for name in ("plain_timeline", "timeline"):
+                t = r.get(name)
+                if t:
+                    print(f"{'':34s} {name.split('_')[0] if '_' in name else 'spec':5s} wall "
+                          f"{t['wall_us']:.0f} us = host {t['host_us']:.0f} + GPU span "
+                          f"{t['span_us']:.0f} (busy {t['busy_us']:.0f}, {t['short_gaps']:.0f} "
+                          f"short gaps {t['short_gap_us']:.0f}, {t['long_gaps']:.0f} long "
+                          f"{t['long_gap_us']:.0f})")
+                    for g in t["longest_gaps"]:
+                        print(f"{'':40s} gap {g['us']:.1f} us after {g['after'][:40]} before "
+                              f"{g['before'][:40]}")
             for k in r["kernel_table"][: args.profile_top]:
                 print(f"{'':38s} {k['count']:5.0f} x {k['us'] / max(k['count'], 1):7.1f} us  "
                       f"{k['kernel'][:70]}")

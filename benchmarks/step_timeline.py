@@ -1,0 +1,78 @@
+"""Where a step's GPU time goes, from the profiler's device intervals.
+
+A graph replay runs its kernels back to back, but each kernel node still starts a little after
+the previous one ended (about a microsecond on the H100), and eager work between graphs starts
+only once the host has queued it. So a step's GPU span (first start to last end) is its busy
+time plus gaps of two kinds: short ones, the launch latency between consecutive kernels, and
+long ones, where the GPU waited for the host. `step_timeline` splits a step's gaps at
+`short_us` and names the longest, so a profile says whether a step is bound by its kernels'
+count (many short gaps) or by the host (long gaps, or wall time well above the span).
+
+`split_steps` cuts a trace of several steps into one list of intervals per step: the caller
+leaves the device idle between steps (a synchronisation and a sleep), so the steps are
+separated by the largest gaps of the trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHORT_GAP_US = 4.0  # below this, a gap is one kernel node following another
+
+
+@dataclass(frozen=True)
+class Interval:
+    start: float  # microseconds
+    end: float
+    name: str
+
+
+def split_steps(intervals: list[Interval], num_groups: int) -> list[list[Interval]]:
+    """The intervals (any order) in num_groups runs, cut at the num_groups - 1 largest gaps."""
+    ordered = sorted(intervals, key=lambda i: i.start)
+    if num_groups <= 1 or len(ordered) < num_groups:
+        return [ordered] if num_groups == 1 else []
+    reach = ordered[0].end  # the latest end so far: overlapping intervals leave no gap
+    gaps = []
+    for k in range(1, len(ordered)):
+        gaps.append((ordered[k].start - reach, k))
+        reach = max(reach, ordered[k].end)
+    cuts = sorted(k for _, k in sorted(gaps, reverse=True)[: num_groups - 1])
+    bounds = [0, *cuts, len(ordered)]
+    return [ordered[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def step_timeline(intervals: list[Interval], short_us: float = SHORT_GAP_US,
+                  longest: int = 3) -> dict:  # fmt: skip
+    """One step's GPU span, busy time (the union of its intervals), and its gaps: short ones
+    (count, total) and long ones (count, total, and the `longest` with the intervals around
+    them), all in microseconds."""
+    ordered = sorted(intervals, key=lambda i: i.start)
+    if not ordered:
+        return {"span_us": 0.0, "busy_us": 0.0, "short_gaps": 0, "short_gap_us": 0.0,
+                "long_gaps": 0, "long_gap_us": 0.0, "longest_gaps": []}  # fmt: skip
+    busy, short, long_ = 0.0, [], []
+    run_start, reach, last = ordered[0].start, ordered[0].end, ordered[0]
+    for item in ordered[1:]:
+        gap = item.start - reach
+        if gap > 0:
+            busy += reach - run_start
+            run_start = item.start
+            (short if gap < short_us else long_).append((gap, last.name, item.name))
+        if item.end > reach:
+            reach, last = item.end, item
+    busy += reach - run_start
+    return {
+        "span_us": reach - ordered[0].start, "busy_us": busy,
+        "short_gaps": len(short), "short_gap_us": sum(g for g, _, _ in short),
+        "long_gaps": len(long_), "long_gap_us": sum(g for g, _, _ in long_),
+        "longest_gaps": [{"us": g, "after": a[:60], "before": b[:60]}
+                         for g, a, b in sorted(long_, reverse=True)[:longest]],
+    }  # fmt: skip
+
+
+def mean_timeline(steps: list[dict]) -> dict:
+    """The numeric fields averaged over steps; the longest gaps of the first step."""
+    keys = [k for k, v in steps[0].items() if isinstance(v, int | float)]
+    mean = {k: sum(s[k] for s in steps) / len(steps) for k in keys}
+    return {**mean, "longest_gaps": steps[0]["longest_gaps"]}
