@@ -48,7 +48,7 @@ from aerie.resolve import (  # noqa: E402
     resolve_dtype,
 )
 from benchmarks.spec_requests import Engine, run, served_config, sync  # noqa: E402
-from benchmarks.step_timeline import Interval, mean_timeline, split_steps, step_timeline  # noqa: E402,E501
+from benchmarks.step_timeline import Interval, between_markers, mean_timeline, step_timeline  # noqa: E402,E501
 from gpu_worker.kernels import small_m_linear  # noqa: E402
 from gpu_worker.worker import GPUWorker  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
@@ -171,12 +171,16 @@ def spin(replay: Replayer, bs: int, name: str, seconds: float) -> None:
     sync(replay.worker.device.type)
 
 
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel, queued around each profiled step
+
+
 def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
     """Per `execute` of the plan, from the profiler (device activity only, so the host runs
     as it does unprofiled): GPU kernels, GPU busy milliseconds, the kernels by name (count and
     microseconds per execute, the most expensive first), and the step's timeline
-    (`step_timeline`: GPU span, short and long gaps; host_us is the wall time outside the
-    span). The device idles between steps (a sync and a sleep), which separates them."""
+    (`step_timeline`: GPU span, short and long gaps, the wait for the first kernel; host_us is
+    the wall time outside the span; trace: the first step's intervals). A marker kernel
+    before and after each step separates them."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -186,12 +190,17 @@ def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
         for _ in range(iters):
             replay.restore()
             torch.cuda.synchronize()
-            time.sleep(0.002)
+            torch.cuda._sleep(100)  # a marker kernel before the step and one after it
             start = time.perf_counter()
             replay.worker.execute(plan)
             walls.append((time.perf_counter() - start) * 1e6)
-            time.sleep(0.002)
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            torch.cuda._sleep(100)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    intervals = [Interval(e.time_range.start, e.time_range.end, e.name) for e in events]
+    marker_ends = [i.end for i in sorted(intervals, key=lambda i: i.start) if MARKER in i.name]
+    groups = between_markers(intervals, MARKER)
+    kernels = [e for e in events if MARKER not in e.name]
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         entry = by_name.setdefault(e.name[:90], [0, 0.0])
@@ -200,13 +209,18 @@ def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
     table = [{"kernel": name, "count": n / iters, "us": us / iters}
              for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]  # fmt: skip
     busy_us = sum(e.device_time for e in kernels)
-    intervals = [Interval(e.time_range.start, e.time_range.end, e.name) for e in kernels]
-    groups = split_steps(intervals, 2 * iters)  # each step follows its restore's copies
-    steps = [step_timeline(g) for g in groups[1::2]]
-    timeline = mean_timeline(steps) if len(steps) == iters else {}
-    if timeline:
+    timeline = {}
+    if len(groups) == iters:
+        steps = [step_timeline(g, start=marker_ends[2 * k]) for k, g in enumerate(groups)]
+        timeline = mean_timeline(steps)
         timeline["wall_us"] = sum(walls) / iters
         timeline["host_us"] = timeline["wall_us"] - timeline["span_us"]
+        first = groups[0]
+        timeline["trace"] = [[round(i.start - first[0].start, 2), round(i.end - i.start, 2),
+                              i.name[:60]] for i in first]  # fmt: skip
+    else:  # for a look at why the markers did not pair up
+        timeline["unpaired_trace"] = [[round(i.start, 2), round(i.end - i.start, 2), i.name[:60]]
+                                      for i in sorted(intervals, key=lambda i: i.start)[:600]]
     return {"kernels": len(kernels) / iters, "gpu_ms": busy_us / iters / 1e3, "table": table,
             "timeline": timeline}  # fmt: skip
 
@@ -326,12 +340,12 @@ def print_iterations(args, rows: list[dict]) -> None:
                   f"{r['plain_gpu_ms']:.3f} -> {r['gpu_ms']:.3f} ms")
             for name in ("plain_timeline", "timeline"):
                 t = r.get(name)
-                if t:
+                if t and "wall_us" in t:
                     print(f"{'':34s} {name.split('_')[0] if '_' in name else 'spec':5s} wall "
                           f"{t['wall_us']:.0f} us = host {t['host_us']:.0f} + GPU span "
                           f"{t['span_us']:.0f} (busy {t['busy_us']:.0f}, {t['short_gaps']:.0f} "
                           f"short gaps {t['short_gap_us']:.0f}, {t['long_gaps']:.0f} long "
-                          f"{t['long_gap_us']:.0f})")
+                          f"{t['long_gap_us']:.0f}), first kernel after {t['lead_us']:.0f}")
                     for g in t["longest_gaps"]:
                         print(f"{'':40s} gap {g['us']:.1f} us after {g['after'][:40]} before "
                               f"{g['before'][:40]}")

@@ -8,9 +8,8 @@ long ones, where the GPU waited for the host. `step_timeline` splits a step's ga
 `short_us` and names the longest, so a profile says whether a step is bound by its kernels'
 count (many short gaps) or by the host (long gaps, or wall time well above the span).
 
-`split_steps` cuts a trace of several steps into one list of intervals per step: the caller
-leaves the device idle between steps (a synchronisation and a sleep), so the steps are
-separated by the largest gaps of the trace.
+`between_markers` cuts a trace of several steps into one list of intervals per step, bounded by
+marker kernels the caller queues around each step.
 """
 
 from __future__ import annotations
@@ -27,30 +26,35 @@ class Interval:
     name: str
 
 
-def split_steps(intervals: list[Interval], num_groups: int) -> list[list[Interval]]:
-    """The intervals (any order) in num_groups runs, cut at the num_groups - 1 largest gaps."""
+def between_markers(intervals: list[Interval], marker: str) -> list[list[Interval]]:
+    """The intervals (any order) between consecutive pairs of marker intervals (those whose
+    name contains `marker`): the first and second marker bound step 1, the third and fourth
+    step 2, and so on. The caller queues a marker kernel before and after each step."""
     ordered = sorted(intervals, key=lambda i: i.start)
-    if num_groups <= 1 or len(ordered) < num_groups:
-        return [ordered] if num_groups == 1 else []
-    reach = ordered[0].end  # the latest end so far: overlapping intervals leave no gap
-    gaps = []
-    for k in range(1, len(ordered)):
-        gaps.append((ordered[k].start - reach, k))
-        reach = max(reach, ordered[k].end)
-    cuts = sorted(k for _, k in sorted(gaps, reverse=True)[: num_groups - 1])
-    bounds = [0, *cuts, len(ordered)]
-    return [ordered[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    steps, current = [], None
+    for item in ordered:
+        if marker in item.name:
+            if current is None:
+                current = []
+            else:
+                steps.append(current)
+                current = None
+        elif current is not None:
+            current.append(item)
+    return steps
 
 
 def step_timeline(intervals: list[Interval], short_us: float = SHORT_GAP_US,
-                  longest: int = 3) -> dict:  # fmt: skip
+                  longest: int = 3, start: float | None = None) -> dict:  # fmt: skip
     """One step's GPU span, busy time (the union of its intervals), and its gaps: short ones
     (count, total) and long ones (count, total, and the `longest` with the intervals around
-    them), all in microseconds."""
+    them), all in microseconds. start: when the device could have begun the step (the end of
+    the marker before it); lead_us is then the wait for its first interval."""
     ordered = sorted(intervals, key=lambda i: i.start)
     if not ordered:
         return {"span_us": 0.0, "busy_us": 0.0, "short_gaps": 0, "short_gap_us": 0.0,
-                "long_gaps": 0, "long_gap_us": 0.0, "longest_gaps": []}  # fmt: skip
+                "long_gaps": 0, "long_gap_us": 0.0, "lead_us": 0.0,
+                "longest_gaps": []}  # fmt: skip
     busy, short, long_ = 0.0, [], []
     run_start, reach, last = ordered[0].start, ordered[0].end, ordered[0]
     for item in ordered[1:]:
@@ -64,6 +68,7 @@ def step_timeline(intervals: list[Interval], short_us: float = SHORT_GAP_US,
     busy += reach - run_start
     return {
         "span_us": reach - ordered[0].start, "busy_us": busy,
+        "lead_us": 0.0 if start is None else ordered[0].start - start,
         "short_gaps": len(short), "short_gap_us": sum(g for g, _, _ in short),
         "long_gaps": len(long_), "long_gap_us": sum(g for g, _, _ in long_),
         "longest_gaps": [{"us": g, "after": a[:60], "before": b[:60]}

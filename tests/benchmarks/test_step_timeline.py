@@ -1,6 +1,6 @@
 """step_timeline: a step's GPU span, busy time and gaps from device intervals."""
 
-from benchmarks.step_timeline import Interval, mean_timeline, split_steps, step_timeline
+from benchmarks.step_timeline import Interval, between_markers, mean_timeline, step_timeline
 
 
 def test_gaps_split_into_kernel_launches_and_host_waits():
@@ -23,12 +23,13 @@ def test_gaps_split_into_kernel_launches_and_host_waits():
     assert t["span_us"] == t["busy_us"] + t["short_gap_us"] + t["long_gap_us"]
 
 
-def test_steps_are_cut_at_the_largest_gaps():
-    intervals = [Interval(s, s + 5, f"k{s}") for s in (0, 10, 1000, 1007, 1020, 5000)]
-    groups = split_steps(list(reversed(intervals)), 3)
-    assert [[i.start for i in g] for g in groups] == [[0, 10], [1000, 1007, 1020], [5000]]
-    assert split_steps(intervals, 1) == [sorted(intervals, key=lambda i: i.start)]
-    assert split_steps(intervals[:2], 3) == []
+def test_steps_are_the_intervals_between_pairs_of_markers():
+    names = ["m", "a", "b", "m", "restore", "m", "c", "m", "restore"]
+    intervals = [Interval(10 * k, 10 * k + 5, n) for k, n in enumerate(names)]
+    steps = between_markers(list(reversed(intervals)), "m")
+    assert [[i.name for i in s] for s in steps] == [["a", "b"], ["c"]]
+    t = step_timeline(steps[0], start=intervals[0].end)
+    assert t["lead_us"] == 5  # the first kernel began 5 us after the marker ended
 
 
 def test_mean_over_steps():
