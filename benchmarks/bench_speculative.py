@@ -221,8 +221,38 @@ def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
     else:  # for a look at why the markers did not pair up
         timeline["unpaired_trace"] = [[round(i.start, 2), round(i.end - i.start, 2), i.name[:60]]
                                       for i in sorted(intervals, key=lambda i: i.start)[:600]]
+    timeline.update(host_split(replay, bs))
     return {"kernels": len(kernels) / iters, "gpu_ms": busy_us / iters / 1e3, "table": table,
             "timeline": timeline}  # fmt: skip
+
+
+def host_split(replay: Replayer, bs: int, iters: int = 20) -> dict:
+    """Where the host's time per `execute` goes (no profiler): `GPUWorker.launch` (of which
+    CUDA graph replays: the launch calls themselves) and `finish` (waiting for the results,
+    then packing them), in microseconds."""
+    plan = replay.plan if bs is None else sub_plan(replay.plan, bs)
+    worker, totals = replay.worker, {"launch_us": 0.0, "replay_us": 0.0, "finish_us": 0.0}
+    original = torch.cuda.CUDAGraph.replay
+
+    def timed(graph) -> None:
+        start = time.perf_counter()
+        original(graph)
+        totals["replay_us"] += (time.perf_counter() - start) * 1e6
+
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        for _ in range(iters):
+            replay.restore()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            launched = worker.launch(plan)
+            queued = time.perf_counter()
+            worker.finish(launched)
+            totals["launch_us"] += (queued - start) * 1e6
+            totals["finish_us"] += (time.perf_counter() - queued) * 1e6
+    finally:
+        torch.cuda.CUDAGraph.replay = original
+    return {key: value / iters for key, value in totals.items()}
 
 
 def streamed_bytes(model: torch.nn.Module) -> int:
@@ -346,6 +376,8 @@ def print_iterations(args, rows: list[dict]) -> None:
                           f"{t['span_us']:.0f} (busy {t['busy_us']:.0f}, {t['short_gaps']:.0f} "
                           f"short gaps {t['short_gap_us']:.0f}, {t['long_gaps']:.0f} long "
                           f"{t['long_gap_us']:.0f}), first kernel after {t['lead_us']:.0f}")
+                    print(f"{'':40s} unprofiled host: launch {t['launch_us']:.0f} us (graph "
+                          f"replay calls {t['replay_us']:.0f}), finish {t['finish_us']:.0f}")
                     for g in t["longest_gaps"]:
                         print(f"{'':40s} gap {g['us']:.1f} us after {g['after'][:40]} before "
                               f"{g['before'][:40]}")

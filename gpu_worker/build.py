@@ -23,6 +23,7 @@ from gpu_worker.models import read_arch_config
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
 from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
 from gpu_worker.speculative.iteration import SpeculativeWorker
@@ -37,12 +38,14 @@ DRAFT_MEMORY_SHARE = 0.05
 @dataclass
 class Models:
     """target: the served model; draft_runner_list: its drafts (empty without speculation);
-    sampling: per-row sampling state; speculative: the worker that runs a speculative decode
-    iteration over them (None without speculation)."""
+    sampling: per-row sampling state; rows: each request row's last token and committed
+    length; speculative: the worker that runs a speculative decode iteration over them (None
+    without speculation)."""
 
     target: ModelRunner
     draft_runner_list: list[ModelRunner]
     sampling: SamplingState
+    rows: RowState
     speculative: SpeculativeWorker | None
 
 
@@ -54,16 +57,17 @@ def build_models(config: AerieConfig, tp: TensorParallel = SINGLE) -> Models:
         raise ValueError("config.model.model_path is not resolved")
     target = ModelRunner(target_spec(config, tp), target_pools(config))
     sampling = SamplingState(target.max_running_requests, target.vocab_size, target.device)
+    rows = RowState(target.max_running_requests + 1, target.device)
     spec = config.speculative
     if not spec.enabled:
-        return Models(target, [], sampling, None)
+        return Models(target, [], sampling, rows, None)
     drafts = [ModelRunner(s, target.pools, draft_of=target) for s in draft_specs(config, tp)]
     worker: SpeculativeWorker
     if spec.speculative_algorithm == "MTP":
-        worker = MTPWorker(spec, target, drafts, sampling, graph_max_bs(config))
+        worker = MTPWorker(spec, target, drafts, sampling, rows, graph_max_bs(config))
     else:
-        worker = EagleWorker(spec, target, drafts[0], sampling, graph_max_bs(config))
-    return Models(target, drafts, sampling, worker)
+        worker = EagleWorker(spec, target, drafts[0], sampling, rows, graph_max_bs(config))
+    return Models(target, drafts, sampling, rows, worker)
 
 
 def graph_max_bs(config: AerieConfig) -> int:

@@ -16,6 +16,13 @@ host. Under capture it holds the pad value. `fn` returns a dict of tensors whose
 dimension is a multiple of bs (rows per request); they are copied into static outputs sized
 for max_bs.
 
+Stages can be chained without copies: `output_buffers` makes named outputs of one stage be
+written (inside its graph) straight into buffers it is given, such as the static inputs of the
+next stage, and a call skips the copy of any input that already is its static buffer's view.
+The producing stage writes every row of the bucket, its padded rows included (they hold what
+the stage computed for the dummy row: valid values of the consumer's pad kind, such as row 0
+or length 0).
+
 Capture follows `CudaGraphRunner`: buckets largest first, one memory pool, eager warm-up runs
 before each capture. Without capture (CPU, or a backend that cannot be captured) the same
 copies, padding and output buffers run eagerly, so CI covers all but the replay.
@@ -65,9 +72,13 @@ class StageGraph:
         device: torch.device,
         capture: bool,
         pool=None,
+        output_buffers: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """pool: a CUDA graph memory pool shared with other stages (default: a new one)."""
+        """pool: a CUDA graph memory pool shared with other stages (default: a new one).
+        output_buffers: outputs written into the given tensors (e.g. another stage's `inputs`;
+        viewed as [max_bs * rows per request, ...]) instead of buffers of their own."""
         self.name, self.fn = name, fn
+        self.output_buffers = output_buffers or {}
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.device = device
@@ -100,6 +111,8 @@ class StageGraph:
         bucket = self.bucket_for(bs)
         for key, value in inputs.items():
             static = self.inputs[key]
+            if value.data_ptr() == static.data_ptr():  # written in place by an earlier stage
+                continue
             static[:bs].copy_(value.reshape(bs, *static.shape[1:]))
             if self.filled > bs:  # rows of an earlier, larger batch: back to the dummies
                 static[bs : self.filled].fill_(self.pads[key])
@@ -123,12 +136,16 @@ class StageGraph:
                                      f"not a multiple of the batch size {bucket}")  # fmt: skip
                 self.rows_per_req[key] = value.shape[0] // bucket
                 rows = self.max_bs * self.rows_per_req[key]
-                self.outputs[key] = torch.empty((rows, *value.shape[1:]), dtype=value.dtype,
-                                                device=value.device)  # fmt: skip
+                if key in self.output_buffers:
+                    self.outputs[key] = self.output_buffers[key].view(rows, *value.shape[1:])
+                else:
+                    self.outputs[key] = torch.empty((rows, *value.shape[1:]), dtype=value.dtype,
+                                                    device=value.device)  # fmt: skip
         for key, value in result.items():
             self.outputs[key][: value.shape[0]].copy_(value)
 
     def capture_all(self, pool=None) -> None:
+        self.captures = True
         self.graphs = capture_buckets(
             self.buckets, lambda bs: self._run(bs, [0] * bs), self.device,
             f"{self.name}, batch sizes", pool,

@@ -36,7 +36,6 @@ from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.plan_arrays import PlanArrays, parse_plan
 from gpu_worker.prefill_graph import PrefillGraphs
-from gpu_worker.row_state import RowState
 from gpu_worker.speculative.target_verify import SpecStepOutput
 
 PLAN_MODES = ("extend", "decode")
@@ -63,10 +62,9 @@ class GPUWorker:
         models = build_models(config, tp)
         self.runner, self.draft_runner_list = models.target, models.draft_runner_list
         self.runners = [self.runner, *self.draft_runner_list]
-        self.sampling, self.spec = models.sampling, models.speculative
+        self.sampling, self.spec, self.rows = models.sampling, models.speculative, models.rows
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
-        self.rows = RowState(self.max_running_requests + 1, self.device)
         # Plain decoding only: a speculative iteration runs its own stages.
         self.decode_step = None if self.spec is not None else DecodeStep(
             self.runner, self.rows, self.sampling, graph_max_bs(config)
@@ -181,9 +179,8 @@ class GPUWorker:
     def _launch_speculative(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
         assert self.spec is not None
         want = bool(self.return_logprob[arrays.rows].any())
-        prefix_lens, bonus = self.rows.prefix_lens[rows], self.rows.tokens[rows]
         if self.runner.attn_backend.reads_host_lengths:
-            prefix_cpu = prefix_lens.tolist()  # a device read: the reference backend only
+            prefix_cpu = self.rows.prefix_lens[rows].tolist()  # a device read: the reference
         else:
             prefix_cpu = [0] * arrays.batch_size  # placeholders (see `reads_host_lengths`)
         copy: PendingCopy | None = None
@@ -193,13 +190,10 @@ class GPUWorker:
             host and the scheduler can plan while the draft runs."""
             nonlocal copy
             self.sampling.observe(rows, out.tokens, lengths=out.accept_lens)
-            last = out.tokens.gather(1, (out.accept_lens - 1)[:, None]).squeeze(1)
-            self.rows.commit_decode(rows, out.accept_lens, last)
             extra = [out.logprobs] if out.logprobs is not None else []
             copy = self.results.start(out.accept_lens, out.tokens, *extra)
 
-        self.spec.decode(rows, arrays.rows, prefix_lens, prefix_cpu, bonus, want,
-                         on_accepted=accepted)  # fmt: skip
+        self.spec.decode(rows, arrays.rows, prefix_cpu, want, on_accepted=accepted)
         bs = arrays.batch_size
 
         def pack(fetched: list[np.ndarray]) -> StepResult:
@@ -238,6 +232,7 @@ class GPUWorker:
             [arrays.rows, slot_rows, slot_positions, arrays.slots]
         )
         if len(slots):
+            slots = slots.to(torch.int32)  # once for every runner's table
             for runner in self.runners:
                 runner.req_to_token_pool.assign(r, p, slots)
         return rows

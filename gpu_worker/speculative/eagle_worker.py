@@ -31,6 +31,7 @@ from aerie.config import SpeculativeConfig
 from gpu_worker import constants
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
+from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.compaction import compaction_moves
 from gpu_worker.speculative.draft_layout import (
@@ -72,12 +73,13 @@ class EagleWorker(SpeculativeWorker):
         target: ModelRunner,
         draft: ModelRunner,
         sampling: SamplingState,
+        state: RowState,
         graph_max_bs: int = 0,
     ) -> None:
         steps = spec.speculative_num_steps or 1
         shape = DraftShape(spec.speculative_eagle_topk or 1, steps,
                            spec.speculative_num_draft_tokens or steps + 1)  # fmt: skip
-        super().__init__(target, sampling, shape)
+        super().__init__(target, sampling, state, shape)
         self.draft = draft
         self.use_aux = bool(target.aux_hidden_layers)
         rows, device = target.max_running_requests + 1, target.device

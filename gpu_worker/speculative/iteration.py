@@ -1,23 +1,27 @@
 """`SpeculativeWorker`: the decode iteration every draft algorithm shares, in fixed shapes.
 
-One iteration for `bs` requests with committed KV lengths `prefix` and last emitted tokens
-`bonus` (no KV yet):
+One iteration for `bs` request rows, each with its committed KV length `prefix` and its last
+emitted token `bonus` (no KV yet) in `RowState`:
     propose   (stage graph) the draft proposes a tree of ND nodes per request (EAGLE: S draft
               steps of topk branches and the tree selection; MTP: the chain its layers left),
               and the target verifies every node in one TARGET_VERIFY forward;
     accept    greedy or exact speculative sampling on the device -> accepted tokens and
-              accept lengths. Plain greedy acceptance (no penalties) runs inside the propose
-              stage; otherwise it runs eagerly after it (which sampling stages run is a host
-              decision per batch);
+              accept lengths. Plain greedy acceptance (no penalties) and its read-off run
+              inside the propose stage; otherwise acceptance runs eagerly after it (which
+              sampling stages run is a host decision per batch);
     compact   (topk > 1) the accepted path's target KV moved to positions prefix .. prefix+acc-1;
     extend    (stage graph) the draft runs over the fixed S+1 positions prefix .. prefix+S, pairing
               the target feature of accepted node k with the token after it; its state is
               read at each request's last accepted position (accept_len - 1). KV written for
               the rejected positions lies past the new committed length and is overwritten
-              before anything reads it.
-No stage reads the device from the host; the only synchronisation of a step is the caller's
-single copy of its results. Stages run through `StageGraph` (CUDA graphs bucketed by batch
-size, padded rows on request row 0 / slot 0) when `graph_max_bs` > 0, else directly.
+              before anything reads it. Then each row's committed length and last token in
+              `RowState` advance by its accepted run.
+The propose stage reads its rows' lengths and tokens from `RowState` itself, so a greedy
+iteration costs the host one input copy (the rows) and two replays: the propose graph writes
+the extend stage's inputs in place (`StageGraph` output buffers). No stage reads the device
+from the host; the only synchronisation of a step is the caller's single copy of its
+results. Stages run through `StageGraph` (CUDA graphs bucketed by batch size, padded rows on
+request row 0 / slot 0) when `graph_max_bs` > 0, else directly.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.compaction import compact_rows
 from gpu_worker.speculative.target_verify import (
@@ -39,7 +44,7 @@ from gpu_worker.speculative.target_verify import (
     verify_tree,
 )
 from gpu_worker.speculative.tree import DraftShape, DraftTree
-from gpu_worker.speculative.verify import VerifyResult, verify_greedy
+from gpu_worker.speculative.verify import VerifyResult, accepted_tokens, verify_greedy
 from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 
 
@@ -47,8 +52,9 @@ class SpeculativeWorker:
     """Subclasses implement `draft_tree` (the proposal), `draft_extend` (after acceptance),
     `target_features` and `draft_prefill`, then call `build_stages`."""
 
-    def __init__(self, target: ModelRunner, sampling: SamplingState, shape: DraftShape) -> None:
-        self.target, self.sampling, self.shape = target, sampling, shape
+    def __init__(self, target: ModelRunner, sampling: SamplingState, state: RowState,
+                 shape: DraftShape) -> None:  # fmt: skip
+        self.target, self.sampling, self.state, self.shape = target, sampling, state, shape
         self.num_steps, self.topk = shape.num_steps, shape.topk
         self.num_draft_tokens = shape.num_draft_tokens
 
@@ -78,7 +84,8 @@ class SpeculativeWorker:
 
     def build_stages(self, runners: list[ModelRunner], graph_max_bs: int) -> None:
         """The propose and extend stages: graphed for batches up to graph_max_bs (captured on
-        CUDA when every runner's attention backend can be), or direct calls when 0."""
+        CUDA when every runner's attention backend can be), or direct calls when 0. The
+        propose stage writes a greedy batch's extend inputs into the extend stage's buffers."""
         if graph_max_bs <= 0:
             self.propose_stage = DirectStage(self.propose)
             self.extend_stage = DirectStage(self._extend)
@@ -92,11 +99,17 @@ class SpeculativeWorker:
         device = self.target.device
         capture = device.type == "cuda" and all(r.attn_backend.supports_cuda_graph for r in runners)
         pool = torch.cuda.graph_pool_handle() if capture else None
-        proposal_inputs = {"rows": PER_REQUEST, "prefix_lens": PER_REQUEST, "bonus": PER_REQUEST}
-        self.propose_stage = StageGraph("draft and verify", self.propose, proposal_inputs,
-                                        graph_max_bs, device, capture, pool)  # fmt: skip
         self.extend_stage = StageGraph("draft extend", self._extend, extend_inputs,
-                                       graph_max_bs, device, capture, pool)  # fmt: skip
+                                       graph_max_bs, device, capture=False)  # fmt: skip
+        into = self.extend_stage.inputs
+        chained = {"rows": into["rows"], "prefix_lens": into["prefix_lens"],
+                   "greedy_accept_lens": into["accept_lens"], "greedy_tokens": into["tokens"],
+                   "greedy_features": into["features"]}  # fmt: skip
+        self.propose_stage = StageGraph("draft and verify", self.propose, {"rows": PER_REQUEST},
+                                        graph_max_bs, device, capture, pool,
+                                        output_buffers=chained)  # fmt: skip
+        if capture:
+            self.extend_stage.capture_all(pool)
 
     def feature_width(self) -> int:
         """Width of the target feature the draft reads per token."""
@@ -105,23 +118,33 @@ class SpeculativeWorker:
     def propose(
         self, bs: int, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
-        """The draft's tree and the target's verify forward over it (one stage)."""
-        rows, prefix_lens = inputs["rows"], inputs["prefix_lens"]
-        tree = self.draft_tree(rows, prefix_lens, prefix_cpu, inputs["bonus"])
+        """The draft's tree and the target's verify forward over it (one stage), for the rows'
+        committed lengths and last tokens in `RowState`."""
+        rows = inputs["rows"]
+        prefix_lens, bonus = self.state.prefix_lens[rows], self.state.tokens[rows]
+        tree = self.draft_tree(rows, prefix_lens, prefix_cpu, bonus)
         out = verify_tree(self.target, tree, rows, prefix_lens, prefix_cpu)
         features = self.target_features(out)
         # Greedy acceptance without penalties needs nothing from the host: done here, in the
         # graph, and used whenever the whole batch is plain greedy.
         greedy = verify_greedy(tree, out.next_token_logits.argmax(dim=-1))
         return {**tree_tensors(tree), "logits": out.next_token_logits, "features": features,
+                "rows": rows, "prefix_lens": prefix_lens,
                 "greedy_predict": greedy.predict, "greedy_accept_index": greedy.accept_index,
                 "greedy_num_correct": greedy.num_correct,
+                "greedy_accept_lens": greedy.num_correct + 1,
+                "greedy_tokens": accepted_tokens(greedy),
                 "greedy_features": compact_rows(features, greedy)}  # fmt: skip
 
     def _extend(
         self, bs: int, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
+        """The draft extend, then each row's committed length and last token advance."""
         self.draft_extend(inputs, prefix_cpu)
+        rows, accept_lens, tokens = inputs["rows"], inputs["accept_lens"], inputs["tokens"]
+        last = tokens.gather(1, (accept_lens - 1)[:, None]).squeeze(1)
+        self.state.commit_decode(rows, accept_lens, last)
+        self.state.reset_dummy()  # padded rows committed into row 0
         return {}
 
     # ------------------------------------------------------------------------ an iteration
@@ -130,26 +153,26 @@ class SpeculativeWorker:
         self,
         rows: torch.Tensor,
         rows_cpu: np.ndarray,
-        prefix_lens: torch.Tensor,
         prefix_cpu: list[int],
-        bonus: torch.Tensor,
         want_logprobs: bool,
         on_accepted: Callable[[SpecStepOutput], None] | None = None,
     ) -> SpecStepOutput:
-        """One iteration for the requests on `rows` ([bs] device, rows_cpu its host copy) with
-        committed KV lengths prefix_lens ([bs] device, prefix_cpu on the host: placeholders
-        for backends that do not read them) whose last emitted token (no KV yet) is `bonus`
-        [bs]. on_accepted(step) runs once acceptance is queued, before the draft extend (the
-        caller starts copying the results there; prefix_lens, already gathered, may then be
-        updated in its source)."""
-        proposed = self.propose_stage({"rows": rows, "prefix_lens": prefix_lens, "bonus": bonus},
-                                      prefix_cpu)  # fmt: skip
+        """One iteration for the requests on `rows` ([bs] device, rows_cpu its host copy);
+        prefix_cpu: their committed lengths on the host for backends that read them
+        (placeholders otherwise). on_accepted(step) runs once acceptance is queued, before the
+        draft extend (the caller starts copying the results there). The rows' `RowState` has
+        advanced once the extend has run."""
+        proposed = self.propose_stage({"rows": rows}, prefix_cpu)
+        prefix_lens = proposed["prefix_lens"]
         tree = tree_from_tensors(proposed, self.shape)
         if self.sampling.plain_greedy(rows_cpu):
-            correct = proposed["greedy_num_correct"]
+            correct, accept_lens = proposed["greedy_num_correct"], proposed["greedy_accept_lens"]
             result = VerifyResult(proposed["greedy_predict"], proposed["greedy_accept_index"],
-                                  correct, correct + 1)  # fmt: skip
-            step = read_step(result, proposed["logits"], want_logprobs)
+                                  correct, accept_lens)  # fmt: skip
+            if want_logprobs:
+                step = read_step(result, proposed["logits"], want_logprobs)
+            else:  # the read-off the stage made: its outputs are the extend's inputs
+                step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
             features = proposed["greedy_features"]  # [bs*(S+1), H_f]
         else:
             result, step = accept_and_read(
@@ -160,7 +183,7 @@ class SpeculativeWorker:
         if on_accepted is not None:
             on_accepted(step)
         self.extend_stage({
-            "rows": rows, "prefix_lens": prefix_lens, "accept_lens": result.accept_lens,
-            "tokens": step.tokens, "features": features,
+            "rows": proposed["rows"], "prefix_lens": prefix_lens,
+            "accept_lens": step.accept_lens, "tokens": step.tokens, "features": features,
         }, prefix_cpu)  # fmt: skip
         return step

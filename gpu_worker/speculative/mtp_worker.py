@@ -39,6 +39,7 @@ from gpu_worker import constants
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
 from gpu_worker.host_batch import Staging
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
+from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.iteration import SpeculativeWorker
 from gpu_worker.speculative.tree import DraftShape, DraftTree, chain_tree
@@ -106,12 +107,13 @@ class MTPWorker(SpeculativeWorker):
         target: ModelRunner,
         draft_runner_list: list[ModelRunner],
         sampling: SamplingState,
+        state: RowState,
         graph_max_bs: int = 0,
     ) -> None:
         steps = len(draft_runner_list)
         if spec.speculative_num_steps != steps:
             raise ValueError("one MTP runner per draft step is required")
-        super().__init__(target, sampling, DraftShape(1, steps, steps + 1))
+        super().__init__(target, sampling, state, DraftShape(1, steps, steps + 1))
         self.draft_runner_list = draft_runner_list
         rows, device = target.max_running_requests + 1, target.device
         hidden_size = target.config.hidden_size

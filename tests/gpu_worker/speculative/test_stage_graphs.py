@@ -5,16 +5,18 @@ whole iteration runs under `torch.cuda.set_sync_debug_mode("error")`."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from aerie.codec import pack_ids
+from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.plan_arrays import parse_plan
 from gpu_worker.speculative.target_verify import TREE_TENSORS
 from gpu_worker.stage_graph import StageGraph, StageInput
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
+from tests.engine_loop import drive
 from tests.gpu_worker.mtp_checkpoints import make_tiny_mtp_target
 from tests.gpu_worker.speculative.test_eagle_worker import (
     DEVICE,
@@ -52,6 +54,44 @@ def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
     assert big["out"].tolist() == [10 * r for r in range(1, 8)] and seen[-1][0] == 7  # direct
 
 
+def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
+    """A stage whose outputs are bound to the next stage's inputs writes them there; passing
+    them on copies nothing, and padded rows carry what the first stage computed for the dummy."""
+    seen = []
+
+    def second_fn(bs, inputs, seq_cpu):
+        seen.append((bs, inputs["x"].tolist(), inputs["y"].tolist()))
+        return {}
+
+    second = StageGraph("second", second_fn, {"x": StageInput(), "y": StageInput((2,))}, 4,
+                        torch.device("cpu"), capture=False)  # fmt: skip
+
+    def first_fn(bs, inputs, seq_cpu):
+        rows = inputs["rows"]
+        return {"x": rows + 100, "y": torch.stack([rows, -rows], dim=1), "own": rows * 2}
+
+    first = StageGraph("first", first_fn, {"rows": StageInput()}, 4, torch.device("cpu"),
+                       capture=False, output_buffers={"x": second.inputs["x"],
+                                                      "y": second.inputs["y"]})  # fmt: skip
+    out = first({"rows": torch.tensor([5, 6, 7])}, [0] * 3)
+    assert out["x"].data_ptr() == second.inputs["x"].data_ptr()
+    assert out["own"].data_ptr() != second.inputs["x"].data_ptr()
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counting(self, *args, **kwargs):
+        copies.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    second({"x": out["x"], "y": out["y"]}, [0] * 3)
+    assert copies == []
+    # bucket 4: the padded row holds what the first stage made of the dummy row 0
+    assert seen[-1] == (4, [105, 106, 107, 100], [[5, -5], [6, -6], [7, -7], [0, 0]])
+    second({"x": torch.tensor([1, 2]), "y": out["y"][:2].clone()}, [0] * 2)  # copied in
+    assert len(copies) == 2 and seen[-1][1] == [1, 2]
+
+
 def serve_until_decode(config, prompts):
     """A worker and scheduler with `prompts` prefilled; returns them and the first decode plan."""
     worker = GPUWorker(config)
@@ -76,9 +116,9 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
     worker, _, plan = serve_until_decode(config, random_prompts(seed=8, n=3))
     spec = worker.spec
     rows = worker._write_slots(parse_plan(plan, worker.max_running_requests))
-    inputs = {"rows": rows, "prefix_lens": worker.rows.prefix_lens[rows],
-              "bonus": worker.rows.tokens[rows]}  # fmt: skip
-    seq_cpu = inputs["prefix_lens"].tolist()
+    inputs = {"rows": rows}
+    seq_cpu = worker.rows.prefix_lens[rows].tolist()
+    state = worker.rows.prefix_lens.clone(), worker.rows.tokens.clone()
     before = {k: v.clone() for k, v in inputs.items()}
     eager = {k: v.clone() for k, v in spec.propose(len(seq_cpu), inputs, seq_cpu).items()}
     for _ in range(3):
@@ -88,6 +128,9 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
                 replayed[name].float(), eager[name].float(), atol=1e-4), name
         torch.testing.assert_close(replayed["logits"], eager["logits"], atol=1e-4, rtol=1e-4)
         assert all(torch.equal(inputs[k], before[k]) for k in inputs)
+        # the proposal reads the rows' lengths and tokens; only the extend advances them
+        assert torch.equal(worker.rows.prefix_lens, state[0])
+        assert torch.equal(worker.rows.tokens, state[1])
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +155,83 @@ def test_graphed_stages_keep_greedy_output(models, mtp_target, algorithm, steps,
     spec, _, counts = run_engine(config, prompts, lengths)
     assert spec == base
     assert all(1 <= n <= steps + 1 for n in counts)
+
+
+def serve_mixed(config, prompts, requests):
+    """Serve prompts with per-request (max_new_tokens, extra SamplingParams fields, logprobs)
+    to the end; returns each request's tokens and logprobs. Without the overlap schedule,
+    checks after every decode step that each row's `RowState` holds the last token it emitted
+    and the committed length (prompt + tokens emitted so far - 1), and that the dummy row 0
+    holds token 0 at length 0."""
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    for i, (prompt, (limit, extra, logprobs)) in enumerate(zip(prompts, requests, strict=True)):
+        params = SamplingParams(max_new_tokens=limit, ignore_eos=True, **extra)
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, logprobs))
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    logprobs = {f"r{i}": [] for i in range(len(prompts))}
+
+    def collect(plan, result, deltas):
+        for d in deltas.deltas if deltas else []:
+            tokens[d.rid] += unpack_ids(d.token_ids)
+            logprobs[d.rid] += list(memoryview(d.logprobs).cast("f")) if d.logprobs else []
+
+    if not config.scheduler.disable_overlap_schedule:
+        drive(sched, worker, collect)
+        return tokens, logprobs
+    emitted = {f"r{i}": 0 for i in range(len(prompts))}
+    while sched.has_work():
+        plan = sched.next_plan()
+        rids = sched.plan_rids(plan)
+        result = worker.execute(plan)
+        counts, ids = unpack_ids(result.num_tokens), unpack_ids(result.token_ids)
+        ends = np.cumsum(counts)
+        for rid, row, n, end in zip(rids, unpack_ids(plan.rows), counts, ends, strict=True):
+            emitted[rid] += n
+            if plan.mode == "decode":
+                assert worker.rows.tokens[row].item() == ids[end - 1]
+                prompt_len = len(prompts[int(rid[1:])])
+                assert worker.rows.prefix_lens[row].item() == prompt_len + emitted[rid] - 1
+        # padded rows of a graph bucket commit into the dummy row 0, which must be reset
+        assert worker.rows.prefix_lens[0].item() == 0 == worker.rows.tokens[0].item()
+        collect(plan, result, sched.apply_result(plan, result))
+    assert sched.allocator.is_whole()
+    return tokens, logprobs
+
+
+GREEDY = {"temperature": 0.0}
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 5}
+PENALISED = {"temperature": 0.0, "frequency_penalty": 0.6}
+
+
+@pytest.mark.parametrize("requests", [
+    # sampled and penalised requests end first: greedy batches (with and without logprobs)
+    # follow batches that accept eagerly, as the batch shrinks through the buckets
+    [(30, GREEDY, False), (24, GREEDY, False), (9, SAMPLED, False), (12, PENALISED, False),
+     (16, GREEDY, True)],
+    # a sampled request whose long prompt is still being prefilled joins greedy batches
+    [(20, GREEDY, False), (20, GREEDY, True), (14, SAMPLED, False)],
+])  # fmt: skip
+def test_graphed_stages_serve_mixed_batches_like_direct_calls(models, requests):
+    """Greedy batches chain the propose stage's outputs into the extend stage's inputs; other
+    batches accept eagerly and copy theirs. Batches of either kind, in any order and size,
+    give the tokens and logprobs of the unpadded direct calls."""
+    prompts = random_prompts(seed=12, n=len(requests))
+    prompts[-1] = prompts[-1] * 4  # the last prompt is long: prefilled in several chunks
+    def serve(graph_max_bs, overlap=True):
+        config = make_config(models["target"], "EAGLE", models["eagle"], 3, 2, 6, page_size=4,
+                             chunk=8, graph_max_bs=graph_max_bs, overlap=overlap)  # fmt: skip
+        return serve_mixed(config, prompts, requests)
+
+    direct_tokens, direct_logprobs = serve(0)
+    graphed_tokens, graphed_logprobs = serve(8)
+    assert graphed_tokens == direct_tokens
+    assert serve(8, overlap=False)[0] == serve(0, overlap=False)[0] == direct_tokens
+    assert all(len(direct_tokens[f"r{i}"]) == r[0] for i, r in enumerate(requests))
+    for rid, values in direct_logprobs.items():
+        torch.testing.assert_close(torch.tensor(graphed_logprobs[rid]), torch.tensor(values),
+                                   atol=1e-4, rtol=1e-4)
+    assert any(direct_logprobs.values())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter")
