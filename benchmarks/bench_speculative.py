@@ -221,7 +221,6 @@ def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
     else:  # for a look at why the markers did not pair up
         timeline["unpaired_trace"] = [[round(i.start, 2), round(i.end - i.start, 2), i.name[:60]]
                                       for i in sorted(intervals, key=lambda i: i.start)[:600]]
-    timeline.update(host_split(replay, bs))
     return {"kernels": len(kernels) / iters, "gpu_ms": busy_us / iters / 1e3, "table": table,
             "timeline": timeline}  # fmt: skip
 
@@ -298,49 +297,62 @@ def make_agreeing(worker: GPUWorker, max_bs: int) -> None:
 
 
 def measure_iterations(args, shapes, draft_dir) -> list[dict]:
+    """Every timing first, then (with --profile) a second pass over fresh workers for the
+    profiles: once the profiler has run, CUPTI stays attached to the process and slows every
+    later launch, so a timing taken after a profile would not compare with one before it."""
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_bs = max(sizes)
-    plain_worker = GPUWorker(iteration_config(args, None, None, max_bs))
-    replay = Replayer(plain_worker, plain_worker.config, max_bs, args.context_len)
-    time_plan(replay, None, args.device, args.iters)  # warm-up: every kernel compiled
-    plain = {bs: time_plan(replay, bs, args.device, args.iters)[0] for bs in sizes}
-    spin(replay, sizes[0], "plain", args.spin)
-    profiles = {}
-    if args.profile:
-        profiles["plain"] = {bs: profile_plan(replay, bs) for bs in sizes}
-    del plain_worker, replay
-    rows = []
-    for shape in shapes:
-        config = iteration_config(args, shape, draft_dir, max_bs)
+
+    def replayer(shape):
+        config = iteration_config(args, shape, draft_dir if shape else None, max_bs)
         worker = GPUWorker(config)
         replay = Replayer(worker, config, max_bs, args.context_len)
+        time_plan(replay, None, args.device, args.iters)  # warm-up: every kernel compiled
+        return worker, replay
+
+    worker, replay = replayer(None)
+    plain = {bs: time_plan(replay, bs, args.device, args.iters)[0] for bs in sizes}
+    hosts = {None: {bs: host_split(replay, bs) for bs in sizes}} if args.device == "cuda" else {}
+    spin(replay, sizes[0], "plain", args.spin)
+    del worker, replay
+    rows = []
+    for shape in shapes:
+        worker, replay = replayer(shape)
         bound = byte_bound(worker)
-        time_plan(replay, None, args.device, args.iters)  # warm-up
         random_draft = {bs: time_plan(replay, bs, args.device, args.iters) for bs in sizes}
+        if args.device == "cuda":
+            hosts[shape] = {bs: host_split(replay, bs) for bs in sizes}
         spin(replay, sizes[0], f"S={shape[0]} topk={shape[1]} ND={shape[2]}", args.spin)
-        if args.profile:
-            profiles[shape] = {bs: profile_plan(replay, bs) for bs in sizes}
         make_agreeing(worker, max_bs)
         for bs in sizes:
             seconds, _ = random_draft[bs]
             agreed_s, agreed_tokens = time_plan(replay, bs, args.device, args.iters)
             rows.append({
                 "mode": f"{args.algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}",
-                "batch_size": bs, "plain_step_ms": plain[bs] * 1e3,
+                "shape": shape, "batch_size": bs, "plain_step_ms": plain[bs] * 1e3,
                 "iteration_ms": seconds * 1e3, "ratio": seconds / plain[bs],
                 "byte_bound": bound, "agreeing_iteration_ms": agreed_s * 1e3,
                 "agreeing_tokens_per_iteration": agreed_tokens / bs,
                 "agreeing_speedup": agreed_tokens / agreed_s / (bs / plain[bs]),
             })  # fmt: skip
-            if args.profile:
-                plain_profile, profile = profiles["plain"][bs], profiles[shape][bs]
-                rows[-1].update(plain_kernels=plain_profile["kernels"],
-                                plain_gpu_ms=plain_profile["gpu_ms"], kernels=profile["kernels"],
-                                gpu_ms=profile["gpu_ms"], kernel_table=profile["table"],
-                                plain_kernel_table=plain_profile["table"],
-                                plain_timeline=plain_profile["timeline"],
-                                timeline=profile["timeline"])  # fmt: skip
+            if hosts:
+                rows[-1].update(plain_host=hosts[None][bs], host=hosts[shape][bs])
         del worker, replay
+    if args.profile:
+        profiles = {}
+        for shape in [None, *shapes]:
+            worker, replay = replayer(shape)
+            profiles[shape] = {bs: profile_plan(replay, bs) for bs in sizes}
+            del worker, replay
+        for row in rows:
+            plain_profile, profile = profiles[None][row["batch_size"]], \
+                profiles[row["shape"]][row["batch_size"]]
+            row.update(plain_kernels=plain_profile["kernels"],
+                       plain_gpu_ms=plain_profile["gpu_ms"], kernels=profile["kernels"],
+                       gpu_ms=profile["gpu_ms"], kernel_table=profile["table"],
+                       plain_kernel_table=plain_profile["table"],
+                       plain_timeline=plain_profile["timeline"],
+                       timeline=profile["timeline"])  # fmt: skip
     return rows
 
 
@@ -365,6 +377,12 @@ def print_iterations(args, rows: list[dict]) -> None:
         print(f"{r['mode']:30s} {r['batch_size']:3d} {r['plain_step_ms']:9.3f} "
               f"{r['iteration_ms']:8.3f} {r['ratio']:6.2f} {r['byte_bound']:6.2f} "
               f"{r['agreeing_tokens_per_iteration']:9.2f} {r['agreeing_speedup']:20.2f}x")
+        for name in ("plain_host", "host"):
+            if name in r:
+                h = r[name]
+                print(f"{'':34s} {'plain' if name == 'plain_host' else 'spec':5s} host: launch "
+                      f"{h['launch_us']:.0f} us (graph replay calls {h['replay_us']:.0f}), "
+                      f"finish {h['finish_us']:.0f}")
         if "kernels" in r:
             print(f"{'':34s} kernels {r['plain_kernels']:.0f} -> {r['kernels']:.0f}, GPU busy "
                   f"{r['plain_gpu_ms']:.3f} -> {r['gpu_ms']:.3f} ms")
@@ -376,8 +394,6 @@ def print_iterations(args, rows: list[dict]) -> None:
                           f"{t['span_us']:.0f} (busy {t['busy_us']:.0f}, {t['short_gaps']:.0f} "
                           f"short gaps {t['short_gap_us']:.0f}, {t['long_gaps']:.0f} long "
                           f"{t['long_gap_us']:.0f}), first kernel after {t['lead_us']:.0f}")
-                    print(f"{'':40s} unprofiled host: launch {t['launch_us']:.0f} us (graph "
-                          f"replay calls {t['replay_us']:.0f}), finish {t['finish_us']:.0f}")
                     for g in t["longest_gaps"]:
                         print(f"{'':40s} gap {g['us']:.1f} us after {g['after'][:40]} before "
                               f"{g['before'][:40]}")
