@@ -16,7 +16,8 @@ architecture with random weights is used (mechanics only: its accept length is a
 --mode iteration: the cost of one speculative iteration (draft, verify, accept, draft extend;
 graphed on CUDA) in units of one plain graphed decode step of the same batch, both timed as
 `GPUWorker.execute` of the same decode plan over and over (prompts of --context-len random
-tokens). Each ratio is printed next to its lower bound from bytes: 1 + (bytes the draft
+tokens; the median run). With --profile, each row also gets its kernels, GPU busy time and
+step timeline (`step_timeline`), from profiles taken after all timings. Each ratio is printed next to its lower bound from bytes: 1 + (bytes the draft
 forwards of one iteration read: draft weights + LM head) / (bytes of one target forward). It
 runs twice: with the random draft (accept length about 1), then with a constructed
 always-agreeing draft (the target's final norm zeroed, so its argmax is token 0, and the draft's
@@ -30,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -148,15 +150,20 @@ class Replayer:
 
 
 def time_plan(replay: Replayer, bs: int | None, device: str, iters: int) -> tuple[float, int]:
-    """Seconds per run of the plan for bs requests, and the tokens the last run emitted."""
+    """Seconds per run of the plan for bs requests (the median over `iters` runs, each timed
+    alone: a run ends when its results are on the host, and the median is not moved by the
+    odd run that a garbage collection or another process on the machine slows down), and
+    the tokens the last run emitted."""
     for _ in range(3):
         result = replay.execute(bs)
     sync(device)
-    start = time.perf_counter()
+    times = []
     for _ in range(iters):
+        start = time.perf_counter()
         result = replay.execute(bs)
+        times.append(time.perf_counter() - start)
     sync(device)
-    return (time.perf_counter() - start) / iters, sum(unpack_ids(result.num_tokens))
+    return statistics.median(times), sum(unpack_ids(result.num_tokens))
 
 
 def spin(replay: Replayer, bs: int, name: str, seconds: float) -> None:
