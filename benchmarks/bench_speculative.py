@@ -16,13 +16,13 @@ architecture with random weights is used (mechanics only: its accept length is a
 --mode iteration: the cost of one speculative iteration (draft, verify, accept, draft extend;
 graphed on CUDA) in units of one plain graphed decode step of the same batch, both timed as
 `GPUWorker.execute` of the same decode plan over and over (prompts of --context-len random
-tokens; the median run). With --profile, each row also gets its kernels, GPU busy time and
-step timeline (`step_timeline`), from profiles taken after all timings. Each ratio is printed next to its lower bound from bytes: 1 + (bytes the draft
-forwards of one iteration read: draft weights + LM head) / (bytes of one target forward). It
-runs twice: with the random draft (accept length about 1), then with a constructed
-always-agreeing draft (the target's final norm zeroed, so its argmax is token 0, and the draft's
-proposals mapped to token 0: every draft is accepted), which gives decode tokens/s at full
-acceptance against plain decoding's.
+tokens; the median run). Each ratio is printed next to its lower bound from bytes: 1 + (bytes
+the draft forwards of one iteration read: draft weights + LM head) / (bytes of one target
+forward). With --profile, each row also gets its kernels, GPU busy time and step timeline
+(`step_timeline`), from profiles taken after all timings. It runs twice: with the random draft
+(accept length about 1), then with a constructed always-agreeing draft (the target's final norm
+zeroed, so its argmax is token 0, and the draft's proposals mapped to token 0: every draft is
+accepted), which gives decode tokens/s at full acceptance against plain decoding's.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SHORT_GAP_US = 4.0  # below this, a gap is one kernel node following another
+from gpu_worker.step_profile import SHORT_GAP_US, device_gaps
 
 
 @dataclass(frozen=True)
@@ -50,29 +50,17 @@ def step_timeline(intervals: list[Interval], short_us: float = SHORT_GAP_US,
     (count, total) and long ones (count, total, and the `longest` with the intervals around
     them), all in microseconds. start: when the device could have begun the step (the end of
     the marker before it); lead_us is then the wait for its first interval."""
-    ordered = sorted(intervals, key=lambda i: i.start)
-    if not ordered:
-        return {"span_us": 0.0, "busy_us": 0.0, "short_gaps": 0, "short_gap_us": 0.0,
-                "long_gaps": 0, "long_gap_us": 0.0, "lead_us": 0.0,
-                "longest_gaps": []}  # fmt: skip
-    busy, short, long_ = 0.0, [], []
-    run_start, reach, last = ordered[0].start, ordered[0].end, ordered[0]
-    for item in ordered[1:]:
-        gap = item.start - reach
-        if gap > 0:
-            busy += reach - run_start
-            run_start = item.start
-            (short if gap < short_us else long_).append((gap, last.name, item.name))
-        if item.end > reach:
-            reach, last = item.end, item
-    busy += reach - run_start
+    ordered = sorted(intervals, key=lambda i: (i.start, i.end))
+    gaps = device_gaps([(i.start, i.end) for i in ordered], short_us)
+    named = []
+    for gap, after in gaps.longest[:longest]:
+        before = max(ordered[:after], key=lambda i: i.end)  # the interval that ended last
+        named.append({"us": gap, "after": before.name[:60], "before": ordered[after].name[:60]})
+    lead = 0.0 if start is None or not ordered else ordered[0].start - start
     return {
-        "span_us": reach - ordered[0].start, "busy_us": busy,
-        "lead_us": 0.0 if start is None else ordered[0].start - start,
-        "short_gaps": len(short), "short_gap_us": sum(g for g, _, _ in short),
-        "long_gaps": len(long_), "long_gap_us": sum(g for g, _, _ in long_),
-        "longest_gaps": [{"us": g, "after": a[:60], "before": b[:60]}
-                         for g, a, b in sorted(long_, reverse=True)[:longest]],
+        "span_us": gaps.span, "busy_us": gaps.busy, "lead_us": lead,
+        "short_gaps": gaps.short_count, "short_gap_us": gaps.short_total,
+        "long_gaps": gaps.long_count, "long_gap_us": gaps.long_total, "longest_gaps": named,
     }  # fmt: skip
 
 

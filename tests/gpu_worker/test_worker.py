@@ -186,12 +186,21 @@ def test_worker_requires_a_resolved_config(tiny_dirs):
         GPUWorker(config)
 
 
-def test_busy_and_span_merge_overlapping_kernel_intervals():
-    from gpu_worker.step_profile import busy_and_span_us
+def test_device_gaps_merge_overlapping_kernels_and_split_short_from_long():
+    from gpu_worker.step_profile import device_gaps
 
-    assert busy_and_span_us([]) == (0.0, 0.0)
-    # [0, 4) and [2, 5) overlap; [7, 8) after a gap of 2; [7.5, 7.6) inside it
-    assert busy_and_span_us([(7.0, 8.0), (0.0, 4.0), (2.0, 5.0), (7.5, 7.6)]) == (6.0, 8.0)
+    empty = device_gaps([])
+    assert (empty.busy, empty.span, empty.short_count, empty.long_count) == (0.0, 0.0, 0, 0)
+    # [0, 4) and [2, 5) overlap; [7, 8) after a gap of 2; [7.5, 7.6) inside it; [8.5, 9)
+    # after a short gap of 0.5 (with a limit of 1); [20, 21) after a long one of 11
+    gaps = device_gaps([(7.0, 8.0), (0.0, 4.0), (20.0, 21.0), (2.0, 5.0), (7.5, 7.6),
+                        (8.5, 9.0)], short=1.0)  # fmt: skip
+    assert (gaps.busy, gaps.span) == (7.5, 21.0)
+    assert (gaps.short_count, gaps.short_total) == (1, 0.5)
+    assert (gaps.long_count, gaps.long_total) == (2, 13.0)
+    # longest first, each with the start-order index of the interval after it
+    assert gaps.longest == [(11.0, 5), (2.0, 2)]
+    assert gaps.busy + gaps.short_total + gaps.long_total == gaps.span
 
 
 def test_malformed_plans_are_refused_with_the_reason():
