@@ -96,3 +96,33 @@ def test_random_grow_shrink_free_keeps_slots_disjoint_and_ends_whole(page_size):
     for row in list(lens):
         alloc.free(row)
     assert alloc.is_whole()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_short_and_long_slot_ranges_agree(page_size):
+    """Short ranges (a decode step's) take a pure-Python path, long ones numpy: the same slots,
+    and what grow returns is what slots reads back."""
+    rng = random.Random(7)
+    alloc = KVAllocator(num_pages=1000, page_size=page_size, max_running_requests=3)
+    rows = [alloc.alloc_row() for _ in range(3)]
+    grown = {row: [] for row in rows}
+    for _ in range(120):  # interleaved one- and few-position grows scatter the pages
+        row = rng.choice(rows)
+        new_len = alloc.allocated_len(row) + rng.choice([1, 1, 3, 7])
+        grown[row] += alloc.grow(row, new_len).tolist()
+    for row in rows:
+        length = alloc.allocated_len(row)
+        whole = alloc.slots(row, 0, length)  # longer than SHORT_RANGE: numpy
+        assert length > 16 and whole.tolist() == grown[row]
+        pieces = [alloc.slots(row, a, min(a + 5, length)) for a in range(0, length, 5)]
+        assert np.concatenate(pieces).tolist() == whole.tolist()
+
+
+def test_a_one_page_grow_reuses_the_page_given_back_last():
+    alloc = KVAllocator(num_pages=10, page_size=2, max_running_requests=2)
+    a, b = alloc.alloc_row(), alloc.alloc_row()
+    alloc.grow(a, 6)  # pages 1, 2, 3
+    alloc.shrink(a, 2)  # gives back 3 then 2: 2 is the last given back
+    assert alloc.grow(b, 1).tolist() == [2 * 2]  # page 2, slot 4
+    assert alloc.grow(b, 3).tolist() == [2 * 2 + 1, 3 * 2]  # then page 3
+    assert alloc.grow(a, 3).tolist() == [4 * 2]  # then a fresh page
