@@ -111,7 +111,9 @@ class StageGraph:
         bucket = self.bucket_for(bs)
         for key, value in inputs.items():
             static = self.inputs[key]
-            if value.data_ptr() == static.data_ptr():  # written in place by an earlier stage
+            if value.data_ptr() == static.data_ptr():
+                # Written in place by the stage bound to this buffer, which has just run for
+                # the same batch (its bucket's rows, padded ones included).
                 continue
             static[:bs].copy_(value.reshape(bs, *static.shape[1:]))
             if self.filled > bs:  # rows of an earlier, larger batch: back to the dummies

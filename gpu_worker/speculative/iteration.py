@@ -161,7 +161,8 @@ class SpeculativeWorker:
         prefix_cpu: their committed lengths on the host for backends that read them
         (placeholders otherwise). on_accepted(step) runs once acceptance is queued, before the
         draft extend (the caller starts copying the results there). The rows' `RowState` has
-        advanced once the extend has run."""
+        advanced once the extend has run. The step returned may view stage buffers that the
+        next iteration's propose stage overwrites: it holds until then, in stream order."""
         proposed = self.propose_stage({"rows": rows}, prefix_cpu)
         prefix_lens = proposed["prefix_lens"]
         tree = tree_from_tensors(proposed, self.shape)
