@@ -131,8 +131,7 @@ class SpeculativeWorker:
         return {**tree_tensors(tree), "logits": out.next_token_logits, "features": features,
                 "rows": rows, "prefix_lens": prefix_lens,
                 "greedy_predict": greedy.predict, "greedy_accept_index": greedy.accept_index,
-                "greedy_num_correct": greedy.num_correct,
-                "greedy_accept_lens": greedy.num_correct + 1,
+                "greedy_accept_lens": greedy.accept_lens,
                 "greedy_tokens": accepted_tokens(greedy),
                 "greedy_features": compact_rows(features, greedy)}  # fmt: skip
 
@@ -165,17 +164,17 @@ class SpeculativeWorker:
         next iteration's propose stage overwrites: it holds until then, in stream order."""
         proposed = self.propose_stage({"rows": rows}, prefix_cpu)
         prefix_lens = proposed["prefix_lens"]
-        tree = tree_from_tensors(proposed, self.shape)
         if self.sampling.plain_greedy(rows_cpu):
-            correct, accept_lens = proposed["greedy_num_correct"], proposed["greedy_accept_lens"]
+            accept_lens = proposed["greedy_accept_lens"]
             result = VerifyResult(proposed["greedy_predict"], proposed["greedy_accept_index"],
-                                  correct, accept_lens)  # fmt: skip
+                                  accept_lens)  # fmt: skip
             if want_logprobs:
                 step = read_step(result, proposed["logits"], want_logprobs)
             else:  # the read-off the stage made: its outputs are the extend's inputs
                 step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
             features = proposed["greedy_features"]  # [bs*(S+1), H_f]
         else:
+            tree = tree_from_tensors(proposed, self.shape)
             result, step = accept_and_read(
                 self.sampling, tree, proposed["logits"], rows, rows_cpu, want_logprobs
             )

@@ -33,14 +33,18 @@ class VerifyResult:
     """Outcome of verifying a batch of trees (all int64, on the tree's device).
 
     predict [bs*ND]: token following each accepted node (0 elsewhere); accept_index [bs, S+1]:
-    global node ids along the accepted path (-1 padded); num_correct [bs]: accepted drafts
-    (root excluded); accept_lens [bs] = num_correct + 1 (tokens emitted this step).
+    global node ids along the accepted path (-1 padded); accept_lens [bs]: tokens emitted this
+    step (the accepted drafts, then the bonus token).
     """
 
     predict: torch.Tensor
     accept_index: torch.Tensor
-    num_correct: torch.Tensor
     accept_lens: torch.Tensor
+
+    @property
+    def num_correct(self) -> torch.Tensor:
+        """[bs] accepted drafts (the root excluded)."""
+        return self.accept_lens - 1
 
 
 def child_lists(tree: DraftTree) -> torch.Tensor:
@@ -103,7 +107,7 @@ def assemble_result(
     accept_index = torch.where(accepted, accept_local + base, -1)
     predict = torch.zeros(bs * nd + 1, device=device, dtype=torch.int64)  # last = dummy sink
     predict.scatter_(0, torch.where(accepted, accept_index, bs * nd).flatten(), follow.flatten())
-    return VerifyResult(predict[: bs * nd], accept_index, num_correct, num_correct + 1)
+    return VerifyResult(predict[: bs * nd], accept_index, num_correct + 1)
 
 
 def verify_greedy(tree: DraftTree, target_predict: torch.Tensor) -> VerifyResult:

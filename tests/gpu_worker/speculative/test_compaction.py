@@ -41,7 +41,6 @@ def test_move_accepted_kv_sizes():
     result = VerifyResult(
         predict=torch.zeros(2 * nd, dtype=torch.int64),
         accept_index=torch.tensor([[0, 2, 5, -1], [6, 7, 9, -1]]),  # paths [0,2,5] and [0,1,3]
-        num_correct=torch.tensor([2, 2]),
         accept_lens=torch.tensor([3, 3]),
     )
     prefix_lens = [5, 9]
