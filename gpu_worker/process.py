@@ -34,6 +34,7 @@ from aerie import codec, endpoints
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, Heartbeat, Shutdown
 from aerie.process import HeartbeatResponder, run_process
+from aerie.step_trace import StepTrace
 from aerie.transport import Receiver, Sender
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.step_profile import StepProfiler
@@ -80,6 +81,8 @@ class WorkerLoop:
         self.running = True
         self.launched: deque[Launched] = deque()
         self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
+        # AERIE_STEP_TRACE (benchmarks only): rank 0's host timestamps of every step.
+        self.trace = StepTrace.from_env(self.name) if rank == 0 else None
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
             Shutdown: self.handle_shutdown,
@@ -107,10 +110,14 @@ class WorkerLoop:
                 follower.send_encoded(data)
 
     def handle_plan(self, plan: ForwardPlan) -> None:
+        if self.trace is not None:
+            self.trace.mark("plan_in", plan.plan_id)
         self.forward(plan)
         if self.profiler is not None:
             self.profiler.on_launch()
         self.launched.append(self.worker.launch(plan))
+        if self.trace is not None:
+            self.trace.mark("launched", plan.plan_id)
 
     def handle_shutdown(self, message: Shutdown) -> None:
         self.forward(message)
@@ -134,11 +141,17 @@ class WorkerLoop:
             if message is not None:
                 self.dispatch(message)
             elif self.launched[0].ready():
+                if self.trace is not None:
+                    self.trace.mark("ready", self.launched[0].plan_id)
                 result = self.worker.finish(self.launched.popleft())
+                if self.trace is not None:
+                    self.trace.mark("result_out", result.plan_id)
                 if self.scheduler is not None:
                     self.scheduler.send(result)
                 if self.profiler is not None:
                     self.profiler.on_finish()
+        if self.trace is not None:
+            self.trace.write()
         self.inbox.close()
         for sender in (self.scheduler, *self.followers):
             if sender is not None:

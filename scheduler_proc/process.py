@@ -32,6 +32,7 @@ from aerie.messages import (
 )
 from aerie.model_info import read_model_info
 from aerie.process import HeartbeatResponder, run_process
+from aerie.step_trace import StepTrace
 from aerie.transport import Receiver, Sender
 from scheduler_proc.scheduler import Scheduler
 
@@ -95,6 +96,8 @@ class SchedulerLoop:
         self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
         self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
         self.applied: list[RequestDelta] = []  # from results, sent after the next plan
+        self.trace = StepTrace.from_env(self.name)  # AERIE_STEP_TRACE (benchmarks only)
+        self.traced_results: list[int] = []  # plan ids of the results behind `applied`
         self.running = True
         self.stalled = False  # has work, but no plan could be made
         self._last_stats: SchedulerStats | None = None
@@ -112,13 +115,20 @@ class SchedulerLoop:
         plan = self.core.oldest_in_flight
         if plan is None:
             raise RuntimeError(f"StepResult {result.plan_id} arrived with no plan in flight")
+        if self.trace is not None:
+            self.trace.mark("result_in", result.plan_id)
         deltas = self.core.apply_result(plan, result)
         if deltas is not None:
             self.applied.extend(deltas.deltas)
+        if self.trace is not None:
+            self.trace.mark("applied", result.plan_id)
+            self.traced_results.append(result.plan_id)
 
     def handle_shutdown(self, msg: Shutdown) -> None:
         logger.info("shutting down (%s)", msg.reason or "no reason given")
         self.running = False
+        if self.trace is not None:
+            self.trace.write()
 
     def dispatch(self, message: Any) -> None:
         handler = self._handlers.get(type(message))
@@ -146,6 +156,9 @@ class SchedulerLoop:
             if plan is None:
                 self.stalled = True  # wait for a message (a result, a request) to try again
                 break
+            if self.trace is not None:
+                self.trace.mark("plan_out", plan.plan_id)
+                self.trace.plan(plan.plan_id, plan.mode, len(plan.rows) // 4)  # int32 rows
             self.to_worker.send(plan)
         queued = self.core.take_deltas()
         self.applied.extend(queued.deltas if queued is not None else [])
@@ -153,6 +166,10 @@ class SchedulerLoop:
             self.send_deltas(TokenDeltas(deltas=self.applied))
             self.applied = []
         self.send_stats()
+        if self.trace is not None:
+            for plan_id in self.traced_results:
+                self.trace.mark("done", plan_id)
+            self.traced_results = []
 
     def send_deltas(self, deltas: TokenDeltas | None) -> None:
         if deltas is not None:

@@ -1,0 +1,91 @@
+"""`StepTrace`: when each served step passes through the scheduler and the GPU worker, as host
+timestamps on one clock (benchmarks and diagnosis only; off unless the variable is set).
+
+Set `AERIE_STEP_TRACE=FIRST,COUNT,DIR` in a launched server's environment: the scheduler and
+the GPU worker record the events of plans FIRST .. FIRST+COUNT-1 (the scheduler's plan ids,
+which count from 1 and include prefill steps) and each writes `DIR/<process>.json` once it
+sees a plan past the window, or at shutdown. Times are CLOCK_MONOTONIC nanoseconds, one clock
+for every process on the machine, so the files merge into one timeline
+(`tools/step_trace_summary.py` does that and prints where a step's time goes).
+
+Events, by plan id:
+    scheduler  result_in   its StepResult received, before it is applied
+               applied     applied: outputs, finishes and KV updated, deltas queued
+               plan_out    the plan built, about to be sent (its mode and batch size kept)
+               done        its result's deltas and the stats sent: the loop is free again
+    worker     plan_in     the plan received
+               launched    its work queued on the device
+               ready       its results found ready (the device is done with it, to within one
+                           poll of the worker's loop)
+               result_out  its StepResult packed, about to be sent
+
+With the overlap schedule the scheduler plans step N+2 once step N's result is applied, while
+the device runs step N+1; the device waits whenever `launched(N+2)` comes after `ready(N+1)`.
+The trace shows which link of that chain (the worker's packing, the two socket hops, the
+scheduler's apply and plan, the worker's launch) makes it late. Recording costs a list append
+per event (about a microsecond per step per process); nothing else changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+ENV = "AERIE_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, process: str, first: int, count: int, directory: str) -> None:
+        if first < 1 or count < 1:
+            raise ValueError(f"{ENV}: FIRST and COUNT must be >= 1")
+        self.process, self.directory = process, directory
+        self.first, self.end = first, first + count
+        self.events: list[tuple[str, int, int]] = []  # (event, plan id, monotonic ns)
+        self.plans: dict[int, tuple[str, int]] = {}  # plan id -> (mode, batch size)
+        self.written = False
+
+    @classmethod
+    def from_env(cls, process: str) -> StepTrace | None:
+        """The trace `AERIE_STEP_TRACE` asks for, or None when it is not set."""
+        value = os.environ.get(ENV)
+        if not value:
+            return None
+        try:
+            first, count, directory = value.split(",", 2)
+            trace = cls(process, int(first), int(count), directory)
+        except ValueError as e:
+            raise ValueError(f"{ENV}={value!r}: expected FIRST,COUNT,DIR ({e})") from None
+        os.makedirs(directory, exist_ok=True)
+        return trace
+
+    def mark(self, event: str, plan_id: int) -> None:
+        """Record `event` of plan `plan_id` now; past the window, write the file once."""
+        if plan_id < self.first:
+            return
+        if plan_id >= self.end:
+            self.write()
+            return
+        self.events.append((event, plan_id, time.monotonic_ns()))
+
+    def plan(self, plan_id: int, mode: str, batch_size: int) -> None:
+        """Keep a sent plan's mode and batch size (the scheduler's side)."""
+        if self.first <= plan_id < self.end:
+            self.plans[plan_id] = (mode, batch_size)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, f"{self.process}.json")
+
+    def write(self) -> None:
+        """Write what was recorded (once; later calls do nothing)."""
+        if self.written:
+            return
+        self.written = True
+        with open(self.path, "w") as f:
+            json.dump({"process": self.process, "events": self.events,
+                       "plans": {str(k): v for k, v in self.plans.items()}}, f)  # fmt: skip
+        log.info("step trace: %d events written to %s", len(self.events), self.path)

@@ -1,0 +1,43 @@
+"""AERIE_STEP_TRACE in a launched server: the scheduler and the GPU worker each write their
+events, and the summary walks complete chains of overlapped decode steps from them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+
+from tests.e2e.server import Server
+from tools.step_trace_summary import COLUMNS, load, step_chains, summarise
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_traced_server_writes_every_link_of_its_decode_steps(tiny_model_dirs, tmp_path):
+    trace_dir = tmp_path / "trace"
+    env = {"AERIE_STEP_TRACE": f"1,1000,{trace_dir}"}  # past the run: written at shutdown
+    with Server("--model-path", tiny_model_dirs["llama"], env=env) as server:
+        body = {"sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+
+        def generate(i: int) -> int:
+            reply = httpx.post(server.url + "/generate", json={"text": f"q{i}", **body}, timeout=60)
+            return reply.json()["meta_info"]["completion_tokens"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(generate, range(8))) == [24] * 8
+        server.stop()
+    assert sorted(p.name for p in trace_dir.iterdir()) == ["gpu_worker.json", "scheduler.json"]
+    events, plans = load(str(trace_dir))
+    assert {mode for mode, _ in plans.values()} == {"extend", "decode"}
+    rows = step_chains(events, plans, "decode")
+    assert len(rows) >= 10
+    for row in rows:  # the links follow each other in time
+        assert all(row[name] >= 0 for name in COLUMNS if name in row), row
+        assert row["chain"] >= row["apply"] + row["plan"] + row["launch"]
+    # The overlap schedule (the default) plans step N+2 once step N's result is applied (N+1
+    # when N+1 could not be planned before N's result, as after a prefill).
+    ahead = [row["next_plan_id"] - row["plan_id"] for row in rows]
+    assert set(ahead) <= {1, 2} and ahead.count(2) > len(ahead) / 2, ahead
+    summary = summarise(rows)
+    assert 1 <= summary["batch_size_median"] <= 4

@@ -1,0 +1,131 @@
+"""Where a served step's time goes, from the host timestamps `AERIE_STEP_TRACE` writes
+(`aerie/step_trace.py`): the chain from one step's result to the launch of the step planned
+after it, link by link, and how long the device waited for that launch.
+
+    python3 tools/step_trace_summary.py DIR [--mode decode] [--json OUT]
+
+For each traced step N whose result was applied, with M the next plan the scheduler sent after
+applying it (N+2 with the overlap schedule, N+1 without):
+    pack        ready(N) -> result_out(N)       the worker waits for and packs the result
+    to_sched    result_out(N) -> result_in(N)   encode, socket hop, decode
+    apply       result_in(N) -> applied(N)      outputs, finishes, KV
+    plan        applied(N) -> plan_out(M)       choosing and building the next plan
+    to_worker   plan_out(M) -> plan_in(M)       encode, socket hop, decode
+    launch      plan_in(M) -> launched(M)       parse, upload, replay
+    chain       ready(N) -> launched(M)         all of the above
+    wait        launched(M) - ready(M-1), if positive: the device had finished everything
+                queued before M and waited for the host (to within one worker poll)
+    period      ready(M-1) -> ready(M)          one step of the served loop
+The idle estimate is sum(wait) / sum(period) over the steps with every event.
+Also printed: `busy`, result_in(N) -> done(N), all the scheduler does for a step (the chain's
+part plus sending the deltas and stats): the served loop cannot step faster than that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+
+LINKS = [("pack", "ready", "result_out"), ("to_sched", "result_out", "result_in"),
+         ("apply", "result_in", "applied")]  # fmt: skip
+NEXT_LINKS = [("to_worker", "plan_out", "plan_in"), ("launch", "plan_in", "launched")]
+COLUMNS = ["pack", "to_sched", "apply", "plan", "to_worker", "launch", "chain", "wait",
+           "period", "busy"]  # fmt: skip
+
+
+def load(directory: str) -> tuple[dict[int, dict[str, int]], dict[int, tuple[str, int]]]:
+    """Every trace file of DIR merged: plan id -> {event: ns}, and plan id -> (mode, batch)."""
+    events: dict[int, dict[str, int]] = {}
+    plans: dict[int, tuple[str, int]] = {}
+    paths = sorted(glob.glob(os.path.join(directory, "*.json")))
+    if not paths:
+        raise SystemExit(f"no trace files in {directory} (was AERIE_STEP_TRACE set?)")
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for event, plan_id, ns in data["events"]:
+            events.setdefault(plan_id, {})[event] = ns
+        plans.update({int(k): tuple(v) for k, v in data["plans"].items()})
+    return events, plans
+
+
+def step_chains(
+    events: dict[int, dict[str, int]], plans: dict[int, tuple[str, int]], mode: str | None
+) -> list[dict[str, float]]:
+    """One row per step N with every link of its chain (microseconds; see the docstring).
+    mode: keep only steps whose plan N, M-1 and M all have this mode (None: every step)."""
+    sent = sorted((ev["plan_out"], plan_id) for plan_id, ev in events.items() if "plan_out" in ev)
+    rows = []
+    for plan_id, ev in sorted(events.items()):
+        if "applied" not in ev:
+            continue
+        later = [m for t, m in sent if t >= ev["applied"] and m > plan_id]
+        if not later:
+            continue
+        nxt = later[0]
+        chain_plans = (plan_id, nxt - 1, nxt)
+        if mode is not None and any(plans.get(p, ("",))[0] != mode for p in chain_plans):
+            continue
+        nev, prev = events.get(nxt, {}), events.get(nxt - 1, {})
+        needed = [(ev, e) for _, a, b in LINKS for e in (a, b)]
+        needed += [(nev, e) for _, a, b in NEXT_LINKS for e in (a, b)] + [(prev, "ready")]
+        if any(e not in where for where, e in needed):
+            continue
+        row = {name: (ev[b] - ev[a]) / 1e3 for name, a, b in LINKS}
+        row["plan"] = (nev["plan_out"] - ev["applied"]) / 1e3
+        row.update({name: (nev[b] - nev[a]) / 1e3 for name, a, b in NEXT_LINKS})
+        row["chain"] = (nev["launched"] - ev["ready"]) / 1e3
+        row["wait"] = max(0.0, (nev["launched"] - prev["ready"]) / 1e3)
+        if "ready" in nev:
+            row["period"] = (nev["ready"] - prev["ready"]) / 1e3
+        if "done" in ev:
+            row["busy"] = (ev["done"] - ev["result_in"]) / 1e3
+        row["plan_id"], row["next_plan_id"] = plan_id, nxt
+        row["batch_size"] = plans.get(nxt, ("", 0))[1]
+        rows.append(row)
+    return rows
+
+
+def summarise(rows: list[dict[str, float]]) -> dict:
+    """Median and mean of each link, and the idle estimate over rows with a period."""
+    out: dict = {"steps": len(rows)}
+    for name in COLUMNS:
+        values = [r[name] for r in rows if name in r]
+        if values:
+            out[name] = {"median": statistics.median(values), "mean": statistics.fmean(values)}
+    timed = [r for r in rows if "period" in r]
+    total = sum(r["period"] for r in timed)
+    out["idle_estimate"] = sum(r["wait"] for r in timed) / total if total > 0 else None
+    if rows:
+        out["batch_size_median"] = statistics.median(r["batch_size"] for r in rows)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory")
+    parser.add_argument("--mode", default="decode", help="'decode', 'extend' or 'all'")
+    parser.add_argument("--json", help="write the summary here")
+    args = parser.parse_args(argv)
+    events, plans = load(args.directory)
+    rows = step_chains(events, plans, None if args.mode == "all" else args.mode)
+    summary = summarise(rows)
+    print(f"{summary['steps']} {args.mode} steps, median batch "
+          f"{summary.get('batch_size_median', 0):g}; microseconds:")  # fmt: skip
+    print(f"{'link':>10} {'median':>9} {'mean':>9}")
+    for name in COLUMNS:
+        if name in summary:
+            print(f"{name:>10} {summary[name]['median']:>9.1f} {summary[name]['mean']:>9.1f}")
+    if summary["idle_estimate"] is not None:
+        print(f"device waiting for the host: {100 * summary['idle_estimate']:.1f}% of the steps")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
