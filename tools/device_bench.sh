@@ -245,6 +245,9 @@ if [[ $1 == overlap ]]; then
   # TEMPERATURE / TOP_P: sampled requests instead of greedy ones.
   # PYSPY_S=6 (with py-spy among the carried wheels): host profiles of every process for that
   # many seconds in the runs at PYSPY_CONC (default "64 1"), which then send 8x the requests.
+  # TRACE=1: host timestamps of every step in the scheduler and the worker (AERIE_STEP_TRACE),
+  # summarised per run by tools/step_trace_summary.py (the chain from a step's result to the
+  # next plan's launch, and how long the device waited for it) at batch 48-64 and batch 1.
   # carry: .device-carry/wheels .device-carry/smollm2-config .device-carry/sharegpt_subset.json
   # (or DATASET=.device-carry/sharegpt_small.json, carried instead: the shipped drafts leave
   # too little of the 64 MiB for the 11 MB subset)
@@ -269,6 +272,9 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
   fi
   for mode in ${MODES:-on off}; do
     flag=(); [[ $mode == off ]] && flag=(--disable-overlap-schedule)
+    trace=(); [[ -n ${TRACE:-} ]] && trace=(AERIE_STEP_TRACE=1,1000000,$HOME/trace_${tag}_$mode)
+    rm -rf $HOME/trace_${tag}_$mode
+    env "${trace[@]}" \
     AERIE_PROFILE_STEPS=${PROFILE_FIRST:-150},${PROFILE_COUNT:-50},$OUT/idle_${tag}_$mode.json \
       python launch.py --model-path $model --load-format dummy --port 30000 \
       --max-running-requests 256 "${spec_args[@]}" "${flag[@]}" > "$OUT/server_${tag}_$mode.log" 2>&1 &
@@ -367,6 +373,13 @@ PY
         > "$OUT/host_profile_ttft_${tag}_$mode.txt" 2>&1; rm -f "$OUT"/spy_*.txt
     fi
     kill -TERM $server; wait $server; echo "server exit $?"
+    if [[ -n ${TRACE:-} ]]; then
+      for batch in 48-64 1; do
+        echo "== step trace, $tag overlap $mode, batch $batch"
+        python tools/step_trace_summary.py $HOME/trace_${tag}_$mode --batch-size $batch \
+          --json "$OUT/trace_${tag}_${mode}_b$batch.json"
+      done
+    fi
     # One summary file per server (the device returns only a few files): the summaries of
     # every run; the per-request JSON files are dropped.
     python - "$OUT" "$tag" "$mode" <<'PY'

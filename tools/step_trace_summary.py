@@ -2,7 +2,7 @@
 (`aerie/step_trace.py`): the chain from one step's result to the launch of the step planned
 after it, link by link, and how long the device waited for that launch.
 
-    python3 tools/step_trace_summary.py DIR [--mode decode] [--json OUT]
+    python3 tools/step_trace_summary.py DIR [--mode decode] [--batch-size 48-64] [--json OUT]
 
 For each traced step N whose result was applied, with M the next plan the scheduler sent after
 applying it (N+2 with the overlap schedule, N+1 without):
@@ -108,10 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory")
     parser.add_argument("--mode", default="decode", help="'decode', 'extend' or 'all'")
+    parser.add_argument("--batch-size", default="1-100000", help="next plan's rows: N or LO-HI")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args(argv)
     events, plans = load(args.directory)
-    rows = step_chains(events, plans, None if args.mode == "all" else args.mode)
+    low, _, high = args.batch_size.partition("-")
+    rows = [row for row in step_chains(events, plans, None if args.mode == "all" else args.mode)
+            if int(low) <= row["batch_size"] <= int(high or low)]  # fmt: skip
     summary = summarise(rows)
     print(f"{summary['steps']} {args.mode} steps, median batch "
           f"{summary.get('batch_size_median', 0):g}; microseconds:")  # fmt: skip

@@ -109,3 +109,5 @@ def test_mode_filter_and_the_files_merge(tmp_path):
         (tmp_path / f"{process}.json").write_text(json.dumps({"events": rows, "plans": sent}))
     assert load(str(tmp_path)) == (events, plans)
     assert main([str(tmp_path), "--mode", "all"])["steps"] == 6
+    assert main([str(tmp_path), "--mode", "all", "--batch-size", "9-64"])["steps"] == 0
+    assert main([str(tmp_path), "--mode", "all", "--batch-size", "8"])["steps"] == 6
