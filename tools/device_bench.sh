@@ -62,6 +62,9 @@ if [[ $1 == train ]]; then
   #   b: carry .device-carry/model2 .device-carry/train_b .device-carry/on_device.sh; then
   #      GENERATE_MIN=6 (from prompts) and/or ALGOS="eagle3:9" (algorithm:minutes pairs)
   #   c, d, ...: carry nothing, ALGOS="mtp:5 eagle:4" (--resume continues a run), BENCH=1
+  # SERVE=1 (with the shipped EAGLE-3 draft in the tree, .device-carry/smollm2-config and
+  # .device-carry/mt_bench_questions.jsonl): one served stream on the real model, plain against
+  # speculative (SERVE_SETTINGS, "S,topk,ND" each), with the compiled loop in the same call.
   # ARGS_<algorithm> go to that algorithm's train command (e.g. ARGS_eagle3="--depth 6").
   # Each trained draft comes back as $OUT/draft_ALGO.tar.* (15 MB pieces: cat them, untar).
   # BENCH=1 measures MT-bench (bench_speculative.py) with the drafts trained on this machine
@@ -96,6 +99,52 @@ if [[ $1 == train ]]; then
       --max-minutes "$minutes" --resume ${!extra:-} 2>&1 | tee -a "$OUT/train_$algo.log" | tail -6
     tar cf - -C "$work/$algo" draft train_log.jsonl | split -b 15M - "$OUT/draft_$algo.tar."
   done
+  if [[ -n ${SERVE:-} ]]; then
+    # One served stream on the real default model (HTTP /generate, streaming): plain against
+    # the shipped EAGLE-3 draft (carried in the tree) as a chain and as a tree, on MT-bench's
+    # first turns with the chat template applied, each to its end-of-turn token or SERVE_NEW
+    # tokens; the compiled static-KV loop at batch 1 (bench_decode) in the same call.
+    timeout 200 python benchmarks/bench_decode.py --models .device-carry/smollm2-config \
+      --load-format dummy --batch-size 1 --decode-steps 64 --variants compiled,triton+graph \
+      --warmup-steps 8 --repeats 3 --output "$OUT/decode_baseline_serve.json" 2>&1 \
+      | grep -v "^\[" | tail -4
+    python - "$model" <<'PY'
+import json, os, sys
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+rows = []
+for line in open(".device-carry/mt_bench_questions.jsonl"):
+    q = json.loads(line)["turns"][0]
+    text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                   add_generation_prompt=True)
+    rows.append({"conversations": [{"from": "human", "value": text},
+                                   {"from": "gpt", "value": "x " * 1000}]})
+json.dump(rows, open(os.path.expanduser("~/mtbench_sharegpt.json"), "w"))
+PY
+    draft=aerie/drafts/SmolLM2-135M-Instruct/eagle3
+    for setting in ${SERVE_SETTINGS:-plain 3,1,4 6,8,32}; do
+      args=()
+      if [[ $setting != plain ]]; then
+        IFS=, read -r steps topk nd <<< "$setting"
+        args=(--speculative-algorithm EAGLE3 --speculative-draft-model-path $draft
+              --speculative-num-steps $steps --speculative-eagle-topk $topk
+              --speculative-num-draft-tokens $nd)
+      fi
+      python launch.py --model-path "$model" --port 30000 "${args[@]}" \
+        > "$OUT/server_serve_$setting.log" 2>&1 &
+      server=$!
+      for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+      python benchmarks/bench_serving.py --backend native --num-prompts 16 --max-concurrency 1 \
+        --max-output-len 32 --disable-ignore-eos --dataset-path ~/mtbench_sharegpt.json \
+        --seed 1 > /dev/null 2>&1  # warm-up: new prefill shapes
+      echo "== served one stream, real weights, $setting"
+      timeout 240 python benchmarks/bench_serving.py --backend native --num-prompts 80 \
+        --max-concurrency 1 --max-output-len ${SERVE_NEW:-256} --disable-ignore-eos \
+        --dataset-path ~/mtbench_sharegpt.json --output "$OUT/serve_real_$setting.json" 2>&1 \
+        | grep -E "completed|output throughput|ttft_ms|tpot_ms|accept"
+      kill -TERM $server; wait $server
+    done
+  fi
   if [[ -n ${BENCH:-} ]]; then
     drafts=""
     for pair in EAGLE3=$work/eagle3/draft MTP=$work/mtp/draft EAGLE=$work/eagle/draft \
