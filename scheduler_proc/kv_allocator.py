@@ -6,8 +6,9 @@ Rows are 1..max_running_requests; row 0 is a reserved dummy (CUDA-graph padding)
 handed out and the worker's KV pools need `(num_pages + 1) * page_size` slots.
 
 Per row the allocator keeps its page list and `allocated_len`, the number of positions that
-have slots. `grow` extends it (all or nothing), `shrink` gives back whole pages beyond a
-length (speculative headroom that was not accepted), `free` releases everything.
+have slots. `grow` extends it (all or nothing), `grow_rows` does so for every row of a decode
+step in one call, `shrink` gives back whole pages beyond a length (speculative headroom that
+was not accepted), `free` releases everything.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class KVAllocator:
         held = 0 if row is None else len(self._pages[row])
         return max(0, ceil_div(new_len, self.page_size) - held)
 
+    def pages_needed_rows(self, rows: list[int], new_lens: list[int]) -> int:
+        """Pages `grow_rows(rows, new_lens)` would take: `pages_needed` summed over the rows."""
+        page_size, all_pages = self.page_size, self._pages
+        needs = [
+            -(-n // page_size) - len(all_pages[row]) for row, n in zip(rows, new_lens, strict=True)
+        ]
+        return sum([need for need in needs if need > 0])
+
     def grow(self, row: int, new_len: int) -> np.ndarray | None:
         """Slots for positions [allocated_len, new_len), int32 [new_len - allocated_len].
 
@@ -93,6 +102,48 @@ class KVAllocator:
         self._lens[row] = new_len
         return self.slots(row, old_len, new_len)
 
+    def grow_rows(
+        self, rows: list[int], min_lens: list[int]
+    ) -> tuple[list[int], list[int], list[int]] | None:
+        """A decode step's `grow` of many rows in one call: each row to at least min_lens[i]
+        positions (a row already that long gets no slots).
+
+        Returns (starts, lens, slots): per row the first newly assigned position and how many,
+        and the new slots of every row back to back. The same as calling
+        `grow(row, max(allocated_len(row), min_len))` row after row, the same pages taken in
+        the same order (the pages a run of grows takes are `_take_pages` of their sum). None,
+        allocating nothing, when there are not enough free pages for all of them.
+        """
+        # List comprehensions over the rows: a decode step assigns each row a position or a
+        # few, so numpy's per-call overhead would cost more than the work, and a loop per row
+        # more than these.
+        page_size, all_lens = self.page_size, self._lens
+        starts = [all_lens[row] for row in rows]
+        ends = [n if n > start else start for start, n in zip(starts, min_lens, strict=True)]
+        row_pages = [self._pages[row] for row in rows]
+        # A row holds ceil(allocated_len / page_size) pages (grow and shrink keep it so).
+        needs = [
+            -(-end // page_size) - len(pages) for pages, end in zip(row_pages, ends, strict=True)
+        ]
+        num_new = sum(needs)
+        if num_new > self.num_free_pages:
+            return None
+        taken, next_taken = self._take_pages(num_new), 0
+        for pages, need in zip(row_pages, needs, strict=True):
+            if need:
+                pages += taken[next_taken : next_taken + need]
+                next_taken += need
+        all_lens.update(zip(rows, ends, strict=True))
+        if page_size == 1:  # a page per position: the new positions are the new pages
+            slots = taken
+        else:
+            slots = [
+                pages[p // page_size] * page_size + p % page_size
+                for pages, start, end in zip(row_pages, starts, ends, strict=True)
+                for p in range(start, end)
+            ]
+        return starts, [end - start for start, end in zip(starts, ends, strict=True)], slots
+
     def _take_pages(self, num: int) -> list[int]:
         """num free pages: given-back ones first (most recent first), then fresh ones."""
         reused = min(num, len(self._free_pages))
@@ -105,8 +156,11 @@ class KVAllocator:
 
     def shrink(self, row: int, keep_len: int) -> None:
         """Keep positions [0, keep_len); free whole pages beyond them. keep_len <= allocated."""
-        if keep_len > self._lens[row]:
-            raise ValueError(f"shrink to {keep_len} above allocated length {self._lens[row]}")
+        old_len = self._lens[row]
+        if keep_len >= old_len:  # a decode step that used all of its headroom: nothing to do
+            if keep_len > old_len:
+                raise ValueError(f"shrink to {keep_len} above allocated length {old_len}")
+            return
         pages = self._pages[row]
         num_keep = ceil_div(keep_len, self.page_size)
         if num_keep < len(pages):

@@ -20,7 +20,7 @@ nothing (the `Scheduler` applies the decision).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from aerie.config import AerieConfig
@@ -85,6 +85,7 @@ class DecodeDecision:
     batch: list[Request] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)  # newest first
     fits: bool = True  # the batch's headroom fits in the free KV (after the retractions)
+    ends: list[int] = field(default_factory=list)  # `decode_end` of each batch request
 
 
 class SchedulePolicy:
@@ -96,10 +97,9 @@ class SchedulePolicy:
         decode_alloc_len: int,
         max_running_requests: int,
         max_in_flight: int = 1,
-        context_length: int | None = None,
     ) -> None:
-        """max_in_flight: plans the scheduler keeps in flight (2 with overlap)."""
-        self.context_length = context_length
+        """max_in_flight: plans the scheduler keeps in flight (2 with overlap). The context
+        length is each request's own (`Request.max_output_len`)."""
         self.chunked_prefill_size = chunked_prefill_size
         self.decode_alloc_len = decode_alloc_len
         self.max_running_requests = max_running_requests
@@ -118,11 +118,9 @@ class SchedulePolicy:
 
     def finishes_in_flight(self, req: Request) -> bool:
         """Whether the plans in flight finish it for sure (each one that samples for it adds
-        at least one token): it must not decode again, its extra tokens would be dropped."""
-        produced = req.seq_len + req.samples_in_flight
-        if self.context_length is not None and produced >= self.context_length:
-            return True
-        return len(req.output_ids) + req.samples_in_flight >= req.sampling.max_new_tokens
+        at least one token) by max_new_tokens or the context length: it must not decode again,
+        its extra tokens would be dropped."""
+        return len(req.output_ids) + req.samples_in_flight >= req.max_output_len
 
     def is_decoding(self, req: Request) -> bool:
         """Prefilled, and not certain to finish before its next decode step could run."""
@@ -139,8 +137,9 @@ class SchedulePolicy:
         """Prefer prefill, but after an extend step run decode if anyone is decoding."""
         return has_prefill and (not has_decode or last_mode != "extend")
 
-    def decode_pages_needed(self, decoding: Iterable[Request], allocator: KVAllocator) -> int:
-        return sum(allocator.pages_needed(r.req_pool_idx, self.decode_end(r)) for r in decoding)
+    def decode_pages_needed(self, decoding: Sequence[Request], allocator: KVAllocator) -> int:
+        rows = [r.req_pool_idx for r in decoding]
+        return allocator.pages_needed_rows(rows, list(map(self.decode_end, decoding)))
 
     def plan_extend(
         self,
@@ -208,9 +207,13 @@ class SchedulePolicy:
         in flight, or by finished ones a plan in flight still holds, come back only with
         those plans' results.
         """
-        decoding = {r for r in running if self.is_decoding(r)}
-        need = self.decode_pages_needed(decoding, allocator)
+        decoding_list = [r for r in running if self.is_decoding(r)]
+        ends = list(map(self.decode_end, decoding_list))
+        need = allocator.pages_needed_rows([r.req_pool_idx for r in decoding_list], ends)
         free_pages = allocator.num_free_pages
+        if need <= free_pages:  # the usual step: nothing to retract
+            return DecodeDecision(batch=decoding_list, ends=ends)
+        decoding = set(decoding_list)
         kept = list(running)
         retracted: list[Request] = []
         while need > free_pages:
@@ -224,7 +227,8 @@ class SchedulePolicy:
             free_pages += allocator.num_held_pages(req.req_pool_idx)
             retracted.append(req)
         batch = [r for r in kept if r in decoding]
-        return DecodeDecision(batch=batch, retracted=retracted, fits=need <= free_pages)
+        ends = list(map(self.decode_end, batch))
+        return DecodeDecision(batch=batch, retracted=retracted, fits=need <= free_pages, ends=ends)
 
     def _pick_victim(self, kept: Sequence[Request], decoding: set[Request]) -> Request | None:
         """The newest request, unless it is the last decoding one (then the newest prefill)."""

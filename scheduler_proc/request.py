@@ -15,7 +15,7 @@ While `prefix_len < len(fill_ids)` it is prefilling; afterwards it decodes, and 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from aerie.messages import FinishReason, SamplingParams
 
@@ -56,10 +56,19 @@ class Request:
     samples_in_flight: int = 0
     decodes_in_flight: int = 0
     stop_ids: frozenset[int] | None = None  # ids that end it (FinishChecker fills it once)
+    # The model's context length (None: unlimited); only sets max_output_len.
+    context_length: InitVar[int | None] = None
+    # Outputs it may have in all: max_new_tokens, fewer when the context fills first. Constant,
+    # so the per-step checks compare one length (`seq_len + n >= context_length` is
+    # `len(output_ids) + n >= context_length - len(prompt_ids)`).
+    max_output_len: int = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, context_length: int | None) -> None:
         if not self.fill_ids:
             self.fill_ids = list(self.prompt_ids)
+        self.max_output_len = self.sampling.max_new_tokens
+        if context_length is not None:
+            self.max_output_len = min(self.max_output_len, context_length - len(self.prompt_ids))
 
     @property
     def is_prefilling(self) -> bool:

@@ -28,9 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-import numpy as np
-
-from aerie.codec import pack_floats, pack_ids, unpack_ids, unpack_ids_array
+from aerie.codec import pack_floats, pack_ids, unpack_floats, unpack_ids
 from aerie.config import AerieConfig
 from aerie.messages import (
     DetokenizeStart,
@@ -43,7 +41,7 @@ from aerie.messages import (
     TokenizedRequest,
 )
 from scheduler_proc.kv_allocator import KVAllocator
-from scheduler_proc.plan import build_decode_plan, build_extend_plan
+from scheduler_proc.plan import build_decode_plan_columns, build_extend_plan
 from scheduler_proc.policy import NewTokenEstimate, SchedulePolicy, decode_alloc_len_for
 from scheduler_proc.request import ReqState, Request
 from scheduler_proc.stop import FinishChecker
@@ -76,11 +74,9 @@ class Scheduler:
             decode_alloc_len=decode_alloc_len or decode_alloc_len_for(config),
             max_running_requests=max_running,
             max_in_flight=self.max_in_flight,
-            context_length=config.model.context_length,
         )
-        self.finish_checker = FinishChecker(
-            eos_token_ids, decode_tokens, config.model.context_length
-        )
+        self.context_length = config.model.context_length
+        self.finish_checker = FinishChecker(eos_token_ids, decode_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: newest last
         self._requests: dict[str, Request] = {}  # every unfinished request by rid
@@ -109,6 +105,7 @@ class Scheduler:
             sampling=msg.sampling,
             stream=msg.stream,
             return_logprob=msg.return_logprob,
+            context_length=self.context_length,
         )
         self._requests[req.rid] = req
         self._num_requests += 1
@@ -163,10 +160,11 @@ class Scheduler:
         plan, requests, samples = scheduled
         self._in_flight.append((plan, requests, samples))
         self._last_mode = plan.mode
+        decode = plan.mode == "decode"
         for req, sample in zip(requests, samples, strict=True):
             req.in_flight += 1
             req.samples_in_flight += sample
-            req.decodes_in_flight += plan.mode == "decode"
+            req.decodes_in_flight += decode
         return plan
 
     def _schedule(self) -> tuple[ForwardPlan, list[Request], list[bool]] | None:
@@ -220,14 +218,11 @@ class Scheduler:
             self.new_tokens.on_retract(self.running)
         for req in decision.retracted:
             self._retract(req)
-        batch = []
-        for req in decision.batch:
-            start = self.allocator.allocated_len(req.req_pool_idx)
-            slots = self.allocator.grow(req.req_pool_idx, max(start, self.policy.decode_end(req)))
-            assert slots is not None, "policy kept more decoders than the free KV"
-            batch.append((req, start, slots))
-        plan = build_decode_plan(self._take_plan_id(), batch)
-        return plan, decision.batch, [True] * len(batch)
+        batch = decision.batch
+        grown = self.allocator.grow_rows([req.req_pool_idx for req in batch], decision.ends)
+        assert grown is not None, "policy kept more decoders than the free KV"
+        plan = build_decode_plan_columns(self._take_plan_id(), batch, *grown)
+        return plan, batch, [True] * len(batch)
 
     def _retract(self, req: Request) -> None:
         """Free its row and KV and put it at the front of the queue; outputs are kept."""
@@ -259,66 +254,69 @@ class Scheduler:
         if result.plan_id != plan.plan_id:
             raise RuntimeError(f"result {result.plan_id} does not answer plan {plan.plan_id}")
         _, requests, samples = self._in_flight.popleft()
-        num_tokens = unpack_ids_array(result.num_tokens)  # [num_requests]
-        token_ids = unpack_ids_array(result.token_ids)  # [sum(num_tokens)]
-        logprobs = np.frombuffer(result.logprobs, dtype="<f4") if result.logprobs else None
-        num_verify = (
-            unpack_ids_array(result.num_verify)
-            if result.num_verify
-            else np.zeros(len(requests), dtype=np.int32)
-        )
-        ends = np.cumsum(num_tokens)
-        for i, req in enumerate(requests):
+        # Lists, converted once per step: indexing numpy arrays per request costs more.
+        counts = unpack_ids(result.num_tokens)  # [num_requests]
+        ids = unpack_ids(result.token_ids)  # [sum(num_tokens)]
+        logprobs = unpack_floats(result.logprobs) if result.logprobs else None
+        verify = unpack_ids(result.num_verify) if result.num_verify else [0] * len(requests)
+        packed = result.token_ids  # ids as int32 bytes: a delta's token_ids are slices of it
+        decode = plan.mode == "decode"
+        end = 0
+        for req, sample, n, num_verify in zip(requests, samples, counts, verify, strict=True):
+            start, end = end, end + n
             req.in_flight -= 1
-            req.samples_in_flight -= samples[i]
-            req.decodes_in_flight -= plan.mode == "decode"
-            if req.state == ReqState.FINISHED:  # finished while this plan was in flight
+            req.samples_in_flight -= sample
+            req.decodes_in_flight -= decode
+            if req.state is ReqState.FINISHED:  # finished while this plan was in flight
                 if req.in_flight == 0:
                     self._release(req)
                 continue
-            start, end = int(ends[i] - num_tokens[i]), int(ends[i])
-            self._apply_entry(
-                req,
-                plan.mode,
-                int(num_verify[i]),
-                token_ids[start:end],
-                None if logprobs is None else logprobs[start:end],
-            )
+            self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
         return self.take_deltas()
 
     def _apply_entry(
         self,
         req: Request,
-        mode: str,
+        decode: bool,
         num_verify: int,
-        new_ids: np.ndarray,
-        new_logprobs: np.ndarray | None,
+        ids: list[int],
+        logprobs: list[float] | None,
+        packed: bytes,
+        start: int,
+        end: int,
     ) -> None:
+        """Advance req by its tokens ids[start:end] of the step (logprobs alike; packed: the
+        ids as int32 bytes)."""
         req.spec_verify_ct += num_verify
-        if mode == "decode":
+        if decode:
             # The input token and the accepted drafts now have KV; the newest token has none.
-            req.prefix_len += len(new_ids)
-            self._count_accepts(len(new_ids), num_verify)
-        if len(new_ids) == 0:
+            req.prefix_len += end - start
+            if num_verify > 0:
+                self._count_accepts(end - start, num_verify)
+        if start == end:
             return
+        new_ids = ids[start:end]
         num_keep, finish = self.finish_checker.check(req, new_ids)
-        req.output_ids.extend(new_ids[:num_keep].tolist())
+        output_ids = req.output_ids
+        output_ids += new_ids[:num_keep]
         if req.return_logprob:  # keep output_logprobs aligned with output_ids
-            if new_logprobs is None:
+            if logprobs is None:
                 req.output_logprobs.extend([float("nan")] * num_keep)
             else:
-                req.output_logprobs.extend(new_logprobs[:num_keep].tolist())
+                req.output_logprobs.extend(logprobs[start : start + num_keep])
         if finish is not None:
             self._finish(req, finish)
             return
-        if mode == "decode":  # keep what the decode steps still in flight may write
+        if decode:  # keep what the decode steps still in flight may write
             keep = req.prefix_len + self.policy.decode_alloc_len * req.decodes_in_flight
             self.allocator.shrink(req.req_pool_idx, keep)
-        self._emit(req)
+        # The delta carries the outputs not sent yet. When they are the kept new ids (always in
+        # practice: every step sends what it adds), their bytes are a slice of the result's.
+        unsent_is_new = req.num_sent + num_keep == len(output_ids)
+        self._emit(req, packed[4 * start : 4 * (start + num_keep)] if unsent_is_new else None)
 
     def _count_accepts(self, num_accepted: int, num_verify: int) -> None:
-        if num_verify <= 0:
-            return
+        """Acceptance stats of a speculative entry (num_verify > 0)."""
         self._num_decode_tokens += num_accepted
         self._num_verify += num_verify
         if num_verify == 1:
@@ -345,8 +343,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ deltas and stats out
 
-    def _emit(self, req: Request) -> None:
-        """Queue a delta with the outputs not sent yet (and the finish, if any)."""
+    def _emit(self, req: Request, packed_unsent: bytes | None = None) -> None:
+        """Queue a delta with the outputs not sent yet (and the finish, if any).
+
+        packed_unsent: those outputs as int32 bytes, when the caller has them (else packed
+        here; a delta per request per step makes the packing show)."""
         if req.num_sent == len(req.output_ids) and req.finish is None:
             return
         start = None
@@ -358,13 +359,14 @@ class Scheduler:
                 stream=req.stream,
                 prompt_tail_ids=pack_ids(req.prompt_ids[-PROMPT_TAIL_LEN:]),
             )
+        if packed_unsent is None:
+            packed_unsent = pack_ids(req.output_ids[req.num_sent :])
+        logprobs = pack_floats(req.output_logprobs[req.num_sent :]) if req.return_logprob else b""
         self._deltas.append(
             RequestDelta(
                 rid=req.rid,
-                token_ids=pack_ids(req.output_ids[req.num_sent :]),
-                logprobs=(
-                    pack_floats(req.output_logprobs[req.num_sent :]) if req.return_logprob else b""
-                ),
+                token_ids=packed_unsent,
+                logprobs=logprobs,
                 finish=req.finish,
                 prompt_tokens=len(req.prompt_ids),
                 completion_tokens=len(req.output_ids),

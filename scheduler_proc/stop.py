@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from aerie.messages import FinishReason
 from scheduler_proc.request import Request
 
@@ -24,11 +22,10 @@ class FinishChecker:
         self,
         eos_token_ids: tuple[int, ...] | list[int],
         decode_tokens: Callable[[list[int]], str] | None = None,
-        context_length: int | None = None,
     ) -> None:
+        """The max_new_tokens / context limit is the request's own `max_output_len`."""
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode_tokens = decode_tokens
-        self.context_length = context_length
 
     def stop_ids(self, req: Request) -> frozenset[int]:
         """The token ids that end `req` (stop_token_ids, plus EOS unless ignore_eos); built
@@ -40,32 +37,38 @@ class FinishChecker:
             req.stop_ids = frozenset(ids)
         return req.stop_ids
 
-    def check(self, req: Request, new_ids: np.ndarray) -> tuple[int, FinishReason | None]:
-        """How many of `new_ids` (int [n]) to keep, and the finish reason if the run ends it.
+    def check(self, req: Request, new_ids: list[int]) -> tuple[int, FinishReason | None]:
+        """How many of `new_ids` to keep, and the finish reason if the run ends it.
 
         Does not mutate `req`; `req.output_ids` must not yet contain `new_ids`.
         """
+        # Most runs end nothing: below the length limit, no stop id, no stop string to look
+        # for. Tell them apart with one comparison and one set test (this runs for every
+        # request each step); `_check_run` cuts the others.
+        if (
+            len(req.output_ids) + len(new_ids) < req.max_output_len
+            and not (req.sampling.stop and self.decode_tokens is not None)
+            and self.stop_ids(req).isdisjoint(new_ids)
+        ):
+            return len(new_ids), None
+        return self._check_run(req, new_ids)
+
+    def _check_run(self, req: Request, new_ids: list[int]) -> tuple[int, FinishReason | None]:
+        """`check` for any run: where it is cut and why."""
         sampling = req.sampling
-        limit = min(len(new_ids), max(sampling.max_new_tokens - len(req.output_ids), 0))
-        if self.context_length is not None:
-            limit = min(limit, max(self.context_length - req.seq_len, 0))
+        limit = min(len(new_ids), max(req.max_output_len - len(req.output_ids), 0))
         num_keep, finish = limit, None
         stop_ids = self.stop_ids(req)
         if stop_ids and limit:
-            hit = next((i for i, t in enumerate(new_ids[:limit].tolist()) if t in stop_ids), None)
+            hit = next((i for i, t in enumerate(new_ids[:limit]) if t in stop_ids), None)
             if hit is not None:
-                num_keep, finish = hit + 1, FinishReason("stop", matched=int(new_ids[hit]))
+                num_keep, finish = hit + 1, FinishReason("stop", matched=new_ids[hit])
         if sampling.stop and self.decode_tokens is not None and num_keep:
-            found = self._find_stop_string(req, new_ids[:num_keep].tolist())
+            found = self._find_stop_string(req, new_ids[:num_keep])
             if found is not None:
                 num_keep, finish = found[0], FinishReason("stop", matched=found[1])
-        if finish is None and len(req.output_ids) + num_keep >= sampling.max_new_tokens:
-            finish = FinishReason("length")
-        context_full = (
-            self.context_length is not None and req.seq_len + num_keep >= self.context_length
-        )
-        if finish is None and context_full:
-            finish = FinishReason("length")
+        if finish is None and len(req.output_ids) + num_keep >= req.max_output_len:
+            finish = FinishReason("length")  # max_new_tokens or the context length
         return num_keep, finish
 
     def _find_stop_string(self, req: Request, new_ids: list[int]) -> tuple[int, str] | None:

@@ -126,3 +126,63 @@ def test_a_one_page_grow_reuses_the_page_given_back_last():
     assert alloc.grow(b, 1).tolist() == [2 * 2]  # page 2, slot 4
     assert alloc.grow(b, 3).tolist() == [2 * 2 + 1, 3 * 2]  # then page 3
     assert alloc.grow(a, 3).tolist() == [4 * 2]  # then a fresh page
+
+
+def allocator_state(alloc: KVAllocator) -> tuple:
+    """Everything that decides what the allocator hands out next (free list order included)."""
+    return (dict(alloc._lens), {r: list(p) for r, p in alloc._pages.items()},
+            list(alloc._free_pages), alloc._next_fresh, list(alloc._free_rows))  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_grow_rows_is_grow_row_after_row(page_size):
+    """grow_rows (a decode step's batched grow) returns the slots, and takes the same pages in
+    the same order, as `grow(row, max(allocated_len, n))` for each row in turn; a batch that
+    does not fit allocates nothing. Shrinks and frees in between make it reuse pages."""
+    rng = random.Random(11 * page_size)
+    num_pages = 64 // page_size  # small enough that some batches do not fit
+    batched = KVAllocator(num_pages=num_pages, page_size=page_size, max_running_requests=8)
+    single = KVAllocator(num_pages=num_pages, page_size=page_size, max_running_requests=8)
+    rows: list[int] = []
+    num_grown = num_refused = 0
+    for _ in range(800):
+        op = rng.random()
+        if op < 0.1 and batched.num_free_rows:
+            rows.append(batched.alloc_row())
+            assert single.alloc_row() == rows[-1]
+        elif rows and op < 0.2:
+            row = rows.pop(rng.randrange(len(rows)))
+            batched.free(row)
+            single.free(row)
+        elif rows and op < 0.45:
+            row = rng.choice(rows)
+            keep = rng.randint(0, batched.allocated_len(row))
+            batched.shrink(row, keep)
+            single.shrink(row, keep)
+        elif rows:
+            chosen = rng.sample(rows, rng.randint(0, len(rows)))  # any order, any subset
+            # below, at or above the allocated length (the decode step's usual one or few)
+            min_lens = [max(0, batched.allocated_len(r) + rng.choice([-2, 0, 1, 1, 2, 5]))
+                        for r in chosen]  # fmt: skip
+            needed = sum(single.pages_needed(r, n) for r, n in zip(chosen, min_lens, strict=True))
+            assert batched.pages_needed_rows(chosen, min_lens) == needed
+            before = allocator_state(batched)
+            grown = batched.grow_rows(chosen, min_lens)
+            if needed > single.num_free_pages:
+                assert grown is None and allocator_state(batched) == before
+                num_refused += 1
+                continue
+            starts, lens, slots = grown
+            expected_slots = []
+            for i, (row, n) in enumerate(zip(chosen, min_lens, strict=True)):
+                assert starts[i] == single.allocated_len(row)
+                new = single.grow(row, max(single.allocated_len(row), n))
+                assert lens[i] == len(new)
+                expected_slots += new.tolist()
+            assert slots == expected_slots
+            num_grown += 1
+        assert allocator_state(batched) == allocator_state(single)
+    assert num_grown > 100 and num_refused > 5
+    for row in rows:
+        batched.free(row)
+    assert batched.is_whole()
