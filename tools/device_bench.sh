@@ -332,7 +332,8 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
     # Warm-up at the largest concurrency: the first prefills of new shapes compile kernels.
     python benchmarks/bench_serving.py --num-prompts 256 --output-len 16 --max-concurrency 256 \
       --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model --seed 7 > /dev/null 2>&1
-    for conc in ${CONCURRENCY:-64 1 8 32 128 256} poisson; do
+    poisson=poisson; [[ ${POISSON:-1} == 0 ]] && poisson=""  # POISSON=0: no Poisson run
+    for conc in ${CONCURRENCY:-64 1 8 32 128 256} $poisson; do
       backend=openai; [[ $conc == 1 ]] && backend=native
       if [[ $conc == poisson ]]; then rate=${POISSON_RATE:-32}; n=256; c=256
       else rate=inf; n=$((conc == 1 ? ${N1:-8} : conc * 2)); c=$conc; fi  # N1: requests at c=1
