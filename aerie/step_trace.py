@@ -14,6 +14,9 @@ Events, by plan id:
                plan_out    the plan built, about to be sent (its mode and batch size kept)
                done        its result's deltas and the stats sent: the loop is free again
     worker     plan_in     the plan received
+               parsed, slots_written, stepped
+                           inside the launch: the plan read (rows started), the KV slots
+                           recorded, the step's graph replayed (plain decode steps only)
                launched    its work queued on the device
                ready       its results found ready (the device is done with it, to within one
                            poll of the worker's loop)

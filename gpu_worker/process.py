@@ -83,6 +83,7 @@ class WorkerLoop:
         self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
         # AERIE_STEP_TRACE (benchmarks only): rank 0's host timestamps of every step.
         self.trace = StepTrace.from_env(self.name) if rank == 0 else None
+        self.worker.trace = self.trace
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
             Shutdown: self.handle_shutdown,

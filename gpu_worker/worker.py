@@ -30,6 +30,7 @@ import torch
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, RequestStart, StepResult
+from aerie.step_trace import StepTrace
 from gpu_worker.build import build_models, graph_max_bs, prefill_graph_tokens
 from gpu_worker.decode_step import DecodeStep
 from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
@@ -80,6 +81,7 @@ class GPUWorker:
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
+        self.trace: StepTrace | None = None  # set by the worker process (AERIE_STEP_TRACE)
         self.results = HostCopy(self.device)  # and its results come back in one
 
     def info(self) -> dict[str, int | float | str]:
@@ -113,7 +115,9 @@ class GPUWorker:
         if arrays.batch_size == 0:
             empty = StepResult(plan_id=plan.plan_id, num_tokens=b"", token_ids=b"")
             return Launched(plan.plan_id, None, lambda _: empty)
+        self._mark("parsed", plan.plan_id)
         rows = self._write_slots(arrays)
+        self._mark("slots_written", plan.plan_id)
         if plan.mode == "extend":
             return self._launch_extend(plan.plan_id, arrays, rows)
         if self.spec is not None:
@@ -161,6 +165,7 @@ class GPUWorker:
         want = bool(self.return_logprob[arrays.rows].any())
         variant = self.decode_step.variant_for(arrays.rows, want)
         out = self.decode_step(rows, variant)  # samples and commits each row's token
+        self._mark("stepped", plan_id)
         token_ids, logprobs = out.tokens, out.logprobs if want else None
         self.sampling.observe(rows, token_ids)
         copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
@@ -211,6 +216,11 @@ class GPUWorker:
         return Launched(plan_id, copy, pack)
 
     # ------------------------------------------------------------------------------ helpers
+
+    def _mark(self, event: str, plan_id: int) -> None:
+        """A point inside a launch for the step trace (`aerie.step_trace`), when one is on."""
+        if self.trace is not None:
+            self.trace.mark(event, plan_id)
 
     def _start_request(self, start: RequestStart) -> None:
         if not 0 < start.row <= self.max_running_requests:

@@ -39,6 +39,10 @@ from scheduler_proc.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
+# How long the loop polls without sleeping for the result of a step in flight, before it
+# blocks: longer than a step of a small model, short enough not to hold a core for a long
+# prefill or a stalled worker.
+RESULT_SPIN_S = 0.005
 
 
 def load_decoder(tokenizer_path: str) -> Callable[[list[int]], str]:
@@ -139,7 +143,9 @@ class SchedulerLoop:
     def run(self) -> None:
         while self.running:
             idle = not self.core.can_plan() or not self.core.has_work() or self.stalled
-            first = self.inbox.recv(timeout_s=STATS_INTERVAL_S) if idle else None
+            # With a step in flight its result comes within milliseconds: spin for it.
+            spin_s = RESULT_SPIN_S if self.core.num_in_flight else 0.0
+            first = self.inbox.recv(timeout_s=STATS_INTERVAL_S, spin_s=spin_s) if idle else None
             messages = ([first] if first is not None else []) + self.inbox.drain()
             self.stalled = self.stalled and not messages
             for message in messages:

@@ -11,7 +11,11 @@ applying it (N+2 with the overlap schedule, N+1 without):
     apply       result_in(N) -> applied(N)      outputs, finishes, KV
     plan        applied(N) -> plan_out(M)       choosing and building the next plan
     to_worker   plan_out(M) -> plan_in(M)       encode, socket hop, decode
-    launch      plan_in(M) -> launched(M)       parse, upload, replay
+    launch      plan_in(M) -> launched(M)       parse, upload, replay; split, when traced, into
+      parse       plan_in -> parsed               the plan's arrays, new rows started
+      slots       parsed -> slots_written         rows and KV slots uploaded and recorded
+      step        slots_written -> stepped        the step's graph: input copy, replay
+      results     stepped -> launched             the copy of the results started
     chain       ready(N) -> launched(M)         all of the above
     wait        launched(M) - ready(M-1), if positive: the device had finished everything
                 queued before M and waited for the host (to within one worker poll)
@@ -32,8 +36,14 @@ import statistics
 LINKS = [("pack", "ready", "result_out"), ("to_sched", "result_out", "result_in"),
          ("apply", "result_in", "applied")]  # fmt: skip
 NEXT_LINKS = [("to_worker", "plan_out", "plan_in"), ("launch", "plan_in", "launched")]
-COLUMNS = ["pack", "to_sched", "apply", "plan", "to_worker", "launch", "chain", "wait",
-           "period", "busy"]  # fmt: skip
+LAUNCH_PARTS = [
+    ("parse", "plan_in", "parsed"),
+    ("slots", "parsed", "slots_written"),
+    ("step", "slots_written", "stepped"),
+    ("results", "stepped", "launched"),
+]
+COLUMNS = ["pack", "to_sched", "apply", "plan", "to_worker", "launch", "parse", "slots", "step",
+           "results", "chain", "wait", "period", "busy"]  # fmt: skip
 
 
 def load(directory: str) -> tuple[dict[int, dict[str, int]], dict[int, tuple[str, int]]]:
@@ -77,6 +87,8 @@ def step_chains(
         row = {name: (ev[b] - ev[a]) / 1e3 for name, a, b in LINKS}
         row["plan"] = (nev["plan_out"] - ev["applied"]) / 1e3
         row.update({name: (nev[b] - nev[a]) / 1e3 for name, a, b in NEXT_LINKS})
+        row.update({name: (nev[b] - nev[a]) / 1e3 for name, a, b in LAUNCH_PARTS
+                    if a in nev and b in nev})  # fmt: skip
         row["chain"] = (nev["launched"] - ev["ready"]) / 1e3
         row["wait"] = max(0.0, (nev["launched"] - prev["ready"]) / 1e3)
         if "ready" in nev:
