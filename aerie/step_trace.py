@@ -21,6 +21,10 @@ Events, by plan id:
                ready       its results found ready (the device is done with it, to within one
                            poll of the worker's loop)
                result_out  its StepResult packed, about to be sent
+               gpu_gap_us, gpu_span_us (values, on CUDA)
+                           from CUDA events around the launch: the device's idle time between
+                           the previous step's last operation and this one's first, and the
+                           device time from this step's first operation to its last
 
 With the overlap schedule the scheduler plans step N+2 once step N's result is applied, while
 the device runs step N+1; the device waits whenever `launched(N+2)` comes after `ready(N+1)`.
@@ -47,7 +51,7 @@ class StepTrace:
             raise ValueError(f"{ENV}: FIRST and COUNT must be >= 1")
         self.process, self.directory = process, directory
         self.first, self.end = first, first + count
-        self.events: list[tuple[str, int, int]] = []  # (event, plan id, monotonic ns)
+        self.events: list[tuple[str, int, float]] = []  # (event, plan id, monotonic ns)
         self.plans: dict[int, tuple[str, int]] = {}  # plan id -> (mode, batch size)
         self.written = False
 
@@ -73,6 +77,12 @@ class StepTrace:
             self.write()
             return
         self.events.append((event, plan_id, time.monotonic_ns()))
+
+    def value(self, name: str, plan_id: int, value: float) -> None:
+        """Record a measured quantity of plan `plan_id` (kept with the events; by convention
+        its name ends in its unit, e.g. `gpu_gap_us`)."""
+        if self.first <= plan_id < self.end:
+            self.events.append((name, plan_id, value))
 
     def plan(self, plan_id: int, mode: str, batch_size: int) -> None:
         """Keep a sent plan's mode and batch size (the scheduler's side)."""

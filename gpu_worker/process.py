@@ -37,7 +37,7 @@ from aerie.process import HeartbeatResponder, run_process
 from aerie.step_trace import StepTrace
 from aerie.transport import Receiver, Sender
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
-from gpu_worker.step_profile import StepProfiler
+from gpu_worker.step_profile import StepClock, StepProfiler
 from gpu_worker.warm_up import run_warm_up, watch_compiles
 from gpu_worker.worker import GPUWorker, Launched
 
@@ -84,6 +84,8 @@ class WorkerLoop:
         # AERIE_STEP_TRACE (benchmarks only): rank 0's host timestamps of every step.
         self.trace = StepTrace.from_env(self.name) if rank == 0 else None
         self.worker.trace = self.trace
+        on_cuda = self.worker.device.type == "cuda"
+        self.clock = StepClock() if self.trace is not None and on_cuda else None
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
             Shutdown: self.handle_shutdown,
@@ -116,9 +118,22 @@ class WorkerLoop:
         self.forward(plan)
         if self.profiler is not None:
             self.profiler.on_launch()
+        if self.clock is not None:
+            self.clock.begin(plan.plan_id)
         self.launched.append(self.worker.launch(plan))
+        if self.clock is not None:
+            self.clock.end(plan.plan_id)
         if self.trace is not None:
             self.trace.mark("launched", plan.plan_id)
+
+    def record_device_time(self, plan_id: int) -> None:
+        """The finished step's device gap and span (`StepClock`) into the trace."""
+        if self.clock is None or self.trace is None:
+            return
+        gap, span = self.clock.finished(plan_id)
+        if gap is not None:
+            self.trace.value("gpu_gap_us", plan_id, gap)
+        self.trace.value("gpu_span_us", plan_id, span)
 
     def handle_shutdown(self, message: Shutdown) -> None:
         self.forward(message)
@@ -149,6 +164,7 @@ class WorkerLoop:
                     self.trace.mark("result_out", result.plan_id)
                 if self.scheduler is not None:
                     self.scheduler.send(result)
+                self.record_device_time(result.plan_id)
                 if self.profiler is not None:
                     self.profiler.on_finish()
         if self.trace is not None:

@@ -21,6 +21,10 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +119,40 @@ class StepProfiler:
                      "%.1f%%)", self.count, 100 * summary["idle_share"], span / 1e3,
                      100 * summary["host_wait_share"])  # fmt: skip
             self.profile = None
+
+
+class StepClock:
+    """CUDA events around every launched step, read when it finishes: how long the device sat
+    idle between the previous step's last operation and this step's first (`gap`, waiting for
+    the host to launch it) and how long it took from its first operation to its last (`span`).
+    No profiler, so no CUPTI cost; the step trace records both (benchmarks only)."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event | None]] = {}
+        self.last_end: torch.cuda.Event | None = None
+
+    @staticmethod
+    def _record() -> torch.cuda.Event:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self, plan_id: int) -> None:
+        """Before the step's first device operation is queued."""
+        self.events[plan_id] = (self._record(), None)
+
+    def end(self, plan_id: int) -> None:
+        """After its last one is queued."""
+        self.events[plan_id] = (self.events[plan_id][0], self._record())
+
+    def finished(self, plan_id: int) -> tuple[float | None, float]:
+        """(gap, span) of a finished step in microseconds (steps finish in launch order; the
+        first step has no gap)."""
+        start, end = self.events.pop(plan_id)
+        assert end is not None, f"step {plan_id} was not ended"
+        end.synchronize()
+        gap = None if self.last_end is None else 1e3 * self.last_end.elapsed_time(start)
+        self.last_end = end
+        return gap, 1e3 * start.elapsed_time(end)

@@ -131,17 +131,18 @@ PY
               --speculative-num-draft-tokens $nd)
       fi
       python launch.py --model-path "$model" --port 30000 "${args[@]}" \
-        > "$OUT/server_serve_$setting.log" 2>&1 &
+        > "$OUT/server_serve_${setting//,/_}.log" 2>&1 &
       server=$!
       for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
       python benchmarks/bench_serving.py --backend native --num-prompts 16 --max-concurrency 1 \
         --max-output-len 32 --disable-ignore-eos --dataset-path ~/mtbench_sharegpt.json \
-        --seed 1 > /dev/null 2>&1  # warm-up: new prefill shapes
+        --tokenizer "$model" --seed 1 > /dev/null 2>&1  # warm-up: new prefill shapes
       echo "== served one stream, real weights, $setting"
       timeout 240 python benchmarks/bench_serving.py --backend native --num-prompts 80 \
         --max-concurrency 1 --max-output-len ${SERVE_NEW:-256} --disable-ignore-eos \
-        --dataset-path ~/mtbench_sharegpt.json --output "$OUT/serve_real_$setting.json" 2>&1 \
-        | grep -E "completed|output throughput|ttft_ms|tpot_ms|accept"
+        --dataset-path ~/mtbench_sharegpt.json --tokenizer "$model" \
+        --output "$OUT/serve_real_${setting//,/_}.json" > "$OUT/serve_real.txt" 2>&1
+      grep -E "completed|output throughput|ttft_ms|tpot_ms|accept|rror" "$OUT/serve_real.txt"
       kill -TERM $server; wait $server
     done
   fi

@@ -20,7 +20,10 @@ applying it (N+2 with the overlap schedule, N+1 without):
     wait        launched(M) - ready(M-1), if positive: the device had finished everything
                 queued before M and waited for the host (to within one worker poll)
     period      ready(M-1) -> ready(M)          one step of the served loop
-The idle estimate is sum(wait) / sum(period) over the steps with every event.
+The idle estimate is sum(wait) / sum(period) over the steps with every event; it reads low
+when the worker is busy launching as a step ends (it sees `ready` late). On CUDA the worker
+also times each step with CUDA events (gpu_gap_us, gpu_span_us): the device's own idle time
+between steps, printed as "device idle between steps".
 Also printed: `busy`, result_in(N) -> done(N), all the scheduler does for a step (the chain's
 part plus sending the deltas and stats): the served loop cannot step faster than that.
 """
@@ -101,6 +104,31 @@ def step_chains(
     return rows
 
 
+def device_idle(
+    events: dict[int, dict[str, float]], plans: dict[int, tuple[str, int]], mode: str | None,
+    batch: tuple[int, int],
+) -> dict | None:  # fmt: skip
+    """From the CUDA events around each launch (gpu_gap_us, gpu_span_us), over the steps of
+    `mode` whose batch size is in [low, high]: the share of device time spent idle between
+    steps, and the median span of a step. None without those values (not on CUDA)."""
+    gaps, spans = [], []
+    for plan_id, ev in events.items():
+        kind, size = plans.get(plan_id, ("", 0))
+        if "gpu_gap_us" not in ev or (mode is not None and kind != mode):
+            continue
+        if batch[0] <= size <= batch[1]:
+            gaps.append(ev["gpu_gap_us"])
+            spans.append(ev["gpu_span_us"])
+    if not gaps:
+        return None
+    return {
+        "steps": len(gaps),
+        "idle_between_steps": sum(gaps) / (sum(gaps) + sum(spans)),
+        "gap_median_us": statistics.median(gaps),
+        "span_median_us": statistics.median(spans),
+    }
+
+
 def summarise(rows: list[dict[str, float]]) -> dict:
     """Median and mean of each link, and the idle estimate over rows with a period."""
     out: dict = {"steps": len(rows)}
@@ -125,9 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     events, plans = load(args.directory)
     low, _, high = args.batch_size.partition("-")
-    rows = [row for row in step_chains(events, plans, None if args.mode == "all" else args.mode)
-            if int(low) <= row["batch_size"] <= int(high or low)]  # fmt: skip
+    batch, mode = (int(low), int(high or low)), None if args.mode == "all" else args.mode
+    rows = [row for row in step_chains(events, plans, mode)
+            if batch[0] <= row["batch_size"] <= batch[1]]  # fmt: skip
     summary = summarise(rows)
+    summary["device"] = device_idle(events, plans, mode, batch)
     print(f"{summary['steps']} {args.mode} steps, median batch "
           f"{summary.get('batch_size_median', 0):g}; microseconds:")  # fmt: skip
     print(f"{'link':>10} {'median':>9} {'mean':>9}")
@@ -136,6 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:>10} {summary[name]['median']:>9.1f} {summary[name]['mean']:>9.1f}")
     if summary["idle_estimate"] is not None:
         print(f"device waiting for the host: {100 * summary['idle_estimate']:.1f}% of the steps")
+    device = summary["device"]
+    if device is not None:
+        print(f"CUDA events over {device['steps']} steps: device idle between steps "
+              f"{100 * device['idle_between_steps']:.1f}%, median gap {device['gap_median_us']:.1f}"
+              f" us, median step span {device['span_median_us']:.1f} us")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from aerie.step_trace import StepTrace
-from tools.step_trace_summary import load, main, step_chains, summarise
+from tools.step_trace_summary import device_idle, load, main, step_chains, summarise
 
 
 def test_records_only_its_window_and_writes_once(tmp_path, monkeypatch):
@@ -111,3 +111,25 @@ def test_mode_filter_and_the_files_merge(tmp_path):
     assert main([str(tmp_path), "--mode", "all"])["steps"] == 6
     assert main([str(tmp_path), "--mode", "all", "--batch-size", "9-64"])["steps"] == 0
     assert main([str(tmp_path), "--mode", "all", "--batch-size", "8"])["steps"] == 6
+
+
+def test_device_idle_from_the_cuda_event_values(tmp_path):
+    trace = StepTrace("gpu_worker", 1, 10, str(tmp_path))
+    for plan_id, gap, span in ((1, 0.0, 1000.0), (2, 500.0, 1000.0), (3, 50.0, 2000.0)):
+        trace.value("gpu_gap_us", plan_id, gap)
+        trace.value("gpu_span_us", plan_id, span)
+    trace.value("gpu_gap_us", 11, 1e6)  # outside the window
+    trace.write()
+    (tmp_path / "scheduler.json").write_text(
+        json.dumps(
+            {"events": [], "plans": {"1": ["decode", 4], "2": ["decode", 64], "3": ["extend", 4]}}
+        )
+    )
+    events, plans = load(str(tmp_path))
+    assert 11 not in events
+    every = device_idle(events, plans, None, (1, 64))
+    assert every["steps"] == 3 and every["idle_between_steps"] == pytest.approx(550 / 4550)
+    decode = device_idle(events, plans, "decode", (1, 64))
+    assert decode["idle_between_steps"] == pytest.approx(500 / 2500)
+    assert device_idle(events, plans, "decode", (1, 8))["idle_between_steps"] == 0.0
+    assert device_idle(events, plans, "decode", (100, 200)) is None

@@ -161,3 +161,29 @@ def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+def test_step_clock_sees_the_device_wait_for_a_late_launch():
+    """StepClock's gap is the device's idle time between steps: a step launched 20 ms after
+    the previous one ended shows a gap of about that; one queued behind it shows none."""
+    import time
+
+    from gpu_worker.step_profile import StepClock
+
+    clock, x = StepClock(), torch.ones(256, 256, device="cuda")
+    for plan_id in (1, 2):
+        clock.begin(plan_id)
+        torch.cuda._sleep(2_000_000)  # a few milliseconds of device time
+        x = x @ x
+        clock.end(plan_id)
+    first_gap, first_span = clock.finished(1)
+    gap, span = clock.finished(2)  # queued while step 1 ran: no wait
+    assert first_gap is None and first_span > 100 and span > 100
+    assert gap < 50
+    torch.cuda.synchronize()
+    time.sleep(0.02)  # the device is idle; the host launches late
+    clock.begin(3)
+    x = x @ x
+    clock.end(3)
+    gap, _ = clock.finished(3)
+    assert 15_000 < gap < 60_000
