@@ -17,8 +17,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie import codec  # noqa: E402
@@ -28,15 +26,16 @@ from scheduler_proc.plan import build_decode_plan  # noqa: E402
 from scheduler_proc.request import Request  # noqa: E402
 
 
-def decode_batch(batch_size: int, new_slots: int) -> list[tuple[Request, int, np.ndarray]]:
-    """batch_size decoding requests, each assigned new_slots slots this step."""
-    batch = []
+def decode_batch(batch_size: int, new_slots: int) -> tuple:
+    """batch_size decoding requests, each assigned new_slots slots this step: the arguments of
+    `build_decode_plan` after the plan id (requests, slot starts, slot lengths, slots)."""
+    requests = []
     for i in range(batch_size):
         req = Request(rid=f"r{i}", prompt_ids=[1] * 100, sampling=SamplingParams())
         req.req_pool_idx, req.prefix_len, req.needs_start = i + 1, 100, False
-        slots = np.arange(new_slots, dtype=np.int32) + 1000 * (i + 1)
-        batch.append((req, 100, slots))
-    return batch
+        requests.append(req)
+    slots = [1000 * (i + 1) + k for i in range(batch_size) for k in range(new_slots)]
+    return requests, [100] * batch_size, [new_slots] * batch_size, slots
 
 
 def median_us(fn, iters: int) -> float:
@@ -50,13 +49,13 @@ def median_us(fn, iters: int) -> float:
 
 def measure(batch_size: int, new_slots: int, iters: int) -> dict:
     batch = decode_batch(batch_size, new_slots)
-    plan = build_decode_plan(1, batch)
+    plan = build_decode_plan(1, *batch)
     data = codec.encode(plan)
     return {
         "batch_size": batch_size,
         "new_slots_per_row": new_slots,
         "bytes": len(data),
-        "build_us": median_us(lambda: build_decode_plan(1, batch), iters),
+        "build_us": median_us(lambda: build_decode_plan(1, *batch), iters),
         "encode_us": median_us(lambda: codec.encode(plan), iters),
         "decode_us": median_us(lambda: codec.decode(data), iters),
         "parse_us": median_us(lambda: parse_plan(plan, batch_size), iters),

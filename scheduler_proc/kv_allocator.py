@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-SHORT_RANGE = 16  # slot ranges up to this long are computed without numpy's per-call overhead
-
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -87,18 +85,11 @@ class KVAllocator:
         old_len = self._lens[row]
         if new_len < old_len:
             raise ValueError(f"grow to {new_len} below allocated length {old_len}")
-        pages = self._pages[row]
-        num_new = max(0, -(-new_len // self.page_size) - len(pages))
+        num_new = self.pages_needed(row, new_len)
         if num_new > self.num_free_pages:
             return None
-        if num_new == 1:  # a decode step's usual case, without building lists
-            if self._free_pages:
-                pages.append(self._free_pages.pop())
-            else:
-                pages.append(self._next_fresh)
-                self._next_fresh += 1
-        elif num_new:
-            pages.extend(self._take_pages(num_new))
+        if num_new:
+            self._pages[row].extend(self._take_pages(num_new))
         self._lens[row] = new_len
         return self.slots(row, old_len, new_len)
 
@@ -173,9 +164,6 @@ class KVAllocator:
         if not 0 <= start <= end <= self._lens[row]:
             raise ValueError(f"positions [{start}, {end}) outside [0, {self._lens[row]})")
         page_size, pages = self.page_size, self._pages[row]
-        if end - start <= SHORT_RANGE:  # a decode step's few positions: plain Python is faster
-            return np.array([pages[p // page_size] * page_size + p % page_size
-                             for p in range(start, end)], dtype=np.int32)  # fmt: skip
         first = start // page_size  # only the pages the range touches (O(range), not O(row))
         touched = np.asarray(pages[first : ceil_div(end, page_size)], dtype=np.int64)
         positions = np.arange(start, end, dtype=np.int64) - first * page_size  # [end - start]

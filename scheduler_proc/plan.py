@@ -73,30 +73,21 @@ def build_extend_plan(plan_id: int, chunks: list[tuple[Request, int, np.ndarray]
     )
 
 
-def build_decode_plan(plan_id: int, batch: list[tuple[Request, int, np.ndarray]]) -> ForwardPlan:
-    """batch: (request, first new position, newly assigned slots int32) per decoding request."""
-    columns = _slot_columns([(start, slots) for _, start, slots in batch])
-    return _decode_plan(plan_id, [req for req, _, _ in batch], columns)
-
-
-def build_decode_plan_columns(
+def build_decode_plan(
     plan_id: int,
     requests: list[Request],
     slot_starts: list[int],
     slot_lens: list[int],
     slots: list[int],
 ) -> ForwardPlan:
-    """`build_decode_plan` from the slot columns as `KVAllocator.grow_rows` returns them."""
-    columns = {"slot_starts": pack_ids(slot_starts), "slot_lens": pack_ids(slot_lens),
-               "slots": pack_ids(slots)}  # fmt: skip
-    return _decode_plan(plan_id, requests, columns)
-
-
-def _decode_plan(plan_id: int, requests: list[Request], columns: dict[str, bytes]) -> ForwardPlan:
+    """A decode step for `requests`, with the slot columns as `KVAllocator.grow_rows` returns
+    them (per request the first new position and how many; the new slots back to back)."""
     return ForwardPlan(
         plan_id=plan_id,
         mode="decode",
         rows=pack_ids([req.req_pool_idx for req in requests]),
-        **columns,
+        slot_starts=pack_ids(slot_starts),
+        slot_lens=pack_ids(slot_lens),
+        slots=pack_ids(slots),
         starts=_take_starts(requests),
     )

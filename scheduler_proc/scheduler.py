@@ -41,7 +41,7 @@ from aerie.messages import (
     TokenizedRequest,
 )
 from scheduler_proc.kv_allocator import KVAllocator
-from scheduler_proc.plan import build_decode_plan_columns, build_extend_plan
+from scheduler_proc.plan import build_decode_plan, build_extend_plan
 from scheduler_proc.policy import NewTokenEstimate, SchedulePolicy, decode_alloc_len_for
 from scheduler_proc.request import ReqState, Request
 from scheduler_proc.stop import FinishChecker
@@ -221,7 +221,7 @@ class Scheduler:
         batch = decision.batch
         grown = self.allocator.grow_rows([req.req_pool_idx for req in batch], decision.ends)
         assert grown is not None, "policy kept more decoders than the free KV"
-        plan = build_decode_plan_columns(self._take_plan_id(), batch, *grown)
+        plan = build_decode_plan(self._take_plan_id(), batch, *grown)
         return plan, batch, [True] * len(batch)
 
     def _retract(self, req: Request) -> None:
