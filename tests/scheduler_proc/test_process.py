@@ -8,7 +8,7 @@ from aerie import endpoints
 from aerie.codec import unpack_ids
 from aerie.messages import AbortRequest, ForwardPlan, SchedulerStats, Shutdown, TokenDeltas
 from aerie.transport import Receiver, Sender
-from scheduler_proc.process import SchedulerLoop, load_decoder
+from scheduler_proc.process import RESULT_SPIN_S, SchedulerLoop, load_decoder
 from tests.scheduler_proc.fake_worker import (
     FakeWorker,
     make_config,
@@ -44,6 +44,14 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
     detok_inbox = Receiver(endpoints.inbox(config, "detokenizer"))
     tokenizer_inbox = Receiver(endpoints.inbox(config, "tokenizer"))
     loop = SchedulerLoop(config)
+    waits = []  # (plans in flight, spin_s) of every blocking wait of the loop
+    recv = loop.inbox.recv
+
+    def recording_recv(timeout_s=None, spin_s=0.0):
+        waits.append((loop.core.num_in_flight, spin_s))
+        return recv(timeout_s=timeout_s, spin_s=spin_s)
+
+    loop.inbox.recv = recording_recv
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     to_scheduler = Sender(endpoints.inbox(config, "scheduler"))
@@ -83,6 +91,9 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         thread.join(TIMEOUT_S)
         assert not thread.is_alive()
         assert loop.core.allocator.is_whole()
+        # It spins for the result of a step in flight, and only then (idle, it blocks).
+        assert {spin for in_flight, spin in waits if in_flight} == {RESULT_SPIN_S}
+        assert {spin for in_flight, spin in waits if not in_flight} == {0.0}
     finally:
         for socket in (to_scheduler, worker_inbox, detok_inbox, tokenizer_inbox):
             socket.close()
