@@ -10,6 +10,9 @@ host synchronisation inside the timed loop) for these variants:
   unfused, unfused+graph
                  triton without the small-batch fused projections (each norm, SiLU-and-mul
                  and projection a kernel of its own, projections by the library GEMM)
+  nopdl, nopdl+graph
+                 triton with every kernel launched without programmatic dependent launch
+                 (kernels.pdl: on by default from compute capability 9.0)
   library, library+graph
                  triton with the one-row projections of large weights (over
                  small_m_linear.MAX_FUSED_WEIGHT elements: the 8B shape's) by the library GEMM
@@ -52,21 +55,22 @@ from gpu_worker.build import DTYPES  # noqa: E402
 from gpu_worker.cuda_graph import CudaGraphRunner  # noqa: E402
 from gpu_worker.forward_batch import ForwardMode  # noqa: E402
 from gpu_worker.host_batch import HostBatch  # noqa: E402
-from gpu_worker.kernels import small_m_linear  # noqa: E402
+from gpu_worker.kernels import pdl, small_m_linear  # noqa: E402
 from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec  # noqa: E402
 from gpu_worker.models import read_arch_config  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
 FUSED_WEIGHT = small_m_linear.MAX_FUSED_WEIGHT  # the "unfused" variants set it to 0
 GEMV_CONFIG = small_m_linear.GEMV_CONFIG  # "unfused" and "library" set it to None
-VARIANTS = ("torch_native", "triton", "triton+graph", "unfused", "unfused+graph", "library",
-            "library+graph", "compiled")  # fmt: skip
-GROUPS = ("torch_native", "triton", "unfused", "library")  # one runner (and graphs) each
+VARIANTS = ("torch_native", "triton", "triton+graph", "unfused", "unfused+graph", "nopdl",
+            "nopdl+graph", "library", "library+graph", "compiled")  # fmt: skip
+GROUPS = ("torch_native", "triton", "unfused", "nopdl", "library")  # one runner (and graphs) each
 
 
 def configure_kernels(group: str, gemv: small_m_linear.Config | None = GEMV_CONFIG) -> None:
     small_m_linear.MAX_FUSED_WEIGHT = 0 if group == "unfused" else FUSED_WEIGHT
     small_m_linear.GEMV_CONFIG = None if group in ("unfused", "library") else gemv
+    pdl.FORCE_OFF = group == "nopdl"
 
 
 def parse_gemv_configs(text: str) -> list[small_m_linear.Config]:

@@ -14,6 +14,7 @@ the reference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import graph_timing  # noqa: E402
+from gpu_worker.kernels import pdl  # noqa: E402
 from gpu_worker.kernels import small_m_linear as sml  # noqa: E402
 
 CALLS = 50
@@ -65,37 +67,43 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
     """The kernel with the step before the projection fused as its prologue (residual add +
     RMSNorm before qkv and gate_up, SiLU-and-mul before down), against the separate Triton
     kernel followed by the kernel alone at `gemv` (the best plain launch shape of this weight,
-    None: skipped) or by the library GEMM."""
+    None: skipped) or by the library GEMM. The fused kernel is timed with and without PDL
+    (`--pdl`) at the chosen launch shape and at each of `--fused-block-k`."""
     from gpu_worker.kernels.activation import silu_and_mul
     from gpu_worker.kernels.norm import add_rms_norm
 
     out = []
     ws = weights(n, k, args.rotate_mb)
     for rows in (int(r) for r in args.rows.split(",")):
-        fused_config = (sml.choose_config(rows, n, k, prologue=True) or gemv
-                        or sml.Config(8, 512, 4))  # fmt: skip
+        chosen = sml.choose_config(rows, n, k, prologue=True) or gemv or sml.Config(8, 512, 4)
+        shapes = [chosen] + [dataclasses.replace(chosen, block_k=int(b))
+                             for b in args.fused_block_k.split(",") if b]  # fmt: skip
         if name.endswith((".qkv", ".gate_up")):
             x, res, nw = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in "xrn")
             nw = nw[0]
-            fused = lambda w: sml.rms_norm_linear(x, res, nw, 1e-5, w, config=fused_config)  # noqa: E731, B023 (used in this iteration)
+            fused = lambda w, c: sml.rms_norm_linear(x, res, nw, 1e-5, w, config=c)  # noqa: E731, B023 (used in this iteration)
             before = lambda: add_rms_norm(x, res, nw, 1e-5)[0]  # noqa: E731, B023 (used in this iteration)
         elif name.endswith(".down"):
             gu = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
-            fused = lambda w: sml.silu_mul_linear(gu, w, config=fused_config)  # noqa: E731, B023 (used in this iteration)
+            fused = lambda w, c: sml.silu_mul_linear(gu, w, config=c)  # noqa: E731, B023 (used in this iteration)
             before = lambda: silu_and_mul(gu)  # noqa: E731, B023 (used in this iteration)
         else:
             continue
-        f_us = time_graph(cycling(ws, fused))
-        library_us = time_graph(cycling(ws, lambda w: F.linear(before(), w)))  # noqa: B023 (used in this iteration)
-        gemv_us = None
-        if gemv is not None and rows <= sml.MAX_KERNEL_ROWS:
-            gemv_us = time_graph(cycling(ws, lambda w: sml.linear(before(), w, config=gemv)))  # noqa: B023 (used in this iteration)
-        print(f"{name:<13} rows {rows:>2}: fused {f_us:6.2f} us ({fused_config}), separate + "
-              f"library {library_us:6.2f} us, separate + kernel {gemv_us} us",
-              flush=True)  # fmt: skip
-        out.append({"shape": name, "rows": rows, "fused_us": f_us,
-                    "fused_config": fused_config.__dict__, "unfused_us": library_us,
-                    "separate_gemv_us": gemv_us})  # fmt: skip
+        for pdl_on in (v == "on" for v in args.pdl.split(",")):
+            pdl.FORCE_OFF = not pdl_on
+            for config in shapes:
+                f_us = time_graph(cycling(ws, lambda w, c=config: fused(w, c)))  # noqa: B023 (used in this iteration)
+                library_us = time_graph(cycling(ws, lambda w: F.linear(before(), w)))  # noqa: B023 (used in this iteration)
+                gemv_us = None
+                if gemv is not None and rows <= sml.MAX_KERNEL_ROWS:
+                    gemv_us = time_graph(cycling(ws, lambda w: sml.linear(before(), w, config=gemv)))  # noqa: B023 (used in this iteration)
+                print(f"{name:<13} rows {rows:>2} pdl {'on ' if pdl_on else 'off'}: fused "
+                      f"{f_us:6.2f} us ({config}), separate + library {library_us:6.2f} us, "
+                      f"separate + kernel {gemv_us} us", flush=True)  # fmt: skip
+                out.append({"shape": name, "rows": rows, "pdl": pdl_on, "fused_us": f_us,
+                            "fused_config": config.__dict__, "unfused_us": library_us,
+                            "separate_gemv_us": gemv_us})  # fmt: skip
+        pdl.FORCE_OFF = False
     return out
 
 
@@ -107,6 +115,9 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--output")
     p.add_argument("--prologues-only", action="store_true", help="skip the sweep")
+    p.add_argument("--pdl", default="on,off", help="fused kernels with PDL on, off or both")
+    p.add_argument("--fused-block-k", default="",
+                   help="comma list: fused kernels also timed at these widths")  # fmt: skip
     args = p.parse_args()
     torch.manual_seed(0)
     results = []

@@ -181,11 +181,22 @@ if [[ $1 == speed ]]; then
     -k "${E2E_K:-tiny or interpreter or retraction}" > "$OUT/e2e.txt" 2>&1; tail -3 "$OUT/e2e.txt"
   for f in $(ls -t /tmp/aerie-e2e-*.log 2>/dev/null | head -3); do
     echo "== $f"; tail -c 60000 "$f"; done > "$OUT/server_logs.txt"
-  timeout ${BENCH_S:-300} python benchmarks/bench_decode.py --models .device-carry/smollm2-config \
-    --load-format dummy --batch-size ${BATCH_SIZES:-1,64} --decode-steps ${STEPS:-64} \
-    --variants ${VARIANTS:-torch_native,triton,triton+graph,compiled} \
-    --warmup-steps 8 --repeats 3 --output "$OUT/decode_smollm2.json" > "$OUT/bench.txt" 2>&1
-  grep -v "^\[" "$OUT/bench.txt" | tail -14
+  # PROLOGUES=1: the fused one-row projections of the 135M shape with PDL on and off, at the
+  # chosen launch shape and at FUSED_BLOCK_K (bench_small_m_linear.py --prologues-only).
+  [[ -z ${PROLOGUES:-} ]] || timeout ${SWEEP_S:-200} python benchmarks/bench_small_m_linear.py \
+    --prologues-only --rows 1 --shapes 135m.qkv,135m.gate_up,135m.down --pdl on,off \
+    --fused-block-k "${FUSED_BLOCK_K:-512}" --output "$OUT/small_m_linear_pdl.json" 2>&1 \
+    | grep "pdl"
+  # PROMPT_LENS: one decode run per prompt length (served rows hold a few hundred keys).
+  for prompt_len in ${PROMPT_LENS:-128}; do
+    echo "== bench_decode, prompt $prompt_len"
+    timeout ${BENCH_S:-300} python benchmarks/bench_decode.py --models .device-carry/smollm2-config \
+      --load-format dummy --batch-size ${BATCH_SIZES:-1,64} --decode-steps ${STEPS:-64} \
+      --variants ${VARIANTS:-torch_native,triton,triton+graph,compiled} --prompt-len $prompt_len \
+      --warmup-steps 8 --repeats 3 --output "$OUT/decode_smollm2_p$prompt_len.json" \
+      > "$OUT/bench_p$prompt_len.txt" 2>&1
+    grep -v "^\[" "$OUT/bench_p$prompt_len.txt" | tail -14
+  done
   exit 0
 fi
 if [[ $1 == decode-attention ]]; then

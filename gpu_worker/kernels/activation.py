@@ -8,6 +8,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels import pdl
+
 BLOCK = 1024
 
 
@@ -17,7 +19,11 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, in_stride, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, in_stride, inter, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):  # fmt: skip
+    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -33,5 +39,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         grid = (rows, triton.cdiv(inter, BLOCK))
-        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), inter, BLOCK=BLOCK)
+        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), inter, BLOCK=BLOCK,
+                                   **pdl.launch_args(gate_up.device, rows))  # fmt: skip
     return out

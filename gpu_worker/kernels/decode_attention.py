@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import next_power_of_2
+from gpu_worker.kernels import next_power_of_2, pdl
 from gpu_worker.kernels.rotary import rotate_halves
 
 MIN_KEYS_PER_SPLIT = 256
@@ -213,7 +213,11 @@ def _decode_kernel(
     MIN_BLOCKS_PER_SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -356,6 +360,7 @@ def decode_attention(
         BLOCK_H=max(16, next_power_of_2(num_heads // num_kv_heads)), BLOCK_N=block_n,
         NUM_SPLITS=num_splits, MIN_BLOCKS_PER_SPLIT=min_blocks, HAS_NORM=has_norm,
         DOT_PRECISION=dot_precision(qkv.dtype), num_warps=num_warps,
+        **pdl.launch_args(qkv.device, bs),
     )  # fmt: skip
     return o
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import next_power_of_2
+from gpu_worker.kernels import next_power_of_2, pdl
 from gpu_worker.kernels.decode_attention import (
     DecodeScratch,
     active_splits,
@@ -150,7 +150,11 @@ def _few_query_kernel(
     FUSED: tl.constexpr,  # q_ptr is qkv: rotate, store the new K/V, attend them from registers
     HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -356,5 +360,6 @@ def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_toke
         MIN_BLOCKS_PER_SPLIT=min_blocks_per_split(knobs.block_n, knobs.min_keys),
         MASK_WIDTH=mask_width, FUSED=fused, HAS_NORM=has_norm,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=knobs.num_warps,
+        **pdl.launch_args(q.device, q.shape[0]),
     )  # fmt: skip
     return o

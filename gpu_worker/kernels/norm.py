@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import next_power_of_2
+from gpu_worker.kernels import next_power_of_2, pdl
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +45,11 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -76,7 +80,7 @@ def _launch(x, residual, weight, eps, out=None):
             rows, res, weight, out, residual_out,
             rows.stride(0), res.stride(0), out.stride(0), hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 8),
+            num_warps=min(max(block // 256, 1), 8), **pdl.launch_args(x.device, rows.shape[0]),
         )  # fmt: skip
     return out.view(x.shape) if out.is_contiguous() else out, residual_out.view(x.shape)
 

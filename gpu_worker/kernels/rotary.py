@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import next_power_of_2
+from gpu_worker.kernels import next_power_of_2, pdl
 from gpu_worker.kernels.norm import rms_norm_reference
 
 
@@ -89,7 +89,11 @@ def _rope_store_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = HEAD_DIM // 2
@@ -158,5 +162,6 @@ def rope_and_store_kv(
             q_norm if has_norm else q, k_norm if has_norm else q, qkv.stride(0), eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             HALF_BLOCK=next_power_of_2(head_dim // 2), HAS_NORM=has_norm, num_warps=1,
+            **pdl.launch_args(qkv.device, n),
         )  # fmt: skip
     return q

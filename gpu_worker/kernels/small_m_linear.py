@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import activation, next_power_of_2, norm
+from gpu_worker.kernels import activation, next_power_of_2, norm, pdl
 from gpu_worker.kernels.activation import silu_and_mul_reference
 from gpu_worker.kernels.norm import add_rms_norm_reference, rms_norm_reference
 
@@ -76,44 +76,78 @@ def _input_tile(x_ptr, res_ptr, sum_ptr, norm_w_ptr, rows, cols, mask, x_stride,
 
 
 @triton.jit
+def _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps,
+                      PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr):  # fmt: skip
+    """1 / rms of each row of the norm's input (x, or x + residual rounded like the sum)."""
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+        if PROLOGUE == 2:
+            r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask,
+                        other=0.0)  # fmt: skip
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr, res_ptr, sum_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, x_stride, res_stride, out_stride, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """With USE_PDL (`pdl`): where one tile covers K, the program reads its weight tile (and
+    bias) before it waits for the kernel before it; otherwise it waits first."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 2:  # first pass: each row's mean square
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (cols < K)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
-            if PROLOGUE == 2:
-                r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask,
-                            other=0.0)  # fmt: skip
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            xf = x.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=1)
-        rstd = tl.rsqrt(squares / K + eps)
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+    if BLOCK_K >= K:  # one tile: the weight first, then the input once it is written
+        cols = tl.arange(0, BLOCK_K)
         k_ok = cols < K
+        w = tl.load(w_ptr + n[:, None] * K + cols[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K], contiguous along K  # fmt: skip
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            rstd = _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps,
+                                     PROLOGUE, BLOCK_M, BLOCK_K)  # fmt: skip
         a = _input_tile(x_ptr, res_ptr, sum_ptr, norm_w_ptr, rows, cols,
                         row_ok[:, None] & k_ok[None, :], x_stride, res_stride, K, rstd,
                         pid == 0, PROLOGUE)  # fmt: skip
-        w = tl.load(w_ptr + n[:, None] * K + cols[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_K], contiguous along K  # fmt: skip
-        products = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc += tl.sum(products, axis=2)  # on the CUDA cores: a row or two needs no MMA
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if PROLOGUE == 1 or PROLOGUE == 2:  # first pass: each row's mean square
+            rstd = _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps,
+                                     PROLOGUE, BLOCK_M, BLOCK_K)  # fmt: skip
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            k_ok = cols < K
+            a = _input_tile(x_ptr, res_ptr, sum_ptr, norm_w_ptr, rows, cols,
+                            row_ok[:, None] & k_ok[None, :], x_stride, res_stride, K, rstd,
+                            pid == 0, PROLOGUE)  # fmt: skip
+            w = tl.load(w_ptr + n[:, None] * K + cols[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            products = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(products, axis=2)  # on the CUDA cores: a row or two needs no MMA
+    acc += bias[None, :]
     out_mask = row_ok[:, None] & n_ok[None, :]
     tl.store(out_ptr + rows[:, None] * out_stride + n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=out_mask)  # fmt: skip
@@ -137,6 +171,9 @@ MAX_FUSED_ROWS = 1
 # Two columns per program and 2048 keys per iteration: the best or within 1% of the best
 # launch shape at every projection of the 8B shape (bench_small_m_linear.py on the H100).
 GEMV_CONFIG: Config | None = Config(block_n=2, block_k=2048, num_warps=4)
+# The widest input a small weight's program covers in one tile, so that it reads its weight
+# before waiting for the kernel before it (`pdl`): every projection of the 135M shape.
+ONE_TILE_K = 2048
 
 
 def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config | None:
@@ -158,9 +195,12 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
       of GPU time with it against 1.21 ms without (MAX_FUSED_ROWS 4 against 1). A variant
       on the tensor cores (rows padded to a 16-row tile) matched the library GEMM alone, but
       with the prologue took 7.4-22 us, so several rows run the separate kernels;
-    - more rows, or several of a large weight: the library GEMM is as fast or faster."""
+    - more rows, or several of a large weight: the library GEMM is as fast or faster.
+    A small weight's program covers its input in one tile up to ONE_TILE_K, which with PDL
+    lets it read its weight while the kernel before it still runs."""
     if n * k <= MAX_FUSED_WEIGHT and rows <= MAX_FUSED_ROWS:
-        return Config(block_n=4 if n <= 1024 else 8, block_k=512, num_warps=4)
+        block_k = next_power_of_2(k) if k <= ONE_TILE_K else 512
+        return Config(block_n=4 if n <= 1024 else 8, block_k=block_k, num_warps=4)
     if rows != 1 or n * k <= MAX_FUSED_WEIGHT:
         return None
     return None if prologue else GEMV_CONFIG
@@ -180,6 +220,7 @@ def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Confi
         rows, n, k, x.stride(0), res.stride(0), out.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        **pdl.launch_args(x.device, rows),
     )  # fmt: skip
     return out, summed
 

@@ -187,3 +187,39 @@ def test_step_clock_sees_the_device_wait_for_a_late_launch():
     clock.end(3)
     gap, _ = clock.finished(3)
     assert 15_000 < gap < 60_000
+
+
+@pytest.mark.parametrize("name", ["llama31", "qwen3"])
+def test_pdl_graphs_give_the_logits_of_plain_launches_bit_for_bit(tiny_dirs, monkeypatch, name):
+    """Batch-1 decode steps replayed as CUDA graphs whose kernels launch with programmatic
+    dependent launch (`kernels.pdl`: each starts while the one before runs and waits for it
+    before reading) give exactly the logits of the same graphs captured with plain launches.
+    A kernel that read its input before its wait would race with the kernel writing it."""
+    from gpu_worker.host_batch import HostBatch
+    from gpu_worker.kernels import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0")
+    steps = []
+    for plain in (True, False):
+        monkeypatch.setattr(pdl, "FORCE_OFF", plain)
+        runner = runner_from_options(
+            tiny_dirs[name], device="cuda", dtype=torch.bfloat16, attention_backend="triton",
+            cuda_graph_max_bs=1, page_size=1, max_total_tokens=256, max_running_requests=2,
+            context_length=128,
+        )  # fmt: skip
+        assert runner.graph_runner is not None and runner.graph_runner.graphs
+        ids = list(range(3, 40, 3))
+        slots = shuffled_slots(runner, 1, 100)
+        run_step(runner, ForwardMode.EXTEND, [1], [0], [ids[:-1]], slots)
+        logits, token, length = [], ids[-1], len(ids) - 1
+        for _ in range(24):
+            runner.req_to_token_pool.write(*(torch.tensor(v, device="cuda") for v in
+                                             ([1], [length], [slots[0][length]], [1])))  # fmt: skip
+            host = HostBatch.from_requests(ForwardMode.DECODE, [[token]], [length],
+                                           [[slots[0][length]]], [1])  # fmt: skip
+            out = runner.forward_host(host).next_token_logits[0].float().cpu()
+            logits.append(out)
+            token, length = int(out.argmax()), length + 1
+        steps.append(torch.stack(logits))
+    torch.testing.assert_close(steps[1], steps[0], atol=0, rtol=0)

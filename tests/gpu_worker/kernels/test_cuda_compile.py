@@ -19,13 +19,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gpu_worker.kernels.decode_attention import _decode_kernel
 from gpu_worker.kernels.few_query_attention import _few_query_kernel
+from gpu_worker.kernels.small_m_linear import _small_m_linear_kernel
 
 
 def compile_for_sm90(fn, types, const):
-    signature = {**types, **{name: "constexpr" for name in const}}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in const.items()}
-    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                   target=GPUTarget("cuda", 90, 32))
+    # with and without PDL; with it, the PTX must wait on the grid (griddepcontrol.wait)
+    for pdl in (False, True):
+        full = {**const, "USE_PDL": pdl}
+        signature = {**types, **{name: "constexpr" for name in full}}
+        constexprs = {(fn.arg_names.index(name),): value for name, value in full.items()}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"launch_pdl": pdl})
+        waits = kernel.asm["ptx"].count("griddepcontrol.wait")
+        assert (waits > 0) == pdl, (fn.__name__, pdl, waits)
 
 
 types = {"q_ptr": "*bf16", "positions_ptr": "*i64", "cache_ptr": "*bf16", "q_norm_ptr": "*bf16",
@@ -49,11 +56,18 @@ for norm, block_n in ((False, 64), (True, 256)):
     compile_for_sm90(_decode_kernel, decode_types, dict(
         NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_H=16, BLOCK_N=block_n,
         NUM_SPLITS=16, MIN_BLOCKS_PER_SPLIT=2, HAS_NORM=norm, DOT_PRECISION="tf32"))
+# The one-row projections: one tile (the weight read before the wait) and the loop.
+for prologue, block_k in ((2, 1024), (3, 2048), (0, 512)):
+    compile_for_sm90(_small_m_linear_kernel, {
+        "x_ptr": "*bf16", "res_ptr": "*bf16", "sum_ptr": "*bf16", "norm_w_ptr": "*bf16",
+        "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+        "K": "i32", "x_stride": "i32", "res_stride": "i32", "out_stride": "i32", "eps": "fp32",
+    }, dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k))
 print("compiled")
 """
 
 
-def test_attention_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90_with_and_without_pdl():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
