@@ -63,6 +63,8 @@ class GPUWorker:
         models = build_models(config, tp)
         self.runner, self.draft_runner_list = models.target, models.draft_runner_list
         self.runners = [self.runner, *self.draft_runner_list]
+        widths = {runner.req_to_token_pool.max_context_len for runner in self.runners}
+        assert len(widths) == 1, f"req_to_token tables of different widths {widths}"  # one pool spec
         self.sampling, self.spec, self.rows = models.sampling, models.speculative, models.rows
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
@@ -235,14 +237,21 @@ class GPUWorker:
         self.return_logprob[start.row] = start.return_logprob
 
     def _write_slots(self, arrays: PlanArrays) -> torch.Tensor:
-        """Record every assigned slot (headroom included) in every runner's req_to_token rows,
-        uploading the step's rows in the same copy; returns the rows [bs] on the device."""
-        slot_rows, slot_positions = arrays.slot_positions()
-        rows, r, p, slots = self.staging.upload(
-            [arrays.rows, slot_rows, slot_positions, arrays.slots]
-        )
-        if len(slots):
-            slots = slots.to(torch.int32)  # once for every runner's table
+        """Record every assigned slot (headroom included) in every runner's req_to_token rows
+        (all of one shape), uploading the step's rows in the same copy, the slots already as
+        the tables' int32; returns the rows [bs] on the device."""
+        flat = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
+        rows, index, packed = self.staging.upload([arrays.rows, flat, pack_int32(arrays.slots)])
+        if len(flat):
+            slots = packed.view(torch.int32)[: len(flat)]
             for runner in self.runners:
-                runner.req_to_token_pool.assign(r, p, slots)
+                runner.req_to_token_pool.assign(index, slots)
         return rows
+
+
+def pack_int32(values: np.ndarray) -> np.ndarray:
+    """values as int32, two to an int64 entry (the last padded): uploaded as int64 and viewed
+    as int32 on the device, they need no conversion there."""
+    packed = np.zeros(-(-len(values) // 2) * 2, dtype=np.int32)
+    packed[: len(values)] = values
+    return packed.view(np.int64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -46,10 +47,15 @@ class ReqToTokenPool:
         )
         self.req_to_token[rows, starts + offsets] = slots.to(torch.int32)
 
-    def assign(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[rows[i], positions[i]] = slots[i] for flat [n] device tensors (one
-        kernel; the caller has expanded each request's range)."""
-        self.req_to_token[rows, positions] = slots.to(torch.int32)
+    def assign(self, flat_index: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token.view(-1)[flat_index[i]] = slots[i] for [n] device tensors (int64
+        indices row * max_context_len + position, int32 slots): one kernel, the caller having
+        expanded each request's range (`flat_index`)."""
+        self.req_to_token.view(-1).index_copy_(0, flat_index, slots)
+
+    def flat_index(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The flat indices of req_to_token[rows[i], positions[i]] (host arrays) for `assign`."""
+        return rows * self.max_context_len + positions
 
     def slots_of(self, req_pool_idx: int, seq_len: int) -> torch.Tensor:
         """The KV slots of positions 0..seq_len of one row: [seq_len] int32 (a view)."""
