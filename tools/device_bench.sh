@@ -303,7 +303,8 @@ if [[ $1 == overlap ]]; then
   # each of CONCURRENCY (1 is the native /generate stream) plus one Poisson run, and the GPU
   # idle share of steps PROFILE_FIRST.. (AERIE_PROFILE_STEPS; they fall in the first, c=64 run).
   # SPEC=EAGLE3 serves with a random 3-step EAGLE-3 chain draft instead of plain decoding.
-  # TEMPERATURE / TOP_P: sampled requests instead of greedy ones.
+  # TEMPERATURE / TOP_P: sampled requests instead of greedy ones. CLIENT_PROCS=N spreads the
+  # client over N processes (bench_serving.py --client-processes), so it cannot be the limit.
   # PYSPY_S=6 (with py-spy among the carried wheels): host profiles of every process for that
   # many seconds in the runs at PYSPY_CONC (default "64 1"), which then send 8x the requests.
   # TRACE=1: host timestamps of every step in the scheduler and the worker (AERIE_STEP_TRACE),
@@ -355,6 +356,7 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
       timeout 150 python benchmarks/bench_serving.py --backend $backend --num-prompts $n \
         --output-len ${OUTPUT_LEN:-256} --max-concurrency $c --request-rate $rate \
         ${TEMPERATURE:+--temperature $TEMPERATURE} ${TOP_P:+--top-p $TOP_P} \
+        ${CLIENT_PROCS:+--client-processes $CLIENT_PROCS} \
         --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model \
         --output "$OUT/serve_${tag}_${mode}_c$conc.json" > "$OUT/serve_${tag}_${mode}_c$conc.txt" 2>&1 &
       client=$!

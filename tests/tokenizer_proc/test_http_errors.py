@@ -112,7 +112,7 @@ def test_an_error_inside_a_stream_ends_it_with_an_error_event(live, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("a bug while streaming")
 
-    monkeypatch.setattr(http_api, "generate_response", broken)
+    monkeypatch.setattr(http_api.GenerateEvents, "event", broken)
     body = {"input_ids": [5], "stream": True, "sampling_params": {"max_new_tokens": 2}}
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=10) as r:
         lines = [line for line in r.iter_lines() if line]

@@ -1,0 +1,301 @@
+"""Delivery-path benchmark: what streaming events to HTTP clients costs the tokenizer process,
+on the CPU, with no model and no GPU.
+
+    python3 benchmarks/bench_delivery.py --streams 64 --step-ms 1.35 --output-len 256
+
+The server is the tokenizer process's own app (`create_app` over a `Frontend`, uvicorn with the
+process's HTTP protocol, the inbox read as `tokenizer_proc.process` reads it) on localhost, in
+this process. A feeder process stands in for scheduler and detokenizer: it takes the
+`TokenizedRequest`s and, every --step-ms while any stream runs, sends one `TextDeltas` with one
+token (a short text piece, some with quotes, backslashes, newlines and non-ASCII) for each
+running stream, as the detokenizer does once per decode step. Client processes
+(`serving_load`) keep --streams requests streaming (--rounds x --streams in all, a new one as
+each finishes).
+
+Reported: events delivered per second (against the feeder's offer, streams / step), tokens per
+event (1.0 when every step reaches the client as its own event), the per-chunk ITL (median,
+p99) and per-token ITL, the server process's CPU time per event and the clients' (a client
+near a full core is itself the limit: add --client-processes), and the feeder's step period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import uvicorn
+import uvloop
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aerie.codec import pack_floats, pack_ids, unpack_ids  # noqa: E402
+from aerie.messages import (  # noqa: E402
+    AbortRequest,
+    FinishReason,
+    Shutdown,
+    TextDelta,
+    TextDeltas,
+    TokenizedRequest,
+)
+from aerie.transport import AsyncReceiver, AsyncSender, Receiver, Sender  # noqa: E402
+from benchmarks.bench_serving import describe_ms  # noqa: E402
+from benchmarks.serving_load import Payload, run_load_processes, token_itl  # noqa: E402
+from tokenizer_proc.frontend import Frontend  # noqa: E402
+from tokenizer_proc.http_api import create_app  # noqa: E402
+from tokenizer_proc.http_guard import header_timeout_protocol  # noqa: E402
+from tokenizer_proc.process import _Server, bind_http_socket  # noqa: E402
+from tokenizer_proc.validation import Limits  # noqa: E402
+
+PIECES = (" the", " of", " and", ",", " a", " to", " in", ".", " is", " that", "\n", " model",
+          ' "quoted"', " café", " 世界", " 🙂", " back\\slash", "\t", " tokens", " step",
+          " serving", " for", " with", ":", " it")  # fmt: skip
+PROMPT_IDS = [11, 12, 13, 14]
+LOGPROB = -0.25
+
+
+# ----------------------------------------------------------------------------------------------
+# Feeder: scheduler + detokenizer stand-in (its own process)
+
+
+class FedStream:
+    """One request the feeder is decoding: a token per step until max_new_tokens."""
+
+    def __init__(self, request: TokenizedRequest) -> None:
+        self.rid = request.rid
+        self.max_new_tokens = request.sampling.max_new_tokens
+        self.prompt_tokens = len(unpack_ids(request.input_ids))
+        self.logprobs = request.return_logprob
+        self.offset = int(request.rid[:6], 16) if request.rid[:6].isalnum() else 0
+        self.num_done = 0
+
+    def next_delta(self) -> TextDelta:
+        k = self.offset + self.num_done
+        self.num_done += 1
+        done = self.num_done >= self.max_new_tokens
+        token_id = k * 7919 % 49_000 + 100
+        return TextDelta(
+            rid=self.rid, text=PIECES[k % len(PIECES)], token_ids=pack_ids([token_id]),
+            logprobs=pack_floats([LOGPROB]) if self.logprobs else b"",
+            finish=FinishReason("length") if done else None, prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.num_done,
+        )  # fmt: skip
+
+
+def run_feeder(inbox: str, server_inbox: str, step_s: float, stats: mp.Queue) -> None:
+    """Until Shutdown: every step_s while streams run, one TextDeltas (a token each)."""
+    receiver, sender = Receiver(inbox), Sender(server_inbox)
+    streams: dict[str, FedStream] = {}
+    sent_at: list[float] = []
+    next_at = 0.0
+    while True:
+        for message in receiver.drain() if streams else [receiver.recv()]:
+            if isinstance(message, TokenizedRequest):
+                streams[message.rid] = FedStream(message)
+            elif isinstance(message, AbortRequest):
+                streams.pop(message.rid, None)
+            elif isinstance(message, Shutdown):
+                stats.put(sent_at)
+                return
+        if not streams:
+            continue
+        wait = next_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        deltas = [stream.next_delta() for stream in streams.values()]
+        sender.send(TextDeltas(deltas))
+        now = time.perf_counter()
+        sent_at.append(now)
+        next_at = max(next_at, now - step_s) + step_s  # late: the next step starts at once
+        for delta in deltas:
+            if delta.finish is not None:
+                del streams[delta.rid]
+
+
+# ----------------------------------------------------------------------------------------------
+# Server: the tokenizer process's app, its scheduler side replaced by the feeder
+
+
+class StubTokenizer:
+    """What the Frontend asks of a tokenizer, without a model's vocabulary."""
+
+    vocab_size = 50_000
+    max_token_bytes = 16
+
+    def encode(self, text: str) -> list[int]:
+        return [100 + b for b in text.encode("utf-8")][:64] or PROMPT_IDS
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [PIECES[i % len(PIECES)] for i in ids]
+
+
+class FeederBackend:
+    """The Frontend's backend: requests and aborts go to the feeder's inbox."""
+
+    def __init__(self, address: str) -> None:
+        self.sender = AsyncSender(address)
+
+    async def submit(self, request: TokenizedRequest) -> None:
+        await self.sender.send(request)
+
+    def abort(self, rid: str):
+        return self.sender.send(AbortRequest(rid))
+
+    def finished(self, rid: str) -> None:
+        pass
+
+
+def payloads(args: argparse.Namespace) -> list[Payload]:
+    sampling = {"max_new_tokens": args.output_len, "ignore_eos": True}
+    if args.backend == "native":
+        body = {"input_ids": PROMPT_IDS, "sampling_params": sampling, "stream": True,
+                "return_logprob": args.return_logprob}  # fmt: skip
+        return [Payload("/generate", body, len(PROMPT_IDS))] * (args.streams * args.rounds)
+    body = {"model": "bench", "prompt": "Once upon a time", "max_tokens": args.output_len,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "logprobs": 1 if args.return_logprob else None}  # fmt: skip
+    return [Payload("/v1/completions", body, len(PROMPT_IDS))] * (args.streams * args.rounds)
+
+
+async def serve_and_load(args: argparse.Namespace, feeder_inbox: str, server_inbox: str) -> dict:
+    """Run the server in this loop and the clients in their processes; the figures."""
+    frontend = Frontend(StubTokenizer(), Limits(vocab_size=StubTokenizer.vocab_size,
+                        context_length=args.output_len + 64), FeederBackend(feeder_inbox),
+                        "bench")  # type: ignore[arg-type]  # fmt: skip
+    frontend.mark_ready({"page_size": 1, "max_total_tokens": 1 << 20})
+    inbox = AsyncReceiver(server_inbox)
+    sock = bind_http_socket("127.0.0.1", 0)
+    config = uvicorn.Config(create_app(frontend), log_config=None, access_log=False,
+                            lifespan="off", http=header_timeout_protocol(10.0),
+                            timeout_graceful_shutdown=1)  # fmt: skip
+    server = _Server(config)
+    http = asyncio.create_task(server.serve(sockets=[sock]))
+
+    async def read_inbox() -> None:
+        while True:
+            frontend.tracker.feed(await inbox.recv())
+
+    reader = asyncio.create_task(read_inbox())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    before = os.times()
+    results, duration, client_cpu = await asyncio.get_running_loop().run_in_executor(
+        None, run_load_processes, base_url, payloads(args), math.inf, args.streams, 0,
+        args.client_processes,
+    )  # fmt: skip
+    after = os.times()
+    server.should_exit = True
+    await http
+    reader.cancel()
+    inbox.close()
+    cpu = (after.user - before.user, after.system - before.system)
+    return figures(args, results, duration, cpu, client_cpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def figures(args, results, duration: float, server_cpu: tuple, client_cpu: float) -> dict:
+    """The report; server_cpu: (user, system) seconds of this process during the load."""
+    ok = [r for r in results if r.success]
+    events = max(sum(len(r.itl) + 1 for r in ok), 1)
+    tokens = sum(r.output_len for r in ok)
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "offered_events_per_s": args.streams / (args.step_ms / 1000),
+        "events_per_s": events / duration,
+        "tokens_per_s": tokens / duration,
+        "tokens_per_event": tokens / events,
+        "itl_ms": describe_ms([gap for r in ok for gap in r.itl]),
+        "token_itl_ms": describe_ms([g for r in ok for g in token_itl(r.itl, r.itl_tokens)]),
+        "server_cpu_us_per_event": sum(server_cpu) / events * 1e6,
+        "server_sys_us_per_event": server_cpu[1] / events * 1e6,
+        "server_cpu_share": sum(server_cpu) / duration,
+        "client_cpu_us_per_event": client_cpu / events * 1e6,
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+def print_figures(out: dict) -> None:
+    print(f"{'completed / failed':<30}{out['completed']} / {out['failed']}")
+    print(f"{'events/s (offered)':<30}{out['events_per_s']:,.0f} "
+          f"({out['offered_events_per_s']:,.0f})")  # fmt: skip
+    print(f"{'tokens/s':<30}{out['tokens_per_s']:,.0f}")
+    print(f"{'tokens per event':<30}{out['tokens_per_event']:.2f}")
+    print(f"{'ITL per chunk median / p99':<30}{out['itl_ms']['median']:.2f} / "
+          f"{out['itl_ms']['p99']:.2f} ms")  # fmt: skip
+    print(f"{'ITL per token median':<30}{out['token_itl_ms']['median']:.2f} ms")
+    print(f"{'server CPU per event':<30}{out['server_cpu_us_per_event']:.1f} us, "
+          f"{out['server_sys_us_per_event']:.1f} in the kernel "
+          f"({out['server_cpu_share']:.0%} of a core)")  # fmt: skip
+    print(f"{'client CPU per event':<30}{out['client_cpu_us_per_event']:.1f} us")
+    print(f"{'feeder step median / p99':<30}{out['step_ms']['median']:.2f} / "
+          f"{out['step_ms']['p99']:.2f} ms")  # fmt: skip
+    for error in out["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+
+
+def step_periods(sent_at: list[float]) -> dict[str, float]:
+    """The feeder's step period (ms), median and p99, leaving out idle gaps."""
+    periods = [(b - a) * 1e3 for a, b in zip(sent_at, sent_at[1:], strict=False) if b - a < 0.1]
+    if len(periods) < 2:
+        return {"median": 0.0, "p99": 0.0}
+    return {"median": statistics.median(periods), "p99": statistics.quantiles(periods, n=100)[98]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, default=64, help="concurrent streaming requests")
+    p.add_argument("--step-ms", type=float, default=1.35, help="one token per stream this often")
+    p.add_argument("--output-len", type=int, default=256, help="tokens per request")
+    p.add_argument("--rounds", type=int, default=4, help="requests: rounds x streams")
+    p.add_argument("--backend", choices=("native", "openai"), default="native")
+    p.add_argument("--return-logprob", action="store_true")
+    p.add_argument("--client-processes", type=int, default=1)
+    p.add_argument("--output", default=None, help="write the figures as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    runtime_dir = tempfile.mkdtemp(prefix="aerie-delivery-")
+    feeder_inbox, server_inbox = f"ipc://{runtime_dir}/feeder", f"ipc://{runtime_dir}/tokenizer"
+    ctx = mp.get_context("spawn")
+    stats = ctx.Queue()
+    feeder = ctx.Process(target=run_feeder, daemon=True,
+                         args=(feeder_inbox, server_inbox, args.step_ms / 1000, stats))  # fmt: skip
+    feeder.start()
+    try:
+        out = uvloop.run(serve_and_load(args, feeder_inbox, server_inbox))
+        stop = Sender(feeder_inbox)
+        stop.send(Shutdown())
+        sent_at = stats.get(timeout=10)
+        stop.close()
+        feeder.join(10)
+    finally:
+        if feeder.is_alive():
+            feeder.kill()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+    out["step_ms"] = step_periods(sent_at)
+    out["args"] = vars(args)
+    print_figures(out)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()
