@@ -64,7 +64,7 @@ class GPUWorker:
         self.runner, self.draft_runner_list = models.target, models.draft_runner_list
         self.runners = [self.runner, *self.draft_runner_list]
         widths = {runner.req_to_token_pool.max_context_len for runner in self.runners}
-        assert len(widths) == 1, f"req_to_token tables of different widths {widths}"  # one pool spec
+        assert len(widths) == 1, f"req_to_token tables of different widths {widths}"
         self.sampling, self.spec, self.rows = models.sampling, models.speculative, models.rows
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
