@@ -21,9 +21,7 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, in_stride, inter, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):  # fmt: skip
-    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_previous(USE_PDL)  # everything it reads may come from the kernel before
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -215,9 +215,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_previous(USE_PDL)  # everything it reads may come from the kernel before
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

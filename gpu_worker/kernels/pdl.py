@@ -10,7 +10,7 @@ projection's weight is already in registers when its input becomes ready, and at
 kernel waits ahead of the one running. CUDA graphs keep the overlap: stream capture records
 such a launch as a programmatic edge.
 
-The rules for a kernel that takes USE_PDL (each such kernel states where it waits):
+The rules for a kernel that takes USE_PDL and calls `wait_for_previous(USE_PDL)`:
 - before its `gdc_wait` it reads only memory that no kernel writes while a step runs (weights
   and other parameters) and writes nothing;
 - every path through it calls `gdc_wait` before any other read or any write.
@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 ENV = "AERIE_PDL"
 FORCE_OFF = False  # bench_decode's "nopdl" variants
@@ -56,3 +58,13 @@ def launch_args(device: torch.device, rows: int) -> dict[str, bool]:
     launch over `rows` rows (tokens)."""
     on = rows <= MAX_ROWS and enabled(device)
     return {"USE_PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    """Where a kernel launched with PDL may start reading what earlier kernels wrote: waits
+    until the kernel before it has completed, then lets the next one launch. Nothing
+    without USE_PDL."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -91,9 +91,7 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # everything it reads may come from the kernel before (`pdl`)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_previous(USE_PDL)  # everything it reads may come from the kernel before
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = HEAD_DIM // 2

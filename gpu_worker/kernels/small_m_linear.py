@@ -118,9 +118,7 @@ def _small_m_linear_kernel(
         k_ok = cols < K
         w = tl.load(w_ptr + n[:, None] * K + cols[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K], contiguous along K  # fmt: skip
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl.wait_for_previous(USE_PDL)
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1 or PROLOGUE == 2:
             rstd = _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps,
@@ -130,9 +128,7 @@ def _small_m_linear_kernel(
                         pid == 0, PROLOGUE)  # fmt: skip
         acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl.wait_for_previous(USE_PDL)
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1 or PROLOGUE == 2:  # first pass: each row's mean square
             rstd = _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps,
