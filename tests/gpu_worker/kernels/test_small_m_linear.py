@@ -80,6 +80,11 @@ def test_silu_mul_linear(device, dtype, rows, k, n, config):
 
 def test_the_fused_kernel_runs_only_where_it_pays():
     assert sml.choose_config(1, 3072, 576, prologue=True) is not None  # 135M gate_up, batch 1
+    # one tile covers a small weight's input (its weight read before the PDL wait), up to
+    # ONE_TILE_K; wider inputs loop over 512-wide tiles
+    assert sml.choose_config(1, 576, 1536, prologue=True).block_k == 2048  # 135M down
+    assert sml.choose_config(1, 960, 576, prologue=True).block_k == 1024  # 135M qkv
+    assert sml.choose_config(1, 64, sml.ONE_TILE_K + 1).block_k < sml.ONE_TILE_K + 1
     # up to MAX_FUSED_ROWS rows of a small weight: fused; more (a chain's verify), the library
     assert sml.choose_config(sml.MAX_FUSED_ROWS, 960, 576, prologue=True) is not None
     assert sml.choose_config(sml.MAX_FUSED_ROWS + 1, 960, 576) is None
