@@ -15,8 +15,10 @@ Events, by plan id:
                done        its result's deltas and the stats sent: the loop is free again
     worker     plan_in     the plan received
                parsed, slots_written, stepped
-                           inside the launch: the plan read (rows started), the KV slots
-                           recorded, the step's graph replayed (plain decode steps only)
+                           inside a plain decode step's launch: the plan read (rows
+                           started), the slots' indices computed, the one input copy and
+                           the replay queued (in other steps the slots are recorded before
+                           `slots_written`, and there is no `stepped`)
                launched    its work queued on the device
                ready       its results found ready (the device is done with it, to within one
                            poll of the worker's loop)

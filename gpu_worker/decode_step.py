@@ -1,10 +1,14 @@
 """`DecodeStep`: one plain (non-speculative) decode step of the target as one stage.
 
-The stage reads each row's newest token and committed length from `RowState`, runs the target
-forward on them, picks each row's next token and commits it: the row's length grows by one
-and the token becomes its newest. On CUDA the whole of it is one graph replay per step
-(`StageGraph`, buckets up to `--cuda-graph-max-bs`), so a decode step costs the host one input
-copy, one replay and one result copy, whatever the model's depth, and whatever its sampling.
+The stage records the step's new KV slots in every runner's req_to_token table (the plan's
+flat indices and slots), reads each row's newest token and committed length from `RowState`,
+runs the target forward on them, picks each row's next token and commits it: the row's length
+grows by one and the token becomes its newest. Its inputs come from the host (`StageGraph`
+with `host_inputs`: the rows, and up to `slots_per_row` new slots per row of the bucket), so on
+CUDA a decode step costs the host one input copy and one graph replay (buckets up to
+`--cuda-graph-max-bs`), then one result copy, whatever the model's depth and its sampling. A
+step with more new slots than its bucket holds (rare: a row whose headroom grew by more than
+one step's) has them written before it (`slot_capacity`).
 
 How the token is picked is a variant of the stage, each with its own graphs (one memory pool):
 - "greedy": the argmax of the logits, for batches of plain greedy rows that want no logprobs;
@@ -15,7 +19,8 @@ Stages a row does not use leave its logits unchanged, so a variant gives each ro
 (and logprob) the eager sampler gives it; `variant_for` picks the cheapest that serves a batch.
 
 Padded rows point at the reserved row 0 (token 0 at position 0, slot 0); the stage writes the
-commit of those rows into row 0 and then puts row 0 back to token 0 and length 0.
+commit of those rows into row 0 and then puts row 0 back to token 0 and length 0. Padded slot
+entries write slot 0 at row 0's position 0, where it already is.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import numpy as np
 import torch
 
 from gpu_worker.forward_batch import ForwardMode, make_batch
+from gpu_worker.kv_cache.req_to_token import ReqToTokenPool
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState, fixed_flags
-from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph
+from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 
 VARIANTS = ("greedy", "sample", "filter")
 
@@ -45,24 +51,39 @@ class DecodeOutput:
 
 class DecodeStep:
     def __init__(self, runner: ModelRunner, state: RowState, sampling: SamplingState,
-                 graph_max_bs: int) -> None:  # fmt: skip
+                 graph_max_bs: int, pools: list[ReqToTokenPool] | None = None,
+                 slots_per_row: int = 1) -> None:  # fmt: skip
         """graph_max_bs: the largest batch replayed as a graph (captured on CUDA when the
-        attention backend can be); 0 runs every step directly."""
+        attention backend can be); 0 runs every step directly. pools: the req_to_token tables
+        a step records its new slots in (default: the runner's), all of one width.
+        slots_per_row: new slots per row of a bucket the stage takes (a decode step's
+        headroom, `--speculative` aside: one)."""
         self.runner, self.state, self.sampling = runner, state, sampling
+        self.pools = pools or [runner.req_to_token_pool]
+        self.slots_per_row = slots_per_row
         self.stages: dict[str, StageGraph | DirectStage] = {}
         device = runner.device
         capture = device.type == "cuda" and runner.attn_backend.supports_cuda_graph
         pool = torch.cuda.graph_pool_handle() if capture and graph_max_bs > 0 else None
+        inputs = {"rows": PER_REQUEST, "slot_index": StageInput((slots_per_row,)),
+                  "slot_value": StageInput((slots_per_row,), torch.int32)}  # fmt: skip
         for variant in VARIANTS:
             def step(bs, inputs, prefix_cpu, variant=variant):  # noqa: ANN001
-                return self._step(variant, inputs["rows"])
+                return self._step(variant, inputs)
 
             if graph_max_bs <= 0:
-                self.stages[variant] = DirectStage(step)
+                self.stages[variant] = DirectStage(step, device, inputs)
             else:
-                self.stages[variant] = StageGraph(f"decode step, {variant}", step,
-                                                  {"rows": PER_REQUEST}, graph_max_bs, device,
-                                                  capture, pool)  # fmt: skip
+                self.stages[variant] = StageGraph(f"decode step, {variant}", step, inputs,
+                                                  graph_max_bs, device, capture, pool,
+                                                  host_inputs=True)  # fmt: skip
+
+    def slot_capacity(self, bs: int) -> int | None:
+        """The most new slots a step of bs rows can record itself (None: no bound); a step with
+        more has them written first (`ReqToTokenPool.assign`) and passes none."""
+        stage = self.stages[VARIANTS[0]]
+        bucket = stage.capacity(bs) if isinstance(stage, StageGraph) else None
+        return None if bucket is None else bucket * self.slots_per_row
 
     def variant_for(self, rows_cpu: np.ndarray, want_logprobs: bool) -> str:
         """The cheapest variant that gives every row of the batch its own token."""
@@ -71,13 +92,22 @@ class DecodeStep:
             return "greedy"
         return "filter" if sort else "sample"
 
-    def __call__(self, rows: torch.Tensor, variant: str = "greedy") -> DecodeOutput:
-        """One step for request rows [bs] (on the device)."""
-        out = self.stages[variant]({"rows": rows}, [0] * rows.numel())
+    def __call__(self, rows: np.ndarray, slot_index: np.ndarray, slot_value: np.ndarray,
+                 variant: str = "greedy") -> DecodeOutput:  # fmt: skip
+        """One step for request rows [bs] (host int64) that first records slot_value[i] (int32)
+        at flat index slot_index[i] (`ReqToTokenPool.flat_index`) of every pool, at most
+        `slot_capacity(bs)` of them."""
+        out = self.stages[variant].call_host(
+            len(rows), {"rows": rows, "slot_index": slot_index, "slot_value": slot_value}
+        )
         return DecodeOutput(out["tokens"], out.get("logprobs"))
 
-    def _step(self, variant: str, rows: torch.Tensor) -> dict:
+    def _step(self, variant: str, inputs: dict[str, torch.Tensor]) -> dict:
         state, backend = self.state, self.runner.attn_backend
+        rows, slot_index = inputs["rows"], inputs["slot_index"]
+        if slot_index.numel():  # (none on a direct step that brings no new slots)
+            for pool in self.pools:
+                pool.assign(slot_index, inputs["slot_value"])
         bs = rows.numel()
         input_ids, positions, out_cache_loc, seq_lens = state.decode_inputs(
             rows, self.runner.req_to_token_pool.req_to_token
@@ -96,6 +126,9 @@ class DecodeStep:
         else:
             flags = fixed_flags(sort=variant == "filter")
             tokens, logprobs = self.sampling.sample(logits, rows, positions + 1, flags=flags)
+            # Penalties count the token (rows without penalties count harmlessly: a request
+            # that uses them resets its row's counts when it starts).
+            self.sampling.count(rows, tokens)
             result = {"logprobs": logprobs}
         state.commit_decode(rows, 1, tokens)
         state.reset_dummy()

@@ -109,7 +109,9 @@ class Staging:
                       for _ in range(self.RING)]  # fmt: skip
         self._device = [torch.empty(capacity, dtype=torch.int64, device=self.device)
                         for _ in range(self.RING)]  # fmt: skip
-        self._events = [None] * self.RING
+        # One event per buffer, recorded again each time (a new one per copy costs the host
+        # an event creation per step); waiting on one never recorded returns at once.
+        self._events = [torch.cuda.Event() if self.pinned else None for _ in range(self.RING)]
 
     def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Device int64 views of arrays, in order, each 16-byte aligned, after one
@@ -150,9 +152,7 @@ class Staging:
             np.concatenate(arrays, out=host.numpy()[:total], casting="unsafe")
         device[:total].copy_(host[:total], non_blocking=self.pinned)
         if self.pinned:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[slot] = event
+            self._events[slot].record()
         return device
 
 
@@ -168,6 +168,9 @@ class HostCopy:
         self.device = torch.device(device)
         self._buffers: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
         self._next = 0
+        # One event per set, recorded again by each copy into it (see `Staging`).
+        on_cuda = self.device.type == "cuda"
+        self._events = [torch.cuda.Event() if on_cuda else None for _ in range(self.RING)]
 
     def start(self, *tensors: torch.Tensor) -> PendingCopy:
         """Begin copying tensors (flattened) to the host, after the work queued so far."""
@@ -184,7 +187,7 @@ class HostCopy:
             view = buffer[: t.numel()]
             view.copy_(t.reshape(-1), non_blocking=True)
             staged.append(view)
-        done = torch.cuda.Event()
+        done = self._events[ring]
         done.record()
         return PendingCopy(staged, done)
 

@@ -40,6 +40,8 @@ class PlanArrays:
 
     def slot_positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(row, position) of every assigned slot, [sum(slot_lens)] each."""
+        if len(self.slots) == len(self.rows) and (self.slot_lens == 1).all():
+            return self.rows, self.slot_starts  # a decode step's usual one slot per row
         rows = np.repeat(self.rows, self.slot_lens)
         return rows, np.repeat(self.slot_starts, self.slot_lens) + segment_offsets(self.slot_lens)
 
@@ -102,8 +104,8 @@ def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
 
 
 def _check_rows(plan: ForwardPlan, rows: np.ndarray, max_rows: int) -> None:
-    bad = np.flatnonzero((rows <= 0) | (rows > max_rows))
-    if bad.size:
-        raise ValueError(f"plan {plan.plan_id}: request row {rows[bad[0]]} is invalid")
-    if len(np.unique(rows)) != len(rows):
+    if len(rows) and (rows.min() <= 0 or rows.max() > max_rows):
+        bad = rows[(rows <= 0) | (rows > max_rows)][0]
+        raise ValueError(f"plan {plan.plan_id}: request row {bad} is invalid")
+    if len(set(rows.tolist())) != len(rows):  # (a set beats np.unique at these sizes)
         raise ValueError(f"plan {plan.plan_id}: a request row appears twice")

@@ -270,7 +270,9 @@ class SamplingState:
         self._int_params[:, 0] = vocab_size
         self.counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=self.device)
         self.prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=self.device)
-        self._flags_cpu = torch.zeros(num_rows, len(_FLAG_COLUMNS), dtype=torch.bool)
+        # numpy, not a CPU tensor: a step reads it once or twice, and a numpy index or any()
+        # costs the host about a microsecond where the same torch call costs several.
+        self._flags_cpu = np.zeros((num_rows, len(_FLAG_COLUMNS)), dtype=bool)
 
     def start(
         self,
@@ -293,7 +295,7 @@ class SamplingState:
         self._float_params[req_pool_idx] = self._upload(floats, torch.float32)
         self._int_params[req_pool_idx] = self._upload([top_k, _wrap_int64(seed)], torch.int64)
         flags = _row_flags(params, top_k, self.vocab_size)
-        self._flags_cpu[req_pool_idx] = torch.tensor(flags)
+        self._flags_cpu[req_pool_idx] = flags
         if flags[0]:
             self._reset_penalty_state(req_pool_idx, prompt_ids, output_len)
 
@@ -329,8 +331,18 @@ class SamplingState:
         them without a host-side selection. With lengths [n], token_ids is [n, W] and row i
         emitted its first lengths[i] (an accepted speculative run). Mutates `counts`; a no-op
         when no row uses penalties."""
-        if not bool(self._flags_cpu[:, 0].any()):
-            return
+        if self._flags_cpu[:, 0].any():
+            self.count(req_pool_indices, token_ids, weights, lengths)
+
+    def count(
+        self,
+        req_pool_indices: Tensor,
+        token_ids: Tensor,
+        weights: Tensor | None = None,
+        lengths: Tensor | None = None,
+    ) -> None:
+        """`observe` without the host's look at the flags (so a CUDA graph can hold it): every
+        row's tokens are counted."""
         rows = req_pool_indices.to(self.device, torch.int64)
         ids = token_ids.to(self.device, torch.int64)
         if lengths is not None:
@@ -365,9 +377,8 @@ class SamplingState:
     def stage_flags(self, rows_cpu: np.ndarray | Tensor | None) -> list[bool]:
         """`_FLAG_COLUMNS` for a batch: whether any of its rows (host copy; None: any started
         row) needs each stage. Host only."""
-        flags = self._flags_cpu if rows_cpu is None else self._flags_cpu[
-            torch.as_tensor(rows_cpu).long()]  # fmt: skip
-        return flags.any(dim=0).tolist()
+        flags = self._flags_cpu if rows_cpu is None else self._flags_cpu[np.asarray(rows_cpu)]
+        return flags.any(axis=0).tolist()
 
     def needs(self, rows_cpu: np.ndarray) -> tuple[bool, bool]:
         """For a batch (host only, one look at the flags): whether any row needs more than the

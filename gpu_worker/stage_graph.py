@@ -23,6 +23,13 @@ The producing stage writes every row of the bucket, its padded rows included (th
 the stage computed for the dummy row: valid values of the consumer's pad kind, such as row 0
 or length 0).
 
+A stage whose inputs come from the host (`host_inputs=True`, e.g. the plain decode step: the
+plan's rows and KV slots) keeps them all in ONE packed int64 device buffer, int32 inputs two
+to an entry, and `call_host` fills all of it, pads included, with one copy from pinned memory
+before the replay: a step costs the host one copy and one replay whatever its inputs. Such
+inputs are flat lists of up to `width` values per request (`StageInput.shape` (width,)), not
+necessarily `width` for every request (a step's new KV slots are), and `fn` sees them flat.
+
 Capture follows `CudaGraphRunner`: buckets largest first, one memory pool, eager warm-up runs
 before each capture. Without capture (CPU, or a backend that cannot be captured) the same
 copies, padding and output buffers run eagerly, so CI covers all but the replay.
@@ -30,12 +37,15 @@ copies, padding and output buffers run eagerly, so CI covers all but the replay.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_worker.cuda_graph import batch_size_buckets, capture_buckets
+from gpu_worker.host_batch import Staging
 
 StageFn = Callable[[int, dict[str, torch.Tensor], list[int]], dict[str, torch.Tensor]]
 
@@ -50,16 +60,50 @@ class StageInput:
 
 
 PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pads to 0
+HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}  # what host inputs may be
 
 
 class DirectStage:
     """A stage run as plain calls on the real batch (no padding, no graphs)."""
 
-    def __init__(self, fn: StageFn) -> None:
+    def __init__(self, fn: StageFn, device: torch.device | None = None,
+                 host_inputs: dict[str, StageInput] | None = None) -> None:  # fmt: skip
+        """host_inputs: the inputs `call_host` takes (device: where they go)."""
         self.fn = fn
+        self.host_inputs = host_inputs or {}
+        self.staging = Staging(device) if host_inputs and device is not None else None
 
     def __call__(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]):
         return self.fn(len(prefix_cpu), inputs, prefix_cpu)
+
+    def call_host(self, bs: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Run on host arrays (flat, as `StageGraph.call_host` takes them), in one copy."""
+        assert self.staging is not None, "a DirectStage made without host_inputs"
+        return self.fn(bs, upload_flat(self.staging, self.host_inputs, arrays), [0] * bs)
+
+
+def upload_flat(staging: Staging, specs: dict[str, StageInput],
+                arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """arrays (flat, of the specs' dtypes) on the device in one copy, unpadded: int32 ones
+    two to an int64 entry and viewed back."""
+    keys = list(specs)
+    pieces = [_as_entries(arrays[key], specs[key].dtype) for key in keys]
+    views = staging.upload(pieces)
+    return {key: view.view(torch.int32)[: len(arrays[key])] if specs[key].dtype == torch.int32
+            else view for key, view in zip(keys, views, strict=True)}  # fmt: skip
+
+
+def _as_entries(values: np.ndarray, dtype: torch.dtype, entries: int | None = None,
+                pad: float = 0) -> np.ndarray:  # fmt: skip
+    """values as int64 entries for a packed buffer (int32 two to an entry), padded with pad to
+    `entries` entries when given."""
+    host = HOST_DTYPES[dtype]
+    per_entry = 8 // np.dtype(host).itemsize
+    size = len(values) if entries is None else entries * per_entry
+    size += -size % per_entry
+    region = np.full(size, pad, dtype=host)
+    region[: len(values)] = values
+    return region.view(np.int64)
 
 
 class StageGraph:
@@ -73,22 +117,30 @@ class StageGraph:
         capture: bool,
         pool=None,
         output_buffers: dict[str, torch.Tensor] | None = None,
+        host_inputs: bool = False,
     ) -> None:
         """pool: a CUDA graph memory pool shared with other stages (default: a new one).
         output_buffers: outputs written into the given tensors (e.g. another stage's `inputs`;
-        viewed as [max_bs * rows per request, ...]) instead of buffers of their own."""
+        viewed as [max_bs * rows per request, ...]) instead of buffers of their own.
+        host_inputs: the inputs come from the host through `call_host` (int64 or int32, each
+        of shape () or (width,)), packed in one buffer."""
         self.name, self.fn = name, fn
         self.output_buffers = output_buffers or {}
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.device = device
         self.captures = capture
-        self.inputs = {
-            key: torch.full(
-                (self.max_bs, *spec.shape), spec.pad, dtype=spec.dtype, device=device
-            )  # fmt: skip
-            for key, spec in inputs.items()
-        }
+        self.specs = inputs
+        self.host_inputs = host_inputs
+        if host_inputs:
+            self._pack_inputs()
+        else:
+            self.inputs = {
+                key: torch.full(
+                    (self.max_bs, *spec.shape), spec.pad, dtype=spec.dtype, device=device
+                )  # fmt: skip
+                for key, spec in inputs.items()
+            }
         self.pads = {key: spec.pad for key, spec in inputs.items()}
         self.outputs: dict[str, torch.Tensor] | None = None
         self.rows_per_req: dict[str, int] = {}
@@ -100,11 +152,58 @@ class StageGraph:
     def bucket_for(self, bs: int) -> int:
         return next(b for b in self.buckets if b >= bs)
 
+    def _pack_inputs(self) -> None:
+        """One int64 device buffer holding every input at max_bs (`inputs`: flat views of
+        it), the host-side pads of each, and the staging that fills it."""
+        self.widths = {key: math.prod(spec.shape) for key, spec in self.specs.items()}
+        pads = {key: _as_entries(np.zeros(0), spec.dtype, self.max_bs * self.widths[key],
+                                 spec.pad) for key, spec in self.specs.items()}  # fmt: skip
+        self.packed = torch.from_numpy(np.concatenate(list(pads.values()))).to(self.device)
+        self.inputs, start = {}, 0
+        for key, pad in pads.items():
+            region = self.packed[start : start + len(pad)]
+            count = self.max_bs * self.widths[key]
+            self.inputs[key] = (region.view(torch.int32)[:count]
+                                if self.specs[key].dtype == torch.int32 else region)  # fmt: skip
+            start += len(pad)
+        self._host_pads = pads
+        self.staging = Staging(self.device, capacity=self.packed.numel())
+
+    def capacity(self, bs: int) -> int | None:
+        """How many values per input of width 1 a batch of bs can hand `call_host` (times the
+        width for wider ones): its bucket's; None when it runs directly, without a bound."""
+        return None if bs > self.max_bs else self.bucket_for(bs)
+
+    def call_host(self, bs: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Run the stage for bs requests on host arrays (one per input, flat, of its dtype,
+        at most capacity(bs) * width values): one copy of the whole packed buffer, pads
+        included, then the replay. A batch larger than max_bs runs directly, unpadded."""
+        assert self.host_inputs, f"{self.name}: a stage made without host_inputs"
+        if bs > self.max_bs:
+            return self.fn(bs, upload_flat(self.staging, self.specs, arrays), [0] * bs)
+        bucket = self.bucket_for(bs)
+        pieces = []
+        for key, pad in self._host_pads.items():
+            values = arrays[key]
+            if len(values) > bucket * self.widths[key]:
+                raise ValueError(f"{self.name}: {len(values)} values of {key} for a batch of "
+                                 f"{bs} (at most {bucket * self.widths[key]})")  # fmt: skip
+            if self.specs[key].dtype == torch.int32:
+                region = pad.view(np.int32).copy()
+                region[: len(values)] = values
+                pieces.append(region.view(np.int64))
+            else:
+                pieces.append(values)
+                pieces.append(pad[len(values) :])
+        self.staging.upload_into(self.packed, pieces)
+        return self._replay(bs, bucket, [0] * bs)
+
     def __call__(
         self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
         """Run the stage for len(prefix_cpu) requests on `inputs` (each [bs, ...]); a batch larger
         than max_bs runs directly (eager, unpadded)."""
+        assert not self.host_inputs, f"{self.name}: its inputs come through call_host"
         bs = len(prefix_cpu)
         if bs > self.max_bs:
             return self.fn(bs, inputs, prefix_cpu)
@@ -119,6 +218,10 @@ class StageGraph:
             if self.filled > bs:  # rows of an earlier, larger batch: back to the dummies
                 static[bs : self.filled].fill_(self.pads[key])
         self.filled = bs
+        return self._replay(bs, bucket, prefix_cpu)
+
+    def _replay(self, bs: int, bucket: int, prefix_cpu: list[int]) -> dict[str, torch.Tensor]:
+        """The bucket's graph on the static inputs (eager when not captured); output views."""
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
@@ -128,7 +231,11 @@ class StageGraph:
 
     def _run(self, bucket: int, prefix_cpu: list[int]) -> None:
         """The stage on the bucket's static inputs, its results copied to the static outputs."""
-        views = {key: buffer[:bucket] for key, buffer in self.inputs.items()}
+        if self.host_inputs:  # flat: up to width values per request of the bucket
+            views = {key: buffer[: bucket * self.widths[key]]
+                     for key, buffer in self.inputs.items()}  # fmt: skip
+        else:
+            views = {key: buffer[:bucket] for key, buffer in self.inputs.items()}
         result = self.fn(bucket, views, prefix_cpu)
         if self.outputs is None:
             self.outputs = {}

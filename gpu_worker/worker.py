@@ -35,7 +35,7 @@ from gpu_worker.build import build_models, graph_max_bs, prefill_graph_tokens
 from gpu_worker.decode_step import DecodeStep
 from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
 from gpu_worker.parallel import SINGLE, TensorParallel
-from gpu_worker.plan_arrays import PlanArrays, parse_plan
+from gpu_worker.plan_arrays import EMPTY, PlanArrays, parse_plan
 from gpu_worker.prefill_graph import PrefillGraphs
 from gpu_worker.speculative.target_verify import SpecStepOutput
 
@@ -70,8 +70,10 @@ class GPUWorker:
         self.max_running_requests = self.runner.max_running_requests
         # Plain decoding only: a speculative iteration runs its own stages.
         self.decode_step = None if self.spec is not None else DecodeStep(
-            self.runner, self.rows, self.sampling, graph_max_bs(config)
-        )
+            self.runner, self.rows, self.sampling, graph_max_bs(config),
+            [runner.req_to_token_pool for runner in self.runners],
+            config.speculative.decode_alloc_len,
+        )  # fmt: skip
         # Short prefills replay graphs where they can be captured (the speculative draft's
         # prefill reads the target's hidden states, so they are kept with a draft).
         self.prefill_graphs: PrefillGraphs | None = None
@@ -118,13 +120,13 @@ class GPUWorker:
             empty = StepResult(plan_id=plan.plan_id, num_tokens=b"", token_ids=b"")
             return Launched(plan.plan_id, None, lambda _: empty)
         self._mark("parsed", plan.plan_id)
+        if plan.mode == "decode" and self.decode_step is not None:
+            return self._launch_decode(plan.plan_id, arrays)  # (its stage records the slots)
         rows = self._write_slots(arrays)
         self._mark("slots_written", plan.plan_id)
         if plan.mode == "extend":
             return self._launch_extend(plan.plan_id, arrays, rows)
-        if self.spec is not None:
-            return self._launch_speculative(plan.plan_id, arrays, rows)
-        return self._launch_decode(plan.plan_id, arrays, rows)
+        return self._launch_speculative(plan.plan_id, arrays, rows)
 
     # ------------------------------------------------------------------------------ modes
 
@@ -162,14 +164,23 @@ class GPUWorker:
 
         return Launched(plan_id, copy, pack)
 
-    def _launch_decode(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
-        assert self.decode_step is not None
+    def _launch_decode(self, plan_id: int, arrays: PlanArrays) -> Launched:
+        """Plain decoding: the step's rows and new slots go over in the one copy into the
+        decode stage's inputs, which records the slots and runs the step (one replay)."""
+        step = self.decode_step
+        assert step is not None
         want = bool(self.return_logprob[arrays.rows].any())
-        variant = self.decode_step.variant_for(arrays.rows, want)
-        out = self.decode_step(rows, variant)  # samples and commits each row's token
+        variant = step.variant_for(arrays.rows, want)
+        index = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
+        slots = arrays.slots
+        capacity = step.slot_capacity(arrays.batch_size)
+        if capacity is not None and len(slots) > capacity:  # more than its bucket takes
+            self._write_slots(arrays)
+            index, slots = EMPTY, EMPTY
+        self._mark("slots_written", plan_id)
+        out = step(arrays.rows, index, slots, variant)  # samples, counts, commits each token
         self._mark("stepped", plan_id)
         token_ids, logprobs = out.tokens, out.logprobs if want else None
-        self.sampling.observe(rows, token_ids)
         copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
         bs = arrays.batch_size
 

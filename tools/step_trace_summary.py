@@ -13,8 +13,8 @@ applying it (N+2 with the overlap schedule, N+1 without):
     to_worker   plan_out(M) -> plan_in(M)       encode, socket hop, decode
     launch      plan_in(M) -> launched(M)       parse, upload, replay; split, when traced, into
       parse       plan_in -> parsed               the plan's arrays, new rows started
-      slots       parsed -> slots_written         rows and KV slots uploaded and recorded
-      step        slots_written -> stepped        the step's graph: input copy, replay
+      slots       parsed -> slots_written         the KV slots' flat indices and the variant
+      step        slots_written -> stepped        one copy of rows and slots, the replay
       results     stepped -> launched             the copy of the results started
     chain       ready(N) -> launched(M)         all of the above
     wait        launched(M) - ready(M-1), if positive: the device had finished everything

@@ -122,7 +122,7 @@ def test_warm_up_plans_fit_the_pool_or_are_skipped(tiny_dirs):
     assert len(all_slots) == len(set(all_slots))  # no two requests share a slot
     assert max(all_slots) >= 64
     # 64 tokens are too few for both rows: row 1 alone (its two plans) fits
-    began = worker.sampling._flags_cpu.clone()
+    began = worker.sampling._flags_cpu.copy()
     assert run_warm_up(worker) is not None
     assert bool((worker.sampling._flags_cpu == began).all())  # greedy dummies set no flags
     small = make_config(tiny_dirs["llama"]).replace(cache={"max_total_tokens": 40})
@@ -158,6 +158,39 @@ def test_decode_step_commits_each_rows_own_token(tiny_dirs, graph_max_bs):
             assert int(worker.rows.tokens[r]) == newest[r]
             assert int(worker.rows.prefix_lens[r]) == lengths[r]
         assert int(worker.rows.tokens[0]) == 0 and int(worker.rows.prefix_lens[0]) == 0
+
+
+@pytest.mark.parametrize("graph_max_bs", [0, 4])
+def test_decode_steps_record_their_new_slots_however_many(tiny_dirs, reference_models,
+                                                         graph_max_bs):  # fmt: skip
+    """A decode step records its new KV slots itself; one that brings more than its bucket
+    takes (row 2's three positions of headroom: a bucket of 2 takes two slots) has them
+    written before it, and later steps that bring none use them: HF greedy tokens, and
+    req_to_token holds every slot."""
+    config = make_config(tiny_dirs["llama"]).replace(runner={"cuda_graph_max_bs": graph_max_bs})
+    worker = GPUWorker(config)
+    sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
+    prompts = {1: [5, 17, 99], 2: [200, 1, 64, 3]}
+    chunks = [sched.chunk(str(r), r, 0, ids, True) for r, ids in prompts.items()]
+    starts = [greedy_start(r, ids) for r, ids in prompts.items()]
+    result = worker.execute(extend_plan(1, chunks, starts))
+    out = {r: [t] for r, t in zip(prompts, codec.unpack_ids(result.token_ids), strict=True)}
+    headroom = {1: 1, 2: 3}  # row 2 is given three positions in its first step
+    for step in range(3):
+        new = []
+        for r, ids in prompts.items():
+            position = len(ids) + len(out[r]) - 1
+            n = headroom[r] if step == 0 else (1 if r == 1 else 0)
+            new.append((position, sched.slots_for(str(r), position, n) if n else []))
+        result = worker.execute(decode_plan(2 + step, list(prompts), new))
+        for r, token in zip(prompts, codec.unpack_ids(result.token_ids), strict=True):
+            out[r].append(token)
+    reference = reference_models("llama")
+    for r, ids in prompts.items():
+        assert out[r] == hf_greedy(reference, ids, 4)[0]
+        length = len(ids) + 3
+        table = worker.runner.req_to_token_pool.req_to_token[r, :length].tolist()
+        assert table == sched.slots_for(str(r), 0, length)
 
 
 def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, reference_models):

@@ -260,3 +260,45 @@ def test_the_iteration_never_synchronises(models, mtp_target, monkeypatch, algor
         sched.apply_result(plan, worker.execute(plan))
         plan = sched.next_plan()
     assert len(calls) == 4
+
+
+def test_host_inputs_go_over_in_one_copy_padded_and_flat(monkeypatch):
+    """A stage fed from the host gets its inputs flat, padded to its bucket with each input's
+    pad (every call rewrites the whole buffer, so nothing of a larger batch is left), int32
+    inputs as int32, all in one upload; values beyond the bucket are refused, and a batch past
+    max_bs runs directly on exactly the values given."""
+    seen = []
+
+    def fn(bs, inputs, seq_cpu):
+        seen.append((bs, *(inputs[k].tolist() for k in ("rows", "index", "value")),
+                     inputs["value"].dtype))  # fmt: skip
+        return {"out": inputs["rows"] * 10}
+
+    specs = {"rows": StageInput(), "index": StageInput((2,), pad=-1),
+             "value": StageInput((2,), torch.int32, pad=3)}  # fmt: skip
+    stage = StageGraph("host", fn, specs, 6, torch.device("cpu"), capture=False, host_inputs=True)
+    uploads = []
+    upload_into = stage.staging.upload_into
+    monkeypatch.setattr(stage.staging, "upload_into",
+                        lambda *args: uploads.append(args) or upload_into(*args))  # fmt: skip
+    int64, int32 = np.int64, np.int32
+    out = stage.call_host(3, {"rows": np.array([3, 1, 2], int64),
+                              "index": np.array([11, 12, 13, 14, 15], int64),
+                              "value": np.array([7, 8, 9, 10, 11], int32)})  # fmt: skip
+    assert out["out"].tolist() == [30, 10, 20] and len(uploads) == 1
+    assert seen[-1] == (4, [3, 1, 2, 0], [11, 12, 13, 14, 15, -1, -1, -1],
+                        [7, 8, 9, 10, 11, 3, 3, 3], torch.int32)  # fmt: skip
+    assert stage.capacity(3) == 4 and stage.capacity(6) == 6 and stage.capacity(7) is None
+    out = stage.call_host(1, {"rows": np.array([5], int64), "index": np.zeros(0, int64),
+                              "value": np.zeros(0, int32)})  # fmt: skip
+    assert out["out"].tolist() == [50] and len(uploads) == 2
+    assert seen[-1] == (1, [5], [-1, -1], [3, 3], torch.int32)
+    assert stage.inputs["rows"].tolist() == [5, 0, 0, 0, 0, 0]  # the batch of 3 is gone
+    assert stage.inputs["value"].tolist() == [3] * 12
+    with pytest.raises(ValueError, match="3 values of index for a batch of 1"):
+        stage.call_host(1, {"rows": np.array([5], int64), "index": np.arange(3),
+                            "value": np.zeros(0, int32)})  # fmt: skip
+    big = stage.call_host(7, {"rows": np.arange(1, 8), "index": np.arange(20, 23),
+                              "value": np.array([4, 5, 6], int32)})  # fmt: skip
+    assert big["out"].tolist() == [10 * r for r in range(1, 8)]
+    assert seen[-1] == (7, list(range(1, 8)), [20, 21, 22], [4, 5, 6], torch.int32)
