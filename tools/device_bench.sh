@@ -300,8 +300,11 @@ if [[ $1 == overlap ]]; then
   # speculative iteration with two steps in flight, no host sync), the compiled static-KV
   # baseline of bench_decode at batch 1 and 64, then bench_serving on the SmolLM2-135M shape
   # (random weights) with the overlap schedule on and off: every request OUTPUT_LEN tokens, at
-  # each of CONCURRENCY (1 is the native /generate stream) plus one Poisson run, and the GPU
-  # idle share of steps PROFILE_FIRST.. (AERIE_PROFILE_STEPS; they fall in the first, c=64 run).
+  # each of CONCURRENCY (1 is the native /generate stream) plus one Poisson run. IDLE=1 (the
+  # default) then measures the GPU idle share in a server of its own: one run of IDLE_CONC
+  # (64) streams, steps PROFILE_FIRST..+PROFILE_COUNT (100, 50) profiled (AERIE_PROFILE_STEPS).
+  # The served figures never come from a profiled server: once the profiler has run, CUPTI
+  # stays attached to the worker and every later CUDA call costs the host several times more.
   # SPEC=EAGLE3 serves with a random 3-step EAGLE-3 chain draft instead of plain decoding.
   # TEMPERATURE / TOP_P: sampled requests instead of greedy ones. CLIENT_PROCS=N spreads the
   # client over N processes (bench_serving.py --client-processes), so it cannot be the limit.
@@ -332,16 +335,17 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
                --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
     tag=$SPEC
   fi
+  serve() {  # serve [ENV=VALUE ...]: a server of this mode in the background, once healthy
+    env "$@" python launch.py --model-path $model --load-format dummy --port 30000 \
+      --max-running-requests 256 "${spec_args[@]}" "${flag[@]}" >> "$OUT/server_${tag}_$mode.log" 2>&1 &
+    server=$!
+    for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+  }
   for mode in ${MODES:-on off}; do
     flag=(); [[ $mode == off ]] && flag=(--disable-overlap-schedule)
     trace=(); [[ -n ${TRACE:-} ]] && trace=(AERIE_STEP_TRACE=1,1000000,$HOME/trace_${tag}_$mode)
     rm -rf $HOME/trace_${tag}_$mode
-    env "${trace[@]}" \
-    AERIE_PROFILE_STEPS=${PROFILE_FIRST:-150},${PROFILE_COUNT:-50},$OUT/idle_${tag}_$mode.json \
-      python launch.py --model-path $model --load-format dummy --port 30000 \
-      --max-running-requests 256 "${spec_args[@]}" "${flag[@]}" > "$OUT/server_${tag}_$mode.log" 2>&1 &
-    server=$!
-    for _ in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+    serve "${trace[@]}"
     # Warm-up at the largest concurrency: the first prefills of new shapes compile kernels.
     python benchmarks/bench_serving.py --num-prompts 256 --output-len 16 --max-concurrency 256 \
       --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model --seed 7 > /dev/null 2>&1
@@ -383,7 +387,6 @@ print(json.load(sys.stdin).get('num_running', 0))" 2>/dev/null)
       wait $client
       grep -E "completed|output throughput|ttft_ms|itl_ms|tpot_ms|accept" "$OUT/serve_${tag}_${mode}_c$conc.txt"
     done
-    cat "$OUT/idle_${tag}_$mode.json" 2>/dev/null
     # TTFT_PROBE=1: time to the first streamed token of one request at a time (native
     # /generate, one kept-alive connection) for prompts of 8, 256 and 1024 tokens: the fixed
     # cost of a request's path through the processes against its prefill.
@@ -437,6 +440,16 @@ PY
         > "$OUT/host_profile_ttft_${tag}_$mode.txt" 2>&1; rm -f "$OUT"/spy_*.txt
     fi
     kill -TERM $server; wait $server; echo "server exit $?"
+    if [[ ${IDLE:-1} == 1 ]]; then  # the idle share, profiled in a server of its own
+      idle=$OUT/idle_${tag}_$mode.json; c=${IDLE_CONC:-64}
+      serve AERIE_PROFILE_STEPS=${PROFILE_FIRST:-100},${PROFILE_COUNT:-50},$idle
+      timeout 150 python benchmarks/bench_serving.py --backend openai --num-prompts $c \
+        --output-len ${OUTPUT_LEN:-256} --max-concurrency $c --request-rate inf \
+        --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model > /dev/null 2>&1
+      kill -TERM $server; wait $server
+      python -c "import json; d = json.load(open('$idle')); print('== idle, $tag overlap $mode, '
+f'{d[\"steps\"]} steps at concurrency $c: GPU idle {100 * d[\"idle_share\"]:.1f}%')" 2>&1 | tail -1
+    fi
     if [[ -n ${TRACE:-} ]]; then
       for batch in 48-64 1; do
         echo "== step trace, $tag overlap $mode, batch $batch"
