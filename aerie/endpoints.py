@@ -92,6 +92,14 @@ def inbox(config: AerieConfig, name: str) -> str:
     return "ipc://" + os.path.join(config.runtime_dir, f"{name}.sock")
 
 
+def step_link(config: AerieConfig, replica: int = 0) -> str:
+    """The Unix socket path of replica `replica`'s step link (`aerie.transport.StepLink`):
+    its worker rank 0 listens there and its scheduler connects (always one machine)."""
+    if not config.runtime_dir:
+        raise ValueError("config.runtime_dir is not resolved")
+    return os.path.join(config.runtime_dir, f"{worker_name(0, replica)}.link")
+
+
 def client_bind_address(config: AerieConfig) -> str:
     """The tcp:// address the external ZMQ frontend binds (port 0: the OS picks one; the
     tokenizer reports the address it got in its ready info)."""

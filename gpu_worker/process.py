@@ -1,8 +1,9 @@
 """`run_gpu_worker_process`: moves messages between the scheduler and the `GPUWorker` core.
 
-Loop: a ForwardPlan from the inbox is launched at once (`GPUWorker.launch` queues its work on
-the device); launched steps are finished in order (`GPUWorker.finish`) and their StepResults
-sent to the scheduler. While a step runs on the device the loop keeps reading the inbox, so
+Loop: a ForwardPlan from the scheduler (over the step link, `aerie.transport.StepLink`) is
+launched at once (`GPUWorker.launch` queues its work on the device); launched steps are
+finished in order (`GPUWorker.finish`) and their StepResults sent back over the link. Shutdown
+and heartbeats come to the ZMQ inbox. While a step runs on the device the loop keeps reading, so
 the next plan (the scheduler keeps up to two in flight) is queued behind it before it ends:
 the device does not wait for the host between steps. Shutdown ends the loop. Handlers are
 dispatched by message type through a table. On CUDA, before it reports ready, the worker
@@ -11,10 +12,10 @@ during a request (`gpu_worker.warm_up`).
 
 With tensor parallelism (`--tp-size N`) there is one such process per rank. Rank 0 is the
 "gpu_worker" the scheduler talks to: it forwards every plan (and Shutdown) to the other ranks'
-inboxes before launching it itself, and only it sends results. The other ranks run the same
-loop on what rank 0 forwards, so every rank launches the same steps in the same order and
-their collectives meet; their results are dropped (they are rank 0's, see
-`gpu_worker.parallel`).
+ZMQ inboxes before launching it itself, and only it has a step link and sends results. The
+other ranks run the same loop on what rank 0 forwards, so every rank launches the same steps
+in the same order and their collectives meet; their results are dropped (they are rank 0's,
+see `gpu_worker.parallel`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, Heartbeat, Shutdown
 from aerie.process import HeartbeatResponder, run_process
 from aerie.step_trace import StepTrace
-from aerie.transport import Receiver, Sender
+from aerie.transport import Inbox, Receiver, Sender, StepLink
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.step_profile import StepClock, StepProfiler
 from gpu_worker.warm_up import run_warm_up, watch_compiles
@@ -68,8 +69,10 @@ class WorkerLoop:
         # Rank 0 reports to its replica's scheduler and forwards plans to the other ranks, at
         # the addresses they bound (tcp:// on other machines with --nnodes).
         addresses = self.worker.tp.gather_objects(address)
-        scheduler = endpoints.inbox(config, endpoints.scheduler_name(replica))
-        self.scheduler = Sender(scheduler) if rank == 0 else None
+        # Rank 0's step link, listening before readiness is reported (the scheduler, started
+        # once the workers are ready, connects to it).
+        self.link = StepLink.listen(endpoints.step_link(config, replica)) if rank == 0 else None
+        self.messages = Inbox(self.link, self.inbox) if self.link is not None else Inbox(self.inbox)
         others = addresses[1:] if rank == 0 else []
         self.followers = [Sender(str(address)) for address in others]
         # A rank on another machine than rank 0 is not stopped by node 0's launcher: when idle
@@ -146,14 +149,14 @@ class WorkerLoop:
         while self.running:
             if not self.launched:
                 wait_s = None if self.rank_zero_address is None else IDLE_CHECK_S
-                message = self.inbox.recv(timeout_s=wait_s)
+                message = self.messages.recv(timeout_s=wait_s)
                 if message is not None:
                     self.dispatch(message)
                 self.check_rank_zero()
                 continue
             # A step is on the device: take the next plan if one came, else send the oldest
             # result as soon as it is ready (polling both: a step lasts a millisecond or two).
-            message = self.inbox.recv(timeout_s=0)
+            message = self.messages.recv(timeout_s=0)
             if message is not None:
                 self.dispatch(message)
             elif self.launched[0].ready():
@@ -162,17 +165,18 @@ class WorkerLoop:
                 result = self.worker.finish(self.launched.popleft())
                 if self.trace is not None:
                     self.trace.mark("result_out", result.plan_id)
-                if self.scheduler is not None:
-                    self.scheduler.send(result)
+                if self.link is not None:
+                    self.link.send(result)
                 self.record_device_time(result.plan_id)
                 if self.profiler is not None:
                     self.profiler.on_finish()
         if self.trace is not None:
             self.trace.write()
         self.inbox.close()
-        for sender in (self.scheduler, *self.followers):
-            if sender is not None:
-                sender.close()
+        if self.link is not None:
+            self.link.close()
+        for sender in self.followers:
+            sender.close()
 
     def dispatch(self, message: Any) -> None:
         handler = self.handlers.get(type(message))

@@ -1,11 +1,12 @@
 """The scheduler process: moves messages between the sockets and the `Scheduler` core.
 
-Inbox: TokenizedRequest / AbortRequest (tokenizer), StepResult (GPU worker), Shutdown
-(launcher). Out: ForwardPlan -> gpu_worker, TokenDeltas -> detokenizer, SchedulerStats ->
-tokenizer. Up to `Scheduler.max_in_flight` plans are in flight (two with the overlap
-schedule): when a result arrives the loop applies it, sends the next plan, and only then the
-token deltas, so the worker has its next step queued while the scheduler does the rest. The
-loop blocks on its inbox while it cannot plan.
+Inbox: TokenizedRequest / AbortRequest (tokenizer), Shutdown (launcher); over the step link
+(`aerie.transport.StepLink`, connected to its GPU worker at start-up): ForwardPlan out,
+StepResult in. Out over ZMQ: TokenDeltas -> detokenizer, SchedulerStats -> tokenizer. Up to
+`Scheduler.max_in_flight` plans are in flight (two with the overlap schedule): when a result
+arrives the loop applies it, sends the next plan, and only then the token deltas, so the worker
+has its next step queued while the scheduler does the rest. The loop blocks on its inbox while
+it cannot plan.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from aerie.messages import (
 from aerie.model_info import read_model_info
 from aerie.process import HeartbeatResponder, run_process
 from aerie.step_trace import StepTrace
-from aerie.transport import Receiver, Sender
+from aerie.transport import Inbox, Receiver, Sender, StepLink
 from scheduler_proc.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,11 @@ class SchedulerLoop:
         )
         self.replica, self.name = replica, endpoints.scheduler_name(replica)
         self.inbox = Receiver(endpoints.inbox(config, self.name))
-        self.to_worker = Sender(endpoints.inbox(config, endpoints.worker_name(0, replica)))
+        # The worker listens on its link before it reports ready, and the launcher starts the
+        # schedulers after the workers are ready.
+        self.to_worker = StepLink.connect(endpoints.step_link(config, replica),
+                                          timeout_s=config.server.startup_timeout_s)  # fmt: skip
+        self.messages = Inbox(self.to_worker, self.inbox)  # results first
         self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
         self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
         self.applied: list[RequestDelta] = []  # from results, sent after the next plan
@@ -145,8 +150,8 @@ class SchedulerLoop:
             idle = not self.core.can_plan() or not self.core.has_work() or self.stalled
             # With a step in flight its result comes within milliseconds: spin for it.
             spin_s = RESULT_SPIN_S if self.core.num_in_flight else 0.0
-            first = self.inbox.recv(timeout_s=STATS_INTERVAL_S, spin_s=spin_s) if idle else None
-            messages = ([first] if first is not None else []) + self.inbox.drain()
+            first = self.messages.recv(timeout_s=STATS_INTERVAL_S, spin_s=spin_s) if idle else None
+            messages = ([first] if first is not None else []) + self.messages.drain()
             self.stalled = self.stalled and not messages
             for message in messages:
                 self.dispatch(message)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from aerie import codec
+from aerie import codec, endpoints
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, RequestStart, SamplingParams, Shutdown, StepResult
-from aerie.transport import Receiver, Sender
+from aerie.transport import Inbox, Sender, StepLink
 from gpu_worker.plan_builders import decode_plan, extend_plan
 from gpu_worker.process import WorkerLoop
 from gpu_worker.warm_up import run_warm_up, warm_up_plans
@@ -194,23 +194,24 @@ def test_decode_steps_record_their_new_slots_however_many(tiny_dirs, reference_m
 
 
 def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, reference_models):
+    """Plans and results cross the step link, Shutdown comes to the ZMQ inbox."""
     config = make_config(tiny_dirs["qwen2"], runtime_dir=str(tmp_path))
-    scheduler_inbox = Receiver(f"ipc://{tmp_path}/scheduler.sock")
     loop = WorkerLoop(config)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
+    link = StepLink.connect(endpoints.step_link(config))
     to_worker = Sender(f"ipc://{tmp_path}/gpu_worker.sock")
     ids = [3, 1, 4, 1, 5]
     sched = FakeScheduler(pages=[4, 9])
-    to_worker.send(extend_plan(7, [sched.chunk("r", 1, 0, ids, True)], [greedy_start(1, ids)]))
-    result = scheduler_inbox.recv(timeout_s=30)
+    link.send(extend_plan(7, [sched.chunk("r", 1, 0, ids, True)], [greedy_start(1, ids)]))
+    result = Inbox(link).recv(timeout_s=30)
     assert isinstance(result, StepResult) and result.plan_id == 7
     assert codec.unpack_ids(result.token_ids) == hf_greedy(reference_models("qwen2"), ids, 1)[0]
     to_worker.send(Shutdown())
     thread.join(timeout=30)
     assert not thread.is_alive()
     to_worker.close()
-    scheduler_inbox.close()
+    link.close()
 
 
 def test_worker_requires_a_resolved_config(tiny_dirs):

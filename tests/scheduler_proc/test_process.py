@@ -7,7 +7,7 @@ import time
 from aerie import endpoints
 from aerie.codec import unpack_ids
 from aerie.messages import AbortRequest, ForwardPlan, SchedulerStats, Shutdown, TokenDeltas
-from aerie.transport import Receiver, Sender
+from aerie.transport import Inbox, Receiver, Sender, StepLink
 from scheduler_proc.process import RESULT_SPIN_S, SchedulerLoop, load_decoder
 from tests.scheduler_proc.fake_worker import (
     FakeWorker,
@@ -40,18 +40,19 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         cache={"max_total_tokens": 64},
         runtime_dir=str(tmp_path),
     )
-    worker_inbox = Receiver(endpoints.inbox(config, "gpu_worker"))
+    worker_link = StepLink.listen(endpoints.step_link(config))  # as the worker does
+    worker_inbox = Inbox(worker_link)  # plans come over the link, results go back over it
     detok_inbox = Receiver(endpoints.inbox(config, "detokenizer"))
     tokenizer_inbox = Receiver(endpoints.inbox(config, "tokenizer"))
     loop = SchedulerLoop(config)
     waits = []  # (plans in flight, spin_s) of every blocking wait of the loop
-    recv = loop.inbox.recv
+    recv = loop.messages.recv
 
     def recording_recv(timeout_s=None, spin_s=0.0):
         waits.append((loop.core.num_in_flight, spin_s))
         return recv(timeout_s=timeout_s, spin_s=spin_s)
 
-    loop.inbox.recv = recording_recv
+    loop.messages.recv = recording_recv
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     to_scheduler = Sender(endpoints.inbox(config, "scheduler"))
@@ -63,13 +64,13 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         for _ in range(6):  # prefill + 4 decodes finish "a"
             plan = worker_inbox.recv(timeout_s=TIMEOUT_S)
             assert isinstance(plan, ForwardPlan)
-            to_scheduler.send(worker.run(plan))
+            worker_link.send(worker.run(plan))
         to_scheduler.send(AbortRequest(rid="b"))
         deadline = time.monotonic() + TIMEOUT_S
         while len(finishes) < 2 and time.monotonic() < deadline:
             plan = worker_inbox.recv(timeout_s=0.05)  # b's plan in flight, if any
             if plan is not None:
-                to_scheduler.send(worker.run(plan))
+                worker_link.send(worker.run(plan))
             for deltas in detok_inbox.drain():
                 assert isinstance(deltas, TokenDeltas)
                 for d in deltas.deltas:
@@ -82,7 +83,7 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         while loop.core.num_in_flight and time.monotonic() < deadline:
             plan = worker_inbox.recv(timeout_s=0.05)
             if plan is not None:
-                to_scheduler.send(worker.run(plan))
+                worker_link.send(worker.run(plan))
         assert outputs["a"] == reference_output(prompt, 5)
         assert finishes == {"a": "length", "b": "abort"}
         stats = tokenizer_inbox.recv(timeout_s=TIMEOUT_S)
@@ -95,7 +96,7 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         assert {spin for in_flight, spin in waits if in_flight} == {RESULT_SPIN_S}
         assert {spin for in_flight, spin in waits if not in_flight} == {0.0}
     finally:
-        for socket in (to_scheduler, worker_inbox, detok_inbox, tokenizer_inbox):
+        for socket in (to_scheduler, worker_link, detok_inbox, tokenizer_inbox):
             socket.close()
         loop.close()
 
