@@ -187,3 +187,34 @@ def test_spaces_between_tokens_with_a_metaspace_decoder():
     assert tokenizer.decode(ids[:1]) == tokenizer.decode(ids[:1]).lstrip()  # drops lead space
     detok = IncrementalDetokenizer(tokenizer, make_start(prompt_tail=prompt))
     assert "".join(run(detok, [[i] for i in ids])) == " brown fox jumps"
+
+
+def test_the_direct_decoder_is_the_tokenizers_decode(tokenizer):
+    """The generic fast tokenizer's decode goes straight to the `tokenizers` library and gives
+    what `decode(..., clean_up_tokenization_spaces=False)` gives, special ids and split
+    characters included; a tokenizer class with a decode of its own keeps it."""
+    import random
+
+    from detokenizer_proc.incremental import make_decoder
+
+    decoder = make_decoder(tokenizer)
+    assert decoder.__name__ == "decode_directly"
+    special = list(tokenizer.all_special_ids)
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.choice(special) if rng.random() < 0.15 else rng.randrange(len(tokenizer))
+               for _ in range(rng.randrange(0, 12))]  # fmt: skip
+        for skip in (True, False):
+            expected = tokenizer.decode(ids, skip_special_tokens=skip,
+                                        clean_up_tokenization_spaces=False)  # fmt: skip
+            assert decoder(ids, skip) == expected
+
+    class OwnDecode(type(tokenizer)):
+        def decode(self, ids, **kwargs):  # noqa: ANN001, ANN003
+            return "own"
+
+    tokenizer.__class__, original = OwnDecode, type(tokenizer)
+    try:
+        assert make_decoder(tokenizer)([5], True) == "own"
+    finally:
+        tokenizer.__class__ = original
