@@ -20,14 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenizer_proc.frontend import Frontend
-from tokenizer_proc.http_api import (
-    SSE_DONE,
-    read_body,
-    sse,
-    wait_all_or_abort,
-)
+from tokenizer_proc.http_api import SSE_DONE, read_body, wait_all_or_abort
+from tokenizer_proc.openai_events import OpenAIEvents
 from tokenizer_proc.openai_request import OpenAIRequest, parse_openai
-from tokenizer_proc.request_tracker import Chunk, RequestState
+from tokenizer_proc.request_tracker import RequestState
 
 # ----------------------------------------------------------------------------------------------
 # Response shapes
@@ -82,53 +78,20 @@ def full_response(frontend: Frontend, req: OpenAIRequest, state: RequestState) -
     return {**envelope(req, state, [choice], chunk=False), "usage": usage(state)}
 
 
-def stream_chunk(
-    frontend: Frontend, req: OpenAIRequest, state: RequestState, chunk: Chunk, text_offset: int
-) -> dict:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": logprobs_body(frontend, req, chunk.output_ids, chunk.logprobs, text_offset),
-        "finish_reason": None,
-    }
-    if req.kind == "chat":
-        choice["delta"] = {"content": chunk.text}
-    else:
-        choice["text"] = chunk.text
-    return with_usage_field(req, envelope(req, state, [choice], chunk=True))
-
-
-def finish_chunk(req: OpenAIRequest, state: RequestState) -> dict:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason(state)}
-    if req.kind == "chat":
-        choice["delta"] = {}
-    else:
-        choice["text"] = ""
-    return with_usage_field(req, envelope(req, state, [choice], chunk=True))
-
-
-def with_usage_field(req: OpenAIRequest, chunk: dict) -> dict:
-    if req.include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
 async def stream_openai(
     frontend: Frontend, req: OpenAIRequest, state: RequestState
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes | str]:
     """OpenAI SSE chunks for one request; aborts it if the client goes away."""
+    events = OpenAIEvents(req, state, frontend.tokenizer.token_strings)
     try:
         if req.kind == "chat":
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}  # fmt: skip
-            yield sse(with_usage_field(req, envelope(req, state, [role], chunk=True)))
-        text_offset = 0
+            yield events.role()
         async for chunk in state.chunks():
             if chunk.text or chunk.output_ids:
-                yield sse(stream_chunk(frontend, req, state, chunk, text_offset))
-                text_offset += len(chunk.text)
-        yield sse(finish_chunk(req, state))
+                yield events.content(chunk)
+        yield events.finish()
         if req.include_usage:
-            yield sse({**envelope(req, state, [], chunk=True), "usage": usage(state)})
+            yield events.usage()
         yield SSE_DONE
     finally:
         frontend.abort_unfinished([state])
