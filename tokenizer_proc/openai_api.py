@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import SSE_DONE, read_body, wait_all_or_abort
+from tokenizer_proc.http_stream import EventStream
 from tokenizer_proc.openai_events import OpenAIEvents
 from tokenizer_proc.openai_request import OpenAIRequest, parse_openai
 from tokenizer_proc.request_tracker import RequestState
@@ -80,7 +81,7 @@ def full_response(frontend: Frontend, req: OpenAIRequest, state: RequestState) -
 
 async def stream_openai(
     frontend: Frontend, req: OpenAIRequest, state: RequestState
-) -> AsyncIterator[bytes | str]:
+) -> AsyncIterator[bytes]:
     """OpenAI SSE chunks for one request; aborts it if the client goes away."""
     events = OpenAIEvents(req, state, frontend.tokenizer.token_strings)
     try:
@@ -130,7 +131,7 @@ async def serve_openai(frontend: Frontend, request: Request, kind: str) -> Respo
     (state,) = await frontend.submit([req.prepared], req.stream, req.logprobs)
     if req.stream:
         events = stream_openai(frontend, req, state)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return EventStream(events)
     if not await wait_all_or_abort(frontend, request, [state]):
         return Response(status_code=499)
     return JSONResponse(full_response(frontend, req, state))
