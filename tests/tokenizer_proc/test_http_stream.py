@@ -110,6 +110,8 @@ def test_event_stream_sends_what_the_direct_path_declines_in_order():
 
 
 def test_live_streams_go_through_the_direct_path(live, monkeypatch):
+    """Every event of every stream, one request after another on a kept-alive connection (each
+    request gets its own DirectBody)."""
     server, _, _ = live
     written = []
     write = DirectBody.write
@@ -120,12 +122,20 @@ def test_live_streams_go_through_the_direct_path(live, monkeypatch):
         return ok
 
     monkeypatch.setattr(DirectBody, "write", counting_write)
-    body = {"prompt": "Hello", "max_tokens": 6, "stream": True, "logprobs": 1}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
-    assert len(written) == len(events) and all(written)
+    bodies = {
+        "/v1/completions": {"prompt": "Hello", "max_tokens": 6, "stream": True, "logprobs": 1},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
+                                 "max_tokens": 5, "stream": True},
+        "/generate": {"input_ids": [5], "stream": True, "sampling_params": {"max_new_tokens": 4}},
+    }  # fmt: skip
+    with httpx.Client() as client:
+        for path, body in bodies.items():
+            written.clear()
+            with client.stream("POST", server.url + path, json=body) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and all(json.loads(e) for e in events[:-1])
+            assert len(written) == len(events) and all(written), path
+        assert client.get(server.url + "/health").status_code == 200  # the connection is fine
 
 
 def test_an_http_1_0_client_gets_a_close_delimited_stream(live):
