@@ -7,7 +7,9 @@ pass through. One choice per request (n > 1 is a 400). Default max_tokens: 16 fo
 completions (OpenAI's default), what is left of the context for chat; both clamped to the
 context. Logprobs carry the sampled token's logprob (top_logprobs lists only that token).
 Streaming follows OpenAI's chunk shapes; `stream_options.include_usage` adds a final chunk
-with `usage` and empty `choices`. An aborted request reports finish_reason "abort".
+with `usage` and empty `choices`. An aborted request reports finish_reason "abort". Stream
+chunks are written by `openai_events.OpenAIEvents` (the same bytes as a dump of the dicts
+below would be) and sent by `http_stream.EventStream`.
 """
 
 from __future__ import annotations
