@@ -8,8 +8,9 @@ completions (OpenAI's default), what is left of the context for chat; both clamp
 context. Logprobs carry the sampled token's logprob (top_logprobs lists only that token).
 Streaming follows OpenAI's chunk shapes; `stream_options.include_usage` adds a final chunk
 with `usage` and empty `choices`. An aborted request reports finish_reason "abort". Stream
-chunks are written by `openai_events.OpenAIEvents` (the same bytes as a dump of the dicts
-below would be) and sent by `http_stream.EventStream`.
+chunks are written by `openai_events.OpenAIEvents` (the bytes of `envelope` and
+`logprobs_body` chunk dicts dumped, without building them) and sent by
+`http_stream.EventStream`.
 """
 
 from __future__ import annotations
