@@ -7,7 +7,8 @@ Native endpoints: POST /generate, GET /health, /health_generate, /server_info, /
 `output_ids` are CUMULATIVE (everything so far, as SGLang's /generate does) and whose
 `meta_info.finish_reason` is null until the last event; a batch adds `"index"` to each event;
 the stream ends with `data: [DONE]`. The events are written incrementally
-(`responses.GenerateEvents`: each costs what its chunk added, not the whole output again).
+(`responses.GenerateEvents`: each costs what its chunk added, not the whole output again)
+and sent by `http_stream.EventStream`, straight to the socket where the server allows it.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from aerie.messages import SamplingParams
 from tokenizer_proc.frontend import Frontend, Prepared
 from tokenizer_proc.http_guard import Guard, GuardPolicy
+from tokenizer_proc.http_stream import EventStream
 from tokenizer_proc.request_tracker import RequestState
 from tokenizer_proc.responses import GenerateEvents, generate_response, interleave, json_text
 from tokenizer_proc.validation import (
@@ -81,7 +83,7 @@ def sse(data: Any) -> str:
     return f"data: {json_text(data)}\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 class JsonErrors:
@@ -124,7 +126,7 @@ class JsonErrors:
                 await send({"type": "http.response.start", "status": 500, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
             elif not state["done"]:
-                tail = (sse(error) + SSE_DONE).encode() if state["stream"] else b""
+                tail = sse(error).encode() + SSE_DONE if state["stream"] else b""
                 await send({"type": "http.response.body", "body": tail})
 
 
@@ -166,7 +168,7 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
         states = await frontend.submit(prepared, body.stream, body.return_logprob)
         if body.stream:
             events = stream_generate(frontend, states, body.is_batch, body.return_logprob)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return EventStream(events)
         if not await wait_all_or_abort(frontend, request, states):
             return Response(status_code=499)
         out = [generate_response(s, body.return_logprob) for s in states]
@@ -217,7 +219,7 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
 
 async def stream_generate(
     frontend: Frontend, states: list[RequestState], is_batch: bool, return_logprob: bool
-) -> AsyncIterator[bytes | str]:
+) -> AsyncIterator[bytes]:
     """SSE events for /generate; aborts unfinished requests if the client goes away."""
     events = [GenerateEvents(state, return_logprob, index if is_batch else None)
               for index, state in enumerate(states)]  # fmt: skip

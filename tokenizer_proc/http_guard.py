@@ -9,7 +9,9 @@ browser's form or text/plain "simple" request cannot drive the API), and the bod
 
 `header_timeout_protocol` is uvicorn's h11 protocol with a deadline for the request head of a
 new connection (uvicorn arms one only after a first response), so idle and slowloris
-connections are closed; `--max-connections` caps the rest (uvicorn answers 503).
+connections are closed; `--max-connections` caps the rest (uvicorn answers 503). It is built
+on `http_stream.DirectBodyProtocol`, so streamed events reach the socket without the ASGI
+chain.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from aerie.access import allowed_host_names, check_api_key, host_without_port
+from tokenizer_proc.http_stream import DirectBodyProtocol
 from tokenizer_proc.validation import ValidationError, error_body
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (probes)
@@ -123,12 +124,13 @@ async def send_error(send: Any, status: int, message: str, extra: list | None = 
     await send({"type": "http.response.body", "body": body})
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
+def header_timeout_protocol(header_timeout_s: float) -> type[DirectBodyProtocol]:
     """uvicorn's h11 protocol, closing a connection whose next request head has not fully
     arrived within header_timeout_s of the connection opening or of the previous response
-    (uvicorn's own keep-alive timer stops at the first byte, so it lets slowloris in)."""
+    (uvicorn's own keep-alive timer stops at the first byte, so it lets slowloris in).
+    Streamed events are written as `DirectBodyProtocol` writes them."""
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class HeaderTimeoutProtocol(DirectBodyProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _waiting_after: object = None  # the cycle before the awaited request head
 

@@ -7,7 +7,10 @@ pass through. One choice per request (n > 1 is a 400). Default max_tokens: 16 fo
 completions (OpenAI's default), what is left of the context for chat; both clamped to the
 context. Logprobs carry the sampled token's logprob (top_logprobs lists only that token).
 Streaming follows OpenAI's chunk shapes; `stream_options.include_usage` adds a final chunk
-with `usage` and empty `choices`. An aborted request reports finish_reason "abort".
+with `usage` and empty `choices`. An aborted request reports finish_reason "abort". Stream
+chunks are written by `openai_events.OpenAIEvents` (the bytes of `envelope` and
+`logprobs_body` chunk dicts dumped, without building them) and sent by
+`http_stream.EventStream`.
 """
 
 from __future__ import annotations
@@ -17,17 +20,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tokenizer_proc.frontend import Frontend
-from tokenizer_proc.http_api import (
-    SSE_DONE,
-    read_body,
-    sse,
-    wait_all_or_abort,
-)
+from tokenizer_proc.http_api import SSE_DONE, read_body, wait_all_or_abort
+from tokenizer_proc.http_stream import EventStream
+from tokenizer_proc.openai_events import OpenAIEvents
 from tokenizer_proc.openai_request import OpenAIRequest, parse_openai
-from tokenizer_proc.request_tracker import Chunk, RequestState
+from tokenizer_proc.request_tracker import RequestState
 
 # ----------------------------------------------------------------------------------------------
 # Response shapes
@@ -82,53 +82,20 @@ def full_response(frontend: Frontend, req: OpenAIRequest, state: RequestState) -
     return {**envelope(req, state, [choice], chunk=False), "usage": usage(state)}
 
 
-def stream_chunk(
-    frontend: Frontend, req: OpenAIRequest, state: RequestState, chunk: Chunk, text_offset: int
-) -> dict:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": logprobs_body(frontend, req, chunk.output_ids, chunk.logprobs, text_offset),
-        "finish_reason": None,
-    }
-    if req.kind == "chat":
-        choice["delta"] = {"content": chunk.text}
-    else:
-        choice["text"] = chunk.text
-    return with_usage_field(req, envelope(req, state, [choice], chunk=True))
-
-
-def finish_chunk(req: OpenAIRequest, state: RequestState) -> dict:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason(state)}
-    if req.kind == "chat":
-        choice["delta"] = {}
-    else:
-        choice["text"] = ""
-    return with_usage_field(req, envelope(req, state, [choice], chunk=True))
-
-
-def with_usage_field(req: OpenAIRequest, chunk: dict) -> dict:
-    if req.include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
 async def stream_openai(
     frontend: Frontend, req: OpenAIRequest, state: RequestState
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """OpenAI SSE chunks for one request; aborts it if the client goes away."""
+    events = OpenAIEvents(req, state, frontend.tokenizer.token_strings)
     try:
         if req.kind == "chat":
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}  # fmt: skip
-            yield sse(with_usage_field(req, envelope(req, state, [role], chunk=True)))
-        text_offset = 0
+            yield events.role()
         async for chunk in state.chunks():
             if chunk.text or chunk.output_ids:
-                yield sse(stream_chunk(frontend, req, state, chunk, text_offset))
-                text_offset += len(chunk.text)
-        yield sse(finish_chunk(req, state))
+                yield events.content(chunk)
+        yield events.finish()
         if req.include_usage:
-            yield sse({**envelope(req, state, [], chunk=True), "usage": usage(state)})
+            yield events.usage()
         yield SSE_DONE
     finally:
         frontend.abort_unfinished([state])
@@ -167,7 +134,7 @@ async def serve_openai(frontend: Frontend, request: Request, kind: str) -> Respo
     (state,) = await frontend.submit([req.prepared], req.stream, req.logprobs)
     if req.stream:
         events = stream_openai(frontend, req, state)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return EventStream(events)
     if not await wait_all_or_abort(frontend, request, [state]):
         return Response(status_code=499)
     return JSONResponse(full_response(frontend, req, state))

@@ -17,7 +17,6 @@ debug log. Everything runs on one asyncio loop; nothing here is thread-safe.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -68,7 +67,7 @@ class RequestState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec_verify_ct: int = 0
-    _pending: list[Chunk] = field(default_factory=list)
+    _pending: Chunk | None = None  # what arrived since the consumer last looked
     _event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -92,10 +91,9 @@ class RequestState:
         while True:
             await self._event.wait()
             self._event.clear()
-            if not self._pending:
+            chunk, self._pending = self._pending, None
+            if chunk is None:
                 continue
-            pending, self._pending = self._pending, []
-            chunk = _coalesce(pending)
             yield chunk
             if chunk.finish is not None:
                 return
@@ -106,7 +104,7 @@ class RequestState:
             pass
         return self
 
-    def _apply(self, delta: TextDelta) -> Chunk:
+    def _apply(self, delta: TextDelta) -> None:
         ids = unpack_ids(delta.token_ids)
         logprobs = unpack_floats(delta.logprobs) if delta.logprobs else []
         if self.first_output_at is None and (ids or delta.text):
@@ -117,33 +115,31 @@ class RequestState:
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(delta.completion_tokens, len(self.output_ids))
         self.spec_verify_ct = delta.spec_verify_ct or self.spec_verify_ct
-        return self._push(delta.text, ids, logprobs, delta.finish)
+        self._push(delta.text, ids, logprobs, delta.finish)
 
     def _push(
         self, text: str, ids: list[int], logprobs: list[float], finish: FinishReason | None
-    ) -> Chunk:
+    ) -> None:
+        """Add a delta's output (ids and logprobs: lists the chunk may keep) to the pending
+        chunk, and snapshot the request in it. Deltas that arrive before the consumer looks
+        are appended to that one chunk in place: a consumer that falls behind (several
+        tokens per event) costs one chunk per event, not a chunk per delta and a merge."""
         now = time.perf_counter()
         if finish is not None:
             self.finish = finish
             self.finished_at = now
-        chunk = Chunk(
-            text, ids, logprobs, finish, len(self.text), len(self.output_ids),
-            self.prompt_tokens, self.completion_tokens, self.spec_verify_ct, now,
-        )  # fmt: skip
-        self._pending.append(chunk)
-        self._event.set()
-        return chunk
-
-
-def _coalesce(chunks: list[Chunk]) -> Chunk:
-    if len(chunks) == 1:
-        return chunks[0]
-    return dataclasses.replace(
-        chunks[-1],
-        text="".join(c.text for c in chunks),
-        output_ids=[i for c in chunks for i in c.output_ids],
-        logprobs=[p for c in chunks for p in c.logprobs],
-    )
+        chunk = self._pending
+        if chunk is None:
+            chunk = self._pending = Chunk(text, ids, logprobs, finish)
+            self._event.set()
+        else:
+            chunk.text += text
+            chunk.output_ids += ids
+            chunk.logprobs += logprobs
+            chunk.finish = finish
+        chunk.text_end, chunk.ids_end = len(self.text), len(self.output_ids)
+        chunk.prompt_tokens, chunk.completion_tokens = self.prompt_tokens, self.completion_tokens
+        chunk.spec_verify_ct, chunk.at = self.spec_verify_ct, now
 
 
 class RequestTracker:

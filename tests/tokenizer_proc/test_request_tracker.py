@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 from aerie.codec import pack_floats, pack_ids
 from aerie.messages import FinishReason, TextDelta, TextDeltas
@@ -60,6 +61,39 @@ def test_consumer_sees_each_delta_when_it_keeps_up():
     assert [s[0] for s in seen] == [[1], [2, 3], [4]]
     assert [s[1] for s in seen] == [3, 9, 12]
     assert [s[2] for s in seen] == [None, None, FinishReason("stop")]
+
+
+def test_a_chunk_carries_everything_since_the_consumer_last_looked():
+    """The consumer looks at random moments: each chunk holds exactly the deltas fed since
+    its last look, in order, and snapshots the request after the last of them."""
+    rng = random.Random(0)
+
+    async def run():
+        tracker = RequestTracker()
+        state = tracker.add("r")
+        chunks, since, looks = state.chunks(), [], 0
+        for k in range(300):
+            last = k == 299
+            tracker.feed(TextDeltas([delta("r", [k, k + 1000][: 1 + k % 2],
+                                           "stop" if last else None, completion_tokens=k + 1,
+                                           spec_verify_ct=k // 3)]))  # fmt: skip
+            since += [k, k + 1000][: 1 + k % 2]
+            if last or rng.random() < 0.3:
+                chunk = await anext(chunks)
+                looks += 1
+                assert chunk.output_ids == since and chunk.logprobs == [-1.0] * len(since)
+                assert chunk.text == "".join(f"<{i}>" for i in since)
+                assert (chunk.text_end, chunk.ids_end) == (len(state.text), len(state.output_ids))
+                assert (chunk.completion_tokens, chunk.spec_verify_ct) == (
+                    len(state.output_ids),
+                    k // 3,
+                )
+                assert (chunk.finish is not None) == last
+                since = []
+        assert 50 < looks < 150
+        assert [c async for c in chunks] == []  # the finishing chunk was the last
+
+    asyncio.run(run())
 
 
 def test_unknown_rids_are_ignored_and_abort_finishes_locally():

@@ -1,0 +1,155 @@
+"""Streamed events written straight to the connection (`DirectBody`, `EventStream`): the bytes
+h11 would write, every case uvicorn's send must handle left to it, and live streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from types import SimpleNamespace
+
+import h11
+import httpx
+import pytest
+
+from tokenizer_proc.http_stream import DirectBody, EventStream
+
+PIECES = [b"data: {}\n\n", b"x", b"data: " + "é🙂".encode() * 40 + b"\n\n", b"\r\n0\r\n\r\n"]
+
+
+def server_connection(http_version: str = "1.1", method: str = "POST") -> h11.Connection:
+    """An h11 server connection that has sent the head of a response without a length."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(f"{method} /s HTTP/{http_version}\r\nHost: x\r\n\r\n".encode())
+    assert isinstance(conn.next_event(), h11.Request)
+    conn.send(h11.Response(status_code=200, headers=[(b"content-type", b"text/event-stream")]))
+    return conn
+
+
+def fake_cycle(conn: h11.Connection, method: str = "POST", **flags) -> SimpleNamespace:
+    """The parts of uvicorn's RequestResponseCycle that DirectBody reads."""
+    written: list[bytes] = []
+    state = {"response_started": True, "response_complete": False, "disconnected": False}
+    state.update(flags)
+    return SimpleNamespace(scope={"method": method}, conn=conn, written=written,
+                           transport=SimpleNamespace(write=written.append),
+                           flow=SimpleNamespace(write_paused=False), **state)  # fmt: skip
+
+
+def client_body(raw: bytes) -> bytes:
+    """The body an h11 client reads from a response's raw bytes, up to the connection's end."""
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target="/s", headers=[("Host", "x")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(raw)
+    client.receive_data(b"")
+    body = b""
+    while not isinstance(event := client.next_event(), h11.EndOfMessage):
+        assert event is not h11.NEED_DATA, "the response did not end"
+        if isinstance(event, h11.Data):
+            body += event.data
+    return body
+
+
+@pytest.mark.parametrize("http_version", ["1.1", "1.0"])
+def test_direct_pieces_are_the_bytes_h11_writes(http_version):
+    """Chunked (HTTP/1.1): framed by the writer after the first piece; close-delimited
+    (HTTP/1.0): every piece through h11. Either way the bytes equal h11's own."""
+    cycle, reference = fake_cycle(server_connection(http_version)), server_connection(http_version)
+    direct = DirectBody(cycle)  # type: ignore[arg-type]
+    for piece in PIECES:
+        assert direct.write(piece)
+    assert direct.chunked is (http_version == "1.1")
+    expected = [reference.send(h11.Data(data=piece)) for piece in PIECES]
+    assert cycle.written == expected
+    end = cycle.conn.send(h11.EndOfMessage()) or b""
+    head = b"HTTP/1.1 200 OK\r\n" + (b"transfer-encoding: chunked\r\n" if direct.chunked else b"")
+    assert client_body(head + b"\r\n" + b"".join(cycle.written) + end) == b"".join(PIECES)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"response_started": False}, {"response_complete": True}, {"disconnected": True},
+     {"write_paused": True}, {"method": "HEAD"}, {"empty": True}],
+)  # fmt: skip
+def test_direct_body_leaves_to_send_what_send_must_handle(flags):
+    cycle = fake_cycle(server_connection(), method=flags.pop("method", "POST"))
+    cycle.flow.write_paused = flags.pop("write_paused", False)
+    empty = flags.pop("empty", False)
+    for name, value in flags.items():
+        setattr(cycle, name, value)
+    direct = DirectBody(cycle)  # type: ignore[arg-type]
+    assert not direct.write(b"" if empty else b"data: x\n\n")
+    assert cycle.written == [] and direct.chunked is None
+
+
+def test_event_stream_sends_what_the_direct_path_declines_in_order():
+    log: list = []
+
+    class Direct:
+        def write(self, data: bytes) -> bool:
+            if data.startswith(b"direct"):
+                log.append(("direct", data))
+                return True
+            return False
+
+    async def send(message: dict) -> None:
+        log.append((message["type"], message.get("body"), message.get("more_body")))
+
+    async def events():
+        for event in (b"direct 1", b"send 2", b"direct 3", b"send 4"):
+            yield event
+
+    response = EventStream(events())
+    response.direct = Direct()  # type: ignore[assignment]
+    asyncio.run(response.stream_response(send))
+    assert log == [("http.response.start", None, None), ("direct", b"direct 1"),
+                   ("http.response.body", b"send 2", True), ("direct", b"direct 3"),
+                   ("http.response.body", b"send 4", True),
+                   ("http.response.body", b"", False)]  # fmt: skip
+
+
+def test_live_streams_go_through_the_direct_path(live, monkeypatch):
+    """Every event of every stream, one request after another on a kept-alive connection (each
+    request gets its own DirectBody)."""
+    server, _, _ = live
+    written = []
+    write = DirectBody.write
+
+    def counting_write(self, data):
+        ok = write(self, data)
+        written.append(ok)
+        return ok
+
+    monkeypatch.setattr(DirectBody, "write", counting_write)
+    bodies = {
+        "/v1/completions": {"prompt": "Hello", "max_tokens": 6, "stream": True, "logprobs": 1},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
+                                 "max_tokens": 5, "stream": True},
+        "/generate": {"input_ids": [5], "stream": True, "sampling_params": {"max_new_tokens": 4}},
+    }  # fmt: skip
+    with httpx.Client() as client:
+        for path, body in bodies.items():
+            written.clear()
+            with client.stream("POST", server.url + path, json=body) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and all(json.loads(e) for e in events[:-1])
+            assert len(written) == len(events) and all(written), path
+        assert client.get(server.url + "/health").status_code == 200  # the connection is fine
+
+
+def test_an_http_1_0_client_gets_a_close_delimited_stream(live):
+    server, _, _ = live
+    body = json.dumps({"input_ids": [5], "stream": True, "sampling_params": {"max_new_tokens": 4}})
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /generate HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())  # fmt: skip
+        raw = b""
+        while chunk := sock.recv(65536):  # the server closes the connection at the end
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower()
+    events = [e.removeprefix(b"data: ") for e in payload.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    assert json.loads(events[-2])["meta_info"]["completion_tokens"] == 4
