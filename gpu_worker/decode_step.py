@@ -81,8 +81,7 @@ class DecodeStep:
     def slot_capacity(self, bs: int) -> int | None:
         """The most new slots a step of bs rows can record itself (None: no bound); a step with
         more has them written first (`ReqToTokenPool.assign`) and passes none."""
-        stage = self.stages[VARIANTS[0]]
-        bucket = stage.capacity(bs) if isinstance(stage, StageGraph) else None
+        bucket = self.stages[VARIANTS[0]].capacity(bs)
         return None if bucket is None else bucket * self.slots_per_row
 
     def variant_for(self, rows_cpu: np.ndarray, want_logprobs: bool) -> str:

@@ -211,6 +211,21 @@ class PendingCopy:
         return [view.numpy().copy() for view in self._staged]
 
 
+def int64_entries(values: np.ndarray, itemsize: int = 8, entries: int | None = None,
+                  pad: int = 0) -> np.ndarray:
+    """values as int64 entries for `Staging`'s int64 buffers, to be viewed on the device as
+    itemsize-byte ints: int32 values (itemsize 4) go two to an entry, so they need no
+    conversion there. Padded with pad to `entries` entries when given (else to a whole
+    entry)."""
+    dtype = np.int64 if itemsize == 8 else np.int32
+    per_entry = 8 // itemsize
+    size = len(values) if entries is None else entries * per_entry
+    size += -size % per_entry
+    region = np.full(size, pad, dtype=dtype)
+    region[: len(values)] = values
+    return region.view(np.int64)
+
+
 def segment_offsets(lens: np.ndarray) -> np.ndarray:
     """For segments of the given lengths laid end to end: each element's index inside its own
     segment, [sum(lens)]."""

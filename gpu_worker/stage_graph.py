@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from gpu_worker.cuda_graph import batch_size_buckets, capture_buckets
-from gpu_worker.host_batch import Staging
+from gpu_worker.host_batch import Staging, int64_entries
 
 StageFn = Callable[[int, dict[str, torch.Tensor], list[int]], dict[str, torch.Tensor]]
 
@@ -60,7 +60,6 @@ class StageInput:
 
 
 PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pads to 0
-HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}  # what host inputs may be
 
 
 class DirectStage:
@@ -76,6 +75,10 @@ class DirectStage:
     def __call__(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]):
         return self.fn(len(prefix_cpu), inputs, prefix_cpu)
 
+    def capacity(self, bs: int) -> None:
+        """No bound on the values `call_host` takes (see `StageGraph.capacity`)."""
+        return None
+
     def call_host(self, bs: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run on host arrays (flat, as `StageGraph.call_host` takes them), in one copy."""
         assert self.staging is not None, "a DirectStage made without host_inputs"
@@ -87,23 +90,9 @@ def upload_flat(staging: Staging, specs: dict[str, StageInput],
     """arrays (flat, of the specs' dtypes) on the device in one copy, unpadded: int32 ones
     two to an int64 entry and viewed back."""
     keys = list(specs)
-    pieces = [_as_entries(arrays[key], specs[key].dtype) for key in keys]
-    views = staging.upload(pieces)
+    views = staging.upload([int64_entries(arrays[key], specs[key].dtype.itemsize) for key in keys])
     return {key: view.view(torch.int32)[: len(arrays[key])] if specs[key].dtype == torch.int32
             else view for key, view in zip(keys, views, strict=True)}  # fmt: skip
-
-
-def _as_entries(values: np.ndarray, dtype: torch.dtype, entries: int | None = None,
-                pad: float = 0) -> np.ndarray:  # fmt: skip
-    """values as int64 entries for a packed buffer (int32 two to an entry), padded with pad to
-    `entries` entries when given."""
-    host = HOST_DTYPES[dtype]
-    per_entry = 8 // np.dtype(host).itemsize
-    size = len(values) if entries is None else entries * per_entry
-    size += -size % per_entry
-    region = np.full(size, pad, dtype=host)
-    region[: len(values)] = values
-    return region.view(np.int64)
 
 
 class StageGraph:
@@ -156,18 +145,29 @@ class StageGraph:
         """One int64 device buffer holding every input at max_bs (`inputs`: flat views of
         it), the host-side pads of each, and the staging that fills it."""
         self.widths = {key: math.prod(spec.shape) for key, spec in self.specs.items()}
-        pads = {key: _as_entries(np.zeros(0), spec.dtype, self.max_bs * self.widths[key],
-                                 spec.pad) for key, spec in self.specs.items()}  # fmt: skip
-        self.packed = torch.from_numpy(np.concatenate(list(pads.values()))).to(self.device)
+        self._pads = {key: int64_entries(np.zeros(0), spec.dtype.itemsize,
+                                         self.max_bs * self.widths[key], int(spec.pad))
+                      for key, spec in self.specs.items()}  # fmt: skip
+        self.packed = torch.from_numpy(np.concatenate(list(self._pads.values()))).to(self.device)
         self.inputs, start = {}, 0
-        for key, pad in pads.items():
-            region = self.packed[start : start + len(pad)]
+        for (key, spec), pad in zip(self.specs.items(), self._pads.values(), strict=True):
+            view = self.packed[start : start + len(pad)]
             count = self.max_bs * self.widths[key]
-            self.inputs[key] = (region.view(torch.int32)[:count]
-                                if self.specs[key].dtype == torch.int32 else region)  # fmt: skip
+            self.inputs[key] = view.view(torch.int32)[:count] if spec.dtype == torch.int32 else view
             start += len(pad)
-        self._host_pads = pads
         self.staging = Staging(self.device, capacity=self.packed.numel())
+
+    def _host_regions(self, arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The pieces of the packed buffer, in order: each input's values, then the rest of its
+        pad (int32 inputs packed into int64 entries; int64 ones as they are, copied once)."""
+        pieces = []
+        for key, spec in self.specs.items():
+            values, pad = arrays[key], self._pads[key]
+            if spec.dtype == torch.int32:
+                pieces.append(int64_entries(values, 4, len(pad), int(spec.pad)))
+            else:
+                pieces += [values, pad[len(values) :]]
+        return pieces
 
     def capacity(self, bs: int) -> int | None:
         """How many values per input of width 1 a batch of bs can hand `call_host` (times the
@@ -182,20 +182,11 @@ class StageGraph:
         if bs > self.max_bs:
             return self.fn(bs, upload_flat(self.staging, self.specs, arrays), [0] * bs)
         bucket = self.bucket_for(bs)
-        pieces = []
-        for key, pad in self._host_pads.items():
-            values = arrays[key]
+        for key, values in arrays.items():
             if len(values) > bucket * self.widths[key]:
                 raise ValueError(f"{self.name}: {len(values)} values of {key} for a batch of "
                                  f"{bs} (at most {bucket * self.widths[key]})")  # fmt: skip
-            if self.specs[key].dtype == torch.int32:
-                region = pad.view(np.int32).copy()
-                region[: len(values)] = values
-                pieces.append(region.view(np.int64))
-            else:
-                pieces.append(values)
-                pieces.append(pad[len(values) :])
-        self.staging.upload_into(self.packed, pieces)
+        self.staging.upload_into(self.packed, self._host_regions(arrays))
         return self._replay(bs, bucket, [0] * bs)
 
     def __call__(

@@ -33,7 +33,7 @@ from aerie.messages import ForwardPlan, RequestStart, StepResult
 from aerie.step_trace import StepTrace
 from gpu_worker.build import build_models, graph_max_bs, prefill_graph_tokens
 from gpu_worker.decode_step import DecodeStep
-from gpu_worker.host_batch import HostCopy, PendingCopy, Staging
+from gpu_worker.host_batch import HostCopy, PendingCopy, Staging, int64_entries
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.plan_arrays import EMPTY, PlanArrays, parse_plan
 from gpu_worker.prefill_graph import PrefillGraphs
@@ -252,17 +252,10 @@ class GPUWorker:
         (all of one shape), uploading the step's rows in the same copy, the slots already as
         the tables' int32; returns the rows [bs] on the device."""
         flat = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
-        rows, index, packed = self.staging.upload([arrays.rows, flat, pack_int32(arrays.slots)])
+        rows, index, packed = self.staging.upload([arrays.rows, flat,
+                                                    int64_entries(arrays.slots, 4)])
         if len(flat):
             slots = packed.view(torch.int32)[: len(flat)]
             for runner in self.runners:
                 runner.req_to_token_pool.assign(index, slots)
         return rows
-
-
-def pack_int32(values: np.ndarray) -> np.ndarray:
-    """values as int32, two to an int64 entry (the last padded): uploaded as int64 and viewed
-    as int32 on the device, they need no conversion there."""
-    packed = np.zeros(-(-len(values) // 2) * 2, dtype=np.int32)
-    packed[: len(values)] = values
-    return packed.view(np.int64)
