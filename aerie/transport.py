@@ -119,10 +119,12 @@ class StepLink:
 
     HEADER = struct.Struct("<I")  # the encoded message's length
     BUFFER_BYTES = 4 << 20  # socket buffers: a long prompt's plan goes over in one write
+    READ_BYTES = 1 << 16  # one read's scratch, allocated once (a busy poll reads often)
 
     def __init__(self, listener: socket.socket | None, conn: socket.socket | None) -> None:
         self._listener, self._conn = listener, conn
         self._buffer = bytearray()
+        self._scratch = bytearray(self.READ_BYTES)
         self.closed = False
         if conn is not None:
             self._configure(conn)
@@ -155,9 +157,10 @@ class StepLink:
                 time.sleep(0.01)
 
     def _configure(self, conn: socket.socket) -> None:
+        """Large buffers; the socket stays blocking (sends wait while the buffer is full) and
+        each read is made non-blocking by its flag."""
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.BUFFER_BYTES)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.BUFFER_BYTES)
-        conn.setblocking(False)
 
     @property
     def connected(self) -> bool:
@@ -168,11 +171,7 @@ class StepLink:
         if self._conn is None or self.closed:
             raise ConnectionError("the step link is not connected (its peer is gone)")
         data = codec.encode(message)
-        self._conn.setblocking(True)
-        try:
-            self._conn.sendall(self.HEADER.pack(len(data)) + data)
-        finally:
-            self._conn.setblocking(False)
+        self._conn.sendall(self.HEADER.pack(len(data)) + data)
 
     def try_recv(self) -> Any | None:
         """The next message if one has arrived whole, else None (never waits)."""
@@ -183,13 +182,13 @@ class StepLink:
         if message is not None or self.closed:
             return message
         try:
-            chunk = self._conn.recv(1 << 20)
+            n = self._conn.recv_into(self._scratch, 0, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return None
-        if not chunk:  # the peer closed its end
+        if not n:  # the peer closed its end
             self.closed = True
             return None
-        self._buffer += chunk
+        self._buffer += memoryview(self._scratch)[:n]
         return self._take()
 
     def _take(self) -> Any | None:
