@@ -193,6 +193,28 @@ def test_decode_steps_record_their_new_slots_however_many(tiny_dirs, reference_m
         assert table == sched.slots_for(str(r), 0, length)
 
 
+@pytest.mark.parametrize("graph_max_bs", [0, 4])
+def test_decode_steps_count_the_tokens_of_penalised_rows(tiny_dirs, graph_max_bs):
+    """Frequency and presence penalties read each row's counts of its output tokens: the decode
+    stage counts every token it emits for a penalised row (the prefill's sampled token too)."""
+    worker = GPUWorker(make_config(tiny_dirs["llama"]).replace(
+        runner={"cuda_graph_max_bs": graph_max_bs}))  # fmt: skip
+    sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
+    prompt = [5, 17, 99]
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, max_new_tokens=8)
+    start = RequestStart(1, params, False, codec.pack_ids(prompt))
+    result = worker.execute(extend_plan(1, [sched.chunk("r", 1, 0, prompt, True)], [start]))
+    emitted = codec.unpack_ids(result.token_ids)
+    for step in range(3):
+        position = len(prompt) + len(emitted) - 1
+        plan = decode_plan(2 + step, [1], [(position, sched.slots_for("r", position, 1))])
+        emitted += codec.unpack_ids(worker.execute(plan).token_ids)
+    expected = torch.zeros_like(worker.sampling.counts[1])
+    for token in emitted:
+        expected[token] += 1
+    assert torch.equal(worker.sampling.counts[1], expected)
+
+
 def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, reference_models):
     """Plans and results cross the step link, Shutdown comes to the ZMQ inbox."""
     config = make_config(tiny_dirs["qwen2"], runtime_dir=str(tmp_path))
