@@ -54,6 +54,8 @@ class WorkerLoop:
     def __init__(self, config: AerieConfig, rank: int = 0, replica: int = 0) -> None:
         """rank: in the tensor-parallel group of data-parallel replica `replica`."""
         config = config.replace(model={"device": worker_device(config, rank, replica)})
+        # AERIE_PROFILE_STEPS (benchmarks only), made before the worker captures its graphs.
+        self.profiler = StepProfiler.from_env()
         self.worker = GPUWorker(config, join_group(config, rank, replica))
         if self.worker.device.type == "cuda":  # the interpreter on CPU compiles nothing
             seconds = run_warm_up(self.worker)
@@ -83,7 +85,6 @@ class WorkerLoop:
         self.worker.tp.start_serving()
         self.running = True
         self.launched: deque[Launched] = deque()
-        self.profiler = StepProfiler.from_env()  # AERIE_PROFILE_STEPS (benchmarks only)
         # AERIE_STEP_TRACE (benchmarks only): rank 0's host timestamps of every step.
         self.trace = StepTrace.from_env(self.name) if rank == 0 else None
         self.worker.trace = self.trace
@@ -120,7 +121,7 @@ class WorkerLoop:
             self.trace.mark("plan_in", plan.plan_id)
         self.forward(plan)
         if self.profiler is not None:
-            self.profiler.on_launch()
+            self.profiler.on_launch(plan.mode, len(plan.rows) // 4)
         if self.clock is not None:
             self.clock.begin(plan.plan_id)
         self.launched.append(self.worker.launch(plan))

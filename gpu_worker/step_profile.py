@@ -1,18 +1,23 @@
 """`StepProfiler`: how busy the GPU is across a window of served steps, from the profiler.
 
 Set `AERIE_PROFILE_STEPS=FIRST,COUNT,PATH` in the environment of a launched server: the GPU
-worker records the device kernels of steps FIRST .. FIRST+COUNT-1 (counted from the worker's
-start, prefill steps included) with torch.profiler and writes to PATH (JSON) the number of
-steps and kernels, the GPU busy time (the union of kernel intervals), the span from the first
-kernel to the last, and the idle share `1 - busy / span`. That idle time has two parts, also
-reported: short gaps (under 4 us), one kernel of a CUDA graph starting after the previous one
-ended, which only fewer kernels remove, and long gaps, where the device waited for the host
-(between steps, or inside one). Benchmarks use it to compare the overlap schedule with
---disable-overlap-schedule; it is off unless the variable is set.
+worker traces the device activity of steps FIRST .. FIRST+COUNT-1 (counted from the worker's
+start, prefill steps included) and writes to PATH (JSON) the number of steps and of records of
+each kind, the GPU busy time (the union of the intervals), the span from the first start to
+the last end, and the idle share `1 - busy / span`. Benchmarks use it to compare the overlap
+schedule with --disable-overlap-schedule; it is off unless the variable is set.
 
-The profiler attaches CUPTI to the process, and PyTorch leaves it attached once it is done
-(tearing it down is unsafe with CUDA graphs), so every launch after the window costs the host
-more: a server profiled this way serves its later requests more slowly.
+`AERIE_PROFILE_TRACER` picks the tracer:
+- `graphs` (the default): CUPTI with one record per CUDA graph launch (`cupti_trace`), plus
+  kernels outside graphs, copies and memsets. It leaves the host's launches as cheap as
+  unprofiled ones, so the idle share is the served one. Gaps inside a graph are not seen, so
+  the idle time is the device waiting for the host (between steps, or inside one).
+- `kernels`: torch.profiler, one interval per kernel, graph nodes included. It shows the short
+  gaps (under 4 us) between a graph's kernels too (reported apart from the long ones, where the
+  device waited for the host), but it costs the host so much per graph launch (a 64-stream step
+  of 1.3 ms takes 2.7 ms under it) that the served idle share it reads is mostly its own. It
+  also leaves CUPTI attached once done (PyTorch does not tear it down with CUDA graphs), so the
+  server serves its later requests more slowly.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from gpu_worker.cupti_trace import GraphTrace
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENV = "AERIE_PROFILE_STEPS"
+TRACER_ENV = "AERIE_PROFILE_TRACER"
+TRACERS = ("graphs", "kernels")
 
 
 SHORT_GAP_US = 4.0  # below this, a gap is one kernel node following another
@@ -70,11 +80,53 @@ def device_gaps(intervals: list[tuple[float, float]], short: float = SHORT_GAP_U
                       sorted(longs, reverse=True))  # fmt: skip
 
 
+class KernelTrace:
+    """torch.profiler's CUDA kernels, with GraphTrace's interface."""
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profile = profile(activities=[ProfilerActivity.CUDA])
+        self.profile.__enter__()
+
+    def window(self) -> None:
+        """Nothing to do: this trace starts with the window."""
+
+    def stop(self) -> tuple[list[tuple[float, float]], dict[str, int]]:
+        from torch.autograd import DeviceType
+
+        self.profile.__exit__(None, None, None)
+        kernels = [e for e in self.profile.events() if e.device_type == DeviceType.CUDA]
+        return [(e.time_range.start, e.time_range.end) for e in kernels], {"kernel": len(kernels)}
+
+
+def profile_summary(steps: int, tracer: str, intervals: list[tuple[float, float]],
+                    records: dict[str, int]) -> dict:  # fmt: skip
+    """The JSON a profiled window writes: see the module docstring."""
+    gaps = device_gaps(intervals)
+    busy, span = gaps.busy, gaps.span
+    return {"steps": steps, "tracer": tracer, "records": records, "gpu_busy_us": busy,
+            "span_us": span, "idle_share": 1 - busy / span if span else 0.0,
+            "short_gaps": gaps.short_count, "short_gap_us": gaps.short_total,
+            "long_gaps": gaps.long_count, "long_gap_us": gaps.long_total,
+            "host_wait_share": gaps.long_total / span if span else 0.0}  # fmt: skip
+
+
 class StepProfiler:
-    def __init__(self, first: int, count: int, path: str) -> None:
-        self.first, self.count, self.path = first, count, path
+    """Create it before the worker captures its CUDA graphs: the `graphs` tracer records from
+    then on (see `cupti_trace.GraphTrace`) and keeps only the window's records."""
+
+    def __init__(self, first: int, count: int, path: str, tracer: str = "graphs") -> None:
+        if tracer not in TRACERS:
+            raise ValueError(f"{TRACER_ENV} must be one of {', '.join(TRACERS)}, got {tracer!r}")
+        self.first, self.count, self.path, self.tracer = first, count, path, tracer
         self.launched = self.finished = 0
-        self.profile = None
+        self.modes: Counter = Counter()  # the window's steps by mode
+        self.rows = 0  # and their requests
+        self.trace: GraphTrace | KernelTrace | None = None
+        if tracer == "graphs":
+            self.trace = GraphTrace()
+            self.trace.start()
 
     @classmethod
     def from_env(cls) -> StepProfiler | None:
@@ -83,42 +135,40 @@ class StepProfiler:
             return None
         try:
             first, count, path = value.split(",", 2)
-            return cls(int(first), int(count), path)
+            first_step, steps = int(first), int(count)
         except ValueError:
             raise ValueError(f"{ENV} must be FIRST,COUNT,PATH, got {value!r}") from None
+        return cls(first_step, steps, path, os.environ.get(TRACER_ENV, "graphs"))
 
-    def on_launch(self) -> None:
-        """Call before launching a step."""
+    def on_launch(self, mode: str = "decode", batch_size: int = 0) -> None:
+        """Call before launching a step (its plan's mode and number of requests)."""
+        if self.first <= self.launched < self.first + self.count:
+            self.modes[mode] += 1
+            self.rows += batch_size
         if self.launched == self.first:
-            from torch.profiler import ProfilerActivity, profile
-
-            self.profile = profile(activities=[ProfilerActivity.CUDA])
-            self.profile.__enter__()
+            if self.trace is None:
+                self.trace = KernelTrace()
+                self.trace.start()
+            self.trace.window()
         self.launched += 1
 
     def on_finish(self) -> None:
         """Call after finishing a step (in launch order)."""
         self.finished += 1
-        if self.profile is not None and self.finished == self.first + self.count:
+        if self.trace is not None and self.finished == self.first + self.count:
             import torch
-            from torch.autograd import DeviceType
 
             torch.cuda.synchronize()
-            self.profile.__exit__(None, None, None)
-            kernels = [e for e in self.profile.events() if e.device_type == DeviceType.CUDA]
-            gaps = device_gaps([(e.time_range.start, e.time_range.end) for e in kernels])
-            busy, span = gaps.busy, gaps.span
-            summary = {"steps": self.count, "kernels": len(kernels), "gpu_busy_us": busy,
-                       "span_us": span, "idle_share": 1 - busy / span if span else 0.0,
-                       "short_gaps": gaps.short_count, "short_gap_us": gaps.short_total,
-                       "long_gaps": gaps.long_count, "long_gap_us": gaps.long_total,
-                       "host_wait_share": gaps.long_total / span if span else 0.0}  # fmt: skip
+            intervals, records = self.trace.stop()
+            summary = profile_summary(self.count, self.tracer, intervals, records)
+            summary["untraced"] = getattr(self.trace, "refused", [])  # kinds CUPTI refused
+            summary.update(modes=dict(self.modes), mean_batch_size=self.rows / self.count)
+            self.trace = None
             with open(self.path, "w") as f:
                 json.dump(summary, f, indent=2)
-            log.info("profiled %d steps: GPU idle %.1f%% of %.1f ms (waiting for the host "
-                     "%.1f%%)", self.count, 100 * summary["idle_share"], span / 1e3,
-                     100 * summary["host_wait_share"])  # fmt: skip
-            self.profile = None
+            log.info("profiled %d steps (%s): GPU idle %.1f%% of %.1f ms (waiting for the host "
+                     "%.1f%%)", self.count, self.tracer, 100 * summary["idle_share"],
+                     summary["span_us"] / 1e3, 100 * summary["host_wait_share"])  # fmt: skip
 
 
 class StepClock:

@@ -301,10 +301,16 @@ if [[ $1 == overlap ]]; then
   # baseline of bench_decode at batch 1 and 64, then bench_serving on the SmolLM2-135M shape
   # (random weights) with the overlap schedule on and off: every request OUTPUT_LEN tokens, at
   # each of CONCURRENCY (1 is the native /generate stream) plus one Poisson run. IDLE=1 (the
-  # default) then measures the GPU idle share in a server of its own: one run of IDLE_CONC
-  # (64) streams, steps PROFILE_FIRST..+PROFILE_COUNT (100, 50) profiled (AERIE_PROFILE_STEPS).
-  # The served figures never come from a profiled server: once the profiler has run, CUPTI
-  # stays attached to the worker and every later CUDA call costs the host several times more.
+  # default) then measures the GPU idle share in servers of their own: for each of IDLE_CONC
+  # (64) streams and each of IDLE_TRACERS (graphs; or kernels: AERIE_PROFILE_TRACER), one run
+  # with steps PROFILE_FIRST..+PROFILE_COUNT (200, 50) profiled (AERIE_PROFILE_STEPS), its own
+  # throughput printed next to it. Steps 200-249 are decode steps of all 64 requests: the
+  # long ShareGPT prompts of 64 requests arriving at once interleave prefill chunks with decode
+  # steps up to about step 130, and the first request finishes near step 300. The served figures above never come from a profiled server:
+  # torch.profiler (kernels) slows every later graph launch, and even graph-level tracing is
+  # kept apart. TRACE_COST=1: benchmarks/bench_trace_cost.py first (each tracer's host cost
+  # per graph launch, and the idle share it reads against CUDA events'). SERVE=0: no measured
+  # server, only the idle-share ones.
   # SPEC=EAGLE3 serves with a random 3-step EAGLE-3 chain draft instead of plain decoding.
   # TEMPERATURE / TOP_P: sampled requests instead of greedy ones. CLIENT_PROCS=N spreads the
   # client over N processes (bench_serving.py --client-processes), so it cannot be the limit.
@@ -326,6 +332,7 @@ if [[ $1 == overlap ]]; then
     --variants compiled,triton+graph --warmup-steps 8 --repeats 3 \
     --output "$OUT/decode_baseline.json" > "$OUT/baseline.txt" 2>&1
   [[ ${SKIP_BASELINE:-0} == 1 ]] || grep -v "^\[" "$OUT/baseline.txt" | tail -6
+  [[ -z ${TRACE_COST:-} ]] || python benchmarks/bench_trace_cost.py --output "$OUT/trace_cost.json" 2>&1 | tail -6
   model=.device-carry/smollm2-config; spec_args=(); tag=plain
   if [[ -n ${SPEC:-} ]]; then
     draft=$(python -c "import sys, tempfile; sys.path.insert(0, '.')
@@ -345,6 +352,7 @@ print(write_random_draft_config('$model', '$SPEC', tempfile.mkdtemp(), 3))")
     flag=(); [[ $mode == off ]] && flag=(--disable-overlap-schedule)
     trace=(); [[ -n ${TRACE:-} ]] && trace=(AERIE_STEP_TRACE=1,1000000,$HOME/trace_${tag}_$mode)
     rm -rf $HOME/trace_${tag}_$mode
+    if [[ ${SERVE:-1} == 1 ]]; then  # SERVE=0: only the idle-share servers below
     serve "${trace[@]}"
     # Warm-up at the largest concurrency: the first prefills of new shapes compile kernels.
     python benchmarks/bench_serving.py --num-prompts 256 --output-len 16 --max-concurrency 256 \
@@ -440,17 +448,28 @@ PY
         > "$OUT/host_profile_ttft_${tag}_$mode.txt" 2>&1; rm -f "$OUT"/spy_*.txt
     fi
     kill -TERM $server; wait $server; echo "server exit $?"
-    if [[ ${IDLE:-1} == 1 ]]; then  # the idle share, profiled in a server of its own
-      idle=$OUT/idle_${tag}_$mode.json; c=${IDLE_CONC:-64}
-      serve AERIE_PROFILE_STEPS=${PROFILE_FIRST:-100},${PROFILE_COUNT:-50},$idle
-      timeout 150 python benchmarks/bench_serving.py --backend openai --num-prompts $c \
-        --output-len ${OUTPUT_LEN:-256} --max-concurrency $c --request-rate inf \
-        --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model > /dev/null 2>&1
-      kill -TERM $server; wait $server
-      python -c "import json; d = json.load(open('$idle')); print('== idle, $tag overlap $mode, '
-f'{d[\"steps\"]} steps at concurrency $c: GPU idle {100 * d[\"idle_share\"]:.1f}%')" 2>&1 | tail -1
     fi
-    if [[ -n ${TRACE:-} ]]; then
+    if [[ ${IDLE:-1} == 1 ]]; then  # the idle share, profiled in a server of its own per run
+      for c in ${IDLE_CONC:-64}; do
+        for tracer in ${IDLE_TRACERS:-graphs}; do
+          idle=$OUT/idle_${tag}_${mode}_c${c}_$tracer.json; backend=openai; [[ $c == 1 ]] && backend=native
+          serve AERIE_PROFILE_STEPS=${PROFILE_FIRST:-200},${PROFILE_COUNT:-50},$idle AERIE_PROFILE_TRACER=$tracer
+          timeout 150 python benchmarks/bench_serving.py --backend $backend --num-prompts $((c < 4 ? 4 : c)) \
+            --output-len ${OUTPUT_LEN:-256} --max-concurrency $c --request-rate inf \
+            --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model \
+            > "$OUT/idle_serve.txt" 2>&1
+          kill -TERM $server; wait $server
+          # The profiled run's own throughput, against the unprofiled run above: what tracing cost.
+          python -c "import json; d = json.load(open('$idle')); print('== idle, $tag overlap $mode, '
+f'{d[\"steps\"]} steps at concurrency $c, tracer $tracer: GPU idle {100 * d[\"idle_share\"]:.1f}%, '
+f'busy {d[\"gpu_busy_us\"] / d[\"steps\"]:.0f} us/step, span {d[\"span_us\"] / d[\"steps\"]:.0f} '
+f'us/step, records {d[\"records\"]}, steps {d[\"modes\"]}, mean batch {d[\"mean_batch_size\"]:.1f}')" 2>&1 | tail -1
+          grep "output throughput" "$OUT/idle_serve.txt"
+        done
+      done
+      rm -f "$OUT/idle_serve.txt"
+    fi
+    if [[ -n ${TRACE:-} && ${SERVE:-1} == 1 ]]; then
       for batch in 48-64 1; do
         echo "== step trace, $tag overlap $mode, batch $batch"
         python tools/step_trace_summary.py $HOME/trace_${tag}_$mode --batch-size $batch \

@@ -223,3 +223,49 @@ def test_pdl_graphs_give_the_logits_of_plain_launches_bit_for_bit(tiny_dirs, mon
             token, length = int(out.argmax()), length + 1
         steps.append(torch.stack(logits))
     torch.testing.assert_close(steps[1], steps[0], atol=0, rtol=0)
+
+
+def test_graph_trace_records_a_graph_launch_as_one_interval_as_long_as_its_run():
+    """GraphTrace (CUPTI, graph-level), started before the graph is captured, gives one record
+    per replay of a graph of 40 kernels from its window on, not one per kernel, together as
+    long as the replays measured by CUDA events; the kernel and copy launched outside the
+    graph get a record each, and the warm-up before the window none."""
+    from gpu_worker.cupti_trace import GraphTrace
+    from gpu_worker.step_profile import device_gaps
+
+    trace = GraphTrace()
+    trace.start()
+    x, w = torch.randn(64, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda") / 32
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            y = x
+            for _ in range(20):
+                y = torch.tanh(y @ w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(20):
+            y = torch.tanh(y @ w)
+    torch.cuda.synchronize()
+    trace.window()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    z = x @ w  # one kernel outside the graph
+    torch.empty(64, 1024, pin_memory=True).copy_(z, non_blocking=True)
+    torch.cuda.synchronize()
+    intervals, records = trace.stop()
+    print(records)
+    assert records["graph"] == 5
+    # The eager matmul and copy (2 kernel records on the H100): none of the 200 graph nodes,
+    # none of the 40 warm-up kernels before the window.
+    assert 1 <= records.get("kernel", 0) <= 3
+    assert records.get("memcpy", 0) == 1 and records.get("dropped", 0) == 0
+    busy = device_gaps(intervals).busy
+    elapsed_us = 1e3 * start.elapsed_time(end)
+    assert 0.8 * elapsed_us < busy < 1.2 * elapsed_us + 200  # the replays, then two small ops
