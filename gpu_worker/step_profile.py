@@ -9,15 +9,17 @@ schedule with --disable-overlap-schedule; it is off unless the variable is set.
 
 `AERIE_PROFILE_TRACER` picks the tracer:
 - `graphs` (the default): CUPTI with one record per CUDA graph launch (`cupti_trace`), plus
-  kernels outside graphs, copies and memsets. It leaves the host's launches as cheap as
-  unprofiled ones, so the idle share is the served one. Gaps inside a graph are not seen, so
-  the idle time is the device waiting for the host (between steps, or inside one).
+  kernels outside graphs, copies and memsets. It adds about 60 us of host time per graph
+  launch, which a served step hides behind the device, so the idle share is the served one.
+  Gaps inside a graph are not seen, so the idle time is the device waiting for the host
+  (between steps, or inside one).
 - `kernels`: torch.profiler, one interval per kernel, graph nodes included. It shows the short
   gaps (under 4 us) between a graph's kernels too (reported apart from the long ones, where the
-  device waited for the host), but it costs the host so much per graph launch (a 64-stream step
-  of 1.3 ms takes 2.7 ms under it) that the served idle share it reads is mostly its own. It
-  also leaves CUPTI attached once done (PyTorch does not tear it down with CUDA graphs), so the
-  server serves its later requests more slowly.
+  device waited for the host), but it costs the host about 250 us per launch of a graph of 300
+  kernels (`benchmarks/bench_trace_cost.py`), more than half a one-stream step's host chain
+  (about 460 us), so the served idle share it reads is mostly its own. It also leaves CUPTI
+  attached once done (PyTorch does not tear it down with CUDA graphs), so the server serves its
+  later requests more slowly.
 """
 
 from __future__ import annotations
