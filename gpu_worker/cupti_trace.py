@@ -1,14 +1,14 @@
 """`GraphTrace`: when the device was busy, from CUPTI, with each CUDA graph launch traced whole.
 
 torch.profiler traces every kernel node of every replayed graph: about 250 us of host time per
-launch of a graph of 300 kernels on the lent H100 (`benchmarks/bench_trace_cost.py`), more
-than half a one-stream step's host chain (about 460 us), so the idle share it reports is mostly
-its own doing. CUPTI can instead report one record per graph launch
+launch of a graph of 300 kernels on the lent H100 (`benchmarks/bench_trace_cost.py`), more than
+half a one-stream step's host chain (about 460 us), so the idle share it reports is mostly its
+own doing. CUPTI can instead report one record per graph launch
 (`CUPTI_ACTIVITY_KIND_GRAPH_TRACE`, made for exactly this): about 60 us per launch there, which
-a served step hides. `GraphTrace` asks
-CUPTI's activity API for those records, and for kernels launched outside graphs, memory copies
-and memsets, through ctypes on the libcupti that PyTorch itself loads; it returns their
-[start, end) intervals in microseconds and how many records of each kind it saw.
+a served step hides. `GraphTrace` asks CUPTI's activity API for those records, and for kernels
+launched outside graphs, memory copies and memsets, through ctypes on the libcupti that PyTorch
+itself loads; it returns their [start, end) intervals in microseconds and how many records of
+each kind it saw.
 
 Records are read at fixed offsets: every record starts with its 32-bit kind; a graph record's
 start and end timestamps (ns) follow its 32-bit correlation id (offsets 8 and 16), and the
