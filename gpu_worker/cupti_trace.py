@@ -7,8 +7,8 @@ own doing. CUPTI can instead report one record per graph launch
 (`CUPTI_ACTIVITY_KIND_GRAPH_TRACE`, made for exactly this): about 60 us per launch there, which
 a served step hides. `GraphTrace` asks CUPTI's activity API for those records, and for kernels
 launched outside graphs, memory copies and memsets, through ctypes on the libcupti that PyTorch
-itself loads; it returns their [start, end) intervals in microseconds and how many records of
-each kind it saw.
+itself loads (else one from the CUDA wheels); it returns their [start, end) intervals in
+microseconds and how many records of each kind it saw.
 
 Records are read at fixed offsets: every record starts with its 32-bit kind; a graph record's
 start and end timestamps (ns) follow its 32-bit correlation id (offsets 8 and 16), and the
@@ -90,6 +90,8 @@ def find_libcupti(maps: str = "/proc/self/maps", roots: list[str] | None = None)
 
 
 TRACED_KINDS = (GRAPH_TRACE, CONCURRENT_KERNEL, MEMCPY, MEMSET)
+NOT_YET = 2**64 - 1  # `since` before window(): no record is kept
+_KEPT: list = []  # every instance's callbacks and buffers, which CUPTI may use at any time
 
 
 class GraphTrace:
@@ -98,7 +100,13 @@ class GraphTrace:
 
     Start it before any CUDA graph is captured: CUPTI (CUDA 13.0, on the lent H100) crashed
     the process replaying, with graph records enabled, a graph captured while they were off.
-    Until window() is called, records are read and dropped; graph records cost little."""
+    Until window() is called, completed buffers are dropped unread; CUPTI still times every
+    kernel launched outside a graph from start() on (the start-up warm-up, prefills), at a
+    cost this module does not measure.
+
+    CUPTI keeps the callbacks and buffers it was given and has no call to unregister them, so
+    every instance's callbacks and buffers stay referenced for the life of the process
+    (`_KEPT`)."""
 
     def __init__(self, kinds: tuple[int, ...] = TRACED_KINDS) -> None:
         self.wanted = kinds
@@ -108,18 +116,19 @@ class GraphTrace:
         self.buffers: dict[int, ctypes.Array] = {}  # address -> buffer, alive until completed
         self.counts: Counter = Counter()
         self.intervals: list[tuple[float, float]] = []
-        # ctypes callbacks must outlive CUPTI's use of them: kept on the instance.
         self._requested = BufferRequested(self._request)
         self._completed = BufferCompleted(self._complete)
+        _KEPT.append((self._requested, self._completed, self.buffers))
         self.kinds: list[int] = []  # enabled
         self.refused: list[str] = []
-        self.since = 2**64 - 1  # ns: records that start earlier are dropped; none until window()
+        self.since = NOT_YET  # ns: records that start earlier are dropped
 
     def _check(self, result: int, what: str) -> None:
         if result != 0:
             message = ctypes.c_char_p()
             self.lib.cuptiGetResultString(result, ctypes.byref(message))
-            raise RuntimeError(f"CUPTI {what} failed: {message.value.decode()} ({result})")
+            name = message.value.decode() if message.value else "unknown error"
+            raise RuntimeError(f"CUPTI {what} failed: {name} ({result})")
 
     def _request(self, buffer, size, max_records) -> None:
         block = (ctypes.c_uint64 * (BUFFER_BYTES // 8))()  # 8-byte aligned, as CUPTI requires
@@ -127,11 +136,14 @@ class GraphTrace:
         buffer[0], size[0], max_records[0] = ctypes.addressof(block), BUFFER_BYTES, 0
 
     def _complete(self, context, stream, buffer, size, valid) -> None:
+        """On CUPTI's thread (or in a flush): read the buffer, unless no window is open yet."""
+
         def next_record(record: ctypes.c_void_p) -> bool:
             return self.lib.cuptiActivityGetNextRecord(buffer, valid, ctypes.byref(record)) == 0
 
         try:
-            read_records(next_record, self.counts, self.intervals, self.since)
+            if self.since != NOT_YET:
+                read_records(next_record, self.counts, self.intervals, self.since)
         finally:
             self.buffers.pop(buffer, None)
 
@@ -141,13 +153,17 @@ class GraphTrace:
         self._check(self.lib.cuptiActivityRegisterCallbacks(self._requested, self._completed),
                     "registering activity buffers")  # fmt: skip
         self.refused = []
-        for kind in self.wanted:
-            result = self.lib.cuptiActivityEnable(kind)
-            if result != 0 and kind != GRAPH_TRACE:
-                self.refused.append(KIND_NAMES[kind])
-                continue
-            self._check(result, f"enabling {KIND_NAMES[kind]}")
-            self.kinds.append(kind)
+        try:
+            for kind in self.wanted:
+                result = self.lib.cuptiActivityEnable(kind)
+                if result != 0 and kind != GRAPH_TRACE:
+                    self.refused.append(KIND_NAMES.get(kind, str(kind)))
+                    continue
+                self._check(result, f"enabling {KIND_NAMES.get(kind, kind)}")
+                self.kinds.append(kind)
+        except BaseException:
+            self._disable()
+            raise
 
     def window(self) -> None:
         """Keep the records of what starts from now on (and only those)."""
@@ -157,12 +173,19 @@ class GraphTrace:
         self.counts.clear()
         self.intervals.clear()
 
-    def stop(self) -> tuple[list[tuple[float, float]], dict[str, int]]:
-        """Flush (call after synchronizing the device) and stop tracing."""
-        self._check(self.lib.cuptiActivityFlushAll(FLUSH_FORCED), "flushing records")
+    def _disable(self) -> None:
         for kind in self.kinds:
-            self._check(self.lib.cuptiActivityDisable(kind), f"disabling {KIND_NAMES[kind]}")
+            self.lib.cuptiActivityDisable(kind)
         self.kinds.clear()
+
+    def stop(self) -> tuple[list[tuple[float, float]], dict[str, int]]:
+        """Flush every buffer (call after synchronizing the device), then stop tracing. A record
+        made between the two reaches a buffer CUPTI completes later: `_KEPT` keeps its callback
+        alive, and it lands in no returned list."""
+        try:
+            self._check(self.lib.cuptiActivityFlushAll(FLUSH_FORCED), "flushing records")
+        finally:
+            self._disable()
         dropped = ctypes.c_size_t()
         if self.lib.cuptiActivityGetNumDroppedRecords(None, 0, ctypes.byref(dropped)) == 0:
             self.counts["dropped"] += dropped.value  # records CUPTI had no buffer for

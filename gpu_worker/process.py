@@ -54,9 +54,9 @@ class WorkerLoop:
     def __init__(self, config: AerieConfig, rank: int = 0, replica: int = 0) -> None:
         """rank: in the tensor-parallel group of data-parallel replica `replica`."""
         config = config.replace(model={"device": worker_device(config, rank, replica)})
-        # AERIE_PROFILE_STEPS (benchmarks only): rank 0's device, traced from before the worker
-        # captures its graphs (see StepProfiler); one file, so one rank writes it.
-        self.profiler = StepProfiler.from_env() if rank == 0 else None
+        # AERIE_PROFILE_STEPS (benchmarks only): the device of replica 0's rank 0, traced from
+        # before the worker captures its graphs (see StepProfiler); one file, one writer.
+        self.profiler = StepProfiler.from_env() if rank == 0 and replica == 0 else None
         self.worker = GPUWorker(config, join_group(config, rank, replica))
         if self.worker.device.type == "cuda":  # the interpreter on CPU compiles nothing
             seconds = run_warm_up(self.worker)

@@ -4,8 +4,13 @@ Set `AERIE_PROFILE_STEPS=FIRST,COUNT,PATH` in the environment of a launched serv
 worker traces the device activity of steps FIRST .. FIRST+COUNT-1 (counted from the worker's
 start, prefill steps included) and writes to PATH (JSON) the number of steps and of records of
 each kind, the GPU busy time (the union of the intervals), the span from the first start to
-the last end, and the idle share `1 - busy / span`. Benchmarks use it to compare the overlap
-schedule with --disable-overlap-schedule; it is off unless the variable is set.
+the last end, the idle share `1 - busy / span`, and the window's steps by mode and their mean
+batch size. Benchmarks use it to compare the overlap schedule with --disable-overlap-schedule;
+it is off unless the variable is set. The window opens on the host at step FIRST's launch and
+closes after step FIRST+COUNT-1 finishes and the device drains: with two steps in flight it
+also holds step FIRST-1 when the device had not started it yet, and step FIRST+COUNT, already
+launched. So with overlap on it can hold a step or two more than COUNT: the idle share (a
+ratio) is not skewed by that, but busy and span divided by COUNT read up to a few percent high.
 
 `AERIE_PROFILE_TRACER` picks the tracer:
 - `graphs` (the default): CUPTI with one record per CUDA graph launch (`cupti_trace`), plus
@@ -121,6 +126,8 @@ class StepProfiler:
     def __init__(self, first: int, count: int, path: str, tracer: str = "graphs") -> None:
         if tracer not in TRACERS:
             raise ValueError(f"{TRACER_ENV} must be one of {', '.join(TRACERS)}, got {tracer!r}")
+        if first < 0 or count < 1:
+            raise ValueError(f"{ENV}: FIRST must be >= 0 and COUNT >= 1, got {first}, {count}")
         self.first, self.count, self.path, self.tracer = first, count, path, tracer
         self.launched = self.finished = 0
         self.modes: Counter = Counter()  # the window's steps by mode
@@ -161,13 +168,18 @@ class StepProfiler:
             import torch
 
             torch.cuda.synchronize()
-            intervals, records = self.trace.stop()
-            summary = profile_summary(self.count, self.tracer, intervals, records)
-            summary["untraced"] = getattr(self.trace, "refused", [])  # kinds CUPTI refused
-            summary.update(modes=dict(self.modes), mean_batch_size=self.rows / self.count)
-            self.trace = None
-            with open(self.path, "w") as f:
-                json.dump(summary, f, indent=2)
+            trace, self.trace = self.trace, None
+            try:  # a benchmark's measurement: its failure must not stop the server
+                intervals, records = trace.stop()
+                summary = profile_summary(self.count, self.tracer, intervals, records)
+                summary["untraced"] = getattr(trace, "refused", [])  # kinds CUPTI refused
+                summary.update(modes=dict(self.modes), mean_batch_size=self.rows / self.count)
+                with open(self.path, "w") as f:
+                    json.dump(summary, f, indent=2)
+            except Exception:
+                log.exception("the profiled window of steps %d..%d was lost", self.first,
+                              self.first + self.count - 1)  # fmt: skip
+                return
             log.info("profiled %d steps (%s): GPU idle %.1f%% of %.1f ms (waiting for the host "
                      "%.1f%%)", self.count, self.tracer, 100 * summary["idle_share"],
                      summary["span_us"] / 1e3, 100 * summary["host_wait_share"])  # fmt: skip

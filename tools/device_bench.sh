@@ -306,11 +306,11 @@ if [[ $1 == overlap ]]; then
   # with steps PROFILE_FIRST..+PROFILE_COUNT (200, 50) profiled (AERIE_PROFILE_STEPS), its own
   # throughput printed next to it. Steps 200-249 are decode steps of all 64 requests: the
   # long ShareGPT prompts of 64 requests arriving at once interleave prefill chunks with decode
-  # steps up to about step 130, and the first request finishes near step 300. The served figures above never come from a profiled server:
-  # torch.profiler (kernels) slows every later graph launch, and even graph-level tracing is
-  # kept apart. TRACE_COST=1: benchmarks/bench_trace_cost.py first (each tracer's host cost
-  # per graph launch, and the idle share it reads against CUDA events'). SERVE=0: no measured
-  # server, only the idle-share ones.
+  # steps up to about step 130, and the first request finishes near step 300. The served
+  # figures above never come from a profiled server: torch.profiler (kernels) slows every later
+  # graph launch, and even graph-level tracing is kept apart. TRACE_COST=1:
+  # benchmarks/bench_trace_cost.py first (each tracer's host cost per graph launch, and the idle
+  # share it reads against CUDA events'). SERVE=0: no measured server, only the idle-share ones.
   # SPEC=EAGLE3 serves with a random 3-step EAGLE-3 chain draft instead of plain decoding.
   # TEMPERATURE / TOP_P: sampled requests instead of greedy ones. CLIENT_PROCS=N spreads the
   # client over N processes (bench_serving.py --client-processes), so it cannot be the limit.
@@ -332,7 +332,7 @@ if [[ $1 == overlap ]]; then
     --variants compiled,triton+graph --warmup-steps 8 --repeats 3 \
     --output "$OUT/decode_baseline.json" > "$OUT/baseline.txt" 2>&1
   [[ ${SKIP_BASELINE:-0} == 1 ]] || grep -v "^\[" "$OUT/baseline.txt" | tail -6
-  [[ -z ${TRACE_COST:-} ]] || python benchmarks/bench_trace_cost.py --output "$OUT/trace_cost.json" 2>&1 | tail -6
+  [[ ${TRACE_COST:-0} == 1 ]] && python benchmarks/bench_trace_cost.py --output "$OUT/trace_cost.json" 2>&1 | tail -6
   model=.device-carry/smollm2-config; spec_args=(); tag=plain
   if [[ -n ${SPEC:-} ]]; then
     draft=$(python -c "import sys, tempfile; sys.path.insert(0, '.')
@@ -459,7 +459,7 @@ PY
             --dataset-path ${DATASET:-.device-carry/sharegpt_subset.json} --tokenizer $model \
             > "$OUT/idle_serve.txt" 2>&1
           kill -TERM $server; wait $server
-          # The profiled run's own throughput, against the unprofiled run above: what tracing cost.
+          # The profiled run's own throughput (c requests, no warm-up: a rough check only).
           python -c "import json; d = json.load(open('$idle')); print('== idle, $tag overlap $mode, '
 f'{d[\"steps\"]} steps at concurrency $c, tracer $tracer: GPU idle {100 * d[\"idle_share\"]:.1f}%, '
 f'busy {d[\"gpu_busy_us\"] / d[\"steps\"]:.0f} us/step, span {d[\"span_us\"] / d[\"steps\"]:.0f} '

@@ -235,31 +235,33 @@ def test_graph_trace_records_a_graph_launch_as_one_interval_as_long_as_its_run()
 
     trace = GraphTrace()
     trace.start()
-    x, w = torch.randn(64, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda") / 32
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
+    try:
+        x, w = torch.randn(64, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda") / 32
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                y = x
+                for _ in range(20):
+                    y = torch.tanh(y @ w)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             y = x
             for _ in range(20):
                 y = torch.tanh(y @ w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = x
-        for _ in range(20):
-            y = torch.tanh(y @ w)
-    torch.cuda.synchronize()
-    trace.window()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    z = x @ w  # one kernel outside the graph
-    torch.empty(64, 1024, pin_memory=True).copy_(z, non_blocking=True)
-    torch.cuda.synchronize()
-    intervals, records = trace.stop()
+        torch.cuda.synchronize()
+        trace.window()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        z = x @ w  # one kernel outside the graph
+        torch.empty(64, 1024, pin_memory=True).copy_(z, non_blocking=True)
+        torch.cuda.synchronize()
+    finally:
+        intervals, records = trace.stop()
     print(records)
     assert records["graph"] == 5
     # The eager matmul and copy (2 kernel records on the H100): none of the 200 graph nodes,

@@ -111,6 +111,7 @@ def test_the_window_traces_steps_first_to_first_plus_count(monkeypatch, tmp_path
 
 def test_the_tracer_is_chosen_by_name_and_a_bad_one_is_refused(monkeypatch):
     monkeypatch.setattr(step_profile, "GraphTrace", FakeTrace)
+    monkeypatch.delenv(step_profile.TRACER_ENV, raising=False)
     monkeypatch.setenv(step_profile.ENV, "1,2,/tmp/x.json")
     assert step_profile.StepProfiler.from_env().tracer == "graphs"
     monkeypatch.setenv(step_profile.TRACER_ENV, "kernels")
@@ -121,6 +122,28 @@ def test_the_tracer_is_chosen_by_name_and_a_bad_one_is_refused(monkeypatch):
     monkeypatch.setenv(step_profile.ENV, "1,x,/tmp/x.json")
     with pytest.raises(ValueError, match="FIRST,COUNT,PATH"):
         step_profile.StepProfiler.from_env()
+    monkeypatch.delenv(step_profile.TRACER_ENV)
+    monkeypatch.setenv(step_profile.ENV, "1,0,/tmp/x.json")
+    with pytest.raises(ValueError, match="COUNT >= 1"):
+        step_profile.StepProfiler.from_env()
+
+
+def test_a_failed_window_is_logged_and_serving_goes_on(monkeypatch, tmp_path, caplog):
+    import torch
+
+    class FailingTrace(FakeTrace):
+        def stop(self):
+            raise RuntimeError("CUPTI flushing records failed")
+
+    monkeypatch.setattr(step_profile, "GraphTrace", FailingTrace)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    profiler = step_profile.StepProfiler(0, 1, str(tmp_path / "idle.json"))
+    profiler.on_launch()
+    profiler.on_finish()
+    assert "window of steps 0..0 was lost" in caplog.text and profiler.trace is None
+    assert not (tmp_path / "idle.json").exists()
+    profiler.on_launch()
+    profiler.on_finish()  # later steps: nothing left to do
 
 
 def test_libcupti_is_the_loaded_one_else_found_else_the_error_says_what_to_do(tmp_path):
