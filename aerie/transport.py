@@ -65,23 +65,8 @@ class Receiver:
         self._socket.bind(address)
         return self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def recv(self, timeout_s: float | None = None, spin_s: float = 0.0) -> Any | None:
-        """The next message, or None if none came within timeout_s (None waits forever).
-
-        spin_s: first look for it without sleeping for up to this long, then block for the
-        rest of timeout_s. A process that expects a message within a millisecond or two (the
-        scheduler waiting for a step's result) spins: waking from a blocking poll costs tens
-        to hundreds of microseconds on a loaded server, paid on every step."""
-        if spin_s > 0:
-            deadline = time.perf_counter() + spin_s
-            while True:
-                try:
-                    return codec.decode(self._socket.recv(flags=zmq.NOBLOCK))
-                except zmq.Again:
-                    if time.perf_counter() >= deadline:
-                        break
-            if timeout_s is not None:
-                timeout_s = max(timeout_s - spin_s, 0.0)
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        """The next message, or None if none came within timeout_s (None waits forever)."""
         if timeout_s is not None and not self._socket.poll(int(timeout_s * 1000)):
             return None
         return codec.decode(self._socket.recv(copy=True))
@@ -89,12 +74,9 @@ class Receiver:
     def drain(self) -> list[Any]:
         """Every message available now, without waiting."""
         messages = []
-        while True:
-            try:
-                data = self._socket.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
-            messages.append(codec.decode(data))
+        while (message := self.try_recv()) is not None:
+            messages.append(message)
+        return messages
 
     def try_recv(self) -> Any | None:
         """The next message if one is there, else None (never waits)."""
@@ -234,8 +216,12 @@ class Inbox:
 
     def recv(self, timeout_s: float | None = None, spin_s: float = 0.0) -> Any | None:
         """The next message from any source, or None if none came within timeout_s (None
-        waits forever); spin_s: first look without sleeping for up to this long (see
-        `Receiver.recv`)."""
+        waits forever).
+
+        spin_s: first look for it without sleeping for up to this long, then block for the
+        rest of timeout_s. A process that expects a message within a millisecond or two (the
+        scheduler waiting for a step's result) spins: waking from a blocking poll costs tens
+        to hundreds of microseconds on a loaded server, paid on every step."""
         message = self._first()
         if message is not None or timeout_s == 0:
             return message

@@ -32,7 +32,8 @@ def test_push_pull_round_trip_and_drain(tmp_path):
 
 def test_spinning_recv_gets_a_message_sent_during_the_spin_and_then_still_waits(tmp_path):
     address = f"ipc://{tmp_path}/spin.sock"
-    inbox, out = Receiver(address), Sender(address)
+    receiver, out = Receiver(address), Sender(address)
+    inbox = Inbox(receiver)
     start = time.perf_counter()
     assert inbox.recv(timeout_s=0.05, spin_s=0.02) is None  # nothing: spins, then blocks
     assert time.perf_counter() - start >= 0.045
@@ -43,7 +44,7 @@ def test_spinning_recv_gets_a_message_sent_during_the_spin_and_then_still_waits(
     timer.start()
     assert inbox.recv(timeout_s=2, spin_s=0.01) == AbortRequest("after")
     out.close()
-    inbox.close()
+    receiver.close()
 
 
 def test_async_pair(tmp_path):
