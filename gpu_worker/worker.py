@@ -175,7 +175,7 @@ class GPUWorker:
         slots = arrays.slots
         capacity = step.slot_capacity(arrays.batch_size)
         if capacity is not None and len(slots) > capacity:  # more than its bucket takes
-            self._write_slots(arrays)
+            self._write_slots(arrays, index)
             index, slots = EMPTY, EMPTY
         self._mark("slots_written", plan_id)
         out = step(arrays.rows, index, slots, variant)  # samples, counts, commits each token
@@ -247,11 +247,13 @@ class GPUWorker:
         )
         self.return_logprob[start.row] = start.return_logprob
 
-    def _write_slots(self, arrays: PlanArrays) -> torch.Tensor:
+    def _write_slots(self, arrays: PlanArrays, flat: np.ndarray | None = None) -> torch.Tensor:
         """Record every assigned slot (headroom included) in every runner's req_to_token rows
         (all of one shape), uploading the step's rows in the same copy, the slots already as
-        the tables' int32; returns the rows [bs] on the device."""
-        flat = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
+        the tables' int32; returns the rows [bs] on the device. flat: the slots' flat indices
+        (`ReqToTokenPool.flat_index`), when the caller has them."""
+        if flat is None:
+            flat = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
         rows, index, packed = self.staging.upload([arrays.rows, flat,
                                                     int64_entries(arrays.slots, 4)])
         if len(flat):
