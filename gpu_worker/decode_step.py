@@ -127,7 +127,7 @@ class DecodeStep:
             tokens, logprobs = self.sampling.sample(logits, rows, positions + 1, flags=flags)
             # Penalties count the token (rows without penalties count harmlessly: a request
             # that uses them resets its row's counts when it starts).
-            self.sampling.count(rows, tokens)
+            self.sampling.observe(rows, tokens, always=True)
             result = {"logprobs": logprobs}
         state.commit_decode(rows, 1, tokens)
         state.reset_dummy()

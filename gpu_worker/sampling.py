@@ -326,23 +326,15 @@ class SamplingState:
         token_ids: Tensor,
         weights: Tensor | None = None,
         lengths: Tensor | None = None,
+        always: bool = False,
     ) -> None:
         """Count new output tokens: [n] rows and [n] ids; weights [n] (0/1) counts only some of
         them without a host-side selection. With lengths [n], token_ids is [n, W] and row i
         emitted its first lengths[i] (an accepted speculative run). Mutates `counts`; a no-op
-        when no row uses penalties."""
-        if self._flags_cpu[:, 0].any():
-            self.count(req_pool_indices, token_ids, weights, lengths)
-
-    def count(
-        self,
-        req_pool_indices: Tensor,
-        token_ids: Tensor,
-        weights: Tensor | None = None,
-        lengths: Tensor | None = None,
-    ) -> None:
-        """`observe` without the host's look at the flags (so a CUDA graph can hold it): every
-        row's tokens are counted."""
+        when no row uses penalties, unless `always` (no look at the host's flags, so that a
+        CUDA graph can hold the count: every row's tokens are counted)."""
+        if not always and not self._flags_cpu[:, 0].any():
+            return
         rows = req_pool_indices.to(self.device, torch.int64)
         ids = token_ids.to(self.device, torch.int64)
         if lengths is not None:
