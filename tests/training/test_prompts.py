@@ -249,3 +249,18 @@ def test_prompt_file_is_deterministic_per_seed_and_truncates_to_num_prompts(buil
     assert not np.array_equal(first.tokens, other.tokens)
     assert sorted(first.lengths.tolist()) == sorted(other.lengths.tolist())
     assert len(few) == 10 and np.array_equal(few.tokens, first.tokens[: first.offsets[10]])
+
+
+def test_benchmark_first_turns_are_chat_templated_and_all_dev(build, model_dir, mt_bench_path):
+    from tokenizer_proc.tokenizer import Tokenizer
+
+    summary, file = build("mt_bench", benchmark_first_turns=True)
+    with open(mt_bench_path, encoding="utf-8") as f:
+        questions = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    tokenizer = Tokenizer(model_dir)
+    assert summary["num_prompts"] == len(file) == len(questions)
+    for i, question in enumerate(questions):  # in the file's order, no history, no shuffling
+        expected = tokenizer.encode_chat([{"role": "user", "content": question}])
+        assert file.sequence(i).tolist() == expected
+    assert file.extra["dev"].all()
+    np.testing.assert_array_equal(file.prompt_lens, file.lengths)

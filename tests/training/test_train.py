@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -65,6 +66,33 @@ def test_the_server_loads_the_trained_draft_and_computes_its_logits(
         for a, b in zip(trained.unroll(rows, teacher), loaded.unroll(rows, teacher), strict=True):
             where = a.learns.nonzero().squeeze(1)
             torch.testing.assert_close(a.logits(where), b.logits(where), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "mtp"])
+def test_teacher_logits_only_where_steps_learn_give_the_losses_of_every_positions_logits(
+    algorithm, bigram_target, greedy_data
+):
+    """The training loop asks the target for logits only at `Rows.teaches()` positions: every
+    step's learning positions must find their rows there, and the losses and accuracies must
+    be those computed from every position's logits."""
+    data = TokenFile.load(greedy_data)
+    target = Target(bigram_target, "cpu", torch.float32)
+    recipe = build_recipe(algorithm, target, data, DEPTH[algorithm], draft_vocab=200)
+    recipe.training = False  # EAGLE's input noise off: both runs see the same inputs
+    rows = make_rows(data, np.arange(6), max_len=256)
+    full = target.run(rows.ids, recipe.aux_layers)
+    some = target.run(rows.ids, recipe.aux_layers, rows.teaches())
+    assert 0 < len(some.logits) < rows.ids.numel()  # the prompts and padding are left out
+    for out in recipe.unroll(rows, some):
+        index = out.teacher_index[out.learns.nonzero().squeeze(1)]
+        assert (some.row[index] >= 0).all()
+        torch.testing.assert_close(some.logits_at(index), full.logits_at(index))
+        assert torch.equal(some.choice_at(index), full.logits_at(index).argmax(-1))
+    with torch.no_grad():
+        loss_some, metrics_some = recipe.losses(rows, some)
+        loss_full, metrics_full = recipe.losses(rows, full)
+    torch.testing.assert_close(loss_some, loss_full)
+    assert metrics_some == metrics_full
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -1,0 +1,163 @@
+"""What one training step of `python3 -m training train` costs, and where its GPU time goes.
+
+    python3 benchmarks/bench_train_step.py --model DIR [--load-format dummy] \
+        --algorithms eagle3,mtp,eagle --shapes 16x1024,8x2048 --steps 8 --profile-steps 2
+
+For each algorithm and batch shape (ROWSxLENGTH tokens, every row with a prompt of
+--prompt-frac of its length and random tokens), a `Trainer` runs its own `train_step` on the
+same rows: --warmup steps, then --steps timed ones, reporting the median wall time of a step,
+the part the target's forward takes, and the response tokens learned per second. With
+--profile-steps, torch.profiler records that many more steps and the heaviest GPU kernels and
+the kernel launches per step are printed (what to optimise next); --check-target first compares
+the target's outputs on the server's Triton kernels with its torch references. The learning
+rate is zero:
+the weights stay the same from step to step, only the timings matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from training.rows import make_rows  # noqa: E402
+from training.tokens import TokenFile  # noqa: E402
+from training.train import TrainConfig, Trainer, synchronize  # noqa: E402
+
+
+def synthetic_data(path: str, rows: int, length: int, prompt_frac: float, vocab: int) -> None:
+    """`rows` training sequences and one dev sequence of random tokens."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, vocab, size=length) for _ in range(rows + 1)]
+    prompt = [max(1, int(length * prompt_frac))] * (rows + 1)
+    dev = np.zeros(rows + 1, dtype=bool)
+    dev[-1] = True
+    TokenFile.from_sequences(seqs, prompt, dev=dev).save(path)
+
+
+def measure(args, algorithm: str, shape: str, work: str) -> dict:
+    n_rows, length = (int(x) for x in shape.split("x"))
+    data = f"{work}/{algorithm}_{shape}.npz"
+    vocab = json.load(open(Path(args.model) / "config.json"))["vocab_size"]
+    synthetic_data(data, n_rows, length, args.prompt_frac, vocab)
+    cfg = TrainConfig(algorithm=algorithm, model=args.model, data=data,
+                      out=f"{work}/{algorithm}_{shape}", lr=0.0, total_steps=10**6,
+                      tokens_per_batch=n_rows * length, max_len=length,
+                      load_format=args.load_format, device=args.device)  # fmt: skip
+    trainer = Trainer(cfg)
+    rows = make_rows(trainer.data, trainer.train_idx, length)
+    check = check_target(trainer, rows) if args.check_target else None
+    for _ in range(args.warmup):
+        trainer.train_step(rows)
+    steps = [trainer.train_step(rows) for _ in range(args.steps)]
+    step_ms = statistics.median(1e3 * m["step_s"] for m in steps)
+    result = {
+        "algorithm": algorithm, "shape": shape, "step_ms": step_ms,
+        "target_ms": statistics.median(1e3 * m["target_s"] for m in steps),
+        "learned_tokens_per_s": steps[0]["tokens"] / (step_ms / 1e3),
+        "acc": steps[-1]["acc"], "target_check": check,
+    }  # fmt: skip
+    if trainer.device.type == "cuda":
+        result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    if args.profile_steps:
+        result["profile"] = profile(trainer, rows, args.profile_steps, args.top)
+    return result
+
+
+def check_target(trainer: Trainer, rows) -> dict:
+    """The target's outputs with the server's Triton kernels against the torch references on
+    the same rows: greedy agreement and the largest logit difference (correctness first)."""
+    from gpu_worker.layers.layernorm import set_use_triton
+
+    rows = rows.to(trainer.device)
+    aux = trainer.recipe.aux_layers
+    out = {}
+    for use_triton in (True, False):
+        set_use_triton(trainer.target.model, use_triton)
+        out[use_triton] = trainer.target.run(rows.ids, aux, rows.teaches())
+    set_use_triton(trainer.target.model, trainer.device.type == "cuda")
+    fast, ref = out[True], out[False]
+    return {"choice_agreement": float((fast.choice == ref.choice).float().mean()),
+            "max_logit_diff": float((fast.logits - ref.logits).abs().max()),
+            "max_hidden_diff": float((fast.hidden - ref.hidden).abs().max())}  # fmt: skip
+
+
+def profile(trainer: Trainer, rows, steps: int, top: int) -> dict:
+    """The heaviest kernels (device microseconds per step) and kernel launches per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            trainer.train_step(rows)
+        synchronize(trainer.device)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            kernels.setdefault(event.name, []).append(event.device_time)
+    total = sum(sum(v) for v in kernels.values())
+    heaviest = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "kernels_per_step": sum(len(v) for v in kernels.values()) / steps,
+        "device_us_per_step": total / steps,
+        "top": [{"name": name[:90], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
+                for name, v in heaviest],
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--algorithms", default="eagle3,mtp,eagle")
+    parser.add_argument("--shapes", default="16x1024")
+    parser.add_argument("--prompt-frac", type=float, default=0.3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--profile-steps", type=int, default=0)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--check-target", action="store_true",
+                        help="compare the target's Triton path with its torch references first")
+    parser.add_argument("--output", default="")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as work:
+        for algorithm in args.algorithms.split(","):
+            for shape in args.shapes.split(","):
+                began = time.perf_counter()
+                r = measure(args, algorithm, shape, work)
+                results.append(r)
+                print(f"{algorithm:7s} {shape:>8s}  step {r['step_ms']:7.1f} ms  target "
+                      f"{r['target_ms']:6.1f} ms  {r['learned_tokens_per_s'] / 1e3:7.1f}k learned "
+                      f"tok/s  ({time.perf_counter() - began:.0f} s)", flush=True)  # fmt: skip
+                if r["target_check"]:
+                    print(f"  target, Triton against references: {r['target_check']}")
+                if "profile" in r:
+                    p = r["profile"]
+                    print(f"  {p['kernels_per_step']:.0f} kernels per step, "
+                          f"{p['device_us_per_step'] / 1e3:.1f} ms of kernels per step")
+                    for k in p["top"]:
+                        print(f"  {k['us_per_step'] / 1e3:8.2f} ms {k['calls_per_step']:6.1f}x  "
+                              f"{k['name']}")  # fmt: skip
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
