@@ -62,6 +62,10 @@ if [[ $1 == train ]]; then
   #   b: carry .device-carry/model2 .device-carry/train_b .device-carry/on_device.sh; then
   #      GENERATE_MIN=6 (from prompts) and/or ALGOS="eagle3:9" (algorithm:minutes pairs)
   #   c, d, ...: carry nothing, ALGOS="mtp:5 eagle:4" (--resume continues a run), BENCH=1
+  # With .device-carry/train_a/mtbench.npz (MT-bench's first turns: `python3 -m training prompts
+  # --benchmark-first-turns`) the target answers it once the model is here, and each trained
+  # draft's estimate over those answers is printed after its run (the benchmark's accept length
+  # without serving). Training logs print every 1,000th step (all of them in $OUT).
   # SERVE=1 (with the shipped EAGLE-3 draft in the tree, .device-carry/smollm2-config and
   # .device-carry/mt_bench_questions.jsonl): one served stream on the real model, plain against
   # speculative (SERVE_SETTINGS, "S,topk,ND" each), with the compiled loop in the same call.
@@ -91,14 +95,36 @@ if [[ $1 == train ]]; then
   if [[ -n ${GENERATE_MIN:-} && ! -f $work/data.npz ]]; then
     python -m training generate --model "$model" --prompts "$work/prompts_a.npz,$work/prompts_b.npz" \
       --out "$work/data.npz" --max-minutes "$GENERATE_MIN" --batch-size ${GEN_BS:-256} \
-      --max-new-tokens ${MAX_NEW:-768} 2>&1 | tee "$OUT/generate.log" | grep -v "^generated" | tail -3
+      --max-new-tokens ${MAX_NEW:-768} --sampled-per-prompt ${SAMPLED:-1} 2>&1 \
+      | tee "$OUT/generate.log" | grep -v "^generated" | tail -3
   fi
-  for pair in ${ALGOS:-}; do
-    algo=${pair%%:*}; minutes=${pair##*:}; extra=ARGS_$algo
+  if [[ -f $work/mtbench.npz && ! -f $work/mtbench_answers.npz ]]; then
+    # The target's greedy answers to MT-bench's first turns (prompts: `python3 -m training
+    # prompts --benchmark-first-turns`), BENCH_NEW tokens: what the estimate below walks.
+    python -m training generate --model "$model" --prompts "$work/mtbench.npz" \
+      --out "$work/mtbench_answers.npz" --batch-size 80 --max-new-tokens ${BENCH_NEW:-192} \
+      --sampled-per-prompt 0 2>&1 | tail -1
+  fi
+  declare -A est_depth=([eagle3]=5 [mtp]=3 [eagle]=3)
+  train_one() {  # algorithm minutes: train (resuming), return the draft, estimate on MT-bench
+    local algo=$1 minutes=$2 extra=ARGS_$1
     python -m training train "$algo" --model "$model" --data "$work/data.npz" --out "$work/$algo" \
-      --max-minutes "$minutes" --resume ${!extra:-} 2>&1 | tee -a "$OUT/train_$algo.log" | tail -6
+      --max-minutes "$minutes" --resume ${!extra:-} > "$work/train_$algo.out" 2>&1
+    cat "$work/train_$algo.out" >> "$OUT/train_$algo.log"
+    awk '!/^step [0-9]+\// || $2 % 1000 == 0' "$work/train_$algo.out" | tail -8 | sed "s/^/[$algo] /"
     tar cf - -C "$work/$algo" draft train_log.jsonl | split -b 15M - "$OUT/draft_$algo.tar."
+    if [[ -f $work/mtbench_answers.npz ]]; then
+      echo "[$algo] MT-bench estimate: $(python -m training estimate $algo --model "$model" \
+        --draft "$work/$algo/draft" --data "$work/mtbench_answers.npz" \
+        --depth ${est_depth[$algo]} 2>&1 | grep '^estimated')" | tee -a "$OUT/train_$algo.log"
+    fi
+  }
+  # PARALLEL=1 trains the ALGOS side by side on the one GPU (one process each): a single run
+  # leaves the GPU idle between its kernels for about a quarter of a step.
+  for pair in ${ALGOS:-}; do
+    if [[ -n ${PARALLEL:-} ]]; then train_one ${pair%%:*} ${pair##*:} & else train_one ${pair%%:*} ${pair##*:}; fi
   done
+  wait
   if [[ -n ${SERVE:-} ]]; then
     # One served stream on the real default model (HTTP /generate, streaming): plain against
     # the shipped EAGLE-3 draft (carried in the tree) as a chain and as a tree, on MT-bench's
@@ -154,7 +180,7 @@ PY
     done
     timeout ${BENCH_S:-540} python benchmarks/bench_speculative.py --model-path "$model" \
       --draft-path "$drafts" --shapes "${BENCH_SHAPES:-3,1,4 5,1,6 5,4,8 6,8,32 MTP:3,1,4 EAGLE:3,1,4}" \
-      --temperatures 0,0.7 --greedy-only "${BENCH_GREEDY_ONLY:-EAGLE S=3 topk=1 ND=4}" \
+      --temperatures ${BENCH_TEMPS:-0,0.7} --greedy-only "${BENCH_GREEDY_ONLY-EAGLE S=3 topk=1 ND=4}" \
       --prompts .device-carry/mt_bench_questions.jsonl --max-running-requests 1 \
       --max-new-tokens ${BENCH_NEW:-192} --output "$OUT/bench_mtbench.json" 2>&1 | tee "$OUT/bench.log" | tail -16
   fi
