@@ -8,10 +8,9 @@ For each algorithm and batch shape (ROWSxLENGTH tokens, every row with a prompt 
 same rows: --warmup steps, then --steps timed ones, reporting the median wall time of a step,
 the part the target's forward takes, and the response tokens learned per second. With
 --profile-steps, torch.profiler records that many more steps and the heaviest GPU kernels and
-the kernel launches per step are printed (what to optimise next); --check-target first compares
-the target's outputs on the server's Triton kernels with its torch references. The learning
-rate is zero:
-the weights stay the same from step to step, only the timings matter.
+the kernel launches per step are printed (what to optimise next); --check-target (CUDA) first
+compares the target's outputs on the server's Triton kernels with its torch references. The
+learning rate is zero: the weights stay the same from step to step, only the timings matter.
 """
 
 from __future__ import annotations
@@ -47,7 +46,8 @@ def synthetic_data(path: str, rows: int, length: int, prompt_frac: float, vocab:
 def measure(args, algorithm: str, shape: str, work: str) -> dict:
     n_rows, length = (int(x) for x in shape.split("x"))
     data = f"{work}/{algorithm}_{shape}.npz"
-    vocab = json.load(open(Path(args.model) / "config.json"))["vocab_size"]
+    with open(Path(args.model) / "config.json") as f:
+        vocab = json.load(f)["vocab_size"]
     synthetic_data(data, n_rows, length, args.prompt_frac, vocab)
     cfg = TrainConfig(algorithm=algorithm, model=args.model, data=data,
                       out=f"{work}/{algorithm}_{shape}", lr=0.0, total_steps=10**6,
@@ -55,7 +55,9 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
                       load_format=args.load_format, device=args.device)  # fmt: skip
     trainer = Trainer(cfg)
     rows = make_rows(trainer.data, trainer.train_idx, length)
-    check = check_target(trainer, rows) if args.check_target else None
+    check = None
+    if args.check_target and trainer.device.type == "cuda":  # the CPU runs the references only
+        check = check_target(trainer, rows)
     for _ in range(args.warmup):
         trainer.train_step(rows)
     steps = [trainer.train_step(rows) for _ in range(args.steps)]

@@ -105,18 +105,21 @@ if [[ $1 == train ]]; then
       --out "$work/mtbench_answers.npz" --batch-size 80 --max-new-tokens ${BENCH_NEW:-192} \
       --sampled-per-prompt 0 2>&1 | tail -1
   fi
-  declare -A est_depth=([eagle3]=5 [mtp]=3 [eagle]=3)
+  declare -A est_depth=([eagle3]=5 [eagle]=3)  # MTP (0): as many as the stack has layers
   train_one() {  # algorithm minutes: train (resuming), return the draft, estimate on MT-bench
     local algo=$1 minutes=$2 extra=ARGS_$1
     python -m training train "$algo" --model "$model" --data "$work/data.npz" --out "$work/$algo" \
-      --max-minutes "$minutes" --resume ${!extra:-} > "$work/train_$algo.out" 2>&1
-    cat "$work/train_$algo.out" >> "$OUT/train_$algo.log"
-    awk '!/^step [0-9]+\// || $2 % 1000 == 0' "$work/train_$algo.out" | tail -8 | sed "s/^/[$algo] /"
+      --max-minutes "$minutes" --resume ${!extra:-} 2>&1 | tee -a "$OUT/train_$algo.log" \
+      > "$work/train_$algo.out"
+    # every 1,000th step's report, and the last one
+    awk '/^step [0-9]+\//{last=$0; if ($2 % 1000) next} {print} END{if (last) print last}' \
+      "$work/train_$algo.out" | tail -9 | sed "s/^/[$algo] /"
     tar cf - -C "$work/$algo" draft train_log.jsonl | split -b 15M - "$OUT/draft_$algo.tar."
     if [[ -f $work/mtbench_answers.npz ]]; then
-      echo "[$algo] MT-bench estimate: $(python -m training estimate $algo --model "$model" \
-        --draft "$work/$algo/draft" --data "$work/mtbench_answers.npz" \
-        --depth ${est_depth[$algo]} 2>&1 | grep '^estimated')" | tee -a "$OUT/train_$algo.log"
+      python -m training estimate $algo --model "$model" --draft "$work/$algo/draft" \
+        --data "$work/mtbench_answers.npz" --depth ${est_depth[$algo]:-0} > "$work/est_$algo.out" 2>&1
+      cat "$work/est_$algo.out" >> "$OUT/train_$algo.log"
+      echo "[$algo] MT-bench estimate: $(grep '^estimated' "$work/est_$algo.out" || tail -1 "$work/est_$algo.out")"
     fi
   }
   # PARALLEL=1 trains the ALGOS side by side on the one GPU (one process each): a single run

@@ -140,7 +140,8 @@ def build_prompt_file(cfg: PromptsConfig) -> dict:
 
     Prompts are shuffled with random.Random(seed) before tokenising, so with num_prompts only
     that many (plus the too-long ones skipped on the way) are tokenised; the first dev_size of the
-    result are marked dev. The same arguments always give the same file.
+    result are marked dev. The same arguments always give the same file. With
+    benchmark_first_turns the file holds MT-bench's first turns instead (`benchmark_prompt_file`).
     """
     if cfg.benchmark_first_turns:
         return benchmark_prompt_file(cfg)
@@ -189,7 +190,8 @@ def build_prompt_file(cfg: PromptsConfig) -> dict:
 def benchmark_prompt_file(cfg: PromptsConfig) -> dict:
     """The first turn of every MT-bench question, chat-templated as the server renders it, every
     one marked dev: `generate` answers it greedily and `estimate` walks a draft over the answers,
-    which predicts the accept length the benchmark serves (never trained on)."""
+    which predicts the accept length the benchmark serves (never trained on). Every question is
+    kept whole, in the file's order: the sampling, dev and length options do not apply."""
     with open(cfg.mt_bench, encoding="utf-8") as f:
         questions = [json.loads(line)["turns"][0] for line in f if line.strip()]
     tokenizer = Tokenizer(cfg.tokenizer)

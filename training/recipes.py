@@ -12,7 +12,8 @@ rows from it.
 
 - EAGLE-3: step 1 reads the target's aux features, step s > 1 the draft's own hidden state of
   step s - 1 (training-time test); soft cross-entropy against the target's distribution
-  renormalised over the draft vocabulary, skipped where the target's choice lies outside it.
+  renormalised over the draft vocabulary, zero where the target's choice lies outside it (no
+  draft token could match; those positions still count in the mean).
 - EAGLE: the same unroll over the target's final hidden state (uniform noise added to it),
   loss = SmoothL1 to the target's next hidden state + 0.1 x soft cross-entropy.
 - MTP: layer k is step k + 1 and always reads the target's hidden state (teacher-forced, no
@@ -58,7 +59,9 @@ class StepOutput:
     hidden: torch.Tensor  # [B * T, H] the draft's output (its pass-back hidden)
     head: Callable[[torch.Tensor], torch.Tensor]  # hidden [m, H] -> logits [m, V_draft] f32
     learns: torch.Tensor  # [B * T] bool
-    teacher_index: torch.Tensor  # [B * T] flat index of the teacher position u = t + s
+    # [B * T] flat index of the teacher position u = t + s (into `teacher.hidden`; `teacher.row`
+    # maps it to the rows of the teacher's logits)
+    teacher_index: torch.Tensor
 
     def logits(self, index: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden[index])
@@ -206,6 +209,7 @@ class Recipe:
         per-step loss and accuracy (the draft's choice equals the target's)."""
         total = None
         per_step = torch.zeros(2, self.depth, device=self.device)  # loss, accuracy
+        missing = torch.zeros((), dtype=torch.bool, device=self.device)  # a row not computed
         probs, reachable = self.teacher_distribution(teacher)
         outs = self.unroll(rows, teacher)
         for s, (out, weight) in enumerate(zip(outs, self.step_weights(), strict=True)):
@@ -213,7 +217,8 @@ class Recipe:
             if where.numel() == 0:
                 continue
             logits = out.logits(where)  # [m, V_draft]
-            at = teacher.row[out.teacher_index[where]]  # [m] rows of the teacher's signals
+            at = teacher.row[out.teacher_index[where]]  # [m] rows of teacher logits, probs, choice
+            missing |= (at < 0).any()
             loss = self.step_loss(out, teacher, where, logits, probs[at])
             if reachable is not None:
                 loss = loss * reachable[at]
@@ -222,8 +227,12 @@ class Recipe:
             chosen = self.predicted_ids(logits.detach())
             per_step[0, s] = loss.detach()
             per_step[1, s] = (chosen == teacher.choice[at]).float().mean()
-        loss_per_step, acc = per_step.tolist()  # one synchronisation
-        return total, {"loss": loss_per_step, "acc": acc}
+        d = self.depth
+        values = torch.cat([per_step.reshape(-1), missing.float().reshape(1)]).tolist()  # one sync
+        if values[-1]:
+            raise RuntimeError("a learning position has no teacher logits: the target must "
+                               "compute them at every Rows.teaches() position")  # fmt: skip
+        return total, {"loss": values[:d], "acc": values[d : 2 * d]}
 
     @torch.no_grad()
     def chain_agreement(self, rows: Rows, teacher: TargetOutputs, depth: int) -> torch.Tensor:

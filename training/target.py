@@ -90,12 +90,13 @@ class Target:
         batch = dense_batch(ids, positions, UnrolledAttention(b, t))
         hidden, aux = self.model.model(batch, list(aux_layers))
         if logits_at is None:
-            index = torch.arange(b * t, device=ids.device)
+            row = torch.arange(b * t, device=ids.device)
+            logits = self.model.compute_logits(hidden)
         else:
             index = logits_at.reshape(-1).nonzero().squeeze(1)
-        row = torch.full((b * t,), -1, dtype=torch.int64, device=ids.device)
-        row[index] = torch.arange(len(index), device=ids.device)
-        logits = self.model.compute_logits(hidden[index])
+            row = torch.full((b * t,), -1, dtype=torch.int64, device=ids.device)
+            row[index] = torch.arange(len(index), device=ids.device)
+            logits = self.model.compute_logits(hidden[index])
         shape = (b, t, -1)
         aux = None if aux is None else aux.reshape(shape)
         return TargetOutputs(hidden.reshape(shape), aux, logits, logits.argmax(-1), row)

@@ -69,7 +69,7 @@ def test_the_server_loads_the_trained_draft_and_computes_its_logits(
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "mtp"])
-def test_teacher_logits_only_where_steps_learn_give_the_losses_of_every_positions_logits(
+def test_teacher_logits_only_where_steps_learn_give_the_losses_of_every_position(
     algorithm, bigram_target, greedy_data
 ):
     """The training loop asks the target for logits only at `Rows.teaches()` positions: every
@@ -92,7 +92,8 @@ def test_teacher_logits_only_where_steps_learn_give_the_losses_of_every_position
         loss_some, metrics_some = recipe.losses(rows, some)
         loss_full, metrics_full = recipe.losses(rows, full)
     torch.testing.assert_close(loss_some, loss_full)
-    assert metrics_some == metrics_full
+    for key in ("loss", "acc"):  # matrix products over other row counts may round differently
+        assert metrics_some[key] == pytest.approx(metrics_full[key], rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -161,3 +162,13 @@ def test_the_command_line_generates_trains_and_estimates(bigram_target, tmp_path
                  "--data", data, "--device", "cpu"]) == 0  # fmt: skip
     estimate = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert estimate["depth"] == 2 and estimate["accept_length"] > 1.2
+
+
+def test_losses_refuse_teacher_logits_missing_at_a_learning_position(bigram_target, greedy_data):
+    data = TokenFile.load(greedy_data)
+    target = Target(bigram_target, "cpu", torch.float32)
+    recipe = build_recipe("mtp", target, data, DEPTH["mtp"])
+    rows = make_rows(data, np.arange(4), max_len=256)
+    too_few = rows.teaches() & (rows.positions() >= rows.prompt_lens[:, None])  # drops u = p - 1
+    with pytest.raises(RuntimeError, match="no teacher logits"):
+        recipe.losses(rows, target.run(rows.ids, recipe.aux_layers, too_few))
