@@ -48,9 +48,9 @@ class Rows:
 
     def teaches(self) -> torch.Tensor:
         """[B, T] bool: the target's distribution at position u is what some draft step learns
-        (u = t + s at a learning position t of step s: prompt_len - 1 <= u <= length - 2)."""
-        u = self.positions()
-        return (u >= self.prompt_lens[:, None] - 1) & (u <= self.lengths[:, None] - 2)
+        (u = t + s at a learning position t of step s), i.e. u predicts a response token:
+        `learns` at shift 0."""
+        return self.learns(0)
 
     def to(self, device: torch.device) -> Rows:
         return Rows(self.ids.to(device), self.lengths.to(device), self.prompt_lens.to(device))

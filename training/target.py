@@ -43,10 +43,6 @@ class TargetOutputs:
     choice: torch.Tensor  # [N] int64 the target's greedy token there (argmax of logits)
     row: torch.Tensor  # [B * T] int64: flat position -> its row of logits (-1: not computed)
 
-    def logits_at(self, index: torch.Tensor) -> torch.Tensor:
-        """[m] flat positions (each one asked for) -> their logits [m, V]."""
-        return self.logits[self.row[index]]
-
     def choice_at(self, index: torch.Tensor) -> torch.Tensor:
         """[m] flat positions (each one asked for) -> the target's greedy tokens [m]."""
         return self.choice[self.row[index]]
