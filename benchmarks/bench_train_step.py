@@ -10,7 +10,8 @@ the part the target's forward takes, and the response tokens learned per second.
 --profile-steps, torch.profiler records that many more steps and the heaviest GPU kernels and
 the kernel launches per step are printed (what to optimise next); --check-target (CUDA) first
 compares the target's outputs on the server's Triton kernels with its torch references. The
-learning rate is zero: the weights stay the same from step to step, only the timings matter.
+learning rate is zero: the weights stay the same from step to step, only the timings matter,
+and each --losses variant (fused or reference soft cross-entropy) must give the same loss.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from training.rows import make_rows  # noqa: E402
+from training.soft_ce import set_fused_on_gpu  # noqa: E402
 from training.tokens import TokenFile  # noqa: E402
 from training.train import TrainConfig, Trainer, synchronize  # noqa: E402
 
@@ -58,22 +60,27 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
     check = None
     if args.check_target and trainer.device.type == "cuda":  # the CPU runs the references only
         check = check_target(trainer, rows)
-    for _ in range(args.warmup):
-        trainer.train_step(rows)
-    steps = [trainer.train_step(rows) for _ in range(args.steps)]
-    step_ms = statistics.median(1e3 * m["step_s"] for m in steps)
-    result = {
-        "algorithm": algorithm, "shape": shape, "step_ms": step_ms,
-        "target_ms": statistics.median(1e3 * m["target_s"] for m in steps),
-        "learned_tokens_per_s": steps[0]["tokens"] / (step_ms / 1e3),
-        "acc": steps[-1]["acc"], "target_check": check,
-    }  # fmt: skip
-    if trainer.device.type == "cuda":
-        result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    if args.profile_steps:
-        result["profile"] = profile(trainer, rows, args.profile_steps, args.top)
-    return result
+    results = []
+    for loss in args.losses.split(","):
+        set_fused_on_gpu(loss == "fused")
+        for _ in range(args.warmup):
+            trainer.train_step(rows)
+        steps = [trainer.train_step(rows) for _ in range(args.steps)]
+        step_ms = statistics.median(1e3 * m["step_s"] for m in steps)
+        result = {
+            "algorithm": algorithm, "shape": shape, "loss": loss, "step_ms": step_ms,
+            "target_ms": statistics.median(1e3 * m["target_s"] for m in steps),
+            "learned_tokens_per_s": steps[0]["tokens"] / (step_ms / 1e3),
+            "total_loss": steps[-1]["total"], "acc": steps[-1]["acc"], "target_check": check,
+        }  # fmt: skip
+        if trainer.device.type == "cuda":
+            result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        if args.profile_steps:
+            result["profile"] = profile(trainer, rows, args.profile_steps, args.top)
+        results.append(result)
+    set_fused_on_gpu(True)
+    return results
 
 
 def check_target(trainer: Trainer, rows) -> dict:
@@ -134,6 +141,9 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--check-target", action="store_true",
                         help="compare the target's Triton path with its torch references first")
+    parser.add_argument("--losses", default="fused",
+                        help="soft cross-entropy variants to time on the same rows, comma-"
+                        "separated: fused (Triton kernels on a GPU), reference (torch)")
     parser.add_argument("--output", default="")
     args = parser.parse_args()
     results = []
@@ -141,20 +151,23 @@ def main() -> int:
         for algorithm in args.algorithms.split(","):
             for shape in args.shapes.split(","):
                 began = time.perf_counter()
-                r = measure(args, algorithm, shape, work)
-                results.append(r)
-                print(f"{algorithm:7s} {shape:>8s}  step {r['step_ms']:7.1f} ms  target "
-                      f"{r['target_ms']:6.1f} ms  {r['learned_tokens_per_s'] / 1e3:7.1f}k learned "
-                      f"tok/s  ({time.perf_counter() - began:.0f} s)", flush=True)  # fmt: skip
-                if r["target_check"]:
-                    print(f"  target, Triton against references: {r['target_check']}")
-                if "profile" in r:
-                    p = r["profile"]
-                    print(f"  {p['kernels_per_step']:.0f} kernels per step, "
-                          f"{p['device_us_per_step'] / 1e3:.1f} ms of kernels per step")
-                    for k in p["top"]:
-                        print(f"  {k['us_per_step'] / 1e3:8.2f} ms {k['calls_per_step']:6.1f}x  "
-                              f"{k['name']}")  # fmt: skip
+                variants = measure(args, algorithm, shape, work)
+                results += variants
+                if variants[0]["target_check"]:
+                    print(f"  target, Triton against references: {variants[0]['target_check']}")
+                for r in variants:
+                    print(f"{algorithm:7s} {shape:>8s} {r['loss']:9s}  step {r['step_ms']:7.1f} ms"
+                          f"  target {r['target_ms']:6.1f} ms  "
+                          f"{r['learned_tokens_per_s'] / 1e3:7.1f}k learned tok/s  loss "
+                          f"{r['total_loss']:.5f}  ({time.perf_counter() - began:.0f} s)",
+                          flush=True)  # fmt: skip
+                    if "profile" in r:
+                        p = r["profile"]
+                        print(f"  {p['kernels_per_step']:.0f} kernels per step, "
+                              f"{p['device_us_per_step'] / 1e3:.1f} ms of kernels per step")
+                        for k in p["top"]:
+                            print(f"  {k['us_per_step'] / 1e3:8.2f} ms "
+                                  f"{k['calls_per_step']:6.1f}x  {k['name']}")  # fmt: skip
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)

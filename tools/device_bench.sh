@@ -72,7 +72,8 @@ if [[ $1 == train ]]; then
   # ARGS_<algorithm> go to that algorithm's train command (e.g. ARGS_eagle3="--depth 6").
   # Each trained draft comes back as $OUT/draft_ALGO.tar.* (15 MB pieces: cat them, untar).
   # BENCH=1 measures MT-bench (bench_speculative.py) with the drafts trained on this machine
-  # (EAGLE from .device-carry/eagle_draft when carried): BENCH_SHAPES, BENCH_NEW.
+  # (EAGLE from .device-carry/eagle_draft when carried), or BENCH_DRAFTS (ALGO=DIR,...):
+  # BENCH_SHAPES, BENCH_NEW. ITER_PROFILE=1 then profiles one speculative iteration at batch 1.
   model=$HOME/smollm2; work=$HOME/train; mkdir -p "$work"
   for d in .device-carry/train_a .device-carry/train_b; do [[ -d $d ]] && cp $d/* "$work/"; done
   gguf=$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -181,11 +182,22 @@ PY
                 EAGLE=.device-carry/eagle_draft; do
       [[ -f ${pair#*=}/config.json && $drafts != *${pair%%=*}=* ]] && drafts+="${drafts:+,}$pair"
     done
+    drafts=${BENCH_DRAFTS:-$drafts}  # e.g. the shipped ones: EAGLE3=aerie/drafts/.../eagle3,...
     timeout ${BENCH_S:-540} python benchmarks/bench_speculative.py --model-path "$model" \
       --draft-path "$drafts" --shapes "${BENCH_SHAPES:-3,1,4 5,1,6 5,4,8 6,8,32 MTP:3,1,4 EAGLE:3,1,4}" \
       --temperatures ${BENCH_TEMPS:-0,0.7} --greedy-only "${BENCH_GREEDY_ONLY-EAGLE S=3 topk=1 ND=4}" \
       --prompts .device-carry/mt_bench_questions.jsonl --max-running-requests 1 \
       --max-new-tokens ${BENCH_NEW:-192} --output "$OUT/bench_mtbench.json" 2>&1 | tee "$OUT/bench.log" | tail -16
+  fi
+  if [[ -n ${ITER_PROFILE:-} ]]; then
+    # Where a speculative iteration's time goes at batch 1 with the EAGLE-3 draft of BENCH_DRAFTS
+    # (or this machine's): kernels, GPU busy time and the heaviest kernels against a plain step.
+    d=$(tr , '\n' <<< "${BENCH_DRAFTS:-EAGLE3=$work/eagle3/draft}" | sed -n 's/^EAGLE3=//p')
+    timeout ${ITER_S:-240} python benchmarks/bench_speculative.py --mode iteration --model-path "$model" \
+      --algorithm EAGLE3 --draft-path "$d" --shapes "${ITER_SHAPES:-3,1,4 5,1,6}" --batch-sizes 1 \
+      --iters ${ITERS:-100} --profile --profile-top ${PROFILE_TOP:-30} \
+      --output "$OUT/iter_profile.json" > "$OUT/iter_profile.txt" 2>&1
+    tail -${ITER_TAIL:-80} "$OUT/iter_profile.txt"
   fi
   exit 0
 fi
@@ -193,12 +205,12 @@ if [[ $1 == train-step ]]; then
   # What a training step costs and where its GPU time goes (bench_train_step.py), on random
   # weights of the default model's shape: carry .device-carry/wheels .device-carry/smollm2-config
   # .device-carry/on_device.sh, and .device-carry/train_a (prompts_a.npz) for the generation
-  # speed. TESTS=1 first runs the CUDA tests and the CUDA parity suite. With .device-carry/old
-  # (a tree of an earlier commit: git archive REV | tar -x -C .device-carry/old) the same
-  # shapes run on its code in the same call, the baseline of the comparison.
+  # speed. TESTS=1 first runs the CUDA tests and the CUDA parity suite. Each shape runs with
+  # every STEP_LOSSES variant of the soft cross-entropy (reference, fused) on the same rows,
+  # the baseline of the comparison (the twelfth session compared whole trees instead).
   # STEP_SHAPES, STEP_ALGOS; GEN_BS_LIST: generation batch sizes, each timed over one wave of
   # that many answers of MAX_NEW tokens.
-  shape=.device-carry/smollm2-config
+  shape=${STEP_MODEL:-.device-carry/smollm2-config}  # config.json is all it reads
   if [[ -n ${TESTS:-} ]]; then
     python -m pytest tests/gpu_worker/test_cuda.py tests/training -q 2>&1 \
       | tail -3 | tee "$OUT/gpu_tests.txt"
@@ -206,14 +218,8 @@ if [[ $1 == train-step ]]; then
       | tee -a "$OUT/gpu_tests.txt"
   fi
   step_args=(--model $shape --load-format dummy --algorithms ${STEP_ALGOS:-eagle3,mtp}
-             --shapes ${STEP_SHAPES:-16x1024,32x512,8x2048} --steps 6 --warmup 2)
-  if [[ -d .device-carry/old ]]; then
-    echo "== baseline: the training step of .device-carry/old"
-    cp benchmarks/bench_train_step.py .device-carry/old/benchmarks/
-    (cd .device-carry/old && python benchmarks/bench_train_step.py "${step_args[@]/#.device-carry/../../.device-carry}" \
-      --output "$OUT/train_step_old.json" 2>&1 | grep -E "^(eagle3|mtp|eagle) ")
-  fi
-  echo "== this tree"
+             --shapes ${STEP_SHAPES:-16x1024,32x512,8x2048} --steps 6 --warmup 2
+             --losses ${STEP_LOSSES:-reference,fused})
   python benchmarks/bench_train_step.py "${step_args[@]}" --check-target --profile-steps 2 \
     --output "$OUT/train_step.json" 2>&1 | grep -vE "^(eagle3|mtp|eagle): |draft vocab|USDT|Writing"
   for bs in ${GEN_BS_LIST:-}; do

@@ -14,10 +14,10 @@ from training.recipes import (
     StepOutput,
     checkpoint_tensors,
     draft_config,
-    soft_cross_entropy,
     unroll_chain,
 )
 from training.rows import Rows
+from training.soft_ce import soft_cross_entropy
 from training.target import Target, TargetOutputs
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -48,14 +48,14 @@ class EagleRecipe(Recipe):
 
     def step_loss(
         self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor,
-        probs: torch.Tensor,
+        probs: torch.Tensor, at: torch.Tensor,
     ) -> torch.Tensor:
         """SmoothL1 to the target's hidden state at the position the step predicts from, plus
         TOKEN_LOSS_WEIGHT x soft cross-entropy against the target's distribution there."""
         index = out.teacher_index[where]
         feature = teacher.hidden.reshape(-1, teacher.hidden.shape[-1])[index].float()
         regression = F.smooth_l1_loss(out.hidden[where].float(), feature, reduction="none")
-        return regression.mean(-1) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(logits, probs)
+        return regression.mean(-1) + TOKEN_LOSS_WEIGHT * soft_cross_entropy(logits, probs, at)
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
         return checkpoint_tensors(self.draft, self.target.model)

@@ -40,6 +40,7 @@ from gpu_worker.models.registry import build_model
 from gpu_worker.weights import init_dummy_weights, load_weights
 from training.dense import UnrolledAttention, dense_batch
 from training.rows import Rows
+from training.soft_ce import soft_cross_entropy
 from training.target import MAX_POSITIONS, Target, TargetOutputs
 
 # Target config keys a one-layer Llama draft copies (its shapes, vocabulary and rotary settings).
@@ -106,12 +107,6 @@ def unroll_chain(
     return outs
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
-    """[m, V] each -> [m]: cross-entropy of the draft's logits against the teacher's
-    distribution."""
-    return -(teacher_probs * F.log_softmax(logits, -1)).sum(-1)
-
-
 class Recipe:
     """Base: a draft module (or several), trained `depth` steps deep against a target (an
     EAGLE draft's unrolled steps, or the number of MTP layers)."""
@@ -149,12 +144,12 @@ class Recipe:
 
     def step_loss(
         self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor,
-        probs: torch.Tensor,
+        probs: torch.Tensor, at: torch.Tensor,
     ) -> torch.Tensor:
         """[m] loss at the learning positions `where` [m] of one step, whose draft logits
-        are `logits` [m, V_draft] and the teacher's distribution there `probs` [m, V_draft].
-        Default: soft cross-entropy."""
-        return soft_cross_entropy(logits, probs)
+        are `logits` [m, V_draft]; the teacher's distribution there is `probs[at]` (probs
+        [N, V_draft] as `teacher_distribution` gives it). Default: soft cross-entropy."""
+        return soft_cross_entropy(logits, probs, at)
 
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, V_draft] -> target token ids [n]."""
@@ -219,7 +214,7 @@ class Recipe:
             logits = out.logits(where)  # [m, V_draft]
             at = teacher.row[out.teacher_index[where]]  # [m] rows of teacher logits, probs, choice
             missing |= (at < 0).any()
-            loss = self.step_loss(out, teacher, where, logits, probs[at])
+            loss = self.step_loss(out, teacher, where, logits, probs, at)
             if reachable is not None:
                 loss = loss * reachable[at]
             loss = loss.mean()  # over the m positions
