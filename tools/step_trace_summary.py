@@ -5,7 +5,8 @@ after it, link by link, and how long the device waited for that launch.
     python3 tools/step_trace_summary.py DIR [--mode decode] [--batch-size 48-64] [--json OUT]
 
 For each traced step N whose result was applied, with M the next plan the scheduler sent after
-applying it (N+2 with the overlap schedule, N+1 without):
+applying it (N+2 with the overlap schedule, N+1 without; see `with_previous` for when it is N+1
+with the overlap schedule too):
     pack        ready(N) -> result_out(N)       the worker waits for and packs the result
     to_sched    result_out(N) -> result_in(N)   encode, socket hop, decode
     apply       result_in(N) -> applied(N)      outputs, finishes, KV
@@ -26,6 +27,17 @@ also times each step with CUDA events (gpu_gap_us, gpu_span_us): the device's ow
 between steps, printed as "device idle between steps".
 Also printed: `busy`, result_in(N) -> done(N), all the scheduler does for a step (the chain's
 part plus sending the deltas and stats): the served loop cannot step faster than that.
+
+Each row also has plan_id (N), next_plan_id (M), batch_size (M's rows) and, when N-1 was traced,
+with_previous: whether N's result came in before the scheduler's loop had ended the pass that
+applied N-1's (result_in(N) < done(N-1)), so that one pass applied both: the scheduler had
+fallen a step behind the worker. With two plans in flight the loop tries to plan N+1 as soon
+as N is the only plan in flight: right after sending N if nothing else was in flight, else
+after the pass that applies N-1's result. So M is N+1 instead of N+2 exactly when that pass
+applied N's result too (with_previous), or when N+1 could not be planned then (a decode step
+waiting for KV that the plans in flight hold; or, with M not a decode step, no work or nobody
+left to decode). The pass after a with_previous pair sends two plans, so with_previous never
+holds for two consecutive steps.
 """
 
 from __future__ import annotations
@@ -98,6 +110,9 @@ def step_chains(
             row["period"] = (nev["ready"] - prev["ready"]) / 1e3
         if "done" in ev:
             row["busy"] = (ev["done"] - ev["result_in"]) / 1e3
+        before = events.get(plan_id - 1, {})
+        if "done" in before:  # N-1's pass had not ended when N's result came in
+            row["with_previous"] = before["done"] > ev["result_in"]
         row["plan_id"], row["next_plan_id"] = plan_id, nxt
         row["batch_size"] = plans.get(nxt, ("", 0))[1]
         rows.append(row)
