@@ -133,3 +133,18 @@ def test_device_idle_from_the_cuda_event_values(tmp_path):
     assert decode["idle_between_steps"] == pytest.approx(500 / 2500)
     assert device_idle(events, plans, "decode", (1, 8))["idle_between_steps"] == 0.0
     assert device_idle(events, plans, "decode", (100, 200)) is None
+
+
+def test_with_previous_marks_a_result_that_came_in_before_the_pass_of_the_one_before_ended():
+    """The scheduler applies every waiting result in one pass: a step whose result came in
+    before the pass that applied the previous one ended (result_in(N) < done(N-1)) shares that
+    pass, so the plan after it can only be N+1 (the e2e test checks the served rule)."""
+    host = dict(pack=20, to_sched=60, apply=300, plan=200, to_worker=60, launch=160)
+    events = overlapped_timeline(12, 1000, host)
+    plans = {k: ("decode", 64) for k in events}
+    rows = {row["plan_id"]: row for row in step_chains(events, plans, "decode")}
+    assert "with_previous" not in rows[1]  # no step before it was traced
+    assert not any(row["with_previous"] for n, row in rows.items() if n > 1)
+    events[6]["result_in"] = events[5]["done"] - 1
+    rows = {row["plan_id"]: row for row in step_chains(events, plans, "decode")}
+    assert [n for n, row in rows.items() if row.get("with_previous")] == [6]
