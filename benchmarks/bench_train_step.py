@@ -63,6 +63,8 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
     results = []
     for loss in args.losses.split(","):
         set_fused_on_gpu(loss == "fused")
+        if trainer.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         for _ in range(args.warmup):
             trainer.train_step(rows)
         steps = [trainer.train_step(rows) for _ in range(args.steps)]
@@ -75,7 +77,6 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
         }  # fmt: skip
         if trainer.device.type == "cuda":
             result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
         if args.profile_steps:
             result["profile"] = profile(trainer, rows, args.profile_steps, args.top)
         results.append(result)
@@ -146,13 +147,20 @@ def main() -> int:
                         "separated: fused (Triton kernels on a GPU), reference (torch)")
     parser.add_argument("--output", default="")
     args = parser.parse_args()
+    unknown = set(args.losses.split(",")) - {"fused", "reference"}
+    if unknown:
+        parser.error(f"--losses: unknown {', '.join(sorted(unknown))} (fused, reference)")
     results = []
+    disagree = []
     with tempfile.TemporaryDirectory() as work:
         for algorithm in args.algorithms.split(","):
             for shape in args.shapes.split(","):
                 began = time.perf_counter()
                 variants = measure(args, algorithm, shape, work)
                 results += variants
+                losses = [r["total_loss"] for r in variants]
+                if max(losses) - min(losses) > 1e-3 * max(abs(x) for x in losses):
+                    disagree.append(f"{algorithm} {shape}: {losses}")
                 if variants[0]["target_check"]:
                     print(f"  target, Triton against references: {variants[0]['target_check']}")
                 for r in variants:
@@ -171,6 +179,10 @@ def main() -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)
+    if disagree:
+        print("the --losses variants gave different losses on the same rows:", *disagree,
+              sep="\n  ")  # fmt: skip
+        return 1
     return 0
 
 

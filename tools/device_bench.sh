@@ -193,6 +193,7 @@ PY
     # Where a speculative iteration's time goes at batch 1 with the EAGLE-3 draft of BENCH_DRAFTS
     # (or this machine's): kernels, GPU busy time and the heaviest kernels against a plain step.
     d=$(tr , '\n' <<< "${BENCH_DRAFTS:-EAGLE3=$work/eagle3/draft}" | sed -n 's/^EAGLE3=//p')
+    [[ -f $d/config.json ]] || { echo "ITER_PROFILE: no EAGLE-3 draft (BENCH_DRAFTS EAGLE3=DIR)"; exit 1; }
     timeout ${ITER_S:-240} python benchmarks/bench_speculative.py --mode iteration --model-path "$model" \
       --algorithm EAGLE3 --draft-path "$d" --shapes "${ITER_SHAPES:-3,1,4 5,1,6}" --batch-sizes 1 \
       --iters ${ITERS:-100} --profile --profile-top ${PROFILE_TOP:-30} \
@@ -207,7 +208,7 @@ if [[ $1 == train-step ]]; then
   # .device-carry/on_device.sh, and .device-carry/train_a (prompts_a.npz) for the generation
   # speed. TESTS=1 first runs the CUDA tests and the CUDA parity suite. Each shape runs with
   # every STEP_LOSSES variant of the soft cross-entropy (reference, fused) on the same rows,
-  # the baseline of the comparison (the twelfth session compared whole trees instead).
+  # the baseline of the comparison; their losses must agree (the benchmark fails otherwise).
   # STEP_SHAPES, STEP_ALGOS; GEN_BS_LIST: generation batch sizes, each timed over one wave of
   # that many answers of MAX_NEW tokens.
   shape=${STEP_MODEL:-.device-carry/smollm2-config}  # config.json is all it reads

@@ -214,7 +214,8 @@ class Recipe:
             logits = out.logits(where)  # [m, V_draft]
             at = teacher.row[out.teacher_index[where]]  # [m] rows of teacher logits, probs, choice
             missing |= (at < 0).any()
-            loss = self.step_loss(out, teacher, where, logits, probs, at)
+            # a missing row (-1) raises below; until then read row 0, not before the tensor
+            loss = self.step_loss(out, teacher, where, logits, probs, at.clamp(min=0))
             if reachable is not None:
                 loss = loss * reachable[at]
             loss = loss.mean()  # over the m positions

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 BLOCK = 2048
 FLOOR = tl.constexpr(-1e30)  # below any logit
@@ -94,6 +95,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         logits, probs, at, lse, mass = ctx.saved_tensors
         m, vocab = logits.shape
@@ -109,9 +111,10 @@ class _SoftCrossEntropy(torch.autograd.Function):
 def soft_cross_entropy_fused(
     logits: torch.Tensor, probs: torch.Tensor, at: torch.Tensor
 ) -> torch.Tensor:
-    """The Triton form of `soft_cross_entropy_reference` (no gradient to the teacher)."""
+    """The Triton form of `soft_cross_entropy_reference` (no gradient to the teacher); every
+    at[i] must be a row of probs (the kernels do not check)."""
     assert logits.shape[1] == probs.shape[1] and at.shape == logits.shape[:1]
-    return _SoftCrossEntropy.apply(logits, probs.detach(), at)
+    return _SoftCrossEntropy.apply(logits, probs.detach(), at.contiguous())
 
 
 _fused_on_gpu = True
@@ -119,7 +122,7 @@ _fused_on_gpu = True
 
 def set_fused_on_gpu(enabled: bool) -> None:
     """Whether `soft_cross_entropy` runs the kernels on a GPU (off: the reference everywhere,
-    the baseline `benchmarks/bench_train_step.py --loss reference` measures)."""
+    the baseline `benchmarks/bench_train_step.py --losses reference` measures)."""
     global _fused_on_gpu
     _fused_on_gpu = enabled
 

@@ -83,6 +83,22 @@ def shared_tensors(module: torch.nn.Module, target: Target) -> set[str]:
     return {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in ours}
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load an optimiser's state but keep the kind it was built as: `load_state_dict` takes
+    `fused` from the saved groups, so a state saved by an unfused optimiser (an older run, or
+    one on the CPU) would silently turn a GPU run's fused AdamW off. Fused AdamW keeps each
+    parameter's step count on the parameter's device, the others on the CPU."""
+    built = [group["fused"] for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, fused in zip(optimizer.param_groups, built, strict=True):
+        group["fused"] = fused
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if "step" in state:
+                device = param.device if fused else torch.device("cpu")
+                state["step"] = state["step"].to(device, torch.float32)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -165,7 +181,7 @@ class Trainer:
             if unexpected or set(missing) - shared_tensors(module, self.target):
                 raise ValueError(f"{self.state_path} does not match the draft: missing "
                                  f"{missing}, unexpected {unexpected}")  # fmt: skip
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.step, self.total_steps = state["step"], state["total_steps"]
         torch.set_rng_state(state["rng"]["cpu"])
         if self.device.type == "cuda" and state["rng"]["cuda"] is not None:

@@ -32,6 +32,7 @@ def test_fused_soft_cross_entropy_matches_the_reference(device, dtype, vocab):
     probs = torch.softmax(3 * torch.randn(n, vocab, generator=gen), -1)
     probs[1] = 0.0
     probs[1, 5] = 1.0  # a one-hot teacher row
+    probs[3] *= 0.5  # a row of mass 0.5: the loss and gradient scale lse and softmax by it
     probs = probs.to(device)
     at = torch.tensor([2, 0, 2, 1, 3, 0], device=device)
     weights = torch.randn(m, generator=gen).to(device)  # a gradient that differs per row

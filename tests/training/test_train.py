@@ -3,6 +3,7 @@ they stopped, and a resumed run refuses options or data other than its own."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -172,3 +173,32 @@ def test_losses_refuse_teacher_logits_missing_at_a_learning_position(bigram_targ
     too_few = rows.teaches() & (rows.positions() >= rows.prompt_lens[:, None])  # drops u = p - 1
     with pytest.raises(RuntimeError, match="no teacher logits"):
         recipe.losses(rows, target.run(rows.ids, recipe.aux_layers, too_few))
+
+
+@pytest.mark.parametrize("saved_fused, built_fused", [(False, True), (True, False)])
+def test_a_resumed_optimizer_keeps_the_kind_it_was_built_as(saved_fused, built_fused):
+    """`load_state_dict` would take `fused` from the saved state: a GPU run resuming an older
+    (unfused) state would silently lose its fused AdamW. Either way round, the loaded optimiser
+    keeps its own kind and takes the same next step as the one that saved the state."""
+    from training.train import load_optimizer_state
+
+    torch.manual_seed(0)
+    weight = torch.randn(4, 3)
+
+    def optimizer(fused: bool) -> tuple[torch.nn.Parameter, torch.optim.AdamW]:
+        param = torch.nn.Parameter(weight.clone())
+        return param, torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.95), fused=fused)
+
+    saved_param, saved = optimizer(saved_fused)
+    for _ in range(2):
+        saved_param.grad = torch.ones_like(saved_param)
+        saved.step()
+    param, loaded = optimizer(built_fused)
+    with torch.no_grad():
+        param.copy_(saved_param)
+    load_optimizer_state(loaded, copy.deepcopy(saved.state_dict()))  # as from a file
+    assert loaded.param_groups[0]["fused"] is built_fused
+    for p, opt in ((saved_param, saved), (param, loaded)):
+        p.grad = torch.full_like(p, -0.5)
+        opt.step()
+    torch.testing.assert_close(param, saved_param)
