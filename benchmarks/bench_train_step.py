@@ -128,7 +128,7 @@ def profile(trainer: Trainer, rows, steps: int, top: int) -> dict:
     }  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--load-format", default="auto")
@@ -146,7 +146,7 @@ def main() -> int:
                         help="soft cross-entropy variants to time on the same rows, comma-"
                         "separated: fused (Triton kernels on a GPU), reference (torch)")
     parser.add_argument("--output", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     unknown = set(args.losses.split(",")) - {"fused", "reference"}
     if unknown:
         parser.error(f"--losses: unknown {', '.join(sorted(unknown))} (fused, reference)")
