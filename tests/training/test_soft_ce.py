@@ -4,14 +4,10 @@ CPU under Triton's interpreter and on CUDA."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.devices import triton_devices
+from tests.devices import compile_outside_the_interpreter, triton_devices
 from training.soft_ce import BLOCK, soft_cross_entropy_fused, soft_cross_entropy_reference
 
 
@@ -85,11 +81,4 @@ print("compiled")
 
 
 def test_the_kernels_compile_for_sm90():
-    """The interpreter does not type-check; the CUDA compiler does (no GPU needed)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    if "compiled" not in result.stdout and "CompilationError" not in result.stderr:
-        pytest.skip(f"no Triton CUDA toolchain here: {result.stderr.strip()[-300:]}")
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-2000:]
+    compile_outside_the_interpreter(COMPILE)

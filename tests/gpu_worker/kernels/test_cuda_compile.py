@@ -5,13 +5,7 @@ runs in a subprocess without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+from tests.devices import compile_outside_the_interpreter
 
 SCRIPT = r"""
 import triton
@@ -68,9 +62,4 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90_with_and_without_pdl():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    if "compiled" not in result.stdout and "CompilationError" not in result.stderr:
-        pytest.skip(f"no Triton CUDA toolchain here: {result.stderr.strip()[-300:]}")
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-2000:]
+    compile_outside_the_interpreter(SCRIPT)
