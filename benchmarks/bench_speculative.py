@@ -122,13 +122,15 @@ class Replayer:
     the same per-row state: the worker's committed lengths and last tokens are put back
     before every run (two small copies), so the state never advances."""
 
-    def __init__(self, worker: GPUWorker, config: AerieConfig, num: int, context_len: int):
+    def __init__(self, worker: GPUWorker, config: AerieConfig, num: int, context_len: int,
+                 temperature: float = 0.0) -> None:  # fmt: skip
         self.worker = worker
         sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
         gen = torch.Generator().manual_seed(0)
         for i in range(num):
             prompt = torch.randint(3, worker.runner.vocab_size, (context_len,), generator=gen)
-            params = SamplingParams(max_new_tokens=1024, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_new_tokens=1024, temperature=temperature, seed=i,
+                                    ignore_eos=True)  # fmt: skip
             sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt.tolist()), params))
         while True:
             plan = sched.next_plan()
@@ -313,7 +315,7 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
     def replayer(shape):
         config = iteration_config(args, shape, draft_dir if shape else None, max_bs)
         worker = GPUWorker(config)
-        replay = Replayer(worker, config, max_bs, args.context_len)
+        replay = Replayer(worker, config, max_bs, args.context_len, args.temperature)
         time_plan(replay, None, args.device, args.iters)  # warm-up: every kernel compiled
         return worker, replay
 
@@ -436,6 +438,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--mode", default="requests", choices=("requests", "iteration"))
     parser.add_argument("--batch-sizes", default="1", help="--mode iteration: batch sizes")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="--mode iteration: the requests' temperature (above 0 a plain step "
+                        "samples and an iteration accepts in its accept stage; the agreeing "
+                        "draft's rows assume 0)")
     parser.add_argument("--spin", type=float, default=0.0,
                         help="--mode iteration: after timing plain decoding and each shape, run "
                              "its first batch size this many seconds (for a host profiler)")

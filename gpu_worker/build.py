@@ -26,7 +26,7 @@ from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
-from gpu_worker.speculative.iteration import SpeculativeWorker
+from gpu_worker.speculative.iteration import ACCEPT_GRAPH_ROWS, SpeculativeWorker
 from gpu_worker.speculative.mtp_worker import MTPWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,8 +102,10 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
         cuda_graph_max_bs=0,
         graph_tokens=graph_bs * (spec.speculative_num_draft_tokens or 1),
         prefill_graph_tokens=prefill_graph_tokens(config) if captured else 0,
-        # The plain decode step samples inside its graphs; speculation samples eagerly.
-        graph_sampled_rows=0 if spec.enabled else graph_bs,
+        # The plain decode step samples inside its graphs, one row per request; speculation in
+        # its accept graphs, one row per tree node, up to ACCEPT_GRAPH_ROWS of them.
+        graph_sampled_rows=(min(graph_bs * spec.speculative_num_draft_tokens, ACCEPT_GRAPH_ROWS)
+                            if spec.enabled else graph_bs),
         tp=tp,
     )  # fmt: skip
 

@@ -211,17 +211,26 @@ def processed_probs(logits: Tensor, rows: SamplingRows) -> Tensor:
     logits should already be penalised. Greedy rows are one-hot at their argmax, so exact
     speculative acceptance against these probs reproduces greedy decoding.
     """
-    probs = torch.softmax(process_logits(logits, rows), dim=-1)
+    return processed_logits_and_probs(logits, rows)[1]
+
+
+def processed_logits_and_probs(logits: Tensor, rows: SamplingRows) -> tuple[Tensor, Tensor]:
+    """(`process_logits`, `processed_probs`) of the same logits, the first computed once: the
+    log-softmax of the processed logits gives each row's logprobs (greedy rows: of the raw
+    distribution), the probs are what it samples from."""
+    processed = process_logits(logits, rows)
+    probs = torch.softmax(processed, dim=-1)
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(rows.greedy[:, None], one_hot, probs)
+    return processed, torch.where(rows.greedy[:, None], one_hot, probs)
 
 
-def fixed_flags(sort: bool) -> tuple[bool, ...]:
+def fixed_flags(sort: bool, penalties: bool = True) -> tuple[bool, ...]:
     """Stage flags (`_FLAG_COLUMNS` order) that serve any batch, so that one captured graph
-    serves many: every stage on, the sort behind top-k / top-p only where asked for. Stages
-    a row does not need leave it unchanged (identity penalties, min_p 0, top_k V, top_p 1),
-    so each row gets the token and logprob of its batch's own flags."""
-    return (True, True, sort, sort, True)
+    serves many: every stage on, the sort behind top-k / top-p only where asked for (and the
+    penalties only where asked for). Stages a row does not need leave it unchanged (identity
+    penalties, min_p 0, top_k V, top_p 1), so each row gets the token and logprob of its
+    batch's own flags."""
+    return (penalties, True, sort, sort, True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ written (inside its graph) straight into buffers it is given, such as the static
 next stage, and a call skips the copy of any input that already is its static buffer's view.
 The producing stage writes every row of the bucket, its padded rows included (they hold what
 the stage computed for the dummy row: valid values of the consumer's pad kind, such as row 0
-or length 0).
+or length 0). Consumers that are alternatives to one another (the speculative accept variants)
+share their static inputs through `input_buffers`, so one producer feeds them all.
 
 A stage whose inputs come from the host (`host_inputs=True`, e.g. the plain decode step: the
 plan's rows and KV slots) keeps them all in ONE packed int64 device buffer, int32 inputs two
@@ -107,29 +108,46 @@ class StageGraph:
         pool=None,
         output_buffers: dict[str, torch.Tensor] | None = None,
         host_inputs: bool = False,
+        input_buffers: dict[str, torch.Tensor] | None = None,
+        capture_max_bs: int | None = None,
     ) -> None:
         """pool: a CUDA graph memory pool shared with other stages (default: a new one).
         output_buffers: outputs written into the given tensors (e.g. another stage's `inputs`;
         viewed as [max_bs * rows per request, ...]) instead of buffers of their own.
         host_inputs: the inputs come from the host through `call_host` (int64 or int32, each
-        of shape () or (width,)), packed in one buffer."""
+        of shape () or (width,)), packed in one buffer.
+        input_buffers: inputs that are given tensors ([max_bs, *shape], e.g. another stage's
+        `inputs`, so that one producer's outputs feed several stages) instead of buffers of
+        their own.
+        capture_max_bs: the largest bucket captured (default: all). Larger buckets up to max_bs
+        run the same padded path eagerly on the static buffers: for stages whose graphs would
+        keep too much memory at large batches, where the host's launches cost little next to
+        the GPU's work anyway."""
         self.name, self.fn = name, fn
         self.output_buffers = output_buffers or {}
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
+        self.capture_max_bs = self.max_bs if capture_max_bs is None else capture_max_bs
         self.device = device
         self.captures = capture
         self.specs = inputs
         self.host_inputs = host_inputs
+        given = input_buffers or {}
         if host_inputs:
+            assert not given, "a stage fed from the host owns its packed inputs"
             self._pack_inputs()
         else:
-            self.inputs = {
-                key: torch.full(
-                    (self.max_bs, *spec.shape), spec.pad, dtype=spec.dtype, device=device
-                )  # fmt: skip
-                for key, spec in inputs.items()
-            }
+            self.inputs = {}
+            for key, spec in inputs.items():
+                shape = (self.max_bs, *spec.shape)
+                if key in given:
+                    if tuple(given[key].shape) != shape or given[key].dtype != spec.dtype:
+                        raise ValueError(f"{name}: input {key} is bound to a {given[key].dtype} "
+                                         f"tensor of {tuple(given[key].shape)}, not "
+                                         f"{spec.dtype} {shape}")  # fmt: skip
+                    self.inputs[key] = given[key]
+                else:
+                    self.inputs[key] = torch.full(shape, spec.pad, dtype=spec.dtype, device=device)
         self.pads = {key: spec.pad for key, spec in inputs.items()}
         self.outputs: dict[str, torch.Tensor] | None = None
         self.rows_per_req: dict[str, int] = {}
@@ -245,8 +263,12 @@ class StageGraph:
             self.outputs[key][: value.shape[0]].copy_(value)
 
     def capture_all(self, pool=None) -> None:
+        """Capture every bucket up to capture_max_bs (the larger ones replay eagerly)."""
         self.captures = True
+        buckets = [b for b in self.buckets if b <= self.capture_max_bs]
+        if not buckets:
+            return
         self.graphs = capture_buckets(
-            self.buckets, lambda bs: self._run(bs, [0] * bs), self.device,
+            buckets, lambda bs: self._run(bs, [0] * bs), self.device,
             f"{self.name}, batch sizes", pool,
         )  # fmt: skip

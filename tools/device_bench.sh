@@ -66,6 +66,7 @@ if [[ $1 == train ]]; then
   # --benchmark-first-turns`) the target answers it once the model is here, and each trained
   # draft's estimate over those answers is printed after its run (the benchmark's accept length
   # without serving). Training logs print every 1,000th step (all of them in $OUT).
+  # SPEC_TESTS=1 runs tests/gpu_worker/speculative on the GPU first (SPEC_TESTS_K: -k filter).
   # SERVE=1 (with the shipped EAGLE-3 draft in the tree, .device-carry/smollm2-config and
   # .device-carry/mt_bench_questions.jsonl): one served stream on the real model, plain against
   # speculative (SERVE_SETTINGS, "S,topk,ND" each), with the compiled loop in the same call.
@@ -88,6 +89,12 @@ if [[ $1 == train ]]; then
         --out "$work/smoke_$algo" --max-steps ${SMOKE_STEPS:-40} --log-every 10 2>&1 \
         | tee "$OUT/smoke_train_$algo.log" | tail -5
     done
+  fi
+  if [[ -n ${SPEC_TESTS:-} ]]; then
+    # The speculative stages on CUDA (captured graphs, no host synchronisation), tiny models.
+    AERIE_SPEC_TEST_DEVICE=cuda timeout ${SPEC_TESTS_S:-420} python -m pytest -q -p no:cacheprovider \
+      tests/gpu_worker/speculative ${SPEC_TESTS_K:+-k "$SPEC_TESTS_K"} 2>&1 | tail -15 \
+      | tee "$OUT/spec_tests.txt"
   fi
   if [[ ! -d $model ]]; then echo "staged; the model is not assembled yet"; exit 0; fi
   if [[ ! -f $work/data.npz && -f $work/data_a.npz && -f $work/data_b.npz ]]; then
@@ -338,21 +345,26 @@ if [[ $1 == spec-graphs ]]; then
   [[ ${SKIP_E2E:-0} == 1 ]] || AERIE_E2E_DEVICE=cuda timeout ${E2E_S:-200} python -m pytest \
     tests/e2e/test_speculative.py -q -p no:cacheprovider -n 4 > "$OUT/spec_e2e.txt" 2>&1
   [[ ${SKIP_E2E:-0} == 1 ]] || tail -3 "$OUT/spec_e2e.txt"
+  # ITER_TEMPS="0 0.7": each measurement once per temperature of the requests (above 0 the
+  # plain steps sample and the iterations accept in their accept stage); files of a
+  # temperature other than 0 end in _t<temperature>.
   for m in ${MODELS:-smollm2-config llama8b}; do
     for algo in ${ALGOS:-EAGLE3 MTP}; do
+     for temp in ${ITER_TEMPS:-0}; do
       shapes=${SHAPES:-"1,1,2 3,1,4 5,1,6 5,4,8 6,8,32"}; [[ $algo == MTP ]] && shapes="1,1,2 3,1,4"
+      tag="${m}_$algo"; [[ $temp == 0 ]] || tag+="_t$temp"
       timeout ${BENCH_S:-240} python benchmarks/bench_speculative.py --mode iteration \
         --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" ${DRAFT:+--draft-path $DRAFT} \
         --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} ${PROFILE:+--profile --profile-top ${PROFILE_TOP:-0}} \
-        ${FUSED_ROWS:+--fused-rows $FUSED_ROWS} ${PYSPY_S:+--spin $PYSPY_S} \
-        --output "$OUT/iter_${m}_$algo.json" > "$OUT/iter_${m}_$algo.txt" 2>&1 &
+        ${FUSED_ROWS:+--fused-rows $FUSED_ROWS} ${PYSPY_S:+--spin $PYSPY_S} --temperature $temp \
+        --output "$OUT/iter_$tag.json" > "$OUT/iter_$tag.txt" 2>&1 &
       bench=$!; seen=0
       # PYSPY_S: a host profile of the worker's loop over plain steps, then over each shape's
       # iterations (the benchmark spins that long on each after printing "spinning ... pid").
       while [[ -n ${PYSPY_S:-} ]] && kill -0 $bench 2>/dev/null; do
-        n=$(grep -c '^spinning' "$OUT/iter_${m}_$algo.txt")
+        n=$(grep -c '^spinning' "$OUT/iter_$tag.txt")
         if (( n > seen )); then
-          seen=$n; line=$(grep '^spinning' "$OUT/iter_${m}_$algo.txt" | tail -1)
+          seen=$n; line=$(grep '^spinning' "$OUT/iter_$tag.txt" | tail -1)
           spy="$OUT/spy_iter_${m}_$n.txt"
           $HOME/aerie-site/bin/py-spy record -p ${line##* } -d $((PYSPY_S - 1)) -r 250 -f raw \
             --threads --idle --nonblocking -o "$spy" > /dev/null 2>&1
@@ -362,7 +374,8 @@ if [[ $1 == spec-graphs ]]; then
         sleep 0.2
       done
       wait $bench
-      grep -v "INFO\|^\[\|^spinning" "$OUT/iter_${m}_$algo.txt" | tail -14
+      grep -v "INFO\|^\[\|^spinning" "$OUT/iter_$tag.txt" | tail -${ITER_TAIL:-14}
+     done
     done
   done
   exit 0

@@ -6,10 +6,16 @@ emitted token `bonus` (no KV yet) in `RowState`:
               steps of topk branches and the tree selection; MTP: the chain its layers left),
               and the target verifies every node in one TARGET_VERIFY forward;
     accept    greedy or exact speculative sampling on the device -> accepted tokens and
-              accept lengths. Plain greedy acceptance (no penalties) and its read-off run
-              inside the propose stage; otherwise acceptance runs eagerly after it (which
-              sampling stages run is a host decision per batch);
-    compact   (topk > 1) the accepted path's target KV moved to positions prefix .. prefix+acc-1;
+              accept lengths. Plain greedy acceptance (no penalties, no logprobs) and its
+              read-off run inside the propose stage. Any other batch runs an accept stage
+              after it, a variant picked on the host from its rows' sampling flags, each with
+              fixed sampling stages (rows that do not use a stage pass through it unchanged):
+              "sample" (temperature, min-p), "filter" (and top-k / top-p) and "penalize" (and
+              penalties). The first two are stage graphs fed by the propose stage's outputs in
+              place, captured for batches of up to ACCEPT_GRAPH_ROWS tree nodes; "penalize",
+              whose temporaries are [bs, ND, V] several times over, always runs directly;
+    compact   (topk > 1) the accepted path's target KV moved to positions prefix .. prefix+acc-1
+              (inside the accept stage; after the propose stage for plain greedy batches);
     extend    (stage graph) the draft runs over the fixed S+1 positions prefix .. prefix+S, pairing
               the target feature of accepted node k with the token after it; its state is
               read at each request's last accepted position (accept_len - 1). KV written for
@@ -18,14 +24,17 @@ emitted token `bonus` (no KV yet) in `RowState`:
               `RowState` advance by its accepted run.
 The propose stage reads its rows' lengths and tokens from `RowState` itself, so a greedy
 iteration costs the host one input copy (the rows) and two replays: the propose graph writes
-the extend stage's inputs in place (`StageGraph` output buffers). No stage reads the device
-from the host; the only synchronisation of a step is the caller's single copy of its
-results. Stages run through `StageGraph` (CUDA graphs bucketed by batch size, padded rows on
-request row 0 / slot 0) when `graph_max_bs` > 0, else directly.
+the extend stage's inputs in place (`StageGraph` output buffers), and a sampled one a third
+replay, the accept graph, which reads the propose stage's outputs in place and overwrites the
+extend stage's inputs with its own. No stage reads the device from the host; the only
+synchronisation of a step is the caller's single copy of its results. Stages run through
+`StageGraph` (CUDA graphs bucketed by batch size, padded rows on request row 0 / slot 0) when
+`graph_max_bs` > 0, else directly.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -33,12 +42,14 @@ import torch
 
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.row_state import RowState
-from gpu_worker.sampling import SamplingState
+from gpu_worker.sampling import SamplingState, fixed_flags
 from gpu_worker.speculative.compaction import compact_rows
 from gpu_worker.speculative.target_verify import (
+    TREE_MASK_TENSORS,
+    TREE_NODE_TENSORS,
+    TREE_TENSORS,
     SpecStepOutput,
     accept_and_read,
-    read_step,
     tree_from_tensors,
     tree_tensors,
     verify_tree,
@@ -46,6 +57,19 @@ from gpu_worker.speculative.target_verify import (
 from gpu_worker.speculative.tree import DraftShape, DraftTree
 from gpu_worker.speculative.verify import VerifyResult, accepted_tokens, verify_greedy
 from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
+
+# The accept stage's variants and the sampling stages each runs (`fixed_flags`).
+ACCEPT_FLAGS = {
+    "sample": fixed_flags(sort=False, penalties=False),
+    "filter": fixed_flags(sort=True, penalties=False),
+    "penalize": fixed_flags(sort=True, penalties=True),
+}
+GRAPHED_ACCEPT = ("sample", "filter")
+# The most tree nodes (batch x ND) an accept graph is captured for: its sampling temporaries,
+# a few float32 [nodes, V] copies, a sort and int64 indices, stay in the graph pool (budgeted
+# as `RunnerSpec.graph_sampled_rows`). Larger batches replay the same stage eagerly, where the
+# GPU's work hides the host's launches.
+ACCEPT_GRAPH_ROWS = 256
 
 
 class SpeculativeWorker:
@@ -83,14 +107,19 @@ class SpeculativeWorker:
     # ------------------------------------------------------------------------ the stages
 
     def build_stages(self, runners: list[ModelRunner], graph_max_bs: int) -> None:
-        """The propose and extend stages: graphed for batches up to graph_max_bs (captured on
-        CUDA when every runner's attention backend can be), or direct calls when 0. The
-        propose stage writes a greedy batch's extend inputs into the extend stage's buffers."""
+        """The propose, accept and extend stages: graphed for batches up to graph_max_bs
+        (captured on CUDA when every runner's attention backend can be), or direct calls when
+        0. The propose stage writes a greedy batch's extend inputs into the extend stage's
+        buffers and the tree, logits and features into the accept stages' (shared) buffers;
+        an accept stage writes its extend inputs over the greedy ones."""
+        accept = {name: functools.partial(self._accept, flags)
+                  for name, flags in ACCEPT_FLAGS.items()}  # fmt: skip
         if graph_max_bs <= 0:
             self.propose_stage = DirectStage(self.propose)
+            self.accept_stages = {name: DirectStage(fn) for name, fn in accept.items()}
             self.extend_stage = DirectStage(self._extend)
             return
-        width = self.num_steps + 1
+        width, nd = self.num_steps + 1, self.num_draft_tokens
         extend_inputs = {
             "rows": PER_REQUEST, "prefix_lens": PER_REQUEST, "accept_lens": StageInput(pad=1),
             "tokens": StageInput((width,)),
@@ -102,14 +131,35 @@ class SpeculativeWorker:
         self.extend_stage = StageGraph("draft extend", self._extend, extend_inputs,
                                        graph_max_bs, device, capture=False)  # fmt: skip
         into = self.extend_stage.inputs
+        accept_inputs = {
+            "rows": PER_REQUEST, "prefix_lens": PER_REQUEST,
+            **{name: StageInput((nd,)) for name in TREE_NODE_TENSORS},
+            **{name: StageInput((nd, nd), torch.bool) for name in TREE_MASK_TENSORS},
+            "logits": StageInput((nd, self.target.vocab_size), torch.float32),
+            "features": StageInput((nd, self.feature_width()), self.target.dtype),
+        }  # fmt: skip
+        shared = {"rows": into["rows"], "prefix_lens": into["prefix_lens"]}
+        extend_outputs = {key: into[key] for key in ("accept_lens", "tokens", "features")}
+        self.accept_stages: dict[str, StageGraph | DirectStage] = {}
+        for name in GRAPHED_ACCEPT:
+            self.accept_stages[name] = StageGraph(
+                f"accept, {name}", accept[name], accept_inputs, graph_max_bs, device,
+                capture=False, output_buffers=extend_outputs, input_buffers=shared,
+                capture_max_bs=ACCEPT_GRAPH_ROWS // nd,
+            )  # fmt: skip
+            shared = self.accept_stages[name].inputs  # the next variant reads the same buffers
+        self.accept_stages["penalize"] = DirectStage(accept["penalize"])
         chained = {"rows": into["rows"], "prefix_lens": into["prefix_lens"],
                    "greedy_accept_lens": into["accept_lens"], "greedy_tokens": into["tokens"],
-                   "greedy_features": into["features"]}  # fmt: skip
+                   "greedy_features": into["features"],
+                   **{k: shared[k] for k in (*TREE_TENSORS, "logits", "features")}}  # fmt: skip
         self.propose_stage = StageGraph("draft and verify", self.propose, {"rows": PER_REQUEST},
                                         graph_max_bs, device, capture, pool,
                                         output_buffers=chained)  # fmt: skip
         if capture:
             self.extend_stage.capture_all(pool)
+            for name in GRAPHED_ACCEPT:
+                self.accept_stages[name].capture_all(pool)
 
     def feature_width(self) -> int:
         """Width of the target feature the draft reads per token."""
@@ -164,22 +214,20 @@ class SpeculativeWorker:
         next iteration's propose stage overwrites: it holds until then, in stream order."""
         proposed = self.propose_stage({"rows": rows}, prefix_cpu)
         prefix_lens = proposed["prefix_lens"]
-        if self.sampling.plain_greedy(rows_cpu):
+        variant = self.accept_variant(rows_cpu, want_logprobs)
+        if variant is None:  # accepted inside the propose stage
             accept_lens = proposed["greedy_accept_lens"]
             result = VerifyResult(proposed["greedy_predict"], proposed["greedy_accept_index"],
                                   accept_lens)  # fmt: skip
-            if want_logprobs:
-                step = read_step(result, proposed["logits"], want_logprobs)
-            else:  # the read-off the stage made: its outputs are the extend's inputs
-                step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
+            self.compact(result, rows, prefix_lens)
+            step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
             features = proposed["greedy_features"]  # [bs*(S+1), H_f]
         else:
-            tree = tree_from_tensors(proposed, self.shape)
-            result, step = accept_and_read(
-                self.sampling, tree, proposed["logits"], rows, rows_cpu, want_logprobs
-            )
-            features = compact_rows(proposed["features"], result)
-        self.compact(result, rows, prefix_lens)
+            names = ("rows", "prefix_lens", *TREE_TENSORS, "logits", "features")
+            accepted = self.accept_stages[variant]({k: proposed[k] for k in names}, prefix_cpu)
+            logprobs = accepted["logprobs"] if want_logprobs else None
+            step = SpecStepOutput(accepted["tokens"], accepted["accept_lens"], logprobs)
+            features = accepted["features"]
         if on_accepted is not None:
             on_accepted(step)
         self.extend_stage({
@@ -187,3 +235,35 @@ class SpeculativeWorker:
             "accept_lens": step.accept_lens, "tokens": step.tokens, "features": features,
         }, prefix_cpu)  # fmt: skip
         return step
+
+    def accept_variant(self, rows_cpu: np.ndarray, want_logprobs: bool) -> str | None:
+        """The accept stage a batch runs (host only): None when every row is plain greedy and
+        no logprobs are wanted (the propose stage has accepted already), else the cheapest
+        variant whose fixed stages cover every row's (`ACCEPT_FLAGS`)."""
+        penalty, sampling, top_k, top_p, _ = self.sampling.stage_flags(rows_cpu)
+        if not (penalty or sampling or want_logprobs):
+            return None
+        if penalty:
+            return "penalize"
+        return "filter" if top_k or top_p else "sample"
+
+    def _accept(
+        self, flags: tuple[bool, ...], bs: int, inputs: dict[str, torch.Tensor],
+        prefix_cpu: list[int],
+    ) -> dict[str, torch.Tensor]:
+        """An accept stage: acceptance with the sampling stages `flags`, the accepted path's
+        KV compacted, and the extend stage's inputs (tokens, accept lengths, features)."""
+        # A graph's static inputs come per request ([bs, ND, ...]), a direct call's as the
+        # propose stage made them: node rows flat ([bs*ND, ...]) where the tree keeps them so.
+        nodes = bs * self.num_draft_tokens
+        flat = {"tokens": inputs["tokens"].reshape(nodes),
+                "positions": inputs["positions"].reshape(nodes),
+                "logits": inputs["logits"].reshape(nodes, -1),
+                "features": inputs["features"].reshape(nodes, -1)}  # fmt: skip
+        tree = tree_from_tensors({**inputs, **flat}, self.shape)
+        rows = inputs["rows"]
+        result, step = accept_and_read(self.sampling, tree, flat["logits"], rows, flags)
+        self.compact(result, rows, inputs["prefix_lens"])
+        assert step.logprobs is not None
+        return {"accept_lens": step.accept_lens, "tokens": step.tokens,
+                "logprobs": step.logprobs, "features": compact_rows(flat["features"], result)}

@@ -5,6 +5,7 @@ Everything here has fixed shapes per batch size and never reads the device from 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from gpu_worker.sampling import (
     SamplingRows,
     SamplingState,
     apply_penalties,
-    processed_probs,
+    processed_logits_and_probs,
     uniform_noise,
 )
 from gpu_worker.speculative.compaction import compact_rows
@@ -55,8 +56,11 @@ def verify_tree(
     return target.forward(batch)
 
 
-TREE_TENSORS = ("tokens", "positions", "custom_mask", "retrieve_index", "next_token",
-                "next_sibling", "depth", "ancestors")  # fmt: skip
+# The tree's tensors by shape per request: [ND] int64 and [ND, ND] bool.
+TREE_NODE_TENSORS = ("tokens", "positions", "retrieve_index", "next_token", "next_sibling",
+                     "depth")  # fmt: skip
+TREE_MASK_TENSORS = ("custom_mask", "ancestors")
+TREE_TENSORS = TREE_NODE_TENSORS + TREE_MASK_TENSORS
 
 
 def tree_tensors(tree: DraftTree) -> dict[str, torch.Tensor]:
@@ -88,25 +92,17 @@ def accept_and_read(
     tree: DraftTree,
     logits: torch.Tensor,
     rows: torch.Tensor,
-    rows_cpu: np.ndarray,
-    want_logprobs: bool,
+    flags: Sequence[bool],
 ) -> tuple[VerifyResult, SpecStepOutput]:
     """The target side of one iteration after the verify forward, for every draft algorithm:
-    accept against the verify logits [bs*ND, V] and read off the emitted tokens (and their
-    logprobs). rows_cpu: the host copy of rows (which sampling stages run). No host sync."""
-    result, scores = accept_tree(sampling, tree, logits, rows, rows_cpu)
-    return result, read_step(result, scores, want_logprobs)
-
-
-def read_step(result: VerifyResult, scores: torch.Tensor, want_logprobs: bool) -> SpecStepOutput:
-    """The emitted tokens of an accepted result, and their logprobs under the per-node
-    log-scores [bs*ND, V] they were drawn from."""
+    accept against the verify logits [bs*ND, V] with the sampling stages `flags` (as
+    `SamplingState.gather` takes them) and read off the emitted tokens and their logprobs.
+    No host sync: what the accept stage graphs capture."""
+    result, scores = accept_tree(sampling, tree, logits, rows, flags=flags)
     tokens = accepted_tokens(result)  # [bs, S+1]
-    logprobs = None
-    if want_logprobs:
-        node_scores = compact_rows(torch.log_softmax(scores, dim=-1), result)
-        logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens).float()
-    return SpecStepOutput(tokens, result.accept_lens, logprobs)
+    node_scores = torch.log_softmax(compact_rows(scores, result), dim=-1)  # [bs*(S+1), V]
+    logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens)
+    return result, SpecStepOutput(tokens, result.accept_lens, logprobs)
 
 
 def penalize_tree(
@@ -135,22 +131,26 @@ def accept_tree(
     tree: DraftTree,
     logits: torch.Tensor,
     rows: torch.Tensor,
-    rows_cpu: np.ndarray,
+    rows_cpu: np.ndarray | None = None,
+    flags: Sequence[bool] | None = None,
 ) -> tuple[VerifyResult, torch.Tensor]:
     """Greedy or exact sampling acceptance of the tree against the verify logits [bs*ND, V].
+    The stages that run follow the rows (rows_cpu, their host copy) or are fixed (flags, as
+    `SamplingState.gather` takes them: what a CUDA graph captures).
 
-    Returns the result and per-node log-scores whose log-softmax is the distribution each
-    emitted token was drawn from (for logprobs)."""
+    Returns the result and per-node scores whose log-softmax is the distribution each emitted
+    token was drawn from, for its logprob; a greedy row's are its (penalised) logits, as in
+    plain decoding."""
     nd = tree.num_draft_tokens
-    params = sampling.gather(rows, rows_cpu)
+    params = sampling.gather(rows, rows_cpu, flags)
     node_params = params.repeat_interleave(nd)
     logits = logits.float()
     if node_params.use_penalty:
         logits = penalize_tree(sampling, tree, logits, rows, node_params)
     if not params.use_sampling:
         return verify_greedy(tree, logits.argmax(dim=-1)), logits
-    probs = processed_probs(logits, node_params)  # [bs*ND, V]
+    processed, probs = processed_logits_and_probs(logits, node_params)  # [bs*ND, V] each
     root_positions = tree.positions.view(-1, nd)[:, 0]  # [bs]
     coins = uniform_noise(params.seed, root_positions, STREAM_SPEC_COIN, nd)
     final = uniform_noise(params.seed, root_positions, STREAM_SPEC_BONUS, 1)[:, 0]
-    return verify_sampling(tree, probs, coins, final), torch.log(probs.clamp_min(1e-30))
+    return verify_sampling(tree, probs, coins, final), processed

@@ -85,3 +85,25 @@ def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, sh
     for r in rows:
         assert r["agreeing_tokens_per_iteration"] == 3  # S + 1
         assert r["iteration_ms"] > 0 and r["plain_step_ms"] > 0 and r["byte_bound"] > 1
+
+
+def test_iteration_mode_at_a_temperature_samples_in_the_accept_stage(tmp_path, monkeypatch):
+    """--temperature above 0: the timed iterations accept in the "sample" accept stage (and
+    the plain steps sample); at 0 they accept inside the propose stage."""
+    from gpu_worker.speculative.iteration import SpeculativeWorker
+
+    variants = []
+    pick = SpeculativeWorker.accept_variant
+    monkeypatch.setattr(SpeculativeWorker, "accept_variant",
+                        lambda self, *a: variants.append(pick(self, *a)) or variants[-1])
+    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
+                                 max_position_embeddings=512)
+    for temperature in ("0.8", "0"):
+        variants.clear()
+        bench_speculative.main([
+            "--mode", "iteration", "--model-path", model, "--load-format", "dummy",
+            "--algorithm", "EAGLE3", "--shapes", "2,1,3", "--batch-sizes", "1",
+            "--context-len", "12", "--iters", "2", "--device", "cpu", "--temperature", temperature,
+            "--output", str(tmp_path / "result.json"),
+        ])  # fmt: skip
+        assert set(variants) == ({"sample"} if temperature != "0" else {None})

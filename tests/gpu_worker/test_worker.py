@@ -312,6 +312,7 @@ def test_graph_memory_is_budgeted_only_where_graphs_are_captured(tiny_dirs, back
     """The target's spec reserves memory for the decode graphs, their sampling and the
     prefill graphs with a backend that can be captured, and none without one."""
     from gpu_worker.build import target_spec
+    from gpu_worker.speculative.iteration import ACCEPT_GRAPH_ROWS
 
     config = make_config(tiny_dirs["llama"]).replace(
         runner={"attention_backend": backend, "cuda_graph_max_bs": 8,
@@ -319,3 +320,10 @@ def test_graph_memory_is_budgeted_only_where_graphs_are_captured(tiny_dirs, back
     spec = target_spec(config)
     reserved = (spec.graph_tokens, spec.graph_sampled_rows, spec.prefill_graph_tokens)
     assert reserved == ((8, 8, 256) if captured else (0, 0, 0))
+    # speculation: the stage graphs' verify forwards and accept graphs, one row per tree node
+    # (up to ACCEPT_GRAPH_ROWS of them)
+    for num_draft, rows in ((6, 48), (64, ACCEPT_GRAPH_ROWS)):
+        spec = target_spec(config.replace(speculative={
+            "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": num_draft}))
+        reserved = (spec.graph_tokens, spec.graph_sampled_rows)
+        assert reserved == ((8 * num_draft, rows) if captured else (0, 0))

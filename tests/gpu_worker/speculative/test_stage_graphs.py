@@ -92,13 +92,76 @@ def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
     assert len(copies) == 2 and seen[-1][1] == [1, 2]
 
 
-def serve_until_decode(config, prompts):
-    """A worker and scheduler with `prompts` prefilled; returns them and the first decode plan."""
+def test_stages_bound_to_one_producer_share_its_outputs_without_copies(monkeypatch):
+    """Alternative consumers (the accept variants) bind their inputs to the same buffers
+    (`input_buffers`): the producer writes them once and either consumer reads them in
+    place; a buffer of the wrong shape or dtype is refused."""
+    seen = []
+
+    def consumer(name):
+        def fn(bs, inputs, seq_cpu):
+            seen.append((name, bs, inputs["x"].tolist(), inputs["y"].tolist()))
+            return {"z": inputs["x"] * 2}
+        return fn
+
+    specs = {"x": StageInput(), "y": StageInput((2,), torch.int32)}
+    cpu = torch.device("cpu")
+    first = StageGraph("first", consumer("a"), specs, 4, cpu, capture=False)
+    second = StageGraph("second", consumer("b"), specs, 4, cpu, capture=False,
+                        input_buffers=first.inputs)  # fmt: skip
+    assert all(second.inputs[k] is first.inputs[k] for k in specs)
+
+    def make(bs, inputs, seq_cpu):
+        rows = inputs["rows"]
+        return {"x": rows + 1, "y": torch.stack([rows, rows], 1).int()}
+
+    producer = StageGraph("producer", make, {"rows": StageInput()}, 4, cpu, capture=False,
+                          output_buffers=dict(first.inputs))  # fmt: skip
+    out = producer({"rows": torch.tensor([4, 5, 6])}, [0] * 3)
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counting(self, *args, **kwargs):
+        copies.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    for stage in (second, first):
+        z = stage({"x": out["x"], "y": out["y"]}, [0] * 3)["z"]
+        assert z.tolist() == [10, 12, 14]
+    assert copies == [torch.Size([4])] * 2  # each stage's own output (its bucket), no input
+    assert [s[0] for s in seen] == ["b", "a"]
+    assert seen[0][1:] == (4, [5, 6, 7, 1], [[4, 4], [5, 5], [6, 6], [0, 0]])
+    with pytest.raises(ValueError, match="input y is bound to a torch.int64 tensor"):
+        StageGraph("wrong", consumer("c"), specs, 4, cpu, capture=False,
+                   input_buffers={"y": torch.zeros(4, 2, dtype=torch.int64)})  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="graphs are captured on CUDA only")
+def test_buckets_past_capture_max_bs_run_eagerly_on_the_static_buffers():
+    """A stage captured up to capture_max_bs replays graphs up to there and runs the larger
+    buckets' padded path eagerly, with the same inputs, outputs and results."""
+    def fn(bs, inputs, seq_cpu):
+        return {"out": inputs["rows"] * 3 + 1}
+
+    stage = StageGraph("partial", fn, {"rows": StageInput()}, 16, torch.device("cuda"),
+                       capture=True, capture_max_bs=4)  # fmt: skip
+    assert sorted(stage.graphs) == [1, 2, 4]
+    for rows in ([2, 3], [1, 2, 3, 4, 5, 6], list(range(1, 17)), [7]):
+        out = stage({"rows": torch.tensor(rows, device="cuda")}, [0] * len(rows))
+        assert out["out"].tolist() == [3 * r + 1 for r in rows]
+    assert stage.inputs["rows"][1:].eq(0).all()  # the larger batches' rows are padding again
+
+
+def serve_until_decode(config, prompts, extra=None, logprobs=False):
+    """A worker and scheduler with `prompts` prefilled (greedy, or with the SamplingParams
+    fields `extra`); returns them and the first decode plan."""
     worker = GPUWorker(config)
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                **(extra or {"temperature": 0.0}))  # fmt: skip
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, logprobs))
     while True:
         plan = sched.next_plan()
         if plan.mode == "decode":
@@ -235,14 +298,21 @@ def test_graphed_stages_serve_mixed_batches_like_direct_calls(models, requests):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter")
-@pytest.mark.parametrize("algorithm, topk, num_draft", [("EAGLE", 1, 4), ("EAGLE", 2, 6),
-                                                        ("MTP", 1, 4)])  # fmt: skip
+@pytest.mark.parametrize("algorithm, topk, num_draft, requests", [
+    ("EAGLE", 1, 4, "greedy"), ("EAGLE", 2, 6, "greedy"), ("MTP", 1, 4, "greedy"),
+    ("EAGLE", 1, 4, "sampled"), ("EAGLE", 2, 6, "filtered"), ("MTP", 1, 4, "logprobs"),
+    ("EAGLE", 2, 6, "penalised"),
+])  # fmt: skip
 def test_the_iteration_never_synchronises(models, mtp_target, monkeypatch, algorithm, topk,
-                                          num_draft):
+                                          num_draft, requests):
+    """Greedy batches, and batches through each accept variant, graphed or direct."""
     target = mtp_target if algorithm == "MTP" else models["target"]
     draft = None if algorithm == "MTP" else models["eagle"]
     config = make_config(target, algorithm, draft, 3, topk, num_draft, page_size=4)
-    worker, sched, plan = serve_until_decode(config, random_prompts(seed=9, n=3))
+    extra = {"greedy": None, "logprobs": None, "sampled": SAMPLED, "penalised": PENALISED,
+             "filtered": {"temperature": 0.7, "top_k": 20, "min_p": 0.1, "seed": 2}}[requests]
+    worker, sched, plan = serve_until_decode(config, random_prompts(seed=9, n=3), extra,
+                                             logprobs=requests == "logprobs")  # fmt: skip
     original = worker.spec.decode
     calls = []
 

@@ -1,14 +1,22 @@
-"""Acceptance with penalties: every tree node is penalised for the drafts on its own path."""
+"""Acceptance against the verify logits: penalties count the drafts on each node's own path;
+the accept stages' fixed sampling stages accept what each batch's own stages do; logprobs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 import torch
 
 from aerie.messages import SamplingParams
 from gpu_worker.sampling import SamplingState
-from gpu_worker.speculative.target_verify import accept_tree
+from gpu_worker.speculative.compaction import compact_rows
+from gpu_worker.speculative.iteration import ACCEPT_FLAGS, SpeculativeWorker
+from gpu_worker.speculative.target_verify import accept_and_read, accept_tree
 from gpu_worker.speculative.tree import build_tree
+from gpu_worker.speculative.verify import accepted_tokens
+from tests.gpu_worker.speculative.trees import random_tree
 
 
 def test_penalties_count_the_drafts_on_each_nodes_path():
@@ -31,3 +39,68 @@ def test_penalties_count_the_drafts_on_each_nodes_path():
         plain.append(int(penalised.argmax()))
         sampling.observe(rows, torch.tensor([plain[-1]]))
     assert spec == plain[: len(spec)] == [5, 6]
+
+
+def tree_and_logits(seed: int, bs: int, vocab: int):
+    """Random trees (topk 2, S 3, ND 6) and verify logits [bs*ND, V] that favour each node's
+    children, so that several drafts get accepted."""
+    tree = random_tree(bs, 2, 3, 6, vocab=vocab - bs, seed=seed)  # bonus ids up to vocab - 1
+    logits = 2 * torch.randn(bs * 6, vocab, generator=torch.Generator().manual_seed(seed))
+    kids = tree.tokens.view(bs, 1, 6).expand(bs, 6, 6)
+    logits.view(bs, 6, vocab).scatter_add_(2, kids, torch.full((bs, 6, 6), 3.0))
+    return tree, logits
+
+
+REQUESTS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, seed=3),
+    SamplingParams(temperature=1.2, top_p=0.7, seed=4),
+    SamplingParams(temperature=0.6, top_k=5, min_p=0.05, seed=5),
+    SamplingParams(temperature=0.9, frequency_penalty=0.5, presence_penalty=0.3, seed=6),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize("rows", [[1, 2], [1, 3], [1, 2, 3, 4], [2, 3, 4, 5, 6, 1], [1], [6, 2]])
+def test_fixed_stages_accept_what_the_batchs_own_stages_do(rows):
+    """The accept stage graphs run fixed sampling stages (`ACCEPT_FLAGS`); for any batch the
+    variant `accept_variant` picks gives every row the tokens, accept lengths and logprobs
+    of acceptance with exactly the stages its rows use, and so does the variant with every
+    stage on."""
+    vocab = 40
+    sampling = SamplingState(8, vocab, "cpu")
+    for row, params in enumerate(REQUESTS, start=1):
+        sampling.start(row, params, [row, 7, 9], 0, default_seed=0)
+        sampling.observe(torch.tensor([row]), torch.tensor([row + 3]))
+    tree, logits = tree_and_logits(seed=len(rows), bs=len(rows), vocab=vocab)
+    index, rows_cpu = torch.tensor(rows), np.array(rows)
+    exact, scores = accept_tree(sampling, tree, logits, index, rows_cpu)
+    tokens = accepted_tokens(exact)
+    logprobs = torch.log_softmax(compact_rows(scores, exact), -1).gather(1, tokens.view(-1, 1))
+    worker = SimpleNamespace(sampling=sampling)
+    picked = SpeculativeWorker.accept_variant(worker, rows_cpu, want_logprobs=True)
+    for variant in {picked, "penalize"}:
+        result, step = accept_and_read(sampling, tree, logits, index, ACCEPT_FLAGS[variant])
+        assert torch.equal(result.accept_index, exact.accept_index), variant
+        assert torch.equal(step.tokens, tokens) and torch.equal(step.accept_lens, exact.accept_lens)
+        torch.testing.assert_close(step.logprobs, logprobs.view_as(tokens))
+    assert exact.accept_lens.sum() > len(rows)  # some drafts were accepted
+
+
+def test_a_greedy_row_of_a_sampled_batch_gets_its_logprobs_as_plain_decoding_does():
+    """Logprobs of a greedy row are the log-softmax of its logits at temperature 1, whatever
+    its batch; those of a sampled row the log of the processed distribution it drew from."""
+    vocab = 40
+    sampling = SamplingState(4, vocab, "cpu")
+    sampling.start(1, SamplingParams(temperature=0.0), [1], 0, default_seed=0)
+    sampling.start(2, SamplingParams(temperature=0.5, seed=1), [1], 0, default_seed=0)
+    tree, logits = tree_and_logits(seed=0, bs=2, vocab=vocab)
+    result, step = accept_and_read(sampling, tree, logits, torch.tensor([1, 2]),
+                                   ACCEPT_FLAGS["sample"])  # fmt: skip
+    width = step.tokens.shape[1]
+    for b, temperature in ((0, 1.0), (1, 0.5)):
+        nodes = result.accept_index[b][: int(step.accept_lens[b])]
+        want = torch.log_softmax(logits[nodes] / temperature, -1)
+        want = want.gather(1, step.tokens[b, : len(nodes), None]).squeeze(1)
+        torch.testing.assert_close(step.logprobs[b, : len(nodes)], want)
+        assert len(nodes) <= width
