@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="--mode iteration: the requests' temperature (above 0 a plain step "
                         "samples and an iteration accepts in its accept stage; the agreeing "
-                        "draft's rows assume 0)")
+                        "draft's columns mean something at 0 only: its target is uniform)")
     parser.add_argument("--spin", type=float, default=0.0,
                         help="--mode iteration: after timing plain decoding and each shape, run "
                              "its first batch size this many seconds (for a host profiler)")

@@ -89,6 +89,7 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
     # Graph memory is kept out of the KV budget only where graphs will be captured.
     captured = backend_class(config.runner.attention_backend).supports_cuda_graph
     graph_bs = graph_max_bs(config) if captured else 0
+    graph_tokens = graph_bs * (spec.speculative_num_draft_tokens or 1)  # verify rows
     return RunnerSpec(
         model.model_path or "",
         device=model.device,
@@ -100,12 +101,11 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
         # The worker captures the target's forwards in its own stage graphs (the plain decode
         # step, or the speculative stages), budgeted through graph_tokens.
         cuda_graph_max_bs=0,
-        graph_tokens=graph_bs * (spec.speculative_num_draft_tokens or 1),
+        graph_tokens=graph_tokens,
         prefill_graph_tokens=prefill_graph_tokens(config) if captured else 0,
         # The plain decode step samples inside its graphs, one row per request; speculation in
         # its accept graphs, one row per tree node, up to ACCEPT_GRAPH_ROWS of them.
-        graph_sampled_rows=(min(graph_bs * spec.speculative_num_draft_tokens, ACCEPT_GRAPH_ROWS)
-                            if spec.enabled else graph_bs),
+        graph_sampled_rows=(min(graph_tokens, ACCEPT_GRAPH_ROWS) if spec.enabled else graph_bs),
         tp=tp,
     )  # fmt: skip
 

@@ -205,19 +205,15 @@ def process_logits(logits: Tensor, rows: SamplingRows) -> Tensor:
     return torch.where(keep | greedy, scaled, float("-inf"))
 
 
-def processed_probs(logits: Tensor, rows: SamplingRows) -> Tensor:
-    """The distribution each row samples from: probs [bs, V] float32, rows sum to 1.
+def processed_probs(logits: Tensor, rows: SamplingRows) -> tuple[Tensor, Tensor]:
+    """(processed logits, probs): `process_logits`, and the distribution each row samples from,
+    probs [bs, V] float32 whose rows sum to 1.
 
-    logits should already be penalised. Greedy rows are one-hot at their argmax, so exact
-    speculative acceptance against these probs reproduces greedy decoding.
+    logits should already be penalised. Greedy rows are one-hot at their argmax in the probs,
+    so exact speculative acceptance against them reproduces greedy decoding, while the
+    log-softmax of the processed logits gives every row its logprobs (a greedy row's of its raw
+    distribution, as plain decoding reports them).
     """
-    return processed_logits_and_probs(logits, rows)[1]
-
-
-def processed_logits_and_probs(logits: Tensor, rows: SamplingRows) -> tuple[Tensor, Tensor]:
-    """(`process_logits`, `processed_probs`) of the same logits, the first computed once: the
-    log-softmax of the processed logits gives each row's logprobs (greedy rows: of the raw
-    distribution), the probs are what it samples from."""
     processed = process_logits(logits, rows)
     probs = torch.softmax(processed, dim=-1)
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
@@ -387,10 +383,6 @@ class SamplingState:
         use_penalty, use_sampling, use_top_k, use_top_p, _ = self.stage_flags(rows_cpu)
         return use_penalty or use_sampling, use_top_k or use_top_p
 
-    def plain_greedy(self, rows_cpu: np.ndarray) -> bool:
-        """Whether every row of a batch takes the argmax of unpenalised logits."""
-        return not self.needs(rows_cpu)[0]
-
     def penalize(self, logits: Tensor, req_pool_indices: Tensor, rows: SamplingRows) -> Tensor:
         """logits [bs, V] with the rows' penalties applied (the same tensor when none apply)."""
         if not rows.use_penalty:
@@ -421,11 +413,11 @@ class SamplingState:
         logits = self.penalize(logits.float(), req_pool_indices, rows)  # [bs, V]
         if not rows.use_sampling:
             token_ids = logits.argmax(dim=-1)
-            return token_ids, _pick_logprobs(logits, token_ids) if want_logprobs else None
+            return token_ids, pick_logprobs(logits, token_ids) if want_logprobs else None
         processed = process_logits(logits, rows)  # [bs, V]
         sampled = sample_with_noise(processed, rows.seed, positions.to(self.device))
         token_ids = torch.where(rows.greedy, logits.argmax(dim=-1), sampled)
-        return token_ids, _pick_logprobs(processed, token_ids) if want_logprobs else None
+        return token_ids, pick_logprobs(processed, token_ids) if want_logprobs else None
 
 
 def _row_flags(params: SamplingParams, top_k: int, vocab_size: int) -> list[bool]:
@@ -442,7 +434,7 @@ def _row_flags(params: SamplingParams, top_k: int, vocab_size: int) -> list[bool
     ]
 
 
-def _pick_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+def pick_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
     """log_softmax(logits)[b, token_ids[b]]: [bs] float32."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [bs, V]
     return logprobs.gather(-1, token_ids[:, None]).squeeze(-1)

@@ -118,7 +118,8 @@ class StageGraph:
         of shape () or (width,)), packed in one buffer.
         input_buffers: inputs that are given tensors ([max_bs, *shape], e.g. another stage's
         `inputs`, so that one producer's outputs feed several stages) instead of buffers of
-        their own.
+        their own. Such an input must arrive in its buffer (a call raises otherwise): the
+        padding of a shared buffer is its owner's to keep.
         capture_max_bs: the largest bucket captured (default: all). Larger buckets up to max_bs
         run the same padded path eagerly on the static buffers: for stages whose graphs would
         keep too much memory at large batches, where the host's launches cost little next to
@@ -133,6 +134,7 @@ class StageGraph:
         self.specs = inputs
         self.host_inputs = host_inputs
         given = input_buffers or {}
+        self.bound = set(given)  # inputs whose buffers other stages share
         if host_inputs:
             assert not given, "a stage fed from the host owns its packed inputs"
             self._pack_inputs()
@@ -223,6 +225,9 @@ class StageGraph:
                 # Written in place by the stage bound to this buffer, which has just run for
                 # the same batch (its bucket's rows, padded ones included).
                 continue
+            if key in self.bound:  # its padding is another stage's to keep: never copied into
+                raise ValueError(f"{self.name}: input {key} is bound to another stage's "
+                                 "buffer and must arrive in it, written by its producer")
             static[:bs].copy_(value.reshape(bs, *static.shape[1:]))
             if self.filled > bs:  # rows of an earlier, larger batch: back to the dummies
                 static[bs : self.filled].fill_(self.pads[key])

@@ -66,7 +66,8 @@ if [[ $1 == train ]]; then
   # --benchmark-first-turns`) the target answers it once the model is here, and each trained
   # draft's estimate over those answers is printed after its run (the benchmark's accept length
   # without serving). Training logs print every 1,000th step (all of them in $OUT).
-  # SPEC_TESTS=1 runs tests/gpu_worker/speculative on the GPU first (SPEC_TESTS_K: -k filter).
+  # SPEC_TESTS=1 runs tests/gpu_worker/speculative on the GPU first (SPEC_TESTS_K: a -k filter,
+  # SPEC_TESTS_S: its time limit, 420 s).
   # SERVE=1 (with the shipped EAGLE-3 draft in the tree, .device-carry/smollm2-config and
   # .device-carry/mt_bench_questions.jsonl): one served stream on the real model, plain against
   # speculative (SERVE_SETTINGS, "S,topk,ND" each), with the compiled loop in the same call.

@@ -58,13 +58,17 @@ from gpu_worker.speculative.tree import DraftShape, DraftTree
 from gpu_worker.speculative.verify import VerifyResult, accepted_tokens, verify_greedy
 from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 
-# The accept stage's variants and the sampling stages each runs (`fixed_flags`).
+# The accept stage's variants and the sampling stages each runs (`fixed_flags`). "penalize"
+# runs them all, so a penalised greedy batch walks the sampling path too (one-hot probs: the
+# same tokens), a few more eager kernels for a rare combination.
 ACCEPT_FLAGS = {
     "sample": fixed_flags(sort=False, penalties=False),
     "filter": fixed_flags(sort=True, penalties=False),
     "penalize": fixed_flags(sort=True, penalties=True),
 }
 GRAPHED_ACCEPT = ("sample", "filter")
+# What an accept stage reads of the propose stage's outputs.
+ACCEPT_INPUTS = ("rows", "prefix_lens", *TREE_TENSORS, "logits", "features")
 # The most tree nodes (batch x ND) an accept graph is captured for: its sampling temporaries,
 # a few float32 [nodes, V] copies, a sort and int64 indices, stay in the graph pool (budgeted
 # as `RunnerSpec.graph_sampled_rows`). Larger batches replay the same stage eagerly, where the
@@ -138,21 +142,22 @@ class SpeculativeWorker:
             "logits": StageInput((nd, self.target.vocab_size), torch.float32),
             "features": StageInput((nd, self.feature_width()), self.target.dtype),
         }  # fmt: skip
-        shared = {"rows": into["rows"], "prefix_lens": into["prefix_lens"]}
+        # The first graphed variant owns the buffers of the tree, logits and features, the
+        # extend stage those of the rows and lengths; every graphed variant reads them all.
+        accept_buffers = {"rows": into["rows"], "prefix_lens": into["prefix_lens"]}
         extend_outputs = {key: into[key] for key in ("accept_lens", "tokens", "features")}
         self.accept_stages: dict[str, StageGraph | DirectStage] = {}
         for name in GRAPHED_ACCEPT:
             self.accept_stages[name] = StageGraph(
                 f"accept, {name}", accept[name], accept_inputs, graph_max_bs, device,
-                capture=False, output_buffers=extend_outputs, input_buffers=shared,
+                capture=False, output_buffers=extend_outputs, input_buffers=accept_buffers,
                 capture_max_bs=ACCEPT_GRAPH_ROWS // nd,
             )  # fmt: skip
-            shared = self.accept_stages[name].inputs  # the next variant reads the same buffers
+            accept_buffers = self.accept_stages[name].inputs
         self.accept_stages["penalize"] = DirectStage(accept["penalize"])
-        chained = {"rows": into["rows"], "prefix_lens": into["prefix_lens"],
-                   "greedy_accept_lens": into["accept_lens"], "greedy_tokens": into["tokens"],
+        chained = {"greedy_accept_lens": into["accept_lens"], "greedy_tokens": into["tokens"],
                    "greedy_features": into["features"],
-                   **{k: shared[k] for k in (*TREE_TENSORS, "logits", "features")}}  # fmt: skip
+                   **{key: accept_buffers[key] for key in ACCEPT_INPUTS}}  # fmt: skip
         self.propose_stage = StageGraph("draft and verify", self.propose, {"rows": PER_REQUEST},
                                         graph_max_bs, device, capture, pool,
                                         output_buffers=chained)  # fmt: skip
@@ -223,8 +228,8 @@ class SpeculativeWorker:
             step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
             features = proposed["greedy_features"]  # [bs*(S+1), H_f]
         else:
-            names = ("rows", "prefix_lens", *TREE_TENSORS, "logits", "features")
-            accepted = self.accept_stages[variant]({k: proposed[k] for k in names}, prefix_cpu)
+            accepted = self.accept_stages[variant]({k: proposed[k] for k in ACCEPT_INPUTS},
+                                                   prefix_cpu)  # fmt: skip
             logprobs = accepted["logprobs"] if want_logprobs else None
             step = SpecStepOutput(accepted["tokens"], accepted["accept_lens"], logprobs)
             features = accepted["features"]

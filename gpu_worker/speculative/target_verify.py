@@ -21,7 +21,8 @@ from gpu_worker.sampling import (
     SamplingRows,
     SamplingState,
     apply_penalties,
-    processed_logits_and_probs,
+    pick_logprobs,
+    processed_probs,
     uniform_noise,
 )
 from gpu_worker.speculative.compaction import compact_rows
@@ -100,8 +101,7 @@ def accept_and_read(
     No host sync: what the accept stage graphs capture."""
     result, scores = accept_tree(sampling, tree, logits, rows, flags=flags)
     tokens = accepted_tokens(result)  # [bs, S+1]
-    node_scores = torch.log_softmax(compact_rows(scores, result), dim=-1)  # [bs*(S+1), V]
-    logprobs = node_scores.gather(1, tokens.view(-1, 1)).view_as(tokens)
+    logprobs = pick_logprobs(compact_rows(scores, result), tokens.view(-1)).view_as(tokens)
     return result, SpecStepOutput(tokens, result.accept_lens, logprobs)
 
 
@@ -135,8 +135,9 @@ def accept_tree(
     flags: Sequence[bool] | None = None,
 ) -> tuple[VerifyResult, torch.Tensor]:
     """Greedy or exact sampling acceptance of the tree against the verify logits [bs*ND, V].
-    The stages that run follow the rows (rows_cpu, their host copy) or are fixed (flags, as
-    `SamplingState.gather` takes them: what a CUDA graph captures).
+    The stages that run are fixed (flags, as `SamplingState.gather` takes them: what the
+    accept stages run) or follow the rows (rows_cpu, their host copy: each batch's own
+    stages, the reference the fixed ones are tested against).
 
     Returns the result and per-node scores whose log-softmax is the distribution each emitted
     token was drawn from, for its logprob; a greedy row's are its (penalised) logits, as in
@@ -149,7 +150,7 @@ def accept_tree(
         logits = penalize_tree(sampling, tree, logits, rows, node_params)
     if not params.use_sampling:
         return verify_greedy(tree, logits.argmax(dim=-1)), logits
-    processed, probs = processed_logits_and_probs(logits, node_params)  # [bs*ND, V] each
+    processed, probs = processed_probs(logits, node_params)  # [bs*ND, V] each
     root_positions = tree.positions.view(-1, nd)[:, 0]  # [bs]
     coins = uniform_noise(params.seed, root_positions, STREAM_SPEC_COIN, nd)
     final = uniform_noise(params.seed, root_positions, STREAM_SPEC_BONUS, 1)[:, 0]

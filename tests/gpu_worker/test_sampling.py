@@ -167,15 +167,20 @@ def test_filters_keep_renormalised_proportions(top_k, top_p, min_p):
         torch.testing.assert_close(logprobs.double(), expected.log()[tokens], atol=1e-5, rtol=0)
 
 
-def test_processed_probs_match_reference_and_greedy_rows_are_one_hot():
+def test_processed_probs_match_reference_and_greedy_rows_are_one_hot_in_the_probs_only():
     state = make_state()
     state.start(1, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05), [1], 0, 0)
     state.start(2, SamplingParams(temperature=0.0), [1], 0, 0)
     logits = torch.randn(2, VOCAB) * 2
     rows = state.gather(torch.tensor([1, 2]))
-    probs = processed_probs(logits, rows)
+    processed, probs = processed_probs(logits, rows)
     torch.testing.assert_close(probs[0].double(), reference_filter(logits[0], 0.7, 5, 0.9, 0.05))
     assert probs[1, logits[1].argmax()] == 1.0 and probs[1].sum() == 1.0
+    # the processed logits: the sampled row's log-softmax is log(probs), the greedy row's logits
+    # are its own (its logprobs are those of the raw distribution)
+    kept = probs[0] > 0
+    torch.testing.assert_close(torch.log_softmax(processed[0], -1)[kept], probs[0][kept].log())
+    assert torch.equal(processed[1], logits[1])
     repeated = rows.repeat_interleave(3)
     assert repeated.temperature.tolist() == pytest.approx([0.7] * 3 + [0.0] * 3)
 

@@ -12,6 +12,7 @@ import torch
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.plan_arrays import parse_plan
+from gpu_worker.speculative import iteration
 from gpu_worker.speculative.target_verify import TREE_TENSORS
 from gpu_worker.stage_graph import StageGraph, StageInput
 from gpu_worker.worker import GPUWorker
@@ -95,7 +96,8 @@ def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
 def test_stages_bound_to_one_producer_share_its_outputs_without_copies(monkeypatch):
     """Alternative consumers (the accept variants) bind their inputs to the same buffers
     (`input_buffers`): the producer writes them once and either consumer reads them in
-    place; a buffer of the wrong shape or dtype is refused."""
+    place; a bound input passed from elsewhere, or a buffer of the wrong shape or dtype, is
+    refused."""
     seen = []
 
     def consumer(name):
@@ -132,6 +134,8 @@ def test_stages_bound_to_one_producer_share_its_outputs_without_copies(monkeypat
     assert copies == [torch.Size([4])] * 2  # each stage's own output (its bucket), no input
     assert [s[0] for s in seen] == ["b", "a"]
     assert seen[0][1:] == (4, [5, 6, 7, 1], [[4, 4], [5, 5], [6, 6], [0, 0]])
+    with pytest.raises(ValueError, match="input x is bound to another stage's buffer"):
+        second({"x": torch.tensor([1, 2]), "y": out["y"][:2]}, [0] * 2)  # not in place
     with pytest.raises(ValueError, match="input y is bound to a torch.int64 tensor"):
         StageGraph("wrong", consumer("c"), specs, 4, cpu, capture=False,
                    input_buffers={"y": torch.zeros(4, 2, dtype=torch.int64)})  # fmt: skip
@@ -220,13 +224,15 @@ def test_graphed_stages_keep_greedy_output(models, mtp_target, algorithm, steps,
     assert all(1 <= n <= steps + 1 for n in counts)
 
 
-def serve_mixed(config, prompts, requests):
+def serve_mixed(config, prompts, requests, inspect=None):
     """Serve prompts with per-request (max_new_tokens, extra SamplingParams fields, logprobs)
     to the end; returns each request's tokens and logprobs. Without the overlap schedule,
     checks after every decode step that each row's `RowState` holds the last token it emitted
     and the committed length (prompt + tokens emitted so far - 1), and that the dummy row 0
-    holds token 0 at length 0."""
+    holds token 0 at length 0. inspect(worker) runs once the worker is built."""
     worker = GPUWorker(config)
+    if inspect is not None:
+        inspect(worker)
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     for i, (prompt, (limit, extra, logprobs)) in enumerate(zip(prompts, requests, strict=True)):
         params = SamplingParams(max_new_tokens=limit, ignore_eos=True, **extra)
@@ -269,22 +275,32 @@ PENALISED = {"temperature": 0.0, "frequency_penalty": 0.6}
 
 @pytest.mark.parametrize("requests", [
     # sampled and penalised requests end first: greedy batches (with and without logprobs)
-    # follow batches that accept eagerly, as the batch shrinks through the buckets
+    # follow batches that run an accept stage, as the batch shrinks through the buckets
     [(30, GREEDY, False), (24, GREEDY, False), (9, SAMPLED, False), (12, PENALISED, False),
      (16, GREEDY, True)],
     # a sampled request whose long prompt is still being prefilled joins greedy batches
     [(20, GREEDY, False), (20, GREEDY, True), (14, SAMPLED, False)],
 ])  # fmt: skip
-def test_graphed_stages_serve_mixed_batches_like_direct_calls(models, requests):
+def test_graphed_stages_serve_mixed_batches_like_direct_calls(models, requests, monkeypatch):
     """Greedy batches chain the propose stage's outputs into the extend stage's inputs; other
-    batches accept eagerly and copy theirs. Batches of either kind, in any order and size,
-    give the tokens and logprobs of the unpadded direct calls."""
+    batches run an accept stage that reads the propose stage's outputs in place and writes
+    the extend stage's inputs over them (penalised ones directly). Batches of either kind, in
+    any order and size, give the tokens and logprobs of the unpadded direct calls. The accept
+    graphs are captured for buckets of up to 2 requests here (12 tree nodes), so the larger
+    buckets run their padded path eagerly."""
+    monkeypatch.setattr(iteration, "ACCEPT_GRAPH_ROWS", 12)
     prompts = random_prompts(seed=12, n=len(requests))
     prompts[-1] = prompts[-1] * 4  # the last prompt is long: prefilled in several chunks
     def serve(graph_max_bs, overlap=True):
         config = make_config(models["target"], "EAGLE", models["eagle"], 3, 2, 6, page_size=4,
                              chunk=8, graph_max_bs=graph_max_bs, overlap=overlap)  # fmt: skip
-        return serve_mixed(config, prompts, requests)
+        return serve_mixed(config, prompts, requests, inspect)
+
+    def inspect(worker):
+        for name, stage in worker.spec.accept_stages.items():
+            captured = sorted(getattr(stage, "graphs", {}))
+            graphed = DEVICE == "cuda" and isinstance(stage, StageGraph)
+            assert captured == ([1, 2] if graphed else []), name
 
     direct_tokens, direct_logprobs = serve(0)
     graphed_tokens, graphed_logprobs = serve(8)

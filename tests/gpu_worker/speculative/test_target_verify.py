@@ -97,10 +97,10 @@ def test_a_greedy_row_of_a_sampled_batch_gets_its_logprobs_as_plain_decoding_doe
     tree, logits = tree_and_logits(seed=0, bs=2, vocab=vocab)
     result, step = accept_and_read(sampling, tree, logits, torch.tensor([1, 2]),
                                    ACCEPT_FLAGS["sample"])  # fmt: skip
-    width = step.tokens.shape[1]
     for b, temperature in ((0, 1.0), (1, 0.5)):
         nodes = result.accept_index[b][: int(step.accept_lens[b])]
         want = torch.log_softmax(logits[nodes] / temperature, -1)
         want = want.gather(1, step.tokens[b, : len(nodes), None]).squeeze(1)
         torch.testing.assert_close(step.logprobs[b, : len(nodes)], want)
-        assert len(nodes) <= width
+    greedy_nodes = result.accept_index[0][: int(step.accept_lens[0])]
+    assert torch.equal(step.tokens[0, : len(greedy_nodes)], logits[greedy_nodes].argmax(-1))
