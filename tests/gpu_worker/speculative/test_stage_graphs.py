@@ -55,6 +55,19 @@ def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
     assert big["out"].tolist() == [10 * r for r in range(1, 8)] and seen[-1][0] == 7  # direct
 
 
+def count_copies(monkeypatch) -> list[torch.Size]:
+    """From now on, the shape of every tensor `copy_` writes into, in order."""
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counting(self, *args, **kwargs):
+        copies.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    return copies
+
+
 def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
     """A stage whose outputs are bound to the next stage's inputs writes them there; passing
     them on copies nothing, and padded rows carry what the first stage computed for the dummy."""
@@ -77,14 +90,7 @@ def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
     out = first({"rows": torch.tensor([5, 6, 7])}, [0] * 3)
     assert out["x"].data_ptr() == second.inputs["x"].data_ptr()
     assert out["own"].data_ptr() != second.inputs["x"].data_ptr()
-    copies = []
-    original = torch.Tensor.copy_
-
-    def counting(self, *args, **kwargs):
-        copies.append(self.shape)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    copies = count_copies(monkeypatch)
     second({"x": out["x"], "y": out["y"]}, [0] * 3)
     assert copies == []
     # bucket 4: the padded row holds what the first stage made of the dummy row 0
@@ -120,14 +126,7 @@ def test_stages_bound_to_one_producer_share_its_outputs_without_copies(monkeypat
     producer = StageGraph("producer", make, {"rows": StageInput()}, 4, cpu, capture=False,
                           output_buffers=dict(first.inputs))  # fmt: skip
     out = producer({"rows": torch.tensor([4, 5, 6])}, [0] * 3)
-    copies = []
-    original = torch.Tensor.copy_
-
-    def counting(self, *args, **kwargs):
-        copies.append(self.shape)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    copies = count_copies(monkeypatch)
     for stage in (second, first):
         z = stage({"x": out["x"], "y": out["y"]}, [0] * 3)["z"]
         assert z.tolist() == [10, 12, 14]
