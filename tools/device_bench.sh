@@ -339,6 +339,24 @@ if [[ $1 == spec-graphs ]]; then
   # limit of rows that run the fused projection kernel (bench_speculative.py --fused-rows).
   # PYSPY_S=6 (py-spy among the carried wheels): host profiles of plain steps and of each
   # shape's iterations at the first batch size (host_profile_iter_*.txt).
+  # KERNEL_TESTS=1 first runs the kernel tests on CUDA, the PDL graphs bit for bit and the model
+  # runner's kernel choices. DECODE_BASELINE=DIR (an older tree, e.g. .device-carry/old): the
+  # plain graphed decode step at DECODE_BS of this tree, then of that one, in the same call
+  # (decode_{new,old}.json).
+  [[ -z ${KERNEL_TESTS:-} ]] || timeout ${KERNEL_S:-240} python -m pytest tests/gpu_worker/kernels \
+    tests/gpu_worker/test_cuda.py tests/gpu_worker/test_model_runner.py -q -p no:cacheprovider \
+    > "$OUT/kernel_tests.txt" 2>&1; [[ -z ${KERNEL_TESTS:-} ]] || tail -5 "$OUT/kernel_tests.txt"
+  if [[ -n ${DECODE_BASELINE:-} ]]; then
+    root=$PWD
+    for tree in "$root" "$DECODE_BASELINE"; do
+      tag=new; [[ $tree == "$root" ]] || tag=old
+      echo "== bench_decode, $tag tree"
+      (cd "$tree" && timeout ${BENCH_S:-240} python benchmarks/bench_decode.py --models \
+        "$root/.device-carry/smollm2-config" --load-format dummy --batch-size ${DECODE_BS:-1,4,8} \
+        --decode-steps 64 --variants triton+graph --prompt-len 256 --warmup-steps 8 --repeats 3 \
+        --output "$OUT/decode_$tag.json" 2>&1 | grep -v "^\[" | tail -6)
+    done
+  fi
   [[ ${SKIP_UNIT:-0} == 1 ]] || AERIE_SPEC_TEST_DEVICE=cuda timeout ${UNIT_S:-300} python -m pytest \
     tests/gpu_worker/speculative tests/gpu_worker/test_worker.py tests/gpu_worker/attention \
     -q -p no:cacheprovider \
