@@ -343,9 +343,11 @@ if [[ $1 == spec-graphs ]]; then
   # runner's kernel choices. DECODE_BASELINE=DIR (an older tree, e.g. .device-carry/old): the
   # plain graphed decode step at DECODE_BS of this tree, then of that one, in the same call
   # (decode_{new,old}.json).
-  [[ -z ${KERNEL_TESTS:-} ]] || timeout ${KERNEL_S:-240} python -m pytest tests/gpu_worker/kernels \
-    tests/gpu_worker/test_cuda.py tests/gpu_worker/test_model_runner.py -q -p no:cacheprovider \
-    > "$OUT/kernel_tests.txt" 2>&1; [[ -z ${KERNEL_TESTS:-} ]] || tail -5 "$OUT/kernel_tests.txt"
+  if [[ -n ${KERNEL_TESTS:-} ]]; then
+    timeout ${KERNEL_S:-240} python -m pytest tests/gpu_worker/kernels tests/gpu_worker/test_cuda.py \
+      tests/gpu_worker/test_model_runner.py -q -p no:cacheprovider > "$OUT/kernel_tests.txt" 2>&1
+    tail -5 "$OUT/kernel_tests.txt"
+  fi
   if [[ -n ${DECODE_BASELINE:-} ]]; then
     root=$PWD
     for tree in "$root" "$DECODE_BASELINE"; do
