@@ -59,11 +59,33 @@ def _generate_all(url: str, requests: list[tuple[list[int], int]]) -> list[dict]
         return list(pool.map(one, requests))
 
 
-def check_parity(model_dir: str, url: str, vocab: int, seed: int) -> list[dict]:
-    """Greedy outputs of NUM_REQUESTS concurrent requests equal transformers'; returns the
-    responses."""
+def _generate_batch(url: str, requests: list[tuple[list[int], int]]) -> list[dict]:
+    """All requests in one /generate batch: they reach the scheduler together, whatever the
+    load on the machine running the test (separate HTTP requests can arrive spread out)."""
+    body = {
+        "input_ids": [ids for ids, _ in requests],
+        "sampling_params": [
+            {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+            for _, max_new in requests
+        ],
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    outputs = r.json()
+    assert len(outputs) == len(requests)
+    for (_, max_new), out in zip(requests, outputs, strict=True):
+        assert out["meta_info"]["completion_tokens"] == max_new
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+    return outputs
+
+
+def check_parity(
+    model_dir: str, url: str, vocab: int, seed: int, one_batch: bool = False
+) -> list[dict]:
+    """Greedy outputs of NUM_REQUESTS concurrent requests (separate HTTP requests, or one batch
+    with one_batch) equal transformers'; returns the responses."""
     requests = _requests(vocab, seed)
-    outputs = _generate_all(url, requests)
+    outputs = (_generate_batch if one_batch else _generate_all)(url, requests)
     for (ids, max_new), got in zip(requests, outputs, strict=True):
         assert got["output_ids"] == hf_greedy(model_dir, ids, max_new), f"prompt {ids}"
     return outputs
