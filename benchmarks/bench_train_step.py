@@ -11,7 +11,11 @@ the part the target's forward takes, and the response tokens learned per second.
 the kernel launches per step are printed (what to optimise next); --check-target (CUDA) first
 compares the target's outputs on the server's Triton kernels with its torch references. The
 learning rate is zero: the weights stay the same from step to step, only the timings matter,
-and each --losses variant (fused or reference soft cross-entropy) must give the same loss.
+and each variant must give the same loss: --losses (fused or reference soft cross-entropy) and
+--windows (`on`: an unrolled chain's later steps only over each row's response window, as
+training runs them; `off`: over every position). --prompt-spread draws each row's prompt
+length uniformly within +-spread x length of the mean, as chat data's vary (a batch's window
+is as wide as its longest response needs).
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ from training.tokens import TokenFile  # noqa: E402
 from training.train import TrainConfig, Trainer, synchronize  # noqa: E402
 
 
-def synthetic_data(path: str, rows: int, length: int, prompt_frac: float, vocab: int) -> None:
+def synthetic_data(
+    path: str, rows: int, length: int, prompt_frac: float, spread: float, vocab: int
+) -> None:
     """`rows` training sequences and one dev sequence of random tokens."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1, vocab, size=length) for _ in range(rows + 1)]
-    prompt = [max(1, int(length * prompt_frac))] * (rows + 1)
+    fracs = rng.uniform(prompt_frac - spread, prompt_frac + spread, size=rows + 1)
+    prompt = [min(max(1, int(length * f)), length - 1) for f in fracs]
     dev = np.zeros(rows + 1, dtype=bool)
     dev[-1] = True
     TokenFile.from_sequences(seqs, prompt, dev=dev).save(path)
@@ -50,7 +57,7 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
     data = f"{work}/{algorithm}_{shape}.npz"
     with open(Path(args.model) / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
-    synthetic_data(data, n_rows, length, args.prompt_frac, vocab)
+    synthetic_data(data, n_rows, length, args.prompt_frac, args.prompt_spread, vocab)
     cfg = TrainConfig(algorithm=algorithm, model=args.model, data=data,
                       out=f"{work}/{algorithm}_{shape}", lr=0.0, total_steps=10**6,
                       tokens_per_batch=n_rows * length, max_len=length,
@@ -61,8 +68,11 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
     if args.check_target and trainer.device.type == "cuda":  # the CPU runs the references only
         check = check_target(trainer, rows)
     results = []
-    for loss in args.losses.split(","):
+    variants = [(loss, window) for loss in args.losses.split(",")
+                for window in args.windows.split(",")]  # fmt: skip
+    for loss, window in variants:
         set_fused_on_gpu(loss == "fused")
+        trainer.window = window == "on"
         if trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         for _ in range(args.warmup):
@@ -70,7 +80,8 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
         steps = [trainer.train_step(rows) for _ in range(args.steps)]
         step_ms = statistics.median(1e3 * m["step_s"] for m in steps)
         result = {
-            "algorithm": algorithm, "shape": shape, "loss": loss, "step_ms": step_ms,
+            "algorithm": algorithm, "shape": shape, "loss": loss, "window": window,
+            "step_ms": step_ms,
             "target_ms": statistics.median(1e3 * m["target_s"] for m in steps),
             "learned_tokens_per_s": steps[0]["tokens"] / (step_ms / 1e3),
             "total_loss": steps[-1]["total"], "acc": steps[-1]["acc"], "target_check": check,
@@ -81,6 +92,7 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
             result["profile"] = profile(trainer, rows, args.profile_steps, args.top)
         results.append(result)
     set_fused_on_gpu(True)
+    trainer.window = True
     return results
 
 
@@ -136,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="eagle3,mtp,eagle")
     parser.add_argument("--shapes", default="16x1024")
     parser.add_argument("--prompt-frac", type=float, default=0.3)
+    parser.add_argument("--prompt-spread", type=float, default=0.0)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=0)
@@ -145,11 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--losses", default="fused",
                         help="soft cross-entropy variants to time on the same rows, comma-"
                         "separated: fused (Triton kernels on a GPU), reference (torch)")
+    parser.add_argument("--windows", default="on",
+                        help="later unrolled steps over the response window (on) or every "
+                        "position (off), comma-separated")
     parser.add_argument("--output", default="")
     args = parser.parse_args(argv)
-    unknown = set(args.losses.split(",")) - {"fused", "reference"}
-    if unknown:
-        parser.error(f"--losses: unknown {', '.join(sorted(unknown))} (fused, reference)")
+    for option, known in (("losses", {"fused", "reference"}), ("windows", {"on", "off"})):
+        unknown = set(getattr(args, option).split(",")) - known
+        if unknown:
+            parser.error(f"--{option}: unknown {', '.join(sorted(unknown))} "
+                         f"({', '.join(sorted(known))})")  # fmt: skip
+    if not 0 <= args.prompt_spread <= min(args.prompt_frac, 1 - args.prompt_frac):
+        parser.error("--prompt-spread must keep every prompt fraction within [0, 1]")
     results = []
     disagree = []
     with tempfile.TemporaryDirectory() as work:
@@ -164,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 if variants[0]["target_check"]:
                     print(f"  target, Triton against references: {variants[0]['target_check']}")
                 for r in variants:
-                    print(f"{algorithm:7s} {shape:>8s} {r['loss']:9s}  step {r['step_ms']:7.1f} ms"
+                    print(f"{algorithm:7s} {shape:>8s} {r['loss']:9s} window {r['window']:3s}"
+                          f"  step {r['step_ms']:7.1f} ms"
                           f"  target {r['target_ms']:6.1f} ms  "
                           f"{r['learned_tokens_per_s'] / 1e3:7.1f}k learned tok/s  loss "
                           f"{r['total_loss']:.5f}  ({time.perf_counter() - began:.0f} s)",
@@ -180,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)
     if disagree:
-        print("the --losses variants gave different losses on the same rows:", *disagree,
+        print("the variants gave different losses on the same rows:", *disagree,
               sep="\n  ")  # fmt: skip
         return 1
     return 0

@@ -60,7 +60,8 @@ if [[ $1 == train ]]; then
   #      (SMOKE=1, with .device-carry/smollm2-shape: generation and training speed on random
   #      weights of the default model's shape meanwhile)
   #   b: carry .device-carry/model2 .device-carry/train_b .device-carry/on_device.sh; then
-  #      GENERATE_MIN=6 (from prompts) and/or ALGOS="eagle3:9" (algorithm:minutes pairs)
+  #      GENERATE_MIN=6 (from prompts; GEN_SEED: the sampled answers' seed, 0 unless set)
+  #      and/or ALGOS="eagle3:9" (algorithm:minutes pairs)
   #   c, d, ...: carry nothing, ALGOS="mtp:5 eagle:4" (--resume continues a run), BENCH=1
   # With .device-carry/train_a/mtbench.npz (MT-bench's first turns: `python3 -m training prompts
   # --benchmark-first-turns`) the target answers it once the model is here, and each trained
@@ -104,7 +105,8 @@ if [[ $1 == train ]]; then
   if [[ -n ${GENERATE_MIN:-} && ! -f $work/data.npz ]]; then
     python -m training generate --model "$model" --prompts "$work/prompts_a.npz,$work/prompts_b.npz" \
       --out "$work/data.npz" --max-minutes "$GENERATE_MIN" --batch-size ${GEN_BS:-256} \
-      --max-new-tokens ${MAX_NEW:-768} --sampled-per-prompt ${SAMPLED:-1} 2>&1 \
+      --max-new-tokens ${MAX_NEW:-768} --sampled-per-prompt ${SAMPLED:-1} \
+      ${GEN_SEED:+--seed $GEN_SEED} 2>&1 \
       | tee "$OUT/generate.log" | grep -v "^generated" | tail -3
   fi
   if [[ -f $work/mtbench.npz && ! -f $work/mtbench_answers.npz ]]; then
@@ -215,8 +217,10 @@ if [[ $1 == train-step ]]; then
   # weights of the default model's shape: carry .device-carry/wheels .device-carry/smollm2-config
   # .device-carry/on_device.sh, and .device-carry/train_a (prompts_a.npz) for the generation
   # speed. TESTS=1 first runs the CUDA tests and the CUDA parity suite. Each shape runs with
-  # every STEP_LOSSES variant of the soft cross-entropy (reference, fused) on the same rows,
-  # the baseline of the comparison; their losses must agree (the benchmark fails otherwise).
+  # every STEP_LOSSES variant of the soft cross-entropy (reference, fused) and STEP_WINDOWS
+  # variant (on, off: the later unrolled steps over the response window or every position) on
+  # the same rows, the baseline of the comparison; their losses must agree (the benchmark fails
+  # otherwise). STEP_PROMPT="frac spread": each row's prompt share (default 0.3, no spread).
   # STEP_SHAPES, STEP_ALGOS; GEN_BS_LIST: generation batch sizes, each timed over one wave of
   # that many answers of MAX_NEW tokens.
   shape=${STEP_MODEL:-.device-carry/smollm2-config}  # config.json is all it reads
@@ -228,7 +232,9 @@ if [[ $1 == train-step ]]; then
   fi
   step_args=(--model $shape --load-format dummy --algorithms ${STEP_ALGOS:-eagle3,mtp}
              --shapes ${STEP_SHAPES:-16x1024,32x512,8x2048} --steps 6 --warmup 2
-             --losses ${STEP_LOSSES:-reference,fused})
+             --losses ${STEP_LOSSES:-reference,fused} --windows ${STEP_WINDOWS:-on})
+  read -r prompt_frac prompt_spread <<< "${STEP_PROMPT:-0.3 0}"
+  step_args+=(--prompt-frac $prompt_frac --prompt-spread $prompt_spread)
   python benchmarks/bench_train_step.py "${step_args[@]}" --check-target --profile-steps 2 \
     --output "$OUT/train_step.json" 2>&1 | grep -vE "^(eagle3|mtp|eagle): |draft vocab|USDT|Writing"
   for bs in ${GEN_BS_LIST:-}; do

@@ -15,6 +15,8 @@ the keys that position t produced at steps 1..i (the earlier draft steps of the 
     step i, query t:   keys(step 0)[0..t]  +  keys(step 1)[t] + ... + keys(step i)[t]
 
 which is exactly what the serving draft loop attends to after a draft extend ending at t.
+Steps i >= 1 may run over a window of each row instead (`later`: the row positions t they run
+at, [B, W]); their keys are then laid out per window position, and the diagonal is the window's.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ class UnrolledAttention:
     One instance serves one model over one batch: call the model for step 0, `next_step()`,
     call it again for step 1, and so on. It keeps each layer's keys of every step so far."""
 
-    def __init__(self, batch_size: int, seq_len: int) -> None:
+    def __init__(self, batch_size: int, seq_len: int, later: torch.Tensor | None = None) -> None:
+        """later: [B, W] the row positions steps >= 1 run at (None: every position, W = T)."""
         self.batch_size, self.seq_len = batch_size, seq_len
+        self.later = later
         self.step = 0
         self._kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._masks: dict[int, torch.Tensor] = {}
@@ -76,20 +80,25 @@ class UnrolledAttention:
         self.step += 1
 
     def mask(self, step: int, device: torch.device) -> torch.Tensor:
-        """[T, (step + 1) T] bool, True = may attend: causal over step 0's keys, then the
-        diagonal of each later step's keys."""
+        """[B or 1, 1, W, T + step W] bool, True = may attend: step 0's keys of positions <= the
+        query's row position, then the diagonal of each later step's keys."""
         if step not in self._masks:
             t = self.seq_len
-            causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-            diagonal = torch.eye(t, dtype=torch.bool, device=device)
-            self._masks[step] = torch.cat([causal] + [diagonal] * step, dim=1)
+            later = self.later
+            if later is None:
+                later = torch.arange(t, device=device)[None, :]
+            prefix = torch.arange(t, device=device)[None, None, :] <= later[:, :, None]
+            diagonal = torch.eye(later.shape[1], dtype=torch.bool, device=device)
+            diagonal = diagonal.repeat(1, step).expand(later.shape[0], -1, -1)
+            self._masks[step] = torch.cat([prefix, diagonal], dim=2)[:, None]
         return self._masks[step]
 
     def attend(
         self, qkv: torch.Tensor, layer: AttentionLayer, batch: DenseBatch, rope: RopeArgs
     ) -> torch.Tensor:
-        """qkv [B * T, (H + 2 KH) D] -> o [B * T, H * D]."""
-        b, t = self.batch_size, self.seq_len
+        """qkv [B * W, (H + 2 KH) D] -> o [B * W, H * D] (W = T at step 0)."""
+        b = self.batch_size
+        w = qkv.shape[0] // b
         q, k, v = split_rotate(qkv, layer, batch.positions, rope)
         kv = self._kv.setdefault(layer.layer_id, [])
         if len(kv) != self.step:
@@ -97,8 +106,8 @@ class UnrolledAttention:
                 f"layer {layer.layer_id} ran {len(kv)} times before step {self.step}"
             )
 
-        def heads_first(x: torch.Tensor) -> torch.Tensor:  # [B * T, h, D] -> [B, h, T, D]
-            return x.reshape(b, t, x.shape[1], x.shape[2]).transpose(1, 2)
+        def heads_first(x: torch.Tensor) -> torch.Tensor:  # [B * W, h, D] -> [B, h, W, D]
+            return x.reshape(b, w, x.shape[1], x.shape[2]).transpose(1, 2)
 
         kv.append((heads_first(k), heads_first(v)))
         group = layer.num_heads // layer.num_kv_heads
@@ -114,7 +123,7 @@ class UnrolledAttention:
             o = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=layer.scaling
             )
-        return o.transpose(1, 2).reshape(b * t, -1)  # [B * T, H * D]
+        return o.transpose(1, 2).reshape(b * w, -1)  # [B * W, H * D]
 
 
 def dense_batch(

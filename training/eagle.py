@@ -40,11 +40,13 @@ class EagleRecipe(Recipe):
         self.draft = self._attach(self._build(arch_config_from_dict(self.config)))
         self.modules = [self.draft]
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
+    def unroll(
+        self, rows: Rows, teacher: TargetOutputs, depth: int = 0, window: bool = False
+    ) -> list[StepOutput]:
         hidden = teacher.hidden
         if self.training:
             hidden = hidden + torch.empty_like(hidden).uniform_(-NOISE, NOISE)
-        return unroll_chain(self.draft, rows, hidden, depth or self.depth)
+        return unroll_chain(self.draft, rows, hidden, depth or self.depth, window)
 
     def step_loss(
         self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor,

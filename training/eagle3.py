@@ -67,9 +67,11 @@ class Eagle3Recipe(Recipe):
     def step_weights(self) -> list[float]:
         return [STEP_DECAY**i for i in range(self.depth)]
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
+    def unroll(
+        self, rows: Rows, teacher: TargetOutputs, depth: int = 0, window: bool = False
+    ) -> list[StepOutput]:
         assert teacher.aux is not None, "EAGLE-3 reads the target's aux features"
-        return unroll_chain(self.draft, rows, teacher.aux, depth or self.depth)
+        return unroll_chain(self.draft, rows, teacher.aux, depth or self.depth, window)
 
     def teacher_distribution(self, teacher: TargetOutputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The target renormalised over the draft vocabulary; no loss where the target's own

@@ -57,7 +57,11 @@ class MTPRecipe(Recipe):
         weights = [ratio**k for k in range(self.depth)]
         return [w / sum(weights) for w in weights]
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
+    def unroll(
+        self, rows: Rows, teacher: TargetOutputs, depth: int = 0, window: bool = False
+    ) -> list[StepOutput]:
+        """Every layer over every position (`window` is ignored): each attends causally to
+        its own keys of the whole row."""
         b, t = rows.shape
         outs = []
         for k, layer in enumerate(self.layers[: depth or self.depth]):

@@ -78,31 +78,43 @@ def draft_config(target_config: dict, architecture: str, **extra) -> dict:
     return {**config, **extra}
 
 
-def teacher_index(rows: Rows, shift: int) -> torch.Tensor:
-    """[B * T] flat index of position t + shift in the same row (clamped inside the row)."""
+def teacher_index(rows: Rows, shift: int, at: torch.Tensor | None = None) -> torch.Tensor:
+    """[B * W] flat index of position t + shift in the same row (clamped inside the row), at
+    the row positions `at` [B, W] (default: every position)."""
     b, t = rows.shape
-    u = rows.positions(shift).clamp(max=t - 1)
-    return (u + torch.arange(b, device=u.device)[:, None] * t).reshape(-1)
+    u = (rows.positions() if at is None else at) + shift
+    return (u.clamp(max=t - 1) + torch.arange(b, device=u.device)[:, None] * t).reshape(-1)
 
 
 def unroll_chain(
-    draft: nn.Module, rows: Rows, hidden: torch.Tensor, depth: int
+    draft: nn.Module, rows: Rows, hidden: torch.Tensor, depth: int, window: bool = False
 ) -> list[StepOutput]:
     """A one-layer draft `depth` steps deep (the training-time test): step 1 at row position t reads
     ids[t + 1] and `hidden` [B, T, H_in] at t, step s > 1 reads ids[t + s] and the draft's own
     output of step s - 1, at position t + s - 1, attending to step 1's keys of positions <= t
     and to its own earlier steps at t (`UnrolledAttention`): the serving draft loop's inputs
-    after a verified prefix ending at t, for as long as its proposals are right."""
+    after a verified prefix ending at t, for as long as its proposals are right.
+
+    Step 1 runs over every position (its keys are every later step's prefix). With `window`,
+    steps 2..depth run only over `Rows.window(depth)`, where they can learn: the same losses
+    at every position that learns, without the prompt positions (over half of the tokens of
+    chat data). Their `StepOutput`s are then laid out [B * W], not [B * T]."""
     b, t = rows.shape
-    backend = UnrolledAttention(b, t)
+    later = rows.window(depth) if window and depth > 1 else None
+    backend = UnrolledAttention(b, t, later)
+    at = rows.positions()
     outs = []
     for i in range(depth):
         shift = i + 1
-        batch = dense_batch(rows.shifted_ids(shift), rows.positions(i), backend, hidden)
-        h = draft(batch)  # [B * T, H]
-        outs.append(StepOutput(h, draft.compute_logits, rows.learns(shift).reshape(-1),
-                               teacher_index(rows, shift)))  # fmt: skip
-        hidden = h.reshape(b, t, -1)
+        if i == 1 and later is not None:
+            at = later
+            index = at.clamp(max=t - 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
+            hidden = hidden.gather(1, index)
+        batch = dense_batch(rows.shifted_ids(shift, at), at + i, backend, hidden)
+        h = draft(batch)  # [B * W, H]
+        outs.append(StepOutput(h, draft.compute_logits, rows.learns(shift, at).reshape(-1),
+                               teacher_index(rows, shift, at)))  # fmt: skip
+        hidden = h.reshape(b, at.shape[1], -1)
         backend.next_step()
     return outs
 
@@ -130,8 +142,11 @@ class Recipe:
     modules: list[nn.Module]
     aux_layers: list[int] = []
 
-    def unroll(self, rows: Rows, teacher: TargetOutputs, depth: int = 0) -> list[StepOutput]:
-        """The draft's first `depth` steps (0: all) over the rows."""
+    def unroll(
+        self, rows: Rows, teacher: TargetOutputs, depth: int = 0, window: bool = False
+    ) -> list[StepOutput]:
+        """The draft's first `depth` steps (0: all) over the rows; with `window`, an unrolled
+        chain's later steps only where they can learn (`unroll_chain`)."""
         raise NotImplementedError
 
     def teacher_distribution(
@@ -199,14 +214,17 @@ class Recipe:
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters() if p.requires_grad]
 
-    def losses(self, rows: Rows, teacher: TargetOutputs) -> tuple[torch.Tensor, dict]:
+    def losses(
+        self, rows: Rows, teacher: TargetOutputs, window: bool = True
+    ) -> tuple[torch.Tensor, dict]:
         """The weighted loss over all steps (None when no position of the batch learns), and
-        per-step loss and accuracy (the draft's choice equals the target's)."""
+        per-step loss and accuracy (the draft's choice equals the target's); `window`: see
+        `unroll_chain` (the same values either way)."""
         total = None
         per_step = torch.zeros(2, self.depth, device=self.device)  # loss, accuracy
         missing = torch.zeros((), dtype=torch.bool, device=self.device)  # a row not computed
         probs, reachable = self.teacher_distribution(teacher)
-        outs = self.unroll(rows, teacher)
+        outs = self.unroll(rows, teacher, window=window)
         for s, (out, weight) in enumerate(zip(outs, self.step_weights(), strict=True)):
             where = out.learns.nonzero().squeeze(1)
             if where.numel() == 0:

@@ -4,6 +4,10 @@ Every recipe lines its draft up the same way. At draft step s (1-based; an MTP l
 k + 1) the draft's row position t reads the token ids[t + s] and learns the target's next-token
 distribution at position u = t + s, i.e. it predicts ids[u + 1]. A position counts when that
 predicted token is a response token that exists: prompt_len <= u + 1 <= length - 1.
+
+The helpers take the row positions `at` [B, W] they are asked about (default: every position of
+every row), so that an unrolled chain's later steps can run over a window of each row
+(`Rows.window`): a chain's steps after the first learn nothing from anchors deep in the prompt.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from training.tokens import TokenFile
 
 # Rows are padded to a multiple of this (fewer distinct shapes, kinder to the kernels).
 PAD_MULTIPLE = 64
+WINDOW_MULTIPLE = 16  # `Rows.window` widths (attention masks with aligned key counts)
 
 
 @dataclass
@@ -35,16 +40,29 @@ class Rows:
         b, t = self.shape
         return (torch.arange(t, device=self.ids.device) + offset).expand(b, t)
 
-    def shifted_ids(self, shift: int) -> torch.Tensor:
-        """[B, T]: ids[t + shift] (0 past the end)."""
-        out = torch.zeros_like(self.ids)
-        out[:, : self.ids.shape[1] - shift] = self.ids[:, shift:]
-        return out
+    def shifted_ids(self, shift: int, at: torch.Tensor | None = None) -> torch.Tensor:
+        """ids[t + shift] at the row positions `at` [B, W] (default: every position; 0 past
+        the end of the padded row)."""
+        at = self.positions() if at is None else at
+        t = self.ids.shape[1]
+        index = at + shift
+        return torch.where(index < t, self.ids.gather(1, index.clamp(max=t - 1)), 0)
 
-    def learns(self, shift: int) -> torch.Tensor:
-        """[B, T] bool: row position t learns at draft step `shift` (see the module docstring)."""
-        predicted = self.positions(shift + 1)  # u + 1
+    def learns(self, shift: int, at: torch.Tensor | None = None) -> torch.Tensor:
+        """bool at the row positions `at` [B, W] (default: every position): whether t learns
+        at draft step `shift` (see the module docstring)."""
+        predicted = (self.positions() if at is None else at) + shift + 1  # u + 1
         return (predicted >= self.prompt_lens[:, None]) & (predicted <= self.lengths[:, None] - 1)
+
+    def window(self, depth: int) -> torch.Tensor:
+        """[B, W] the row positions where steps 2..depth of a chain can learn: from
+        prompt_len - depth - 1 (the first anchor whose last step predicts a response token) on,
+        W the most any row needs (a multiple of WINDOW_MULTIPLE). Positions past a row's end
+        learn nothing."""
+        start = (self.prompt_lens - depth - 1).clamp(min=0)
+        width = int((self.lengths - start).max())
+        width = -(-width // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+        return start[:, None] + torch.arange(width, device=self.ids.device)
 
     def teaches(self) -> torch.Tensor:
         """[B, T] bool: the target's distribution at position u is what some draft step learns

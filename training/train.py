@@ -265,6 +265,10 @@ class Trainer:
             self._order = (epoch, list(epoch_order(self.batches, epoch, self.cfg.seed)))
         return self._order[1]
 
+    # An unrolled chain's later steps run only where they can learn (`unroll_chain`); off only
+    # to measure what that saves (bench_train_step.py --windows).
+    window = True
+
     def train_step(self, rows: Rows) -> dict | None:
         """One optimiser step on a batch -> its metrics (None: nothing in it learns)."""
         rows = rows.to(self.device)
@@ -276,7 +280,7 @@ class Trainer:
         synchronize(self.device)
         target_s = time.perf_counter() - start
         with autocast(self.device):
-            loss, metrics = self.recipe.losses(rows, teacher)
+            loss, metrics = self.recipe.losses(rows, teacher, window=self.window)
         if loss is None:
             return None
         loss.backward()

@@ -1,6 +1,6 @@
 """benchmarks/bench_train_step.py on a tiny random checkpoint, on the CPU: every algorithm and
-loss variant runs the trainer's own step on the same rows and reports it, the variants' losses
-agree, and a disagreement fails the run."""
+variant (loss, window) runs the trainer's own step on the same rows and reports it, the
+variants' losses agree, and a disagreement fails the run."""
 
 from __future__ import annotations
 
@@ -39,17 +39,19 @@ def run(bench, tiny_dir: str, output, *extra: str) -> int:
 def test_every_algorithm_and_loss_variant_is_timed_on_the_same_rows(bench, tiny_dir, tmp_path,
                                                                     capsys):  # fmt: skip
     output = tmp_path / "steps.json"
-    assert run(bench, tiny_dir, output, "--profile-steps", "1") == 0
+    assert run(bench, tiny_dir, output, "--profile-steps", "1", "--windows", "on,off",
+               "--prompt-frac", "0.5", "--prompt-spread", "0.3") == 0  # fmt: skip
     results = json.loads(output.read_text())
-    assert [(r["algorithm"], r["loss"]) for r in results] == [
-        ("eagle3", "reference"), ("eagle3", "fused"), ("mtp", "reference"), ("mtp", "fused")]
+    assert [(r["algorithm"], r["loss"], r["window"]) for r in results] == [
+        (algorithm, loss, window) for algorithm in ("eagle3", "mtp")
+        for loss in ("reference", "fused") for window in ("on", "off")]  # fmt: skip
     for r in results:
         assert r["step_ms"] > r["target_ms"] > 0 and r["learned_tokens_per_s"] > 0
         assert len(r["acc"]) == {"eagle3": 7, "mtp": 3}[r["algorithm"]]  # default depths
         assert r["profile"]["kernels_per_step"] == 0  # the CPU launches no GPU kernels
     for algorithm in ("eagle3", "mtp"):  # learning rate 0: the same weights, the same loss
-        losses = {r["total_loss"] for r in results if r["algorithm"] == algorithm}
-        assert len(losses) == 1
+        losses = [r["total_loss"] for r in results if r["algorithm"] == algorithm]
+        assert losses == pytest.approx([losses[0]] * 4, rel=1e-6)
     assert "learned tok/s" in capsys.readouterr().out
 
 
@@ -64,5 +66,7 @@ def test_variants_that_disagree_fail_the_run(bench, tiny_dir, tmp_path, monkeypa
     monkeypatch.setattr(bench, "measure", drifting)
     assert run(bench, tiny_dir, tmp_path / "steps.json") == 1
     assert "different losses" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        bench.main(["--model", tiny_dir, "--losses", "fused,referense"])
+    for bad in (["--losses", "fused,referense"], ["--windows", "of"],
+                ["--prompt-frac", "0.3", "--prompt-spread", "0.4"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            bench.main(["--model", tiny_dir, *bad])

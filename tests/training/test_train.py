@@ -97,6 +97,37 @@ def test_teacher_logits_only_where_steps_learn_give_the_losses_of_every_position
         assert metrics_some[key] == pytest.approx(metrics_full[key], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
+def test_later_steps_over_the_response_window_give_the_losses_and_gradients_of_every_position(
+    algorithm, bigram_target, greedy_data
+):
+    """Training runs an unrolled chain's steps after the first only over `Rows.window`: the
+    losses, accuracies and gradients must be those of the unroll over every position (a
+    window that starts one position late, a misplaced mask or a misread hidden state changes
+    them)."""
+    data = TokenFile.load(greedy_data)
+    target = Target(bigram_target, "cpu", torch.float32)
+    recipe = build_recipe(algorithm, target, data, DEPTH[algorithm], draft_vocab=200)
+    recipe.training = False  # EAGLE's input noise off: both runs see the same inputs
+    rows = make_rows(data, np.argsort(-data.prompt_lens)[:6], max_len=256)  # the longest prompts
+    window = rows.window(recipe.depth)
+    assert (window[:, 0] > 0).all() and window.shape[1] < rows.shape[1]  # prompt positions left out
+    teacher = target.run(rows.ids, recipe.aux_layers, rows.teaches())
+    results = []
+    for windowed in (True, False):
+        for p in recipe.parameters():
+            p.grad = None
+        loss, metrics = recipe.losses(rows, teacher, window=windowed)
+        loss.backward()
+        results.append((loss.detach(), metrics, [p.grad.clone() for p in recipe.parameters()]))
+    (loss_w, metrics_w, grads_w), (loss_f, metrics_f, grads_f) = results
+    torch.testing.assert_close(loss_w, loss_f)
+    for key in ("loss", "acc"):
+        assert metrics_w[key] == pytest.approx(metrics_f[key], rel=1e-5, abs=1e-6)
+    for a, b in zip(grads_w, grads_f, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(
     bigram_target, greedy_data, tmp_path, device
