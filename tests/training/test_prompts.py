@@ -89,6 +89,17 @@ def test_later_turns_carry_the_sharegpt_history_up_to_max_turns():
         [user_msg("h1"), assistant_msg("g1"), user_msg("h2"), assistant_msg("g2"), user_msg("h3")],
     ]
     assert len(conversation_prompts(turns, max_turns=10)) == 4
+    assert conversation_prompts(turns, max_turns=0) == conversation_prompts(turns, max_turns=4)
+
+
+def test_a_later_first_turn_takes_the_turns_an_earlier_file_left_out():
+    turns = [human("h1"), gpt("g1"), human("h2"), gpt("g2"), human("h3"), gpt("g3"), human("h4")]
+    first = conversation_prompts(turns, max_turns=2)
+    rest = conversation_prompts(turns, max_turns=0, first_turn=3)
+    assert first + rest == conversation_prompts(turns, max_turns=0)
+    assert [p[-1]["content"] for p in rest] == ["h3", "h4"] and len(rest[0]) == 5
+    assert conversation_prompts(turns, max_turns=1, first_turn=4) == [rest[1]]
+    assert conversation_prompts(turns, max_turns=0, first_turn=5) == []
 
 
 @pytest.mark.parametrize(
