@@ -105,7 +105,8 @@ if [[ $1 == train ]]; then
     python -c "from training.tokens import TokenFile as T; T.load('$work/data_a.npz,$work/data_b.npz').save('$work/data.npz')"
   fi
   if [[ -n ${GENERATE_MIN:-} && ! -f $work/data.npz ]]; then
-    prompt_files=$(ls "$work"/prompts_[a-z].npz | paste -sd,)  # a, b and any more (train_c, ...)
+    prompt_files=$(LC_ALL=C; shopt -s nullglob; f=("$work"/prompts_[a-z].npz); IFS=,; echo "${f[*]}")
+    [[ -n $prompt_files ]] || { echo "GENERATE_MIN: no prompts_?.npz carried (train_a, ...)"; exit 1; }
     python -m training generate --model "$model" --prompts "$prompt_files" \
       --out "$work/data.npz" --max-minutes "$GENERATE_MIN" --batch-size ${GEN_BS:-256} \
       --max-new-tokens ${MAX_NEW:-768} --sampled-per-prompt ${SAMPLED:-1} \
@@ -237,7 +238,7 @@ if [[ $1 == train-step ]]; then
              --shapes ${STEP_SHAPES:-16x1024,32x512,8x2048} --steps 6 --warmup 2
              --losses ${STEP_LOSSES:-reference,fused} --windows ${STEP_WINDOWS:-on})
   read -r prompt_frac prompt_spread <<< "${STEP_PROMPT:-0.3 0}"
-  step_args+=(--prompt-frac $prompt_frac --prompt-spread $prompt_spread)
+  step_args+=(--prompt-frac "${prompt_frac:-0.3}" --prompt-spread "${prompt_spread:-0}")
   python benchmarks/bench_train_step.py "${step_args[@]}" --check-target --profile-steps 2 \
     --output "$OUT/train_step.json" 2>&1 | grep -vE "^(eagle3|mtp|eagle): |draft vocab|USDT|Writing"
   for bs in ${GEN_BS_LIST:-}; do

@@ -36,8 +36,8 @@ from gpu_worker.kernels.rotary import rotate_reference
 class DenseBatch:
     """The part of `ForwardBatch` the models read, for B rows x T positions laid out flat."""
 
-    input_ids: torch.Tensor  # [B * T] int64
-    positions: torch.Tensor  # [B * T] int64
+    input_ids: torch.Tensor  # [B * W] int64 (W = T, or a windowed step's width)
+    positions: torch.Tensor  # [B * W] int64
     attn_backend: UnrolledAttention
     spec_info: SpecInput | None = None
 
@@ -81,8 +81,10 @@ class UnrolledAttention:
 
     def mask(self, step: int, device: torch.device) -> torch.Tensor:
         """[B or 1, 1, W, T + step W] bool, True = may attend: step 0's keys of positions <= the
-        query's row position, then the diagonal of each later step's keys."""
+        query's row position, then the diagonal of each later step's keys. Only the current
+        step's is kept (a windowed batch's masks are per row)."""
         if step not in self._masks:
+            self._masks.clear()
             t = self.seq_len
             later = self.later
             if later is None:

@@ -55,13 +55,15 @@ MAX_SHARD_BYTES = 15 * 2**20  # each exported file stays under 16 MiB
 
 @dataclass
 class StepOutput:
-    """One draft step over a batch. Logits are computed only where needed: `logits(index)`."""
+    """One draft step over a batch, laid out [B * W]: every row position (W = T), or a
+    windowed step's row positions (`unroll_chain`). Logits are computed only where needed:
+    `logits(index)`."""
 
-    hidden: torch.Tensor  # [B * T, H] the draft's output (its pass-back hidden)
+    hidden: torch.Tensor  # [B * W, H] the draft's output (its pass-back hidden)
     head: Callable[[torch.Tensor], torch.Tensor]  # hidden [m, H] -> logits [m, V_draft] f32
-    learns: torch.Tensor  # [B * T] bool
-    # [B * T] flat index of the teacher position u = t + s (into `teacher.hidden`; `teacher.row`
-    # maps it to the rows of the teacher's logits)
+    learns: torch.Tensor  # [B * W] bool
+    # [B * W] flat index of the teacher position u = t + s (into `teacher.hidden`, [B * T];
+    # `teacher.row` maps it to the rows of the teacher's logits)
     teacher_index: torch.Tensor
 
     def logits(self, index: torch.Tensor) -> torch.Tensor:

@@ -58,11 +58,13 @@ class Rows:
         """[B, W] the row positions where steps 2..depth of a chain can learn: from
         prompt_len - depth - 1 (the first anchor whose last step predicts a response token) on,
         W the most any row needs (a multiple of WINDOW_MULTIPLE). Positions past a row's end
-        learn nothing."""
+        learn nothing; those past the padded row repeat its last position (so rotary positions
+        stay within the row's)."""
         start = (self.prompt_lens - depth - 1).clamp(min=0)
         width = int((self.lengths - start).max())
         width = -(-width // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
-        return start[:, None] + torch.arange(width, device=self.ids.device)
+        at = start[:, None] + torch.arange(width, device=self.ids.device)
+        return at.clamp(max=self.ids.shape[1] - 1)
 
     def teaches(self) -> torch.Tensor:
         """[B, T] bool: the target's distribution at position u is what some draft step learns

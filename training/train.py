@@ -266,7 +266,8 @@ class Trainer:
         return self._order[1]
 
     # An unrolled chain's later steps run only where they can learn (`unroll_chain`); off only
-    # to measure what that saves (bench_train_step.py --windows).
+    # to measure what that saves (bench_train_step.py --windows). Not a TrainConfig option: it
+    # changes no result, so a run does not record it.
     window = True
 
     def train_step(self, rows: Rows) -> dict | None:

@@ -109,9 +109,15 @@ def test_later_steps_over_the_response_window_give_the_losses_and_gradients_of_e
     target = Target(bigram_target, "cpu", torch.float32)
     recipe = build_recipe(algorithm, target, data, DEPTH[algorithm], draft_vocab=200)
     recipe.training = False  # EAGLE's input noise off: both runs see the same inputs
-    rows = make_rows(data, np.argsort(-data.prompt_lens)[:6], max_len=256)  # the longest prompts
+    rows = make_rows(data, np.arange(6), max_len=256)
+    # prompts of every share of their rows: long ones start their windows late, the row whose
+    # prompt is one token needs a window as wide as itself, so the others run past the padded
+    # row's end (positions clamped)
+    rows.prompt_lens = torch.minimum(rows.lengths - 1, torch.tensor([1, 4, 12, 24, 36, 48]))
     window = rows.window(recipe.depth)
-    assert (window[:, 0] > 0).all() and window.shape[1] < rows.shape[1]  # prompt positions left out
+    assert (window[2:, 0] > 0).all()  # their prompts are left out
+    assert len(set(window[:, 0].tolist())) >= 5  # rows start their windows at different places
+    assert (window == rows.shape[1] - 1).sum() > 1  # and some reach past the padded row
     teacher = target.run(rows.ids, recipe.aux_layers, rows.teaches())
     results = []
     for windowed in (True, False):
