@@ -92,7 +92,6 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
             result["profile"] = profile(trainer, rows, args.profile_steps, args.top)
         results.append(result)
     set_fused_on_gpu(True)
-    trainer.window = True
     return results
 
 

@@ -66,7 +66,7 @@ class MTPRecipe(Recipe):
         outs = []
         for k, layer in enumerate(self.layers[: depth or self.depth]):
             shift = k + 1
-            batch = dense_batch(rows.shifted_ids(shift), rows.positions(0),
+            batch = dense_batch(rows.shifted_ids(shift), rows.positions(),
                                 UnrolledAttention(b, t), teacher.hidden)  # fmt: skip
             out = layer(batch)  # [B * T, H]
             outs.append(StepOutput(out, layer.compute_logits, rows.learns(shift).reshape(-1),

@@ -102,7 +102,7 @@ def unroll_chain(
     at every position that learns, without the prompt positions (over half of the tokens of
     chat data). Their `StepOutput`s are then laid out [B * W], not [B * T]."""
     b, t = rows.shape
-    later = rows.window(depth) if window and depth > 1 else None
+    later = rows.window(depth) if window else None
     backend = UnrolledAttention(b, t, later)
     at = rows.positions()
     outs = []
@@ -110,8 +110,7 @@ def unroll_chain(
         shift = i + 1
         if i == 1 and later is not None:
             at = later
-            index = at.clamp(max=t - 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
-            hidden = hidden.gather(1, index)
+            hidden = hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[-1]))
         batch = dense_batch(rows.shifted_ids(shift, at), at + i, backend, hidden)
         h = draft(batch)  # [B * W, H]
         outs.append(StepOutput(h, draft.compute_logits, rows.learns(shift, at).reshape(-1),

@@ -35,10 +35,10 @@ class Rows:
     def shape(self) -> tuple[int, int]:
         return tuple(self.ids.shape)  # type: ignore[return-value]
 
-    def positions(self, offset: int = 0) -> torch.Tensor:
-        """[B, T] position t + offset of every row position."""
+    def positions(self) -> torch.Tensor:
+        """[B, T] every row position t."""
         b, t = self.shape
-        return (torch.arange(t, device=self.ids.device) + offset).expand(b, t)
+        return torch.arange(t, device=self.ids.device).expand(b, t)
 
     def shifted_ids(self, shift: int, at: torch.Tensor | None = None) -> torch.Tensor:
         """ids[t + shift] at the row positions `at` [B, W] (default: every position; 0 past
