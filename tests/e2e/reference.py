@@ -41,19 +41,29 @@ def _requests(vocab: int, seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
+def _greedy(max_new: int) -> dict:
+    return {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+
+
+def _post_generate(url: str, body: dict):
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _full_length(out: dict, max_new: int) -> dict:
+    assert out["meta_info"]["completion_tokens"] == max_new
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    return out
+
+
 def _generate_all(url: str, requests: list[tuple[list[int], int]]) -> list[dict]:
-    def one(req):
+    """Each request its own HTTP request, all sent concurrently."""
+
+    def one(req: tuple[list[int], int]) -> dict:
         ids, max_new = req
-        body = {
-            "input_ids": ids,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
-        }
-        r = httpx.post(url + "/generate", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        out = r.json()
-        assert out["meta_info"]["completion_tokens"] == max_new
-        assert out["meta_info"]["finish_reason"]["type"] == "length"
-        return out
+        body = {"input_ids": ids, "sampling_params": _greedy(max_new)}
+        return _full_length(_post_generate(url, body), max_new)
 
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
         return list(pool.map(one, requests))
@@ -62,21 +72,10 @@ def _generate_all(url: str, requests: list[tuple[list[int], int]]) -> list[dict]
 def _generate_batch(url: str, requests: list[tuple[list[int], int]]) -> list[dict]:
     """All requests in one /generate batch: they reach the scheduler together, whatever the
     load on the machine running the test (separate HTTP requests can arrive spread out)."""
-    body = {
-        "input_ids": [ids for ids, _ in requests],
-        "sampling_params": [
-            {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
-            for _, max_new in requests
-        ],
-    }
-    r = httpx.post(url + "/generate", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    outputs = r.json()
-    assert len(outputs) == len(requests)
-    for (_, max_new), out in zip(requests, outputs, strict=True):
-        assert out["meta_info"]["completion_tokens"] == max_new
-        assert out["meta_info"]["finish_reason"]["type"] == "length"
-    return outputs
+    body = {"input_ids": [ids for ids, _ in requests],
+            "sampling_params": [_greedy(max_new) for _, max_new in requests]}  # fmt: skip
+    outputs = _post_generate(url, body)
+    return [_full_length(out, n) for out, (_, n) in zip(outputs, requests, strict=True)]
 
 
 def check_parity(
