@@ -49,7 +49,7 @@ from aerie.resolve import (  # noqa: E402
     resolve_device,
     resolve_dtype,
 )
-from benchmarks.spec_requests import Engine, run, served_config, sync  # noqa: E402
+from benchmarks.spec_requests import Engine, RunResult, run, served_config, sync  # noqa: E402
 from benchmarks.step_timeline import Interval, between_markers, mean_timeline, step_timeline  # noqa: E402,E501
 from gpu_worker.kernels import small_m_linear  # noqa: E402
 from gpu_worker.worker import GPUWorker  # noqa: E402
@@ -78,12 +78,10 @@ def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str, lay
     return out_dir
 
 
-def load_prompts(path: str, tokenizer_dir: str, num: int) -> list[list[int]]:
-    """The first turn of the first `num` MT-bench questions, chat-templated."""
-    tokenizer = Tokenizer(tokenizer_dir)
+def load_questions(path: str, num: int, turns: int) -> list[list[str]]:
+    """The first `turns` turns of the first `num` MT-bench questions."""
     with open(path) as f:
-        questions = [json.loads(line)["turns"][0] for line in f][:num]
-    return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+        return [json.loads(line)["turns"][:turns] for line in f][:num]
 
 
 def make_config(args, shape: tuple[int, int, int] | None, draft_dir: str | None) -> AerieConfig:
@@ -424,7 +422,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=os.path.join(
         os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench_questions.jsonl"))
     parser.add_argument("--num-prompts", type=int, default=80)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="per turn")
+    parser.add_argument("--turns", type=int, default=2,
+                        help="--mode requests: turns asked per question (MT-bench has 2; each "
+                        "after the run's own answers to the earlier ones)")
     parser.add_argument("--temperatures", default="0", help="--mode requests: e.g. 0,0.7")
     parser.add_argument("--greedy-only", default="",
                         help="--mode requests: modes (as printed, comma-separated) run at "
@@ -525,6 +526,7 @@ def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
         runner={"attention_backend": args.attention_backend},
     )  # fmt: skip
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    questions = load_questions(args.prompts, args.num_prompts, args.turns)
     results, plain_tps, used = [], {}, {}
     for algorithm, shape in [(None, None), *shapes]:
         spec = {}
@@ -534,16 +536,22 @@ def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
                     "speculative_eagle_topk": shape[1],
                     "speculative_num_draft_tokens": shape[2]}  # fmt: skip
         engine = Engine(served_config(base, spec, args.max_running_requests))
-        prompts = load_prompts(args.prompts, engine.config.model.tokenizer_path, args.num_prompts)
+        tokenizer = Tokenizer(engine.config.model.tokenizer_path)
         name = "plain"
         if shape is not None:
             name = f"{algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"
         for temperature in temperatures:
             if temperature > 0 and name in args.greedy_only.split(","):
                 continue
-            summary = run(engine, prompts, name, temperature, args.max_new_tokens).summary(
-                0 if shape is None else shape[0]
-            )
+            depth = 0 if shape is None else shape[0]
+            per_turn = run(engine, tokenizer, questions, name, temperature, args.max_new_tokens)
+            total = RunResult(name, temperature, 0, 0.0, 0, [])
+            for result in per_turn:
+                total.add(result)
+            summary = total.summary(depth)
+            summary["per_turn"] = [{key: turn.summary(depth)[key] for key in
+                                    ("decode_tokens", "tokens_per_s", "accept_length")}
+                                   for turn in per_turn]  # fmt: skip
             if shape is None:
                 plain_tps[temperature] = summary["tokens_per_s"]
             summary["speedup"] = summary["tokens_per_s"] / plain_tps[temperature]
@@ -555,7 +563,7 @@ def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print_requests(args, results, len(prompts), used)
+    print_requests(args, results, len(questions), used)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "drafts": used, "results": results}, f,
@@ -563,15 +571,17 @@ def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
 
 
 def print_requests(args, results: list[dict], num_prompts: int, drafts: dict) -> None:
-    print(f"{num_prompts} MT-bench questions, batch 1, up to {args.max_new_tokens} new tokens, "
-          f"{args.device} {args.dtype}, drafts {drafts}")
+    print(f"{num_prompts} MT-bench questions, up to {args.turns} turns each, batch 1, up to "
+          f"{args.max_new_tokens} new tokens per turn, {args.device} {args.dtype}, drafts {drafts}")
     print(f"{'mode':32s} {'temp':>4s} {'tok/s':>8s} {'accept':>7s} {'speedup':>8s}  "
-          "P(accept >= k+1), k = 1..S")
+          f"{'per turn':>11s}  P(accept >= k+1), k = 1..S")
     for r in results:
         accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+        turns = " ".join(f"{t['accept_length']:.2f}" if t["accept_length"] else "-"
+                         for t in r["per_turn"])  # fmt: skip
         per = " ".join(f"{p:.2f}" for p in r["accept_per_position"] or [])
         print(f"{r['mode']:32s} {r['temperature']:4.1f} {r['tokens_per_s']:8.1f} {accept:>7s} "
-              f"{r['speedup']:7.2f}x  {per}")
+              f"{r['speedup']:7.2f}x  {turns:>11s}  {per}")
 
 
 if __name__ == "__main__":

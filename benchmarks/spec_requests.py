@@ -6,8 +6,11 @@ its shipped draft, CUDA graphs and the Triton backend on a GPU), and the request
 the real `Scheduler` core and `GPUWorker` in one process, with the server's overlap schedule
 (up to `Scheduler.max_in_flight` plans launched before the oldest result is applied); only the
 sockets are left out (the engine loop is the tests' `tests/engine_loop.drive`, so the benchmark
-runs what the tests check). Each request is the chat-templated first turn of an MT-bench question,
-decoded to its end-of-turn token or `max_new_tokens`, at batch 1.
+runs what the tests check). Each question is a conversation of its turns (MT-bench has two),
+asked in order at batch 1: a turn's request is the chat-templated conversation so far (earlier
+turns with this run's own answers to them), decoded to its end-of-turn token or
+`max_new_tokens`. This is how MT-bench is answered, and how published speculative-decoding
+evaluations on it run (both turns, up to 512 new tokens each).
 
 Per run: decode tokens/s (tokens after the first over the time after the first, summed over
 the requests), the accept length (tokens per verify forward, bonus included, as
@@ -32,6 +35,7 @@ from aerie.resolve import resolve_config
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.engine_loop import drive
+from tokenizer_proc.tokenizer import Tokenizer
 
 
 @dataclass
@@ -56,6 +60,12 @@ class RunResult:
             "accept_per_position": per_position if self.verify else None,
         }  # fmt: skip
 
+    def add(self, other: RunResult) -> None:
+        self.decode_tokens += other.decode_tokens
+        self.decode_seconds += other.decode_seconds
+        self.verify += other.verify
+        self.accepts += other.accepts
+
 
 def served_config(base: AerieConfig, speculative: dict, max_running: int) -> AerieConfig:
     """`base` with these speculative settings, resolved as `launch.py` resolves its flags."""
@@ -78,17 +88,20 @@ class Engine:
         self.sched = Scheduler(config, eos, max_total_tokens=self.worker.runner.max_total_tokens)
         self.device = config.model.device
 
-    def serve(self, prompt: list[int], params: SamplingParams) -> tuple[int, float, int, list[int]]:
-        """One request to its end -> (decode tokens, decode seconds, verify forwards, tokens
-        accepted by each verify). Counts what the scheduler emits (stop-truncated, the extra
-        token of a step in flight dropped); decode time runs from the first token's result."""
+    def serve(self, prompt: list[int], params: SamplingParams) -> tuple[RunResult, list[int]]:
+        """One request to its end -> (its decode figures, the token ids it emitted). Counts
+        what the scheduler emits (stop-truncated, the extra token of a step in flight dropped);
+        decode time runs from the first token's result."""
         self.sched.add_request(TokenizedRequest("bench", pack_ids(prompt), params))
         counts = {"tokens": 0, "verify": 0, "first_at": None}
         accepts: list[int] = []
+        emitted_ids: list[int] = []
 
         def count(plan, result, deltas) -> None:
             for delta in deltas.deltas if deltas else []:
-                emitted = len(unpack_ids(delta.token_ids))
+                ids = unpack_ids(delta.token_ids)
+                emitted_ids.extend(ids)
+                emitted = len(ids)
                 if counts["first_at"] is None:
                     if emitted == 0:
                         continue  # a prefill chunk before the last
@@ -102,20 +115,26 @@ class Engine:
         drive(self.sched, self.worker, count)
         sync(self.device)
         first_at = counts["first_at"] or time.perf_counter()
-        return counts["tokens"], time.perf_counter() - first_at, counts["verify"], accepts
+        seconds = time.perf_counter() - first_at
+        return RunResult("", params.temperature, counts["tokens"], seconds, counts["verify"],
+                         accepts), emitted_ids  # fmt: skip
 
 
-def run(engine: Engine, prompts: list[list[int]], name: str, temperature: float,
-        max_new_tokens: int, seed: int = 0) -> RunResult:  # fmt: skip
-    """Every prompt in turn (a short warm-up request first)."""
-    engine.serve(prompts[0], SamplingParams(max_new_tokens=8, temperature=0.0))
-    total = RunResult(name, temperature, 0, 0.0, 0, [])
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                seed=seed + i if temperature > 0 else None)  # fmt: skip
-        tokens, seconds, verify, accepts = engine.serve(prompt, params)
-        total.decode_tokens += tokens
-        total.decode_seconds += seconds
-        total.verify += verify
-        total.accepts += accepts
-    return total
+def run(engine: Engine, tokenizer: Tokenizer, questions: list[list[str]], name: str,
+        temperature: float, max_new_tokens: int, seed: int = 0) -> list[RunResult]:  # fmt: skip
+    """Every question's turns in order, each after the conversation so far (a short warm-up
+    request first) -> one total per turn index."""
+    first = tokenizer.encode_chat([{"role": "user", "content": questions[0][0]}])
+    engine.serve(first, SamplingParams(max_new_tokens=8, temperature=0.0))
+    turns = max(len(q) for q in questions)
+    totals = [RunResult(name, temperature, 0, 0.0, 0, []) for _ in range(turns)]
+    for i, question in enumerate(questions):
+        messages: list[dict[str, str]] = []
+        for turn, text in enumerate(question):
+            messages.append({"role": "user", "content": text})
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                    seed=seed + i * turns + turn if temperature > 0 else None)
+            result, answer = engine.serve(tokenizer.encode_chat(messages), params)
+            totals[turn].add(result)
+            messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
+    return totals

@@ -62,6 +62,11 @@ class Tokenizer:
         prompt = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self._tok.encode(prompt, add_special_tokens=False))
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ids without special tokens (an assistant turn to put back into a
+        conversation)."""
+        return self._tok.decode(ids, skip_special_tokens=True)
+
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each id decoded on its own (for OpenAI logprobs' `token` fields)."""
         return [self._tok.decode([i]) for i in ids]

@@ -78,7 +78,8 @@ if [[ $1 == train ]]; then
   # Each trained draft comes back as $OUT/draft_ALGO.tar.* (15 MB pieces: cat them, untar).
   # BENCH=1 measures MT-bench (bench_speculative.py) with the drafts trained on this machine
   # (EAGLE from .device-carry/eagle_draft when carried), or BENCH_DRAFTS (ALGO=DIR,...):
-  # BENCH_SHAPES, BENCH_NEW. ITER_PROFILE=1 then profiles one speculative iteration at batch 1.
+  # BENCH_SHAPES, BENCH_TURNS (2: both of MT-bench's turns), BENCH_NEW (new tokens per turn, 512;
+  # the estimate's first-turn answers too). ITER_PROFILE=1 then profiles one speculative iteration at batch 1.
   model=$HOME/smollm2; work=$HOME/train; mkdir -p "$work"
   for d in .device-carry/train_[a-z]; do [[ -d $d ]] && cp $d/* "$work/"; done
   gguf=$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -117,7 +118,7 @@ if [[ $1 == train ]]; then
     # The target's greedy answers to MT-bench's first turns (prompts: `python3 -m training
     # prompts --benchmark-first-turns`), BENCH_NEW tokens: what the estimate below walks.
     python -m training generate --model "$model" --prompts "$work/mtbench.npz" \
-      --out "$work/mtbench_answers.npz" --batch-size 80 --max-new-tokens ${BENCH_NEW:-192} \
+      --out "$work/mtbench_answers.npz" --batch-size 80 --max-new-tokens ${BENCH_NEW:-512} \
       --sampled-per-prompt 0 2>&1 | tail -1
   fi
   declare -A est_depth=([eagle3]=5 [eagle]=3)  # MTP (0): as many as the stack has layers
@@ -201,7 +202,7 @@ PY
       --draft-path "$drafts" --shapes "${BENCH_SHAPES:-3,1,4 5,1,6 5,4,8 6,8,32 MTP:3,1,4 EAGLE:3,1,4}" \
       --temperatures ${BENCH_TEMPS:-0,0.7} --greedy-only "${BENCH_GREEDY_ONLY-EAGLE S=3 topk=1 ND=4}" \
       --prompts .device-carry/mt_bench_questions.jsonl --max-running-requests 1 \
-      --max-new-tokens ${BENCH_NEW:-192} --output "$OUT/bench_mtbench.json" 2>&1 | tee "$OUT/bench.log" | tail -16
+      --turns ${BENCH_TURNS:-2} --max-new-tokens ${BENCH_NEW:-512} --output "$OUT/bench_mtbench.json" 2>&1 | tee "$OUT/bench.log" | tail -16
   fi
   if [[ -n ${ITER_PROFILE:-} ]]; then
     # Where a speculative iteration's time goes at batch 1 with the EAGLE-3 draft of BENCH_DRAFTS
@@ -334,7 +335,7 @@ if [[ $1 == spec ]]; then
   for m in smollm2-config llama8b; do
     python benchmarks/bench_speculative.py --model-path .device-carry/$m --load-format dummy \
       --prompts .device-carry/mt_bench_questions.jsonl --num-prompts ${NUM_PROMPTS:-5} \
-      --max-new-tokens ${MAX_NEW:-64} --shapes "3,1,4 5,4,8" --output "$OUT/spec_$m.json" 2>&1 \
+      --turns 1 --max-new-tokens ${MAX_NEW:-64} --shapes "3,1,4 5,4,8" --output "$OUT/spec_$m.json" 2>&1 \
       | grep -v INFO | tail -5
   done
   exit 0
@@ -657,7 +658,7 @@ if [[ $1 == mtp ]]; then
   for m in smollm2-config llama8b; do
     python benchmarks/bench_speculative.py --model-path .device-carry/$m --load-format dummy \
       --algorithm MTP --prompts .device-carry/mt_bench_questions.jsonl \
-      --num-prompts ${NUM_PROMPTS:-5} --max-new-tokens ${MAX_NEW:-64} --shapes "1,1,2 3,1,4" \
+      --num-prompts ${NUM_PROMPTS:-5} --turns 1 --max-new-tokens ${MAX_NEW:-64} --shapes "1,1,2 3,1,4" \
       --output "$OUT/mtp_$m.json" 2>&1 | grep -v INFO | tail -5
   done
   exit 0

@@ -14,10 +14,11 @@ from tests.gpu_worker.draft_checkpoints import make_agreeing_eagle_draft, make_b
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
 
-def write_questions(tmp_path, *turns: str):
-    """An MT-bench-style questions file, one first turn per question."""
+def write_questions(tmp_path, *questions: str | list[str]):
+    """An MT-bench-style questions file: each question one turn (a string) or several."""
     path = tmp_path / "questions.jsonl"
-    path.write_text("\n".join(json.dumps({"turns": [t]}) for t in turns))
+    path.write_text("\n".join(json.dumps({"turns": [q] if isinstance(q, str) else q})
+                              for q in questions))  # fmt: skip
     return path
 
 
@@ -57,6 +58,55 @@ def test_a_draft_that_always_agrees_is_accepted_at_every_position(tmp_path):
     plain, spec = json.loads(out.read_text())["results"]
     assert spec["decode_tokens"] == plain["decode_tokens"] == 2 * 12
     assert spec["accept_length"] == 4.0 and spec["accept_per_position"] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("turns", [2, 1])
+def test_later_turns_follow_the_runs_own_earlier_answers(tmp_path, monkeypatch, turns):
+    """--turns 2: each question's second turn is asked after its first turn and this run's
+    answer to it (as MT-bench is answered); the figures add up over the turns, and per turn.
+    --turns 1 asks the first turns only."""
+    from benchmarks.spec_requests import Engine
+    from tokenizer_proc.tokenizer import Tokenizer
+
+    asked, answers = [], []
+    serve = Engine.serve
+
+    def recording_serve(self, prompt, params):
+        result, answer = serve(self, prompt, params)
+        asked.append(prompt)
+        answers.append(answer)
+        return result, answer
+
+    monkeypatch.setattr(Engine, "serve", recording_serve)
+    target = make_bigram_target(str(tmp_path / "bigram"), max_position_embeddings=512)
+    make_tiny_tokenizer(target)
+    draft = make_agreeing_eagle_draft(str(tmp_path / "agreeing"), target)
+    questions = [["Hello?", "And then?"], ["Why not?", "Say more."]]
+    out = tmp_path / "result.json"
+    bench_speculative.main([
+        "--model-path", target, "--algorithm", "EAGLE", "--draft-path", draft,
+        "--prompts", str(write_questions(tmp_path, *questions)), "--num-prompts", "2",
+        "--max-new-tokens", "9", "--shapes", "3,1,4", "--temperatures", "0", "--device", "cpu",
+        "--turns", str(turns), "--output", str(out),
+    ])  # fmt: skip
+    tokenizer = Tokenizer(target)
+    for run in range(2):  # plain, then speculative: a warm-up, then each question's turns
+        requests = asked[run * (1 + 2 * turns) + 1 : (run + 1) * (1 + 2 * turns)]
+        replies = answers[run * (1 + 2 * turns) + 1 : (run + 1) * (1 + 2 * turns)]
+        expected = []
+        for i, question in enumerate(questions):
+            messages = []
+            for turn, text in enumerate(question[:turns]):
+                messages.append({"role": "user", "content": text})
+                expected.append(tokenizer.encode_chat(messages))
+                reply = tokenizer.decode(replies[i * turns + turn])
+                assert reply  # the bigram target never emits its end-of-turn token
+                messages.append({"role": "assistant", "content": reply})
+        assert requests == expected
+    for row in json.loads(out.read_text())["results"]:
+        assert len(row["per_turn"]) == turns
+        assert [t["decode_tokens"] for t in row["per_turn"]] == [2 * 8] * turns
+        assert row["decode_tokens"] == sum(t["decode_tokens"] for t in row["per_turn"])
 
 
 @pytest.mark.parametrize("algorithm, shapes, fused_rows",
