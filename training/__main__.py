@@ -8,12 +8,13 @@ import json
 import sys
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls, choices: dict[str, tuple]) -> None:
-    """One option per dataclass field (booleans as flags), named like the field; a field with
-    choices is positional."""
+def _add_fields(parser: argparse.ArgumentParser, cls, positional: dict[str, tuple],
+                choices: dict[str, tuple]) -> None:  # fmt: skip
+    """One option per dataclass field (booleans as flags), named like the field; a field in
+    `positional` is positional, with those choices; one in `choices` takes only those."""
     for f in dataclasses.fields(cls):
-        if f.name in choices:
-            parser.add_argument(f.name, choices=choices[f.name])
+        if f.name in positional:
+            parser.add_argument(f.name, choices=positional[f.name])
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.default is dataclasses.MISSING:
@@ -21,12 +22,13 @@ def _add_fields(parser: argparse.ArgumentParser, cls, choices: dict[str, tuple])
         elif isinstance(f.default, bool):
             parser.add_argument(flag, action="store_true", dest=f.name)
         else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, dest=f.name)
+            parser.add_argument(flag, type=type(f.default), default=f.default, dest=f.name,
+                                choices=choices.get(f.name))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     from training.build import ALGORITHMS
-    from training.estimate import EstimateConfig
+    from training.estimate import ANSWERS, EstimateConfig
     from training.generate import GenerateConfig
     from training.prompts import PromptsConfig
     from training.train import TrainConfig
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         "estimate": (EstimateConfig, "a draft's offline accept estimate on greedy data"),
     }
     for name, (cls, help_text) in commands.items():
-        _add_fields(sub.add_parser(name, help=help_text), cls, choices={"algorithm": ALGORITHMS})
+        _add_fields(sub.add_parser(name, help=help_text), cls, positional={"algorithm": ALGORITHMS},
+                    choices={"answers": ANSWERS})
     args = parser.parse_args(argv)
     cls = commands[args.command][0]
     cfg = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

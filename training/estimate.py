@@ -10,6 +10,12 @@ iteration starts that many positions later. On the same sequence and the same we
 gives exactly the served accept lengths of batch-1 greedy decoding (a test checks it).
 
     python3 -m training estimate eagle3 --model DIR --draft DIR --data FILE [--depth 5]
+        [--answers all|ended|cut]
+
+It also reports how much of the walked text repeats itself (`repeated_share`): a small target
+decoding greedily often loops late in a long answer, and a loop is easy for any draft to
+predict, so accept lengths over long answers depend on it. `--answers ended` or `cut` walks only
+the answers that ended by a stop token, or only those cut at the token limit.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from training.target import Target, resolve_device
 from training.tokens import TokenFile
 
 DEFAULT_ESTIMATE_DEPTH = 5  # the chain walked unless told otherwise (at most the draft's depth)
+ANSWERS = ("all", "ended", "cut")  # --answers: every answer, those ended by a stop token, or cut
+REPEAT_NGRAM = 8  # repeated_share: tokens that end an n-gram of this length seen before
 
 
 @dataclass
@@ -40,6 +48,7 @@ class EstimateConfig:
     tokens_per_batch: int = 16384
     max_len: int = 2048
     device: str = "auto"
+    answers: str = "all"  # all | ended (by a stop token) | cut (at the token limit): `finished`
 
 
 def walk(run: np.ndarray, first: int, last: int) -> list[int]:
@@ -104,26 +113,62 @@ def walk_rows(rows: Rows, run: np.ndarray, depth: int) -> list[int]:
     return out
 
 
+def repeated_share(data: TokenFile, indices: np.ndarray, n: int = REPEAT_NGRAM) -> float:
+    """The share of the response tokens of the sequences at `indices` that end an n-gram
+    already seen earlier in the same response."""
+    repeated = total = 0
+    for i in indices:
+        response = data.sequence(int(i))[int(data.prompt_lens[i]) :].tolist()
+        seen: set[tuple[int, ...]] = set()
+        for end in range(n, len(response) + 1):
+            gram = tuple(response[end - n : end])
+            repeated += gram in seen
+            seen.add(gram)
+        total += len(response)
+    return repeated / max(total, 1)
+
+
 def describe_estimate(result: dict) -> str:
     at_least = " ".join(f"{p:.2f}" for p in result["per_step"])
-    return (f"estimated chain accept length {result['accept_length']:.3f} (S={result['depth']}, "
+    text = (f"estimated chain accept length {result['accept_length']:.3f} (S={result['depth']}, "
             f"P(accept >= k+1) for k=1..S: {at_least}; {result['iterations']} iterations)")
+    if "repeated_share" in result:
+        text += (f"; {result['sequences']} answers ({result['answers']}), "
+                 f"{100 * result['repeated_share']:.1f}% of their tokens repeat an earlier "
+                 f"{REPEAT_NGRAM}-gram of the same answer")
+    return text
+
+
+def select_answers(data: TokenFile, indices: np.ndarray, answers: str) -> np.ndarray:
+    """The indices whose answers `answers` names (ANSWERS), by the data's `finished` flag."""
+    if answers not in ANSWERS:
+        raise ValueError(f"--answers must be one of {', '.join(ANSWERS)}, not {answers!r}")
+    if answers == "all":
+        return indices
+    if "finished" not in data.extra:
+        raise ValueError(f"--answers {answers} needs a data file written by `generate` (it "
+                         "marks each answer ended by a stop token or cut at the token limit)")
+    ended = data.extra["finished"].astype(bool)[indices]
+    return indices[ended if answers == "ended" else ~ended]
 
 
 def estimate(cfg: EstimateConfig) -> dict:
     """The estimate of an exported draft over the greedy sequences of a data file (only its
     dev split when it marks one: the rest trained the draft)."""
+    data = TokenFile.load(cfg.data)
+    _, indices = split_indices(data)
+    if "dev" not in data.extra:
+        indices = np.flatnonzero(data.extra.get("greedy", np.ones(len(data), dtype=bool)))
+    indices = select_answers(data, indices, cfg.answers)
     device = resolve_device(cfg.device)
     target = Target(cfg.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    data = TokenFile.load(cfg.data)
     depth = cfg.depth
     if depth == 0 and cfg.algorithm == "mtp":
         with open(os.path.join(cfg.draft, "config.json")) as f:
             depth = int(json.load(f).get("num_nextn_predict_layers") or 0)
     depth = depth or DEFAULT_ESTIMATE_DEPTH
     recipe = build_recipe(cfg.algorithm, target, data, depth, init_from=cfg.draft)
-    _, indices = split_indices(data)
-    if "dev" not in data.extra:
-        indices = np.flatnonzero(data.extra.get("greedy", np.ones(len(data), dtype=bool)))
-    return estimate_accept_length(recipe, target, data, indices, depth, cfg.tokens_per_batch,
-                                  cfg.max_len)  # fmt: skip
+    result = estimate_accept_length(recipe, target, data, indices, depth, cfg.tokens_per_batch,
+                                    cfg.max_len)  # fmt: skip
+    return {**result, "answers": cfg.answers, "sequences": len(indices),
+            "repeated_share": repeated_share(data, indices)}

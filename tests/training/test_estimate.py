@@ -14,6 +14,7 @@ what notices it.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,3 +183,50 @@ def test_a_shorter_chain_is_estimated_as_a_draft_of_that_depth(bigram_target, gr
     a = estimate_accept_length(deep, target, data, dev, 2, 640, 2048)
     b = estimate_accept_length(shallow, target, data, dev, 2, 640, 2048)
     assert a == b and a["depth"] == 2 and a["iterations"] > 0
+
+
+def test_repeated_share_counts_tokens_that_close_an_earlier_ngram():
+    """Response [1 2 3 1 2 3 4] after a 2-token prompt, trigrams: (1 2 3) comes back once, so 1
+    of 7 response tokens repeats; a prompt's n-grams do not count."""
+    from training.estimate import repeated_share
+
+    data = TokenFile.from_sequences([[1, 2, 1, 2, 3, 1, 2, 3, 4], [5, 6, 7, 8]], [2, 1])
+    assert repeated_share(data, np.array([0]), n=3) == pytest.approx(1 / 7)
+    assert repeated_share(data, np.array([1]), n=3) == 0.0
+    assert repeated_share(data, np.array([0, 1]), n=3) == pytest.approx(1 / 10)
+
+
+def test_estimate_walks_the_answers_asked_for(bigram_target, greedy_data, trained, tmp_path):
+    """--answers ended / cut walk the dev answers that ended by a stop token / were cut (the
+    data's `finished` flag), which together are every dev answer."""
+    from training.build import split_indices
+    from training.estimate import EstimateConfig, estimate
+
+    data = TokenFile.load(greedy_data)
+    _, dev = split_indices(data)
+    finished = np.zeros(len(data), dtype=bool)
+    finished[dev[::3]] = True  # a third of the dev answers "ended"
+    marked = str(tmp_path / "marked.npz")
+    TokenFile(data.tokens, data.offsets, data.prompt_lens,
+              {**data.extra, "finished": finished}).save(marked)  # fmt: skip
+    results = {answers: estimate(EstimateConfig("eagle3", bigram_target, trained["eagle3"]["draft"],
+                                                 marked, depth=2, device="cpu", answers=answers))
+               for answers in ("all", "ended", "cut")}  # fmt: skip
+    assert results["ended"]["sequences"] == len(dev[::3]) > 0
+    assert results["ended"]["sequences"] + results["cut"]["sequences"] == len(dev)
+    assert results["ended"]["iterations"] > 0 and results["cut"]["iterations"] > 0
+    ended, cut, every = (results[a]["iterations"] for a in ("ended", "cut", "all"))
+    assert ended + cut == every
+    walked = {a: r["accept_length"] * r["iterations"] for a, r in results.items()}
+    assert walked["ended"] + walked["cut"] == pytest.approx(walked["all"])
+    assert 0.0 <= results["all"]["repeated_share"] <= 1.0
+
+
+def test_estimate_of_ended_answers_needs_the_finished_flag(greedy_data, tmp_path):
+    from training.estimate import EstimateConfig, estimate
+
+    data = TokenFile.load(greedy_data)
+    bare = str(tmp_path / "bare.npz")
+    TokenFile(data.tokens, data.offsets, data.prompt_lens, {"dev": data.extra["dev"]}).save(bare)
+    with pytest.raises(ValueError, match="--answers ended needs a data file written by"):
+        estimate(EstimateConfig("eagle3", "unused", "unused", bare, answers="ended"))
