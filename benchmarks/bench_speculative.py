@@ -79,9 +79,12 @@ def write_random_draft_config(target_dir: str, algorithm: str, out_dir: str, lay
 
 
 def load_questions(path: str, num: int, turns: int) -> list[list[str]]:
-    """The first `turns` turns of the first `num` MT-bench questions."""
+    """The first `turns` turns of the first `num` MT-bench questions (each must have one)."""
     with open(path) as f:
-        return [json.loads(line)["turns"][:turns] for line in f][:num]
+        questions = [json.loads(line)["turns"][:turns] for line in f if line.strip()][:num]
+    if not questions or not all(questions):
+        raise ValueError(f"{path}: every question needs at least one turn (\"turns\": [...])")
+    return questions
 
 
 def make_config(args, shape: tuple[int, int, int] | None, draft_dir: str | None) -> AerieConfig:
@@ -488,12 +491,18 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.output, "w") as f:
                 json.dump({"command": " ".join(sys.argv), "results": rows}, f, indent=1)
         return
+    if args.turns < 1:
+        parser.error("--turns must be at least 1")
     if "plain" in args.greedy_only.split(","):
         parser.error("--greedy-only cannot name plain: every temperature needs its baseline")
     drafts = parse_drafts(args.draft_path, args.algorithm)
     if args.load_format == "dummy":
         drafts = {args.algorithm: draft_dir}
-    run_requests(args, parse_shapes(args.shapes, args.algorithm), drafts)
+    try:
+        questions = load_questions(args.prompts, args.num_prompts, args.turns)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    run_requests(args, questions, parse_shapes(args.shapes, args.algorithm), drafts)
 
 
 def parse_drafts(text: str | None, algorithm: str) -> dict[str, str | None]:
@@ -514,7 +523,7 @@ def parse_shapes(text: str, algorithm: str) -> list[tuple[str, tuple[int, int, i
     return out  # type: ignore[return-value]
 
 
-def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
+def run_requests(args, questions: list[list[str]], shapes: list[tuple[str, tuple[int, int, int]]],
                  drafts: dict[str, str | None]) -> None:  # fmt: skip
     """--mode requests: each configuration once, every temperature on its engine."""
     import gc
@@ -526,7 +535,6 @@ def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
         runner={"attention_backend": args.attention_backend},
     )  # fmt: skip
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    questions = load_questions(args.prompts, args.num_prompts, args.turns)
     results, plain_tps, used = [], {}, {}
     for algorithm, shape in [(None, None), *shapes]:
         spec = {}
@@ -549,29 +557,35 @@ def run_requests(args, shapes: list[tuple[str, tuple[int, int, int]]],
             for result in per_turn:
                 total.add(result)
             summary = total.summary(depth)
-            summary["per_turn"] = [{key: turn.summary(depth)[key] for key in
-                                    ("decode_tokens", "tokens_per_s", "accept_length")}
-                                   for turn in per_turn]  # fmt: skip
+            summary["per_turn"] = []
+            for turn in per_turn:
+                figures = turn.summary(depth)
+                summary["per_turn"].append({key: figures[key] for key in (
+                    "requests", "decode_tokens", "tokens_per_s", "accept_length")})
             if shape is None:
                 plain_tps[temperature] = summary["tokens_per_s"]
-            summary["speedup"] = summary["tokens_per_s"] / plain_tps[temperature]
+            summary["speedup"] = summary["tokens_per_s"] / max(plain_tps[temperature], 1e-9)
             results.append(summary)
             print(json.dumps(summary), flush=True)
-        if algorithm is not None:
-            used[algorithm] = engine.config.speculative.speculative_draft_model_path
+            if algorithm is not None:
+                used[algorithm] = engine.config.speculative.speculative_draft_model_path
+            write_results(args.output, used, results)  # every row, in case a time limit hits
         del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print_requests(args, results, len(questions), used)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "drafts": used, "results": results}, f,
+
+
+def write_results(path: str | None, drafts: dict, results: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "drafts": drafts, "results": results}, f,
                       indent=1)
 
 
-def print_requests(args, results: list[dict], num_prompts: int, drafts: dict) -> None:
-    print(f"{num_prompts} MT-bench questions, up to {args.turns} turns each, batch 1, up to "
+def print_requests(args, results: list[dict], num_questions: int, drafts: dict) -> None:
+    print(f"{num_questions} MT-bench questions, up to {args.turns} turns each, batch 1, up to "
           f"{args.max_new_tokens} new tokens per turn, {args.device} {args.dtype}, drafts {drafts}")
     print(f"{'mode':32s} {'temp':>4s} {'tok/s':>8s} {'accept':>7s} {'speedup':>8s}  "
           f"{'per turn':>11s}  P(accept >= k+1), k = 1..S")

@@ -46,6 +46,7 @@ class RunResult:
     decode_seconds: float
     verify: int  # verify forwards (0 without speculation)
     accepts: list[int]  # tokens accepted by each decode iteration
+    requests: int = 0
 
     def summary(self, depth: int) -> dict:
         accepts = np.asarray(self.accepts, dtype=np.int64)
@@ -54,7 +55,8 @@ class RunResult:
                         for k in range(1, depth + 1)]  # fmt: skip
         return {
             "mode": self.mode, "temperature": self.temperature,
-            "decode_tokens": self.decode_tokens, "seconds": self.decode_seconds,
+            "requests": self.requests, "decode_tokens": self.decode_tokens,
+            "seconds": self.decode_seconds,
             "tokens_per_s": self.decode_tokens / max(self.decode_seconds, 1e-9),
             "accept_length": self.decode_tokens / self.verify if self.verify else None,
             "accept_per_position": per_position if self.verify else None,
@@ -65,6 +67,7 @@ class RunResult:
         self.decode_seconds += other.decode_seconds
         self.verify += other.verify
         self.accepts += other.accepts
+        self.requests += other.requests
 
 
 def served_config(base: AerieConfig, speculative: dict, max_running: int) -> AerieConfig:
@@ -116,14 +119,15 @@ class Engine:
         sync(self.device)
         first_at = counts["first_at"] or time.perf_counter()
         seconds = time.perf_counter() - first_at
-        return RunResult("", params.temperature, counts["tokens"], seconds, counts["verify"],
-                         accepts), emitted_ids  # fmt: skip
+        result = RunResult("one request", params.temperature, counts["tokens"], seconds,
+                           counts["verify"], accepts, requests=1)  # fmt: skip
+        return result, emitted_ids
 
 
 def run(engine: Engine, tokenizer: Tokenizer, questions: list[list[str]], name: str,
         temperature: float, max_new_tokens: int, seed: int = 0) -> list[RunResult]:  # fmt: skip
     """Every question's turns in order, each after the conversation so far (a short warm-up
-    request first) -> one total per turn index."""
+    request first) -> one total per turn index (a question with fewer turns counts in fewer)."""
     first = tokenizer.encode_chat([{"role": "user", "content": questions[0][0]}])
     engine.serve(first, SamplingParams(max_new_tokens=8, temperature=0.0))
     turns = max(len(q) for q in questions)

@@ -2,8 +2,9 @@
 
 `Tokenizer.encode` tokenizes a prompt (with the tokenizer's own special tokens, e.g. BOS);
 `encode_chat` renders the chat template with `add_generation_prompt=True` and tokenizes the
-result without adding special tokens again. `vocab_size` is the largest id range the model can
-take: max(len(tokenizer), the model config's vocab_size).
+result without adding special tokens again; `decode` turns ids back into text without special
+tokens. `vocab_size` is the largest id range the model can take: max(len(tokenizer), the model
+config's vocab_size).
 """
 
 from __future__ import annotations

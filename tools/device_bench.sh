@@ -78,8 +78,10 @@ if [[ $1 == train ]]; then
   # Each trained draft comes back as $OUT/draft_ALGO.tar.* (15 MB pieces: cat them, untar).
   # BENCH=1 measures MT-bench (bench_speculative.py) with the drafts trained on this machine
   # (EAGLE from .device-carry/eagle_draft when carried), or BENCH_DRAFTS (ALGO=DIR,...):
-  # BENCH_SHAPES, BENCH_TURNS (2: both of MT-bench's turns), BENCH_NEW (new tokens per turn, 512;
-  # the estimate's first-turn answers too). ITER_PROFILE=1 then profiles one speculative iteration at batch 1.
+  # BENCH_SHAPES, BENCH_TEMPS (0; the default shapes at both 0 and 0.7 take longer than one
+  # call: BENCH_TEMPS=0.7 in a second call), BENCH_TURNS (2: both of MT-bench's turns), BENCH_NEW
+  # (new tokens per turn, 512; the estimate's first-turn answers too). The JSON is rewritten after
+  # every row. ITER_PROFILE=1 then profiles one speculative iteration at batch 1.
   model=$HOME/smollm2; work=$HOME/train; mkdir -p "$work"
   for d in .device-carry/train_[a-z]; do [[ -d $d ]] && cp $d/* "$work/"; done
   gguf=$HOME/aerie-models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -200,7 +202,7 @@ PY
     drafts=${BENCH_DRAFTS:-$drafts}  # e.g. the shipped ones: EAGLE3=aerie/drafts/.../eagle3,...
     timeout ${BENCH_S:-540} python benchmarks/bench_speculative.py --model-path "$model" \
       --draft-path "$drafts" --shapes "${BENCH_SHAPES:-3,1,4 5,1,6 5,4,8 6,8,32 MTP:3,1,4 EAGLE:3,1,4}" \
-      --temperatures ${BENCH_TEMPS:-0,0.7} --greedy-only "${BENCH_GREEDY_ONLY-EAGLE S=3 topk=1 ND=4}" \
+      --temperatures ${BENCH_TEMPS:-0} --greedy-only "${BENCH_GREEDY_ONLY-EAGLE S=3 topk=1 ND=4}" \
       --prompts .device-carry/mt_bench_questions.jsonl --max-running-requests 1 \
       --turns ${BENCH_TURNS:-2} --max-new-tokens ${BENCH_NEW:-512} --output "$OUT/bench_mtbench.json" 2>&1 | tee "$OUT/bench.log" | tail -16
   fi

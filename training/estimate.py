@@ -12,7 +12,7 @@ gives exactly the served accept lengths of batch-1 greedy decoding (a test check
     python3 -m training estimate eagle3 --model DIR --draft DIR --data FILE [--depth 5]
         [--answers all|ended|cut]
 
-It also reports how much of the walked text repeats itself (`repeated_share`): a small target
+It also reports how much of the chosen answers repeats itself (`repeated_share`): a small target
 decoding greedily often loops late in a long answer, and a loop is easy for any draft to
 predict, so accept lengths over long answers depend on it. `--answers ended` or `cut` walks only
 the answers that ended by a stop token, or only those cut at the token limit.
@@ -149,7 +149,11 @@ def select_answers(data: TokenFile, indices: np.ndarray, answers: str) -> np.nda
         raise ValueError(f"--answers {answers} needs a data file written by `generate` (it "
                          "marks each answer ended by a stop token or cut at the token limit)")
     ended = data.extra["finished"].astype(bool)[indices]
-    return indices[ended if answers == "ended" else ~ended]
+    chosen = indices[ended if answers == "ended" else ~ended]
+    if len(chosen) == 0:
+        raise ValueError(f"--answers {answers}: none of the {len(indices)} answers to walk was "
+                         + ("ended by a stop token" if answers == "ended" else "cut"))
+    return chosen
 
 
 def estimate(cfg: EstimateConfig) -> dict:

@@ -63,50 +63,72 @@ def test_a_draft_that_always_agrees_is_accepted_at_every_position(tmp_path):
 @pytest.mark.parametrize("turns", [2, 1])
 def test_later_turns_follow_the_runs_own_earlier_answers(tmp_path, monkeypatch, turns):
     """--turns 2: each question's second turn is asked after its first turn and this run's
-    answer to it (as MT-bench is answered); the figures add up over the turns, and per turn.
-    --turns 1 asks the first turns only."""
+    answer to it (as MT-bench is answered), a question with one turn asks only that, and every
+    sampled request has its own seed; the figures add up over the turns, and per turn. --turns
+    1 asks the first turns only."""
     from benchmarks.spec_requests import Engine
     from tokenizer_proc.tokenizer import Tokenizer
 
-    asked, answers = [], []
+    served = []  # (prompt, params, answer) of every request, warm-ups included
     serve = Engine.serve
 
     def recording_serve(self, prompt, params):
         result, answer = serve(self, prompt, params)
-        asked.append(prompt)
-        answers.append(answer)
+        served.append((prompt, params, answer))
         return result, answer
 
     monkeypatch.setattr(Engine, "serve", recording_serve)
     target = make_bigram_target(str(tmp_path / "bigram"), max_position_embeddings=512)
     make_tiny_tokenizer(target)
     draft = make_agreeing_eagle_draft(str(tmp_path / "agreeing"), target)
-    questions = [["Hello?", "And then?"], ["Why not?", "Say more."]]
+    questions = [["Hello?", "And then?"], ["Why not?"]]
     out = tmp_path / "result.json"
     bench_speculative.main([
         "--model-path", target, "--algorithm", "EAGLE", "--draft-path", draft,
         "--prompts", str(write_questions(tmp_path, *questions)), "--num-prompts", "2",
-        "--max-new-tokens", "9", "--shapes", "3,1,4", "--temperatures", "0", "--device", "cpu",
-        "--turns", str(turns), "--output", str(out),
+        "--max-new-tokens", "9", "--shapes", "3,1,4", "--temperatures", "0,0.5",
+        "--device", "cpu", "--turns", str(turns), "--output", str(out),
     ])  # fmt: skip
     tokenizer = Tokenizer(target)
-    for run in range(2):  # plain, then speculative: a warm-up, then each question's turns
-        requests = asked[run * (1 + 2 * turns) + 1 : (run + 1) * (1 + 2 * turns)]
-        replies = answers[run * (1 + 2 * turns) + 1 : (run + 1) * (1 + 2 * turns)]
-        expected = []
-        for i, question in enumerate(questions):
+    asked = [q[:turns] for q in questions]
+    per_run = 1 + sum(len(q) for q in asked)  # a warm-up, then every turn
+    assert len(served) == 4 * per_run  # plain and speculative, each at both temperatures
+    for run, temperature in enumerate([0.0, 0.5, 0.0, 0.5]):
+        requests = iter(served[run * per_run + 1 : (run + 1) * per_run])
+        seeds = []
+        for question in asked:
             messages = []
-            for turn, text in enumerate(question[:turns]):
+            for text in question:
+                prompt, params, answer = next(requests)
                 messages.append({"role": "user", "content": text})
-                expected.append(tokenizer.encode_chat(messages))
-                reply = tokenizer.decode(replies[i * turns + turn])
+                assert prompt == tokenizer.encode_chat(messages)
+                assert params.temperature == temperature
+                seeds.append(params.seed)
+                reply = tokenizer.decode(answer)
                 assert reply  # the bigram target never emits its end-of-turn token
                 messages.append({"role": "assistant", "content": reply})
-        assert requests == expected
+        if temperature > 0:
+            assert len(set(seeds)) == len(seeds) and None not in seeds
+        else:
+            assert set(seeds) == {None}
     for row in json.loads(out.read_text())["results"]:
-        assert len(row["per_turn"]) == turns
-        assert [t["decode_tokens"] for t in row["per_turn"]] == [2 * 8] * turns
+        assert [t["requests"] for t in row["per_turn"]] == [2, 1][:turns]
+        assert [t["decode_tokens"] for t in row["per_turn"]] == [2 * 8, 8][:turns]
         assert row["decode_tokens"] == sum(t["decode_tokens"] for t in row["per_turn"])
+        assert row["requests"] == sum(t["requests"] for t in row["per_turn"])
+
+
+@pytest.mark.parametrize("turns, questions, message", [
+    (0, ["Hello?"], "--turns must be at least 1"),
+    (2, [["Hello?"], []], "every question needs at least one turn"),
+])  # fmt: skip
+def test_bad_turns_are_refused_with_a_message(tmp_path, capsys, turns, questions, message):
+    with pytest.raises(SystemExit):
+        bench_speculative.main([
+            "--model-path", str(tmp_path), "--prompts", str(write_questions(tmp_path, *questions)),
+            "--turns", str(turns), "--device", "cpu",
+        ])  # fmt: skip
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("algorithm, shapes, fused_rows",

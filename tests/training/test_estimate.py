@@ -194,6 +194,8 @@ def test_repeated_share_counts_tokens_that_close_an_earlier_ngram():
     assert repeated_share(data, np.array([0]), n=3) == pytest.approx(1 / 7)
     assert repeated_share(data, np.array([1]), n=3) == 0.0
     assert repeated_share(data, np.array([0, 1]), n=3) == pytest.approx(1 / 10)
+    echo = TokenFile.from_sequences([[1, 2, 3, 1, 2, 3, 4]], [3])  # the prompt's trigram again
+    assert repeated_share(echo, np.array([0]), n=3) == 0.0
 
 
 def test_estimate_walks_the_answers_asked_for(bigram_target, greedy_data, trained, tmp_path):
@@ -222,7 +224,10 @@ def test_estimate_walks_the_answers_asked_for(bigram_target, greedy_data, traine
     assert 0.0 <= results["all"]["repeated_share"] <= 1.0
 
 
-def test_estimate_of_ended_answers_needs_the_finished_flag(greedy_data, tmp_path):
+def test_estimate_refuses_answers_it_cannot_choose(greedy_data, tmp_path, capsys):
+    """--answers ended needs the `finished` flag and at least one such answer; an unknown
+    value is refused on the command line."""
+    from training.__main__ import main
     from training.estimate import EstimateConfig, estimate
 
     data = TokenFile.load(greedy_data)
@@ -230,3 +235,12 @@ def test_estimate_of_ended_answers_needs_the_finished_flag(greedy_data, tmp_path
     TokenFile(data.tokens, data.offsets, data.prompt_lens, {"dev": data.extra["dev"]}).save(bare)
     with pytest.raises(ValueError, match="--answers ended needs a data file written by"):
         estimate(EstimateConfig("eagle3", "unused", "unused", bare, answers="ended"))
+    none_ended = str(tmp_path / "none_ended.npz")
+    TokenFile(data.tokens, data.offsets, data.prompt_lens,
+              {**data.extra, "finished": np.zeros(len(data), bool)}).save(none_ended)  # fmt: skip
+    with pytest.raises(ValueError, match="none of the .* answers to walk was ended"):
+        estimate(EstimateConfig("eagle3", "unused", "unused", none_ended, answers="ended"))
+    with pytest.raises(SystemExit):
+        main(["estimate", "eagle3", "--model", "m", "--draft", "d", "--data", bare,
+              "--answers", "some"])  # fmt: skip
+    assert "invalid choice: 'some'" in capsys.readouterr().err
