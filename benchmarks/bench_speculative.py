@@ -535,7 +535,7 @@ def run_requests(args, questions: list[list[str]], shapes: list[tuple[str, tuple
         runner={"attention_backend": args.attention_backend},
     )  # fmt: skip
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    results, plain_tps, used = [], {}, {}
+    results, plain_tps, used, tokenizer = [], {}, {}, None
     for algorithm, shape in [(None, None), *shapes]:
         spec = {}
         if shape is not None:
@@ -544,7 +544,7 @@ def run_requests(args, questions: list[list[str]], shapes: list[tuple[str, tuple
                     "speculative_eagle_topk": shape[1],
                     "speculative_num_draft_tokens": shape[2]}  # fmt: skip
         engine = Engine(served_config(base, spec, args.max_running_requests))
-        tokenizer = Tokenizer(engine.config.model.tokenizer_path)
+        tokenizer = tokenizer or Tokenizer(engine.config.model.tokenizer_path)  # the same model
         name = "plain"
         if shape is not None:
             name = f"{algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"

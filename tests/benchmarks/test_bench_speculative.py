@@ -118,6 +118,33 @@ def test_later_turns_follow_the_runs_own_earlier_answers(tmp_path, monkeypatch, 
         assert row["requests"] == sum(t["requests"] for t in row["per_turn"])
 
 
+def test_rows_are_written_as_they_finish(tmp_path, monkeypatch):
+    """A run cut short (here: the speculative engine fails to start) keeps the rows it made."""
+    from benchmarks import spec_requests
+
+    engine = spec_requests.Engine
+
+    def plain_only(config):
+        if config.speculative.speculative_algorithm:
+            raise RuntimeError("cut short")
+        return engine(config)
+
+    monkeypatch.setattr(bench_speculative, "Engine", plain_only)
+    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
+                                 max_position_embeddings=512)
+    make_tiny_tokenizer(model)
+    out = tmp_path / "result.json"
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench_speculative.main([
+            "--model-path", model, "--load-format", "dummy", "--algorithm", "EAGLE",
+            "--prompts", str(write_questions(tmp_path, "Hello?")), "--num-prompts", "1",
+            "--max-new-tokens", "4", "--shapes", "2,1,3", "--temperatures", "0,0.5",
+            "--device", "cpu", "--output", str(out),
+        ])  # fmt: skip
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["mode"], r["temperature"]) for r in rows] == [("plain", 0.0), ("plain", 0.5)]
+
+
 @pytest.mark.parametrize("turns, questions, message", [
     (0, ["Hello?"], "--turns must be at least 1"),
     (2, [["Hello?"], []], "every question needs at least one turn"),

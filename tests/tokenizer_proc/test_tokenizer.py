@@ -22,3 +22,12 @@ def test_encode_and_vocab_size(tokenizer_dir):
     assert Tokenizer(tokenizer_dir).encode("Hello world") == hf.encode("Hello world")
     assert Tokenizer(tokenizer_dir).vocab_size == len(hf)
     assert Tokenizer(tokenizer_dir, model_vocab_size=1000).vocab_size == 1000
+
+
+def test_decode_drops_special_tokens(tokenizer_dir):
+    """An answer put back into a conversation carries no end-of-turn token of its own."""
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = Tokenizer(tokenizer_dir)
+    ids = tok.encode("Hello world") + [hf.convert_tokens_to_ids("<|im_end|>")]
+    assert "<|im_end|>" in hf.decode(ids)
+    assert tok.decode(ids) == hf.decode(tok.encode("Hello world"))

@@ -198,8 +198,11 @@ def test_the_command_line_generates_trains_and_estimates(bigram_target, tmp_path
     assert log[-1]["eval"]["accept_length"] == trained["accept_length"]
     assert main(["estimate", "mtp", "--model", bigram_target, "--draft", f"{out}/draft",
                  "--data", data, "--device", "cpu"]) == 0  # fmt: skip
-    estimate = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out.strip().splitlines()
+    estimate = json.loads(printed[-1])
     assert estimate["depth"] == 2 and estimate["accept_length"] > 1.2
+    assert estimate["sequences"] == 4 and 0.0 <= estimate["repeated_share"] <= 1.0
+    assert f"{100 * estimate['repeated_share']:.1f}% of their tokens repeat" in printed[-2]
 
 
 def test_losses_refuse_teacher_logits_missing_at_a_learning_position(bigram_target, greedy_data):
