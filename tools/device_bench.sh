@@ -150,11 +150,14 @@ if [[ $1 == train ]]; then
     # One served stream on the real default model (HTTP /generate, streaming): plain against
     # the shipped EAGLE-3 draft (carried in the tree) as a chain and as a tree, on MT-bench's
     # first turns with the chat template applied, each to its end-of-turn token or SERVE_NEW
-    # tokens; the compiled static-KV loop at batch 1 (bench_decode) in the same call.
-    timeout 200 python benchmarks/bench_decode.py --models .device-carry/smollm2-config \
-      --load-format dummy --batch-size 1 --decode-steps 64 --variants compiled,triton+graph \
-      --warmup-steps 8 --repeats 3 --output "$OUT/decode_baseline_serve.json" 2>&1 \
-      | grep -v "^\[" | tail -4
+    # tokens; the compiled static-KV loop at batch 1 (bench_decode) in the same call, unless
+    # SERVE_COMPILED=0.
+    if [[ ${SERVE_COMPILED:-1} != 0 ]]; then
+      timeout 200 python benchmarks/bench_decode.py --models .device-carry/smollm2-config \
+        --load-format dummy --batch-size 1 --decode-steps 64 --variants compiled,triton+graph \
+        --warmup-steps 8 --repeats 3 --output "$OUT/decode_baseline_serve.json" 2>&1 \
+        | grep -v "^\[" | tail -4
+    fi
     python - "$model" <<'PY'
 import json, os, sys
 from transformers import AutoTokenizer
