@@ -370,6 +370,24 @@ def bench_compiled(runner: ModelRunner, bs: int, args) -> dict:
             "compile_s": compile_s, "tokens": None, "first_logits": None}  # fmt: skip
 
 
+def compiled_results(path: str, load_format: str, sizes: list[int], args) -> dict[int, dict]:
+    """The compiled baseline of the model at each batch size (run in a child process)."""
+    runner = build_runner(path, load_format, args, "triton", graph_bs=0)
+    return {bs: bench_compiled(runner, bs, args) for bs in sizes}
+
+
+def bench_compiled_apart(path: str, load_format: str, sizes: list[int], args) -> dict[int, dict]:
+    """compiled_results in a process of its own. torch.compile's CUDA graphs (reduce-overhead
+    mode) clear the process's cuBLAS workspaces when they record, and the graphs this process
+    captured earlier still write into the freed workspace: the next replay that runs a library
+    GEMM (the 8B shape at batch 64) corrupts memory or faults. The weights are the same: dummy
+    weights come from the seed."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(compiled_results, (path, load_format, sizes, args))
+
+
 def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
     path, load_format = resolve_model(name, tmp_dir, args)
     sizes = parse_sizes(args.batch_size)
@@ -397,10 +415,8 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
             prompts = prompts_of[bs]
             for variant in wanted:
                 if variant == "compiled":
-                    if runner.device.type != "cuda":
-                        continue
-                    results[(variant, bs)] = bench_compiled(runner, bs, args)
-                    continue
+                    continue  # after the group, in a process of its own
+                print(f"{name}: {variant} at batch {bs}", file=sys.stderr, flush=True)
                 use_graph = variant.endswith("+graph")
                 results[(variant, bs)] = bench_variant(
                     lambda r=runner, b=bs, g=use_graph: Decoder(r, b, max_len, g), prompts, args
@@ -416,6 +432,10 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
                 results[(f"triton+graph@{tag}", bs)] = bench_variant(
                     lambda r=runner, b=bs: Decoder(r, b, max_len, True), prompts_of[bs], args
                 )
+        if "compiled" in wanted and runner.device.type == "cuda":
+            print(f"{name}: compiled at batch {args.batch_size}", file=sys.stderr, flush=True)
+            for bs, result in bench_compiled_apart(path, load_format, sizes, args).items():
+                results[("compiled", bs)] = result
         configure_kernels("triton")
         del runner
         if torch.cuda.is_available():

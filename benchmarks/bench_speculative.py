@@ -14,14 +14,17 @@ and without --draft-path its shipped draft; with --load-format dummy a draft of 
 architecture with random weights is used (mechanics only: its accept length is about 1).
 
 --mode iteration: the cost of one speculative iteration (draft, verify, accept, draft extend;
-graphed on CUDA) in units of one plain graphed decode step of the same batch, both timed as
-`GPUWorker.execute` of the same decode plan over and over (prompts of --context-len random
-tokens; the median run). Each ratio is printed next to its lower bound from bytes: 1 + (bytes
-the draft forwards of one iteration read: draft weights + LM head) / (bytes of one target
-forward). With --profile, each row also gets its kernels, GPU busy time and step timeline
-(`step_timeline`), from profiles taken after all timings. It runs twice: with the random draft
-(accept length about 1), then with a constructed always-agreeing draft (the target's final norm
-zeroed, so its argmax is token 0, and the draft's proposals mapped to token 0: every draft is
+graphed on CUDA) in units of one plain graphed decode step of the same batch, both timed as the
+worker process runs steps when served: the same decode plan launched over and over with two steps in
+flight (`GPUWorker.launch`, then `finish` of the step before), so host work overlaps the device's
+and the plain step is the one `bench_decode` times (prompts of --context-len random tokens; the
+median of five loops). Each step timed alone (launched and finished before the next) is printed
+beside it, to show what the host's round trip adds. Each ratio is printed next to its lower bound
+from bytes: 1 + (bytes the draft forwards of one iteration read: draft weights + LM head) / (bytes
+of one target forward). With --profile, each row also gets its kernels, GPU busy time and step
+timeline (`step_timeline`), from profiles taken after all timings. It runs twice: with the random
+draft (accept length about 1), then with a constructed always-agreeing draft (the target's final
+norm zeroed, so its argmax is token 0, and the draft's proposals mapped to token 0: every draft is
 accepted), which gives decode tokens/s at full acceptance against plain decoding's.
 """
 
@@ -35,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -152,20 +156,42 @@ class Replayer:
         return self.worker.execute(self.plan if bs is None else sub_plan(self.plan, bs))
 
 
-def time_plan(replay: Replayer, bs: int | None, device: str, iters: int) -> tuple[float, int]:
-    """Seconds per run of the plan for bs requests (the median over `iters` runs, each timed
-    alone: a run ends when its results are on the host, and the median is not moved by the
-    odd run that a garbage collection or another process on the machine slows down), and
-    the tokens the last run emitted."""
-    for _ in range(3):
-        result = replay.execute(bs)
+IN_FLIGHT = 2  # decode steps the worker process keeps queued under the overlap schedule
+
+
+def run_steps(replay: Replayer, bs: int | None, steps: int, in_flight: int):
+    """Run the plan `steps` times from the saved state, each launched once fewer than
+    `in_flight` earlier steps are unfinished; returns the last step's result."""
+    plan = replay.plan if bs is None else sub_plan(replay.plan, bs)
+    worker, pending, result = replay.worker, deque(), None
+    for _ in range(steps):
+        replay.restore()
+        pending.append(worker.launch(plan))
+        if len(pending) == in_flight:
+            result = worker.finish(pending.popleft())
+    while pending:
+        result = worker.finish(pending.popleft())
+    return result
+
+
+def time_plan(replay: Replayer, bs: int | None, device: str, iters: int,
+              in_flight: int = IN_FLIGHT, repeats: int = 5) -> tuple[float, int]:
+    """Seconds per step of the plan for bs requests, and the tokens the last step emitted.
+
+    in_flight=2 is the served step: the worker process launches a step before it finishes the
+    one before, so the host's launch and result handling overlap the device's work, and a
+    plain step costs what `bench_decode` times with device events. in_flight=1 times a step
+    alone (launched, then finished before the next), which adds the host's whole round trip to
+    every step: a yardstick no user meets, reported only to show that difference. The median
+    of `repeats` loops of `iters` steps."""
+    run_steps(replay, bs, 3, in_flight)  # warm-up
     sync(device)
-    times = []
-    for _ in range(iters):
+    times, result = [], None
+    for _ in range(repeats):
         start = time.perf_counter()
-        result = replay.execute(bs)
-        times.append(time.perf_counter() - start)
-    sync(device)
+        result = run_steps(replay, bs, iters, in_flight)
+        sync(device)
+        times.append((time.perf_counter() - start) / iters)
     return statistics.median(times), sum(unpack_ids(result.num_tokens))
 
 
@@ -322,6 +348,8 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
 
     worker, replay = replayer(None)
     plain = {bs: time_plan(replay, bs, args.device, args.iters)[0] for bs in sizes}
+    plain_alone = {bs: time_plan(replay, bs, args.device, args.iters, in_flight=1)[0]
+                   for bs in sizes}  # fmt: skip
     hosts = {None: {bs: host_split(replay, bs) for bs in sizes}} if args.device == "cuda" else {}
     spin(replay, sizes[0], "plain", args.spin)
     del worker, replay
@@ -330,6 +358,8 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
         worker, replay = replayer(shape)
         bound = byte_bound(worker)
         random_draft = {bs: time_plan(replay, bs, args.device, args.iters) for bs in sizes}
+        alone = {bs: time_plan(replay, bs, args.device, args.iters, in_flight=1)[0]
+                 for bs in sizes}  # fmt: skip
         if args.device == "cuda":
             hosts[shape] = {bs: host_split(replay, bs) for bs in sizes}
         spin(replay, sizes[0], f"S={shape[0]} topk={shape[1]} ND={shape[2]}", args.spin)
@@ -341,6 +371,8 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
                 "mode": f"{args.algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}",
                 "shape": shape, "batch_size": bs, "plain_step_ms": plain[bs] * 1e3,
                 "iteration_ms": seconds * 1e3, "ratio": seconds / plain[bs],
+                "plain_step_alone_ms": plain_alone[bs] * 1e3,
+                "iteration_alone_ms": alone[bs] * 1e3,
                 "byte_bound": bound, "agreeing_iteration_ms": agreed_s * 1e3,
                 "agreeing_tokens_per_iteration": agreed_tokens / bs,
                 "agreeing_speedup": agreed_tokens / agreed_s / (bs / plain[bs]),
@@ -387,6 +419,8 @@ def print_iterations(args, rows: list[dict]) -> None:
         print(f"{r['mode']:30s} {r['batch_size']:3d} {r['plain_step_ms']:9.3f} "
               f"{r['iteration_ms']:8.3f} {r['ratio']:6.2f} {r['byte_bound']:6.2f} "
               f"{r['agreeing_tokens_per_iteration']:9.2f} {r['agreeing_speedup']:20.2f}x")
+        print(f"{'':34s} each step alone: plain {r['plain_step_alone_ms']:.3f} ms, iteration "
+              f"{r['iteration_alone_ms']:.3f} ms")
         for name in ("plain_host", "host"):
             if name in r:
                 h = r[name]

@@ -206,3 +206,29 @@ def test_iteration_mode_at_a_temperature_samples_in_the_accept_stage(tmp_path, m
             "--output", str(tmp_path / "result.json"),
         ])  # fmt: skip
         assert set(variants) == ({"sample"} if temperature != "0" else {None})
+
+
+def test_iteration_steps_are_timed_two_in_flight_as_served(tmp_path, monkeypatch):
+    """The ratio's yardstick is the served step: each step is launched before the step before
+    it is finished (as the worker process runs them under the overlap schedule), and a step
+    emits the same tokens as a step run alone."""
+    import argparse
+
+    from gpu_worker.worker import GPUWorker
+
+    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
+                                 max_position_embeddings=512)
+    args = argparse.Namespace(model_path=model, device="cpu", dtype="float32",
+                              load_format="dummy", attention_backend="auto")  # fmt: skip
+    config = bench_speculative.iteration_config(args, None, None, 2)
+    replay = bench_speculative.Replayer(GPUWorker(config), config, 2, 12)
+    calls = []
+    launch, finish = replay.worker.launch, replay.worker.finish
+    monkeypatch.setattr(replay.worker, "launch", lambda plan: calls.append("L") or launch(plan))
+    monkeypatch.setattr(replay.worker, "finish", lambda step: calls.append("F") or finish(step))
+    served = bench_speculative.run_steps(replay, None, 4, in_flight=2)
+    assert "".join(calls) == "LLFLFLFF"
+    calls.clear()
+    alone = bench_speculative.run_steps(replay, None, 2, in_flight=1)
+    assert "".join(calls) == "LFLF"
+    assert served.token_ids == alone.token_ids and len(served.token_ids) > 0
