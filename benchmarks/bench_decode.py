@@ -376,16 +376,16 @@ def compiled_results(path: str, load_format: str, sizes: list[int], args) -> dic
     return {bs: bench_compiled(runner, bs, args) for bs in sizes}
 
 
-def bench_compiled_apart(path: str, load_format: str, sizes: list[int], args) -> dict[int, dict]:
-    """compiled_results in a process of its own. torch.compile's CUDA graphs (reduce-overhead
-    mode) clear the process's cuBLAS workspaces when they record, and the graphs this process
-    captured earlier still write into the freed workspace: the next replay that runs a library
-    GEMM (the 8B shape at batch 64) corrupts memory or faults. The weights are the same: dummy
-    weights come from the seed."""
+def run_apart(fn: Callable, *args):
+    """fn(*args) in a spawned process of its own (fn and args picklable). The compiled baseline
+    runs so: torch.compile's CUDA graphs (reduce-overhead mode) clear the process's cuBLAS
+    workspaces when they record, and graphs this process captured earlier still write into the
+    freed workspace, so the next replay that runs a library GEMM (the 8B shape at batch 64)
+    corrupts memory or faults. Dummy weights come from the seed, so the child's are the same."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(compiled_results, (path, load_format, sizes, args))
+        return pool.apply(fn, args)
 
 
 def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
@@ -434,7 +434,7 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
                 )
         if "compiled" in wanted and runner.device.type == "cuda":
             print(f"{name}: compiled at batch {args.batch_size}", file=sys.stderr, flush=True)
-            for bs, result in bench_compiled_apart(path, load_format, sizes, args).items():
+            for bs, result in run_apart(compiled_results, path, load_format, sizes, args).items():
                 results[("compiled", bs)] = result
         configure_kernels("triton")
         del runner

@@ -115,3 +115,28 @@ def test_llama8b_config_is_llama31_8b_shaped(bench, tmp_path) -> None:
     num_params = 2 * cfg.vocab_size * h + cfg.num_layers * per_layer + h
     assert 8.0e9 < num_params < 8.1e9  # Llama-3.1-8B has 8.03B parameters
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
+
+
+def test_run_apart_runs_in_a_process_of_its_own() -> None:
+    """The compiled baseline's home: a spawned child, so its CUDA graph trees cannot free the
+    cuBLAS workspace that this process's captured graphs use."""
+    from benchmarks import bench_decode
+
+    assert bench_decode.run_apart(os.getpid) not in (os.getpid(), None)
+
+
+@pytest.mark.gpu
+def test_two_models_with_graphs_and_the_compiled_baseline_in_one_run(tmp_path) -> None:
+    """Two models, graphs at batch 1 and 64, and the compiled baseline between them: a library
+    GEMM replayed after torch.compile recorded its graphs in the same process faulted."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from benchmarks import bench_decode  # importable by name in the spawned child
+
+    tiny = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
+    report = bench_decode.main(["--models", f"{tiny},llama3-8b", "--load-format", "dummy",
+                         "--device", "cuda", "--dtype", "bfloat16", "--batch-size", "1,64",
+                         "--variants", "triton+graph,compiled", "--decode-steps", "8",
+                         "--warmup-steps", "2", "--repeats", "1", "--profile-steps", "1"])
+    assert {(r["variant"], r["batch_size"]) for r in report["results"]} == {
+        (v, bs) for v in ("triton+graph", "compiled") for bs in (1, 64)}
