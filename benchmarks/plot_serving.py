@@ -3,8 +3,8 @@
     pip install matplotlib   # only this script needs it
     python3 benchmarks/plot_serving.py docs/results/serving_overlap.json --out docs
 
-reads a summary written from `bench_serving` runs (`rows` of algorithm, overlap, concurrency,
-output_tok_s, itl_mean_ms, tpot_median_ms, ...; see docs/results/serving_overlap.json) and
+reads a summary written from `bench_serving` runs (`rows` of algorithm, draft (speculative rows:
+which draft, as the legend shows it), overlap, concurrency, output_tok_s, itl_mean_ms, tpot_median_ms, ...; see docs/results/serving_overlap.json) and
 writes serving_throughput.png and serving_itl.png (rows at a numeric concurrency only; the
 Poisson runs are left out). The latency plot shows each stream's median time per output token
 (TPOT: the mean inter-token latency of one stream): at high concurrency the streamed chunks
@@ -20,14 +20,26 @@ import json
 import os
 
 
+def label(row: dict) -> str:
+    """A line's legend: the algorithm, its draft (a speculative row must say which: a line
+    drawn with a random-weight draft, which is almost never accepted, reads as "speculation is
+    slower" unless the legend says so) and the overlap schedule."""
+    name = row["algorithm"]
+    if name != "plain":
+        if not row.get("draft"):
+            raise ValueError(f"a {name} row needs a 'draft' field saying which draft it ran")
+        name = f"{name} ({row['draft']})"
+    return f"{name}, overlap {'on' if row['overlap'] else 'off'}"
+
+
 def series(rows: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
     """label -> (concurrencies, values), sorted by concurrency."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for row in rows:
         if not isinstance(row["concurrency"], int):
             continue
-        label = f"{row['algorithm']}, overlap {'on' if row['overlap'] else 'off'}"
-        xs, ys = out.setdefault(label, ([], []))
+        label_ = label(row)
+        xs, ys = out.setdefault(label_, ([], []))
         xs.append(row["concurrency"])
         ys.append(row[key])
     for xs, ys in out.values():
@@ -43,8 +55,8 @@ def plot(summary: dict, key: str, ylabel: str, path: str, reference: float | Non
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, (xs, ys) in series(summary["rows"], key).items():
-        ax.plot(xs, ys, marker="o", linestyle="-" if "on" in label else "--", label=label)
+    for name, (xs, ys) in series(summary["rows"], key).items():
+        ax.plot(xs, ys, marker="o", linestyle="-" if "overlap on" in name else "--", label=name)
     if reference is not None:
         ax.axhline(reference, color="grey", linewidth=1, linestyle=":",
                    label="compiled static-KV loop, batch 64")  # fmt: skip
