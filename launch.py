@@ -5,10 +5,10 @@
 Start order: the GPU worker first (it loads weights and measures how much KV fits; with
 --tp-size N, one worker process per tensor-parallel rank), then the scheduler, detokenizer and
 tokenizer with the worker's KV capacity filled into the config.
-If any child fails or dies, every child is stopped and the launcher exits non-zero. SIGTERM or
-SIGINT drains: the tokenizer answers new requests with 503, running requests finish (bounded
-by --drain-timeout-s), then children stop in order. Under systemd (Type=notify) it reports
-READY=1 and STOPPING=1 through $NOTIFY_SOCKET.
+If any child fails, dies or is stuck (`Watchdog`), every child is stopped and the launcher
+exits non-zero. SIGTERM or SIGINT drains: the tokenizer answers new requests with 503, running
+requests finish (bounded by --drain-timeout-s), then children stop in order. Under systemd
+(Type=notify) it reports READY=1 and STOPPING=1 through $NOTIFY_SOCKET.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from aerie.messages import (
 from aerie.model_info import ModelDirError
 from aerie.resolve import ConfigError, resolve_config
 from aerie.transport import Receiver, Sender
+from aerie.watchdog import Watchdog
 
 log = logging.getLogger("launcher")
 
@@ -79,49 +80,6 @@ def sd_notify(state: str) -> None:
         sock.sendto(state.encode(), address)
 
 
-class Watchdog:
-    """When to send heartbeats, who answered last when, and when to tell systemd all is well.
-
-    Heartbeats go out every HEARTBEAT_INTERVAL_S (at most a third of the timeout); a child whose
-    last answer (or, before its first, the first heartbeat) is older than timeout_s is stuck.
-    systemd's WatchdogSec arrives as $WATCHDOG_USEC: WATCHDOG=1 is sent every half of it while
-    no child is stuck."""
-
-    HEARTBEAT_INTERVAL_S = 1.0
-
-    def __init__(self, names: tuple[str, ...], timeout_s: float) -> None:
-        now = time.monotonic()
-        self.timeout_s = timeout_s
-        self.interval_s = min(self.HEARTBEAT_INTERVAL_S, timeout_s / 3)
-        self.last_answer = dict.fromkeys(names, now)
-        self.seq = 0
-        self._next_beat = now
-        usec = os.environ.get("WATCHDOG_USEC", "")
-        self.notify_interval_s = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else None
-        self._next_notify = now
-
-    def due(self, now: float) -> bool:
-        if now < self._next_beat:
-            return False
-        self.seq += 1
-        self._next_beat = now + self.interval_s
-        return True
-
-    def answered(self, ack: HeartbeatAck, now: float) -> None:
-        if ack.name in self.last_answer:
-            self.last_answer[ack.name] = now
-
-    def stuck(self, now: float) -> str | None:
-        late = [n for n, t in self.last_answer.items() if now - t > self.timeout_s]
-        return late[0] if late else None
-
-    def notify_due(self, now: float) -> bool:
-        if self.notify_interval_s is None or now < self._next_notify:
-            return False
-        self._next_notify = now + self.notify_interval_s
-        return self.stuck(now) is None
-
-
 class Launcher:
     def __init__(self, config: AerieConfig) -> None:
         self.config = config
@@ -143,6 +101,9 @@ class Launcher:
         # One long-lived sender per child inbox: a sender dropped right after send() may lose
         # the message before ZMQ has connected.
         self.to = {name: Sender(endpoints.inbox(config, name)) for name in self.stop_order}
+        self.heartbeat_to = {
+            name: Sender(endpoints.heartbeat(config, name)) for name in self.stop_order
+        }
         self.procs: dict[str, mp.Process] = {}
         self.listening: dict[str, int | float | str] = {}
         self.stop_signal: int | None = None
@@ -235,21 +196,24 @@ class Launcher:
 
     def supervise(self) -> None:
         """Return when a stop signal arrives; raise LaunchError when a child dies, fails or
-        stops answering heartbeats. Under systemd, WATCHDOG=1 goes out only while every
-        child answers."""
-        watchdog = Watchdog(tuple(self.procs), self.config.server.watchdog_timeout_s)
+        is stuck (see `Watchdog`). Under systemd, WATCHDOG=1 goes out only while no child is
+        stuck."""
+        server = self.config.server
+        watchdog = Watchdog(tuple(self.procs), server.watchdog_timeout_s,
+                            server.watchdog_busy_timeout_s, long_work=self.workers)  # fmt: skip
         while self.stop_signal is None:
             now = time.monotonic()
             if watchdog.due(now):
                 for name in self.procs:
-                    self.to[name].send(Heartbeat(watchdog.seq))
+                    self.heartbeat_to[name].send(Heartbeat(watchdog.seq))
             stuck = watchdog.stuck(now)
             if stuck is not None:
+                name, why = stuck
                 raise LaunchError(
-                    f"the {stuck} process has not answered a heartbeat for "
-                    f"{self.config.server.watchdog_timeout_s:.0f} s (--watchdog-timeout-s): it "
-                    "is stuck or stopped; exiting so that the server can be restarted"
+                    f"the {self.describe(name)} {why}; exiting so that the server can be restarted"
                 )
+            for line in watchdog.reports(now):
+                log.info("%s", line)
             if watchdog.notify_due(now):
                 sd_notify("WATCHDOG=1")
             message = self.inbox.recv(timeout_s=_POLL_S)

@@ -9,7 +9,9 @@
 yields incremental deltas (`text` / `output_ids` hold only what is new; the last one has
 `meta_info.finish_reason` set). Server-side errors raise `AerieClientError`; a `timeout`
 that passes aborts the request on the server and raises `AerieTimeoutError`. Leaving a
-stream early aborts its request.
+stream early aborts its request. One client is one connection: the server refuses more than
+--max-zmq-requests-per-connection (256) unfinished requests on it with code 429, and treats a
+client that leaves about a thousand replies unread as gone (`AsyncClient` reads them all).
 
 A server started with --api-key needs `api_key=`; one started with --zmq-curve needs
 `server_public_key=` (its Z85 public key, logged at start). A failed CURVE handshake (a key

@@ -42,8 +42,11 @@ class ModelConfig:
         "dummy: random weights from config.json (for benchmarks).",
         ("auto", "safetensors", "dummy"),
     )
-    context_length: int | None = _opt(None, "Max tokens of prompt + output per request.")
-    random_seed: int = _opt(0, "Seed for dummy weights and unseeded sampling.")
+    context_length: int | None = _opt(
+        None,
+        "Max tokens of prompt + output per request (default: the model's max_position_embeddings).",
+    )
+    random_seed: int = _opt(0, "Seeds dummy weights and the seeds drawn for unseeded requests.")
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int | None = _opt(None, "Max requests decoding at once.")
+    max_running_requests: int | None = _opt(
+        None, "Max requests decoding at once (default: 256 on CUDA, 32 on CPU)."
+    )
     chunked_prefill_size: int = _opt(8192, "Max prompt tokens run in one prefill step.")
     schedule_conservativeness: float = _opt(
         1.0,
@@ -82,7 +87,11 @@ class RunnerConfig:
         ("auto", "torch_native", "triton"),
     )
     disable_cuda_graph: bool = _opt(False, "Run every forward eagerly.", flag=True)
-    cuda_graph_max_bs: int | None = _opt(None, "Largest batch size captured in a CUDA graph.")
+    cuda_graph_max_bs: int | None = _opt(
+        None,
+        "Largest batch size captured in a CUDA graph (default: "
+        "--max-running-requests, at most 256).",
+    )
     cuda_graph_max_prefill_tokens: int | None = _opt(
         None,
         "Largest prefill step (prompt tokens of all its requests) replayed as a CUDA graph; "
@@ -94,12 +103,24 @@ class RunnerConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative_algorithm: str | None = _opt(
-        None, "Speculative decoding algorithm.", ("EAGLE", "EAGLE3", "MTP")
+        None,
+        "Speculative decoding algorithm (default: none, plain decoding).",
+        ("EAGLE", "EAGLE3", "MTP"),
     )
-    speculative_draft_model_path: str | None = _opt(None, "Draft model directory.")
-    speculative_num_steps: int | None = _opt(None, "Draft depth S.")
-    speculative_eagle_topk: int | None = _opt(None, "Branches per draft step.")
-    speculative_num_draft_tokens: int | None = _opt(None, "Tree nodes verified per step (ND).")
+    speculative_draft_model_path: str | None = _opt(
+        None,
+        "Draft model directory (default: the draft shipped for the default "
+        "model; MTP: the layers in the target checkpoint).",
+    )
+    speculative_num_steps: int | None = _opt(
+        None, "Draft depth S (default: 3, at most the draft's MTP layers)."
+    )
+    speculative_eagle_topk: int | None = _opt(
+        None, "Branches per draft step (default: 1, a chain)."
+    )
+    speculative_num_draft_tokens: int | None = _opt(
+        None, "Tree nodes verified per step (ND) (default: S + 1 for a chain, else at most 8)."
+    )
 
     @property
     def enabled(self) -> bool:
@@ -132,19 +153,22 @@ class ParallelConfig:
         "many GPUs (one process each; on CPU, processes joined over gloo).",
     )
     dp_size: int = _opt(
-        1, "Data-parallel replicas (each a scheduler and --tp-size GPUs) behind the one "
-        "frontend, which sends each new request to the replica with the fewest unfinished."
+        1,
+        "Data-parallel replicas (each a scheduler and --tp-size GPUs) behind the one "
+        "frontend, which sends each new request to the replica with the fewest unfinished.",
     )
     nnodes: int = _opt(
-        1, "Machines the --tp-size ranks are spread over: run the same command on each, with "
+        1,
+        "Machines the --tp-size ranks are spread over: run the same command on each, with "
         "its --node-rank. Node 0 serves HTTP/ZMQ and runs the scheduler; the others run "
-        "worker ranks only."
+        "worker ranks only.",
     )
     node_rank: int = _opt(0, "This machine's index among --nnodes (0: the one that serves).")
     dist_init_addr: str | None = _opt(
-        None, "HOST:PORT where the tensor-parallel ranks meet; rank 0 listens there (with "
+        None,
+        "HOST:PORT where the tensor-parallel ranks meet; rank 0 listens there (with "
         "--nnodes > 1 an address of node 0 every node reaches; default: a free port on "
-        "127.0.0.1). Replica d of --dp-size meets at PORT + d."
+        "127.0.0.1). Replica d of --dp-size meets at PORT + d.",
     )
 
 
@@ -163,8 +187,14 @@ class ServerConfig:
     )
     watchdog_timeout_s: float = _opt(
         30.0,
-        "A process that answers no heartbeat for this long is reported stuck and the "
-        "server exits (systemd then restarts it).",
+        "A process that answers no heartbeat for this long, or (but a GPU worker) stays busy "
+        "this long without progress, is reported stuck and the server exits (systemd then "
+        "restarts it).",
+    )
+    watchdog_busy_timeout_s: float = _opt(
+        600.0,
+        "A GPU worker on one step without progress for this long is reported stuck and the "
+        "server exits; raise it if one step can take longer (a large chunk on a CPU).",
     )
 
 
@@ -193,11 +223,14 @@ class SecurityConfig:
         flag=True,
     )
     zmq_curve_key_file: str | None = _opt(
-        None, "File holding the server's CURVE secret key (Z85), created if missing."
+        None,
+        "File holding the server's CURVE secret key (Z85), created if missing "
+        "(default: in the cache directory, with --zmq-curve).",
     )
     enable_debug_info: bool = _opt(
         False,
-        "Publish filesystem paths (model, tokenizer, runtime directory) in /server_info.",
+        "Publish filesystem paths (model, tokenizer, runtime directory) in /server_info, "
+        "and where each unfinished request is at GET /debug/requests.",
         flag=True,
     )
 
@@ -212,6 +245,9 @@ class LimitsConfig:
         1024, "Requests waiting beyond the running ones; more get 503 with Retry-After."
     )
     max_connections: int = _opt(1024, "Open HTTP connections; more get 503.")
+    max_zmq_requests_per_connection: int = _opt(
+        256, "Unfinished requests one ZMQ client connection may have; more get a 429 error."
+    )
     header_timeout_s: float = _opt(10.0, "Seconds a client gets to send a request's headers.")
     body_timeout_s: float = _opt(30.0, "Seconds a client gets to send a request's body (408).")
 
@@ -273,6 +309,16 @@ def _scalar_type(hint: Any) -> type:
     return args[0] if args else hint
 
 
+def _states_default(help_text: str, default: Any) -> bool:
+    """Whether a flag's help already says what its default is (then no "(default: ...)"
+    is appended); a None default must be explained there, never printed as "None"."""
+    if "default" in help_text.lower():
+        return True
+    if default is None:
+        raise ValueError(f"help {help_text!r} must say what its None default means")
+    return False
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launch.py", description="Aerie: an LLM server built around EAGLE speculation."
@@ -292,7 +338,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                 type=_scalar_type(hints[f.name]),
                 default=f.default,
                 choices=meta.get("choices"),
-                help=f"{meta['help']} (default: {f.default})",
+                help=meta["help"]
+                if _states_default(meta["help"], f.default)
+                else f"{meta['help']} (default: {f.default})",
             )
     return parser
 

@@ -1,7 +1,8 @@
 """The endpoint table: where each process's inbox listens.
 
 Every process binds one PULL inbox (`ipc://` in the per-launch runtime directory) and connects
-PUSH senders to the inboxes of the processes it talks to. The tokenizer also binds a `tcp://`
+PUSH senders to the inboxes of the processes it talks to; its heartbeat thread binds one more
+(`heartbeat`). The tokenizer also binds a `tcp://`
 ROUTER socket for external ZMQ clients (`aerie.client`). With --nnodes > 1, the worker ranks on
 machines other than node 0 also bind a `tcp://` address for rank 0's plans
 (`remote_inbox_address`).
@@ -90,6 +91,12 @@ def inbox(config: AerieConfig, name: str) -> str:
     if not config.runtime_dir:
         raise ValueError("config.runtime_dir is not resolved")
     return "ipc://" + os.path.join(config.runtime_dir, f"{name}.sock")
+
+
+def heartbeat(config: AerieConfig, name: str) -> str:
+    """The ipc:// address where process `name`'s heartbeat thread takes the launcher's
+    heartbeats (apart from its inbox, so they are answered while its loop is busy)."""
+    return inbox(config, name).removesuffix(".sock") + ".heartbeat.sock"
 
 
 def step_link(config: AerieConfig, replica: int = 0) -> str:

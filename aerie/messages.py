@@ -6,11 +6,11 @@ Each message is a frozen dataclass. Token arrays travel as raw little-endian int
 type that is not listed there cannot be sent.
 
 Edges:
-    tokenizer   -> scheduler    TokenizedRequest, AbortRequest
+    tokenizer   -> scheduler    TokenizedRequest, AbortRequest, DebugQuery
     scheduler   -> gpu worker   ForwardPlan
     gpu worker  -> scheduler    StepResult
     scheduler   -> detokenizer  TokenDeltas
-    scheduler   -> tokenizer    SchedulerStats
+    scheduler   -> tokenizer    SchedulerStats, DebugReport
     detokenizer -> tokenizer    TextDeltas
     launcher   <-> every child  ProcessReady, ProcessFailed, Shutdown, EngineReady,
                                 BeginDrain, DrainDone, Heartbeat, HeartbeatAck
@@ -37,7 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    seed: int | None = None
+    seed: int | None = None  # drawn by the frontend when absent; sampled rows need one
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -72,6 +72,13 @@ class TokenizedRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     rid: str
+
+
+@dataclass(frozen=True)
+class DebugQuery:
+    """Where is each unfinished request? (GET /debug/requests, --enable-debug-info only.)"""
+
+    query_id: int
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,6 +203,17 @@ class SchedulerStats:
     replica: int = 0  # the data-parallel replica whose scheduler reports
 
 
+@dataclass(frozen=True)
+class DebugReport:
+    """The answer to a DebugQuery: the scheduler's state (`Scheduler.describe`) and one
+    entry per request it holds (waiting, running, or finished and still held by a plan)."""
+
+    query_id: int
+    replica: int
+    summary: dict[str, int | bool]
+    requests: list[dict[str, int | str | bool]]
+
+
 # --------------------------------------------------------------------------------------------
 # detokenizer -> tokenizer
 
@@ -265,15 +283,27 @@ class DrainDone:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """launcher -> every child, periodically: answer with a HeartbeatAck from your loop."""
+    """launcher -> every child's heartbeat socket, periodically: answered by the child's
+    heartbeat thread (`aerie.process.HeartbeatThread`), whatever its loop is doing."""
 
     seq: int
 
 
 @dataclass(frozen=True)
 class HeartbeatAck:
+    """What the child's loop was doing when the heartbeat was answered.
+
+    doing: the unit of work it is on ("step 17 (extend, 7,000 tokens, 1 request) on the
+        host"), "" when it waits for messages.
+    busy_s: how long it has been on that unit (0.0 when idle).
+    progress: a count that moves whenever the loop starts, advances or ends a unit of work.
+    """
+
     name: str
     seq: int
+    doing: str = ""
+    busy_s: float = 0.0
+    progress: int = 0
 
 
 MESSAGE_TYPES: tuple[type, ...] = (
@@ -281,6 +311,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     FinishReason,
     TokenizedRequest,
     AbortRequest,
+    DebugQuery,
     RequestStart,
     ForwardPlan,
     StepResult,
@@ -288,6 +319,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     RequestDelta,
     TokenDeltas,
     SchedulerStats,
+    DebugReport,
     TextDelta,
     TextDeltas,
     ProcessReady,

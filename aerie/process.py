@@ -1,9 +1,14 @@
 """Process bootstrap shared by the four `run_<name>_process` entry points.
 
 `run_process` sets up logging with the process tag, ties the child's life to the launcher's
-(Linux parent-death signal, so no orphans), builds the process's core, reports
-`ProcessReady` to the launcher, runs the loop, and on any exception reports `ProcessFailed`
-with the traceback before exiting non-zero.
+(Linux parent-death signal, so no orphans), builds the process's core, starts its heartbeat
+thread, reports `ProcessReady` to the launcher, runs the loop, and on any exception reports
+`ProcessFailed` with the traceback before exiting non-zero.
+
+Liveness: the loop keeps a `Progress` record of what it is doing; a `HeartbeatThread` answers
+the launcher's heartbeats with it on a socket and ZMQ context of its own, so a loop inside a
+long step still answers (a long torch op releases the GIL, and a pure-Python one yields it
+every few milliseconds). The launcher judges from the answers (see `aerie.watchdog.Watchdog`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,22 +29,74 @@ from aerie import endpoints
 from aerie.config import AerieConfig
 from aerie.logging import setup_logging
 from aerie.messages import Heartbeat, HeartbeatAck, ProcessFailed, ProcessReady
-from aerie.transport import Sender
+from aerie.transport import Receiver, Sender
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-class HeartbeatResponder:
-    """The handler every process loop registers for `Heartbeat`: it answers the launcher
-    from the loop itself, so a loop that is stuck (or a stopped process) stops answering."""
+class Progress:
+    """What a process's loop is doing, written by the loop, read by its heartbeat thread.
 
-    def __init__(self, config: AerieConfig, name: str) -> None:
-        self.name = name
-        self.sender = Sender(endpoints.inbox(config, "launcher"))
+    The loop calls `begin(what)` when it starts a unit of work, `advance()` when the unit
+    moves on, and `end()` when it waits for messages again. Each call moves the progress count,
+    so a count that stands still while busy means no progress. `what` is formatted by
+    `describe` only when a heartbeat asks, never on the loop's path. Only the loop writes; the
+    state is one tuple replaced whole, so a reader always sees a consistent snapshot."""
 
-    def __call__(self, message: Heartbeat) -> None:
-        self.sender.send(HeartbeatAck(self.name, message.seq))
+    def __init__(self, describe: Callable[[Any], str] = str) -> None:
+        self.describe = describe
+        self.state: tuple[Any, float, int] = (None, 0.0, 0)  # (what or None: idle, since, count)
+
+    def begin(self, what: Any, since: float | None = None) -> None:
+        """Start `what` (at `since` on the monotonic clock, default now)."""
+        self.state = (what, time.monotonic() if since is None else since, self.state[2] + 1)
+
+    def advance(self) -> None:
+        what, since, count = self.state
+        self.state = (what, since, count + 1)
+
+    def end(self) -> None:
+        self.state = (None, 0.0, self.state[2] + 1)
+
+    def snapshot(self) -> tuple[str, float, int]:
+        """(what it is doing, "" when idle; for how many seconds; progress count)."""
+        what, since, count = self.state
+        if what is None:
+            return "", 0.0, count
+        return self.describe(what), time.monotonic() - since, count
+
+
+class HeartbeatThread(threading.Thread):
+    """Answers the launcher's heartbeats with the loop's `Progress`, on a socket and ZMQ
+    context of its own (sockets are not shared between threads). A stopped or hard-wedged
+    process stops answering; a busy one answers and says what it is busy with."""
+
+    POLL_S = 0.2  # how often it checks whether it should stop
+
+    def __init__(self, config: AerieConfig, name: str, progress: Progress) -> None:
+        super().__init__(name=f"{name}-heartbeat", daemon=True)
+        self.process_name, self.progress = name, progress
+        self.context = zmq.Context()
+        # Bound here, so a failure to bind is the process's start-up failure.
+        self.inbox = Receiver(endpoints.heartbeat(config, name), self.context)
+        self.launcher = Sender(endpoints.inbox(config, "launcher"), self.context)
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            message = self.inbox.recv(timeout_s=self.POLL_S)
+            if isinstance(message, Heartbeat):
+                doing, busy_s, count = self.progress.snapshot()
+                ack = HeartbeatAck(self.process_name, message.seq, doing, busy_s, count)
+                self.launcher.send(ack)
+        self.inbox.close()
+        self.launcher.close()
+        self.context.term()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=2 * self.POLL_S + 1)
 
 
 def process_alive(pid: int) -> bool:
@@ -94,6 +153,7 @@ def run_process(
 ) -> None:
     """Build the core with `build(config)`, report ready, then `loop(core)` until Shutdown.
 
+    The core's `progress` attribute (a `Progress`) is what this process's heartbeats report.
     on_parent_death: cleanup to run if the launcher dies without stopping its children (e.g.
     SIGKILL); this child then gets SIGTERM instead of SIGKILL, runs it and exits. Only a child
     that never blocks in long native calls should take this role."""
@@ -109,9 +169,12 @@ def run_process(
     try:
         core = build(config)
         info = ready_info(core) if ready_info else {}
+        heartbeat = HeartbeatThread(config, name, core.progress)
+        heartbeat.start()
         launcher.send(ProcessReady(name=name, pid=os.getpid(), info=info))
         log.debug("ready")
         loop(core)
+        heartbeat.stop()
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
         if isinstance(e, SystemExit) and not e.code:
             return

@@ -134,11 +134,12 @@ def _validate(config: AerieConfig) -> None:
         raise ConfigError("--schedule-conservativeness must be in [0, 10]")
     limits = config.limits
     for name in ("max_request_bytes", "max_batch_size", "max_connections", "header_timeout_s",
-                 "body_timeout_s"):  # fmt: skip
+                 "body_timeout_s", "max_zmq_requests_per_connection"):  # fmt: skip
         _check_positive(name, getattr(limits, name))
     if limits.max_queued_requests < 0:
         raise ConfigError("--max-queued-requests must be >= 0")
     _check_positive("watchdog_timeout_s", config.server.watchdog_timeout_s)
+    _check_positive("watchdog_busy_timeout_s", config.server.watchdog_busy_timeout_s)
     for name in ("port", "zmq_port"):
         port = getattr(config.server, name)
         if port is not None and not 0 <= port <= 65535:

@@ -31,6 +31,11 @@ def _configure(socket: zmq.Socket) -> None:
     # NOTE: a short linger lets a message sent just before close (ProcessFailed, Shutdown)
     # still reach its peer, without ever blocking a process's exit for long.
     socket.setsockopt(zmq.LINGER, 1000)
+    # NOTE: internal edges have no high-water mark on purpose: at one, PUSH blocks its sender,
+    # and a scheduler blocked on a busy detokenizer (itself blocked on the tokenizer) would
+    # stall the engine. What crosses them is bounded before it gets here: requests and their
+    # aborts by the tokenizer's admission (--max-queued-requests, per-connection budgets),
+    # deltas by the engine's own pace. A client reaches none of them directly.
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
 

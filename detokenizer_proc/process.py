@@ -3,6 +3,7 @@
 Inbox: `endpoints.inbox(config, "detokenizer")` (TokenDeltas from the scheduler, Shutdown from
 the launcher). Outbox: the tokenizer process's inbox. Everything available is drained each
 turn and answered with one TextDeltas message, so a backlog costs one send, not one per step.
+What heartbeats report (`aerie.process.Progress`): busy from a turn's messages to its send.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 from aerie import endpoints
 from aerie.config import AerieConfig
 from aerie.hf_tokenizer import load_hf_tokenizer
-from aerie.messages import Heartbeat, Shutdown, TextDelta, TextDeltas, TokenDeltas
-from aerie.process import HeartbeatResponder, run_process
+from aerie.messages import Shutdown, TextDelta, TextDeltas, TokenDeltas
+from aerie.process import Progress, run_process
 from aerie.transport import Receiver, Sender
 from detokenizer_proc.incremental import Detokenizer
 
@@ -27,17 +28,15 @@ class DetokenizerServer:
         detokenizer: Detokenizer,
         inbox: Receiver,
         to_tokenizer: Sender,
-        heartbeat: Callable[[Heartbeat], None] | None = None,
     ) -> None:
         self.detokenizer = detokenizer
         self.inbox = inbox
         self.to_tokenizer = to_tokenizer
+        self.progress = Progress()
         self.handlers: dict[type, Callable[[Any], None]] = {
             TokenDeltas: self.on_token_deltas,
             Shutdown: self.on_shutdown,
         }
-        if heartbeat is not None:
-            self.handlers[Heartbeat] = heartbeat
         self.outgoing: list[TextDelta] = []
         self.running = True
 
@@ -45,7 +44,10 @@ class DetokenizerServer:
         """Handle messages until Shutdown, then close the sockets. Unknown types raise."""
         try:
             while self.running:
-                self.handle_messages([self.inbox.recv(), *self.inbox.drain()])
+                self.progress.end()
+                first = self.inbox.recv()
+                self.progress.begin("detokenizing")
+                self.handle_messages([first, *self.inbox.drain()])
         finally:
             self.close()
 
@@ -83,7 +85,6 @@ def build_server(config: AerieConfig) -> DetokenizerServer:
         detokenizer=Detokenizer(load_tokenizer(config)),
         inbox=Receiver(endpoints.inbox(config, "detokenizer")),
         to_tokenizer=Sender(endpoints.inbox(config, "tokenizer")),
-        heartbeat=HeartbeatResponder(config, "detokenizer"),
     )
 
 

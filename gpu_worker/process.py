@@ -3,12 +3,18 @@
 Loop: a ForwardPlan from the scheduler (over the step link, `aerie.transport.StepLink`) is
 launched at once (`GPUWorker.launch` queues its work on the device); launched steps are
 finished in order (`GPUWorker.finish`) and their StepResults sent back over the link. Shutdown
-and heartbeats come to the ZMQ inbox. While a step runs on the device the loop keeps reading, so
-the next plan (the scheduler keeps up to two in flight) is queued behind it before it ends:
-the device does not wait for the host between steps. Shutdown ends the loop. Handlers are
-dispatched by message type through a table. On CUDA, before it reports ready, the worker
-runs a few dummy prefills so that Triton compiles the eager paths' kernels at start-up, not
-during a request (`gpu_worker.warm_up`).
+comes to the ZMQ inbox. While a step runs on the device the loop keeps reading, so the next
+plan (the scheduler keeps up to two in flight) is queued behind it before it ends: the device
+does not wait for the host between steps. Shutdown ends the loop. Handlers are dispatched by
+message type through a table. On CUDA, before it reports ready, the worker runs a few dummy
+prefills so that Triton compiles the eager paths' kernels at start-up, not during a request
+(`gpu_worker.warm_up`).
+
+What heartbeats report (`aerie.process.Progress`): the step being launched ("on the host"; on
+a CPU that is all of its work), else the oldest launched step ("on the device") until its
+result is back. Progress moves when a launch ends, when a result is back, when Triton has
+built a kernel and, on a CPU, when a layer is done: host events only, so the record adds no
+wait for the device.
 
 With tensor parallelism (`--tp-size N`) there is one such process per rank. Rank 0 is the
 "gpu_worker" the scheduler talks to: it forwards every plan (and Shutdown) to the other ranks'
@@ -33,8 +39,8 @@ import torch
 
 from aerie import codec, endpoints
 from aerie.config import AerieConfig
-from aerie.messages import ForwardPlan, Heartbeat, Shutdown
-from aerie.process import HeartbeatResponder, run_process
+from aerie.messages import ForwardPlan, Shutdown, StepResult
+from aerie.process import Progress, run_process
 from aerie.step_trace import StepTrace
 from aerie.transport import Inbox, Receiver, Sender, StepLink
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
@@ -58,11 +64,14 @@ class WorkerLoop:
         # before the worker captures its graphs (see StepProfiler); one file, one writer.
         self.profiler = StepProfiler.from_env() if rank == 0 and replica == 0 else None
         self.worker = GPUWorker(config, join_group(config, rank, replica))
+        self.progress = Progress(describe_step)
         if self.worker.device.type == "cuda":  # the interpreter on CPU compiles nothing
             seconds = run_warm_up(self.worker)
             if seconds is not None:
                 log.info("start-up warm-up: prefill kernels compiled in %.1f s", seconds)
-            watch_compiles()
+            watch_compiles(on_build=self.progress.advance)
+        else:
+            watch_layers(self.worker, self.progress.advance)
         self.name = endpoints.worker_name(rank, replica)
         self.inbox = Receiver(endpoints.inbox(config, self.name))
         # A rank on another machine than rank 0 also listens where rank 0 can reach it.
@@ -86,6 +95,7 @@ class WorkerLoop:
         self.worker.tp.start_serving()
         self.running = True
         self.launched: deque[Launched] = deque()
+        self.launch_starts: deque[tuple[ForwardPlan, float]] = deque()  # one per launched step
         # AERIE_STEP_TRACE (benchmarks only): rank 0's host timestamps of every step.
         self.trace = StepTrace.from_env(self.name) if rank == 0 else None
         self.worker.trace = self.trace
@@ -94,7 +104,6 @@ class WorkerLoop:
         self.handlers: dict[type, Callable[[Any], None]] = {
             ForwardPlan: self.handle_plan,
             Shutdown: self.handle_shutdown,
-            Heartbeat: HeartbeatResponder(config, self.name),
         }
 
     def check_rank_zero(self) -> None:
@@ -120,16 +129,28 @@ class WorkerLoop:
     def handle_plan(self, plan: ForwardPlan) -> None:
         if self.trace is not None:
             self.trace.mark("plan_in", plan.plan_id)
+        started = time.monotonic()
+        self.progress.begin((plan, ON_HOST), started)
         self.forward(plan)
         if self.profiler is not None:
             self.profiler.on_launch(plan.mode, len(plan.rows) // 4)
         if self.clock is not None:
             self.clock.begin(plan.plan_id)
         self.launched.append(self.worker.launch(plan))
+        self.launch_starts.append((plan, started))
+        self.report_oldest()
         if self.clock is not None:
             self.clock.end(plan.plan_id)
         if self.trace is not None:
             self.trace.mark("launched", plan.plan_id)
+
+    def report_oldest(self) -> None:
+        """Progress: the oldest launched step, waiting for the device; idle when none is."""
+        if not self.launch_starts:
+            self.progress.end()
+            return
+        plan, started = self.launch_starts[0]
+        self.progress.begin((plan, ON_DEVICE), started)
 
     def record_device_time(self, plan_id: int) -> None:
         """The finished step's device gap and span (`StepClock`) into the trace."""
@@ -144,8 +165,15 @@ class WorkerLoop:
         self.forward(message)
         # Steps already launched run to their end on every rank (their collectives meet).
         while self.launched:
-            self.worker.finish(self.launched.popleft())
+            self.finish_oldest()
         self.running = False
+
+    def finish_oldest(self) -> StepResult:
+        """Wait for the oldest launched step's result; progress moves on to the next one."""
+        result = self.worker.finish(self.launched.popleft())
+        self.launch_starts.popleft()
+        self.report_oldest()
+        return result
 
     def run(self) -> None:
         while self.running:
@@ -164,7 +192,7 @@ class WorkerLoop:
             elif self.launched[0].ready():
                 if self.trace is not None:
                     self.trace.mark("ready", self.launched[0].plan_id)
-                result = self.worker.finish(self.launched.popleft())
+                result = self.finish_oldest()
                 if self.trace is not None:
                     self.trace.mark("result_out", result.plan_id)
                 if self.link is not None:
@@ -185,6 +213,30 @@ class WorkerLoop:
         if handler is None:
             raise TypeError(f"gpu_worker got an unexpected message {type(message).__name__}")
         handler(message)
+
+
+ON_HOST, ON_DEVICE = "on the host", "on the device"
+
+
+def watch_layers(worker: GPUWorker, on_layer: Callable[[], None]) -> None:
+    """Call on_layer after every layer forward of every model the worker runs (the members of
+    its models' ModuleLists). For a CPU worker only: there a step's whole computation runs in
+    its launch, for minutes with a long prompt, and a layer done is progress; on CUDA a layer's
+    forward only queues its kernels, and the hooks would slow every launch."""
+    for runner in worker.runners:
+        for module in runner.model.modules():
+            if isinstance(module, torch.nn.ModuleList):
+                for layer in module:
+                    layer.register_forward_hook(lambda *_: on_layer())
+
+
+def describe_step(step: tuple[ForwardPlan, str]) -> str:
+    """ "step 17 (extend, 7,000 tokens, 1 request) on the host": a step and where it is."""
+    plan, where = step
+    num_reqs = len(plan.rows) // 4  # int32 rows
+    requests = f"{num_reqs} request" + ("s" if num_reqs != 1 else "")
+    mode = f"extend, {len(plan.input_ids) // 4:,} tokens" if plan.mode == "extend" else plan.mode
+    return f"step {plan.plan_id} ({mode}, {requests}) {where}"
 
 
 def rank_zero_alive(address: str) -> bool:
@@ -208,6 +260,23 @@ def worker_device(config: AerieConfig, rank: int, replica: int) -> str:
     return device
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under taskset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_threads(cores: int, workers: int) -> int:
+    """Intra-op threads of each of `workers` CPU workers on `cores` cores: one core is left to
+    the scheduler (it polls for every step's result) and the frontends.
+
+    NOTE: more threads than the cores free for them is far slower than fewer, not a little:
+    each op ends on a barrier that waits for a descheduled thread. On a busy 2-core machine
+    small ops took 2-7 ms with 2 threads against 30 us with 1 (docs/reliability.md)."""
+    return max(1, (cores - 1) // workers)
+
+
 def join_group(config: AerieConfig, rank: int, replica: int) -> TensorParallel:
     """Set up this worker's device and threads and join its replica's tensor-parallel group,
     which meets at the port of --dist-init-addr plus the replica's index."""
@@ -217,7 +286,7 @@ def join_group(config: AerieConfig, rank: int, replica: int) -> TensorParallel:
         torch.cuda.set_device(device)
     elif device.type == "cpu":  # the workers share the machine's cores
         workers = parallel.tp_size * parallel.dp_size // parallel.nnodes
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(cpu_threads(usable_cores(), workers))
     if parallel.tp_size == 1:
         return TensorParallel()
     address = endpoints.init_address(config, replica)

@@ -285,21 +285,25 @@ class SamplingState:
         params: SamplingParams,
         prompt_ids: list[int] | Tensor,
         output_len: int,
-        default_seed: int,
     ) -> None:
         """A request (re)starts on row `req_pool_idx`: set its parameters and penalty state.
 
         prompt_ids: the full fill (prompt + outputs so far after a retraction); its last
         `output_len` ids are outputs and are counted for frequency/presence penalties.
-        The repetition penalty covers every id in prompt_ids. seed: params.seed, else
-        default_seed. Penalty tensors are rebuilt only for rows that use penalties.
+        The repetition penalty covers every id in prompt_ids. A sampled request must carry
+        its seed (the frontend gives every request one); a greedy row draws no noise, so it
+        may have none. Penalty tensors are rebuilt only for rows that use penalties.
+        Raises ValueError for a sampled request without a seed.
         """
-        seed = params.seed if params.seed is not None else default_seed
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
+        flags = _row_flags(params, top_k, self.vocab_size)
+        if params.seed is None and flags[_FLAG_COLUMNS.index("use_sampling")]:
+            raise ValueError(f"sampled request on row {req_pool_idx} has no seed; requests "
+                             "must get their seed before they reach the worker")  # fmt: skip
+        seed = params.seed if params.seed is not None else 0
         floats = [float(getattr(params, name)) for name in _FLOAT_PARAMS]
         self._float_params[req_pool_idx] = self._upload(floats, torch.float32)
         self._int_params[req_pool_idx] = self._upload([top_k, _wrap_int64(seed)], torch.int64)
-        flags = _row_flags(params, top_k, self.vocab_size)
         self._flags_cpu[req_pool_idx] = flags
         if flags[0]:
             self._reset_penalty_state(req_pool_idx, prompt_ids, output_len)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from aerie.codec import pack_ids, unpack_ids
@@ -117,9 +117,10 @@ def run_warm_up(worker: GPUWorker) -> float | None:
     return time.perf_counter() - began
 
 
-def watch_compiles() -> bool:
+def watch_compiles(on_build: Callable[[], None] | None = None) -> bool:
     """From now on, log a warning for every Triton kernel built in this process (compiled, or
-    loaded from Triton's cache). Returns whether this Triton version has the hook."""
+    loaded from Triton's cache), and call on_build after each. Returns whether this Triton
+    version has the hook."""
     try:
         from triton import knobs
     except ImportError:
@@ -132,6 +133,8 @@ def watch_compiles() -> bool:
         log.warning("Triton built a kernel while serving, so this step waited for it: %s (a "
                     "specialization the start-up warm-up did not meet)",
                     str(kwargs.get("repr", kwargs.get("key", "?")))[:300])  # fmt: skip
+        if on_build is not None:
+            on_build()
 
     runtime.jit_post_compile_hook = warn
     return True

@@ -243,7 +243,6 @@ class GPUWorker:
             start.sampling,
             codec.unpack_ids(start.prompt_ids),
             start.output_len,
-            self.config.model.random_seed,
         )
         self.return_logprob[start.row] = start.return_logprob
 

@@ -1,12 +1,14 @@
 """The scheduler process: moves messages between the sockets and the `Scheduler` core.
 
-Inbox: TokenizedRequest / AbortRequest (tokenizer), Shutdown (launcher); over the step link
-(`aerie.transport.StepLink`, connected to its GPU worker at start-up): ForwardPlan out,
-StepResult in. Out over ZMQ: TokenDeltas -> detokenizer, SchedulerStats -> tokenizer. Up to
-`Scheduler.max_in_flight` plans are in flight (two with the overlap schedule): when a result
-arrives the loop applies it, sends the next plan, and only then the token deltas, so the worker
-has its next step queued while the scheduler does the rest. The loop blocks on its inbox while
-it cannot plan.
+Inbox: TokenizedRequest / AbortRequest / DebugQuery (tokenizer), Shutdown (launcher); over
+the step link (`aerie.transport.StepLink`, connected to its GPU worker at start-up): ForwardPlan
+out, StepResult in. Out over ZMQ: TokenDeltas -> detokenizer, SchedulerStats / DebugReport ->
+tokenizer. Up to `Scheduler.max_in_flight` plans are in flight (two with the overlap
+schedule): when a result arrives the loop applies it, sends the next plan, and only then the
+token deltas, so the worker has its next step queued while the scheduler does the rest. The
+loop blocks on its inbox while it cannot plan. What heartbeats report
+(`aerie.process.Progress`): a pass of the loop, from the messages it got to the plans and
+deltas it sent; idle while it waits for messages.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from aerie import endpoints
 from aerie.config import AerieConfig
 from aerie.messages import (
     AbortRequest,
-    Heartbeat,
+    DebugQuery,
+    DebugReport,
     RequestDelta,
     SchedulerStats,
     Shutdown,
@@ -32,7 +35,7 @@ from aerie.messages import (
     TokenizedRequest,
 )
 from aerie.model_info import read_model_info
-from aerie.process import HeartbeatResponder, run_process
+from aerie.process import Progress, run_process
 from aerie.step_trace import StepTrace
 from aerie.transport import Inbox, Receiver, Sender, StepLink
 from scheduler_proc.scheduler import Scheduler
@@ -108,6 +111,7 @@ class SchedulerLoop:
         self.trace = StepTrace.from_env(self.name)  # AERIE_STEP_TRACE (benchmarks only)
         self.traced_results: list[int] = []  # plan ids of the results behind `applied`
         self.running = True
+        self.progress = Progress()
         self.stalled = False  # has work, but no plan could be made
         self._last_stats: SchedulerStats | None = None
         self._last_stats_time = 0.0
@@ -116,7 +120,7 @@ class SchedulerLoop:
             AbortRequest: lambda msg: self.core.abort(msg.rid),
             StepResult: self.handle_result,
             Shutdown: self.handle_shutdown,
-            Heartbeat: HeartbeatResponder(config, self.name),
+            DebugQuery: self.handle_debug_query,
         }
 
     def handle_result(self, result: StepResult) -> None:
@@ -132,6 +136,11 @@ class SchedulerLoop:
         if self.trace is not None:
             self.trace.mark("applied", result.plan_id)
             self.traced_results.append(result.plan_id)
+
+    def handle_debug_query(self, msg: DebugQuery) -> None:
+        summary, requests = self.core.describe()
+        summary = {**summary, "stalled": self.stalled}
+        self.to_tokenizer.send(DebugReport(msg.query_id, self.replica, summary, requests))
 
     def handle_shutdown(self, msg: Shutdown) -> None:
         logger.info("shutting down (%s)", msg.reason or "no reason given")
@@ -150,7 +159,11 @@ class SchedulerLoop:
             idle = not self.core.can_plan() or not self.core.has_work() or self.stalled
             # With a step in flight its result comes within milliseconds: spin for it.
             spin_s = RESULT_SPIN_S if self.core.num_in_flight else 0.0
-            first = self.messages.recv(timeout_s=STATS_INTERVAL_S, spin_s=spin_s) if idle else None
+            first = None
+            if idle:
+                self.progress.end()
+                first = self.messages.recv(timeout_s=STATS_INTERVAL_S, spin_s=spin_s)
+            self.progress.begin("a scheduling pass")
             messages = ([first] if first is not None else []) + self.messages.drain()
             self.stalled = self.stalled and not messages
             for message in messages:

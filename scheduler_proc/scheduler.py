@@ -383,6 +383,37 @@ class Scheduler:
         deltas, self._deltas = self._deltas, []
         return TokenDeltas(deltas=deltas)
 
+    def describe(self) -> tuple[dict[str, int | bool], list[dict[str, int | str | bool]]]:
+        """(summary, one entry per request held): where each request is and why it may not
+        move, for a debug view. Reads only; counts and lengths, no token ids."""
+        summary = {
+            "can_plan": self.can_plan(),
+            "plans_in_flight": len(self._in_flight),
+            "free_pages": self.allocator.num_free_pages,
+            "free_rows": self.allocator.num_free_rows,
+            "num_retractions": self._num_retractions,
+        }
+        held = {id(req): req for _, requests, _ in self._in_flight for req in requests}
+        held.update((id(req), req) for req in self._requests.values())
+        position = {id(req): i for i, req in enumerate(self.waiting)}
+        entries = []
+        for req in held.values():
+            entry: dict[str, int | str | bool] = {
+                "rid": req.rid,
+                "state": req.state.value,
+                "row": req.req_pool_idx,
+                "prefix_len": req.prefix_len,
+                "fill_len": len(req.fill_ids),
+                "output_len": len(req.output_ids),
+                "max_new_tokens": req.sampling.max_new_tokens,
+                "num_sent": req.num_sent,
+                "plans_in_flight": req.in_flight,
+            }
+            if id(req) in position:
+                entry["queue_position"] = position[id(req)]
+            entries.append(entry)
+        return summary, entries
+
     def stats(self) -> SchedulerStats:
         avg = self._num_decode_tokens / self._num_verify if self._num_verify else 0.0
         return SchedulerStats(

@@ -7,6 +7,12 @@ non-string keys, nesting up to msgpack's own limit), or a well-formed envelope w
 the wrong type or size. `parse_client_message` either
 returns a `ClientMessage` whose fields have the documented types, or raises `ProtocolError`
 carrying the req_id when one could be read (so the error reply can name the request).
+
+It runs in two steps so that a frame is refused before it costs anything: `read_envelope`
+reads the top-level map with msgpack's C scanner, unpacking only scalar fields (op, req_id,
+api_key) and skipping every list, map, bin or ext value (the body among them) without building
+it; `read_body` unpacks and checks the body, which the frontend does only for a frame that
+carries the key and fits its connection's budget.
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ MAX_DEPTH = 8  # nesting of maps and lists inside a message (a /generate body ne
 _INT64 = (-(2**63), 2**63 - 1)
 _ENVELOPE_KEYS = frozenset({"op", "req_id", "body", "api_key"})
 MAX_API_KEY_LEN = 1024
+# First bytes of msgpack values (the format's type codes): maps, and everything that is not a
+# scalar (maps, arrays, bin, ext including timestamps).
+_MAP_CODES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+_COMPOUND_CODES = frozenset(
+    [*range(0x80, 0xA0), *range(0xC4, 0xCA), *range(0xD4, 0xD9), *range(0xDC, 0xE0)]
+)
 
 
 class ProtocolError(ValueError):
@@ -32,6 +44,24 @@ class ProtocolError(ValueError):
         self.message = message
         self.req_id = req_id
         self.param = param
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A value the envelope scan left unread: payload[start:end]."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A frame's checked envelope; the body, if any, is payload[body.start:body.end], unread."""
+
+    op: str  # one of OPS
+    req_id: int | str
+    api_key: str | None
+    body: Skipped | None  # a msgpack map for "generate", None for "abort"
 
 
 @dataclass(frozen=True)
@@ -68,8 +98,8 @@ def check_plain(value: Any, max_depth: int = MAX_DEPTH) -> None:
         raise ProtocolError(f"unsupported value of type {type(item).__name__} in the message")
 
 
-def _read_req_id(envelope: dict) -> int | str:
-    req_id = envelope.get("req_id")
+def _read_req_id(fields: dict) -> int | str:
+    req_id = fields.get("req_id")
     if isinstance(req_id, bool) or not isinstance(req_id, (int, str)):
         raise ProtocolError("req_id must be an integer or a string", param="req_id")
     if isinstance(req_id, int) and not _INT64[0] <= req_id <= _INT64[1]:
@@ -79,32 +109,91 @@ def _read_req_id(envelope: dict) -> int | str:
     return req_id
 
 
-def parse_client_message(payload: bytes) -> ClientMessage:
-    """The checked message in one client frame, or ProtocolError (see the module docstring)."""
+class _TooManyFields(Exception):
+    pass
+
+
+def _scan_value(unpacker: msgpack.Unpacker, payload: bytes) -> Any:
+    """The next value if it is a scalar, else a `Skipped` span (nothing built)."""
+    start = unpacker.tell()
+    if payload[start] in _COMPOUND_CODES:
+        unpacker.skip()
+        return Skipped(start, unpacker.tell())
+    return unpacker.unpack()
+
+
+def _scan_map(payload: bytes) -> dict[Any, Any]:
+    """The top-level map's fields (see `_scan_value`); ProtocolError if it is none."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(payload), 1))
+    unpacker.feed(payload)
     try:
-        envelope = msgpack.unpackb(payload, raw=False)
+        if not payload or payload[0] not in _MAP_CODES:
+            unpacker.skip()  # a valid msgpack value that is not a map, or it raises
+            fields = None
+        else:
+            fields = {}
+            num_fields = unpacker.read_map_header()
+            if num_fields > len(_ENVELOPE_KEYS):  # refused before a wide map costs anything
+                raise _TooManyFields(num_fields)
+            for _ in range(num_fields):
+                key = _scan_value(unpacker, payload)
+                fields[key] = _scan_value(unpacker, payload)
+        if unpacker.tell() != len(payload):
+            raise msgpack.ExtraData(None, None)
+    except _TooManyFields as e:
+        raise ProtocolError(f"a message has at most {len(_ENVELOPE_KEYS)} fields "
+                            f"({', '.join(sorted(_ENVELOPE_KEYS))}), not {e.args[0]}") from None
     except Exception as e:  # noqa: BLE001 - msgpack raises many types for corrupt input
         raise ProtocolError(f"not a msgpack message ({type(e).__name__})") from None
-    if not isinstance(envelope, dict):
+    if fields is None:
         raise ProtocolError("a message must be a map with op, req_id (and body)")
-    req_id = _read_req_id(envelope)
-    unknown = sorted(str(k) for k in envelope if k not in _ENVELOPE_KEYS)
+    return fields
+
+
+def _field_name(key: Any) -> str:
+    return "<list, map or bytes>" if isinstance(key, Skipped) else str(key)[:64]
+
+
+def read_envelope(payload: bytes) -> Envelope:
+    """The checked envelope of one client frame, or ProtocolError; builds no list or map."""
+    fields = _scan_map(payload)
+    req_id = _read_req_id(fields)
+    unknown = sorted(_field_name(k) for k in fields if k not in _ENVELOPE_KEYS)
     if unknown:
-        raise ProtocolError(f"unknown field {unknown[0][:64]!r}", req_id, unknown[0][:64])
-    op = envelope.get("op")
+        raise ProtocolError(f"unknown field {unknown[0]!r}", req_id, unknown[0])
+    op = fields.get("op")
     if not isinstance(op, str) or op not in OPS:
         raise ProtocolError(f"op must be one of {', '.join(OPS)}", req_id, "op")
-    body = envelope.get("body")
+    body = fields.get("body")
     if op == "generate":
-        if not isinstance(body, dict):
+        if not isinstance(body, Skipped) or payload[body.start] not in _MAP_CODES:
             raise ProtocolError("body must be a map with the /generate fields", req_id, "body")
-        try:
-            check_plain(body)
-        except ProtocolError as e:
-            raise ProtocolError(e.message, req_id, "body") from None
     elif body is not None:
         raise ProtocolError(f"op {op} takes no body", req_id, "body")
-    api_key = envelope.get("api_key")
+    api_key = fields.get("api_key")
     if api_key is not None and (not isinstance(api_key, str) or len(api_key) > MAX_API_KEY_LEN):
         raise ProtocolError("api_key must be a string", req_id, "api_key")
-    return ClientMessage(op, req_id, body if op == "generate" else None, api_key)
+    return Envelope(op, req_id, api_key, body)
+
+
+def read_body(payload: bytes, envelope: Envelope) -> dict[str, Any]:
+    """The checked /generate body of a frame whose envelope is `envelope` (op "generate")."""
+    assert envelope.body is not None
+    span = memoryview(payload)[envelope.body.start : envelope.body.end]
+    try:
+        body = msgpack.unpackb(span, raw=False, strict_map_key=False)
+        check_plain(body)
+    except ProtocolError as e:
+        raise ProtocolError(e.message, envelope.req_id, "body") from None
+    except Exception as e:  # noqa: BLE001 - msgpack raises many types for corrupt input
+        raise ProtocolError(
+            f"the body is not plain msgpack data ({type(e).__name__})", envelope.req_id, "body"
+        ) from None
+    return body
+
+
+def parse_client_message(payload: bytes) -> ClientMessage:
+    """The checked message in one client frame, or ProtocolError (see the module docstring)."""
+    envelope = read_envelope(payload)
+    body = read_body(payload, envelope) if envelope.op == "generate" else None
+    return ClientMessage(envelope.op, envelope.req_id, body, envelope.api_key)

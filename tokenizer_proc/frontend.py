@@ -1,31 +1,36 @@
 """`Frontend`: the socket-free core the HTTP and ZMQ frontends share.
 
-It validates and tokenizes request bodies, assigns rids, registers them with the
-`RequestTracker` and hands `TokenizedRequest`s to a `Backend` (the real process sends them to
-the scheduler; tests pass a fake that feeds `TextDeltas` back into `frontend.tracker`). It also
-holds the lifecycle flags (ready, draining) and the metrics.
+It validates and tokenizes request bodies, assigns rids and the seeds of requests that bring
+none, registers them with the `RequestTracker` and hands `TokenizedRequest`s to a `Backend`
+(the real process sends them to the scheduler; tests pass a fake that feeds `TextDeltas` back
+into `frontend.tracker`). It also holds the lifecycle flags (ready, draining) and the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 import uuid
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from jinja2 import TemplateError
+
 from aerie.codec import pack_ids
-from aerie.messages import SamplingParams, TokenizedRequest
+from aerie.messages import FinishReason, SamplingParams, TokenizedRequest
 from aerie.process import process_alive
 from tokenizer_proc.metrics import Metrics
-from tokenizer_proc.request_tracker import RequestState, RequestTracker
+from tokenizer_proc.request_tracker import ABORTED_LOCALLY, RequestState, RequestTracker
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import (
     GenerateBody,
     Limits,
     ValidationError,
     build_sampling_params,
+    check_chat_size,
     check_prompt_ids,
 )
 
@@ -44,9 +49,16 @@ class Backend(Protocol):
         """rid is done (finished, or aborted after its `abort` was made)."""
         ...
 
+    async def describe(self) -> list[dict[str, Any]]:
+        """Where the engine holds each request, per scheduler (GET /debug/requests)."""
+        ...
+
 
 HTTP_SCOPE = "http"  # HTTP clients have no identity: their rids share one namespace
 MAX_RID_LEN = 256  # characters of a client-chosen rid (echoed in every stream event)
+# Drawn seeds stay below 2^53 so that a client reading JSON numbers as doubles (JavaScript)
+# sends back exactly the seed it was given.
+DRAWN_SEED_BITS = 53
 
 
 @dataclass(frozen=True)
@@ -65,13 +77,22 @@ class Frontend:
     """State shared by the HTTP and ZMQ frontends; one per tokenizer process."""
 
     def __init__(
-        self, tokenizer: Tokenizer, limits: Limits, backend: Backend, model_name: str
+        self,
+        tokenizer: Tokenizer,
+        limits: Limits,
+        backend: Backend,
+        model_name: str,
+        random_seed: int = 0,
     ) -> None:
+        """random_seed (`--random-seed`) starts the sequence of seeds given to requests that
+        bring none: a restarted server hands out the same sequence (in the order requests
+        finish tokenizing)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.backend = backend
         self.model_name = model_name
         self.metrics = Metrics()
+        self._seeds = random.Random(random_seed)
         self.tracker = RequestTracker(
             on_first_output=self.metrics.observe_first_output,
             on_finish=self.on_finish,
@@ -132,15 +153,19 @@ class Frontend:
                                   f"{param} is", param)  # fmt: skip
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the chat template applied to messages, off the event loop."""
-        num_bytes = sum(len(m["content"].encode("utf-8")) for m in messages)
+        """Token ids of the chat template applied to messages, off the event loop, once
+        `check_chat_size` has bounded what rendering and tokenizing them costs. Errors name
+        the served model, never a filesystem path."""
+        if not self.tokenizer.has_chat_template:
+            raise ValidationError(f"the model {self.model_name!r} has no chat template; send "
+                                  "the prompt as text to /v1/completions", "messages")  # fmt: skip
+        check_chat_size(messages, self.tokenizer.chat_tokens_per_message, self.limits)
+        loop = asyncio.get_running_loop()
         try:
-            return await self._encode(self.tokenizer.encode_chat, messages, num_bytes,
-                                      "the messages are", "messages")  # fmt: skip
-        except ValidationError:
-            raise
-        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
-            raise ValidationError(f"cannot apply the chat template: {e}", "messages") from e
+            return await loop.run_in_executor(self.executor, self.tokenizer.encode_chat, messages)
+        except TemplateError as e:  # the template refuses these messages (roles, their order)
+            raise ValidationError(f"the chat template of {self.model_name!r} refuses these "
+                                  f"messages: {e}", "messages") from None  # fmt: skip
 
     async def _encode(self, encode, value, num_bytes: int, what: str, param: str) -> list[int]:
         """encode(value) in the tokenizer thread pool, after the byte pre-check (what: the
@@ -161,12 +186,19 @@ class Frontend:
         prefix: str = "sampling_params.",
         scope: object = HTTP_SCOPE,
     ) -> Prepared:
-        """Tokenize (text) and validate one request. Raises ValidationError."""
+        """Tokenize (text) and validate one request; one without a seed gets the next drawn
+        seed (greedy ones too, so every answer reports one). Raises ValidationError."""
         self.check_client_rid(client_rid, scope)
         ids = await self.tokenize(prompt, param) if isinstance(prompt, str) else prompt
         check_prompt_ids(ids, self.limits, param)
         params = build_sampling_params(sampling, len(ids), self.limits, prefix)
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self.draw_seed())
         return Prepared(uuid.uuid4().hex, ids, params, client_rid, scope)
+
+    def draw_seed(self) -> int:
+        """The next seed of this server's sequence, in [0, 2^DRAWN_SEED_BITS)."""
+        return self._seeds.getrandbits(DRAWN_SEED_BITS)
 
     async def prepare_generate(
         self, body: GenerateBody, scope: object = HTTP_SCOPE
@@ -199,7 +231,10 @@ class Frontend:
         states: list[RequestState] = []
         try:
             for p in prepared:
-                states.append(self.tracker.add(p.rid, len(p.input_ids), p.client_rid, p.scope))
+                seed = p.sampling.seed
+                states.append(
+                    self.tracker.add(p.rid, len(p.input_ids), p.client_rid, p.scope, seed)
+                )
         except ValueError as e:  # a client rid registered since prepare() checked it
             self.abort_unfinished(states)
             raise ValidationError(str(e), "rid") from None
@@ -218,12 +253,13 @@ class Frontend:
         self.metrics.observe_finish(state)
         self.backend.finished(state.rid)
 
-    def abort(self, rid: str) -> None:
-        """Drop rid locally and tell the backend (in the background; safe while cancelled)."""
+    def abort(self, rid: str, finish: FinishReason = ABORTED_LOCALLY) -> None:
+        """Drop rid locally, its consumer seeing `finish`, and tell the backend (in the
+        background; safe while cancelled)."""
         if rid not in self.tracker:
             return
         send = self.backend.abort(rid)  # made while the backend still knows the request
-        self.tracker.abort(rid)
+        self.tracker.abort(rid, finish)
         task = asyncio.get_running_loop().create_task(send)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

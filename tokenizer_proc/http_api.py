@@ -1,35 +1,40 @@
 """The native HTTP API (`create_app`) over the socket-free `Frontend` core.
 
 Native endpoints: POST /generate, GET /health, /health_generate, /server_info, /get_model_info,
-/metrics. The OpenAI routes live in `openai_api`.
+/metrics, /debug/requests (with --enable-debug-info). The OpenAI routes live in `openai_api`.
 
 /generate streaming (SSE): each `data:` event is a full response dict whose `text` and
 `output_ids` are CUMULATIVE (everything so far, as SGLang's /generate does) and whose
 `meta_info.finish_reason` is null until the last event; a batch adds `"index"` to each event;
-the stream ends with `data: [DONE]`. The events are written incrementally
-(`responses.GenerateEvents`: each costs what its chunk added, not the whole output again)
-and sent by `http_stream.EventStream`, straight to the socket where the server allows it.
+the stream ends with `data: [DONE]`, after an error event instead of the last one when the
+server stops the request (a non-streamed request then gets a 503). The events are written
+incrementally (`responses.GenerateEvents`: each costs what its chunk added, not the whole
+output again) and sent by `http_stream.EventStream`, straight to the socket where the server
+allows it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from aerie.messages import SamplingParams
 from tokenizer_proc.frontend import Frontend, Prepared
 from tokenizer_proc.http_guard import Guard, GuardPolicy
 from tokenizer_proc.http_stream import EventStream
-from tokenizer_proc.request_tracker import RequestState
+from tokenizer_proc.request_tracker import SERVER_STOPPING, RequestState
 from tokenizer_proc.responses import GenerateEvents, generate_response, interleave, json_text
 from tokenizer_proc.validation import (
     ValidationError,
@@ -41,7 +46,7 @@ from tokenizer_proc.validation import (
 log = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-
+PARSE_OFF_LOOP_BYTES = 64 << 10  # bodies this large are parsed and checked in a thread
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,8 +58,20 @@ def error_response(e: ValidationError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.param, e.status), e.status, headers=headers)
 
 
-async def read_body(request: Request) -> dict[str, Any]:
-    return parse_json_object(await request.body())
+async def read_body(request: Request, executor: Executor) -> dict[str, Any]:
+    """The body as a JSON object (`parse_json_object`); a large one is parsed in executor, so
+    that walking a body of many small values (an 8 MB chat of 250,000 messages takes most of a
+    second) does not stall the event loop."""
+    raw = await request.body()
+    if len(raw) < PARSE_OFF_LOOP_BYTES:
+        return parse_json_object(raw)
+    return await asyncio.get_running_loop().run_in_executor(executor, parse_json_object, raw)
+
+
+def raise_if_stopped(states: list[RequestState]) -> None:
+    """A 503 for requests the server ended because it is stopping: the client should retry."""
+    if any(state.finish == SERVER_STOPPING for state in states):
+        raise ValidationError(SERVER_STOPPING.message, status=503)
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -84,13 +101,15 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+SSE_STOPPING = sse(error_body(SERVER_STOPPING.message, None, 503)).encode()  # then SSE_DONE
 
 
 class JsonErrors:
     """ASGI middleware: an exception that escapes a route becomes a JSON 500 in the API's error
     format (an SSE error event when a stream had already started) instead of a bare text 500
     and a reset connection; the keep-alive connection stays usable. Bad input never gets here
-    (validation raises ValidationError, a 4xx); this is the net for bugs."""
+    (validation raises ValidationError, a 4xx); this is the net for bugs. A request still
+    running when uvicorn's graceful shutdown ends is cancelled: it gets a 503 the same way."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -116,18 +135,30 @@ class JsonErrors:
         except ClientDisconnect:  # nobody to answer; one line, no traceback
             log.info("client went away before sending the whole request (%s %s)",
                      scope.get("method"), scope.get("path"))  # fmt: skip
+        except asyncio.CancelledError:  # answer, then let the cancellation go on
+            log.info("answered %s %s with 503: the server stopped before it finished",
+                     scope.get("method"), scope.get("path"))  # fmt: skip
+            await send_final_error(send, state, 503, SERVER_STOPPING.message)
+            raise
         except Exception:  # noqa: BLE001 - the one place every unhandled error ends up
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            error = error_body("internal server error; the server log has the details", None, 500)
-            if not state["started"]:
-                body = json.dumps(error).encode()
-                headers = [(b"content-type", b"application/json"),
-                           (b"content-length", str(len(body)).encode())]  # fmt: skip
-                await send({"type": "http.response.start", "status": 500, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
-            elif not state["done"]:
-                tail = sse(error).encode() + SSE_DONE if state["stream"] else b""
-                await send({"type": "http.response.body", "body": tail})
+            message = "internal server error; the server log has the details"
+            await send_final_error(send, state, 500, message)
+
+
+async def send_final_error(send: Any, state: dict[str, bool], status: int, message: str) -> None:
+    """Answer with an error in the API's format: a JSON response before the response started,
+    else an SSE error event and the end of the stream (a non-stream body is just ended)."""
+    error = error_body(message, None, status)
+    if not state["started"]:
+        body = json.dumps(error).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    elif not state["done"]:
+        tail = sse(error).encode() + SSE_DONE if state["stream"] else b""
+        await send({"type": "http.response.body", "body": tail})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,15 +185,35 @@ def create_app(frontend: Frontend, policy: GuardPolicy | None = None) -> FastAPI
         param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
         return error_response(ValidationError(f"{param}: {err.get('msg', 'invalid')}", param))
 
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
+        response = error_response(ValidationError(http_error_message(app, request, e),
+                                                  status=e.status_code))  # fmt: skip
+        response.headers.update(e.headers or {})  # 405's Allow
+        return response
+
     add_native_routes(app, frontend)
     add_openai_routes(app, frontend)
     return app
 
 
+def http_error_message(app: FastAPI, request: Request, e: HTTPException) -> str:
+    """What the routing errors (404, 405) tell a client to do instead."""
+    path = request.url.path[:100]
+    if e.status_code == 404:
+        paths = sorted({route.path for route in app.routes})
+        return f"no endpoint at {path!r}; the endpoints are {', '.join(paths)}"
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        return f"{request.method} is not allowed on {path!r}; use {allowed}"
+    return str(e.detail)
+
+
 def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = parse_generate_body(await read_body(request), frontend.limits.max_batch_size)
+        raw = await read_body(request, frontend.executor)
+        body = parse_generate_body(raw, frontend.limits.max_batch_size)
         frontend.check_accepting(len(body.items))
         prepared = await frontend.prepare_generate(body)
         states = await frontend.submit(prepared, body.stream, body.return_logprob)
@@ -171,6 +222,7 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
             return EventStream(events)
         if not await wait_all_or_abort(frontend, request, states):
             return Response(status_code=499)
+        raise_if_stopped(states)
         out = [generate_response(s, body.return_logprob) for s in states]
         return JSONResponse(out if body.is_batch else out[0])
 
@@ -192,6 +244,7 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
             frontend.abort(state.rid)
             msg = f"no generation within {HEALTH_GENERATE_TIMEOUT_S}s"
             return JSONResponse(error_body(msg, None, 503), status_code=503)
+        raise_if_stopped([state])
         return Response(status_code=200)
 
     @app.get("/server_info")
@@ -204,6 +257,16 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
         info["num_in_flight"] = frontend.tracker.num_in_flight
         info["draining"] = frontend.draining
         return JSONResponse(info)
+
+    @app.get("/debug/requests")
+    async def debug_requests() -> JSONResponse:
+        """Where each unfinished request is: the tokenizer's tracker and each scheduler's
+        queues (`Scheduler.describe`). Only with --enable-debug-info."""
+        if not frontend.server_info.get("enable_debug_info"):
+            msg = "start the server with --enable-debug-info to see where requests are"
+            return JSONResponse(error_body(msg, None, 404), status_code=404)
+        schedulers = await frontend.backend.describe()
+        return JSONResponse({"tokenizer": frontend.tracker.describe(), "schedulers": schedulers})
 
     @app.get("/get_model_info")
     async def model_info() -> JSONResponse:
@@ -220,11 +283,19 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
 async def stream_generate(
     frontend: Frontend, states: list[RequestState], is_batch: bool, return_logprob: bool
 ) -> AsyncIterator[bytes]:
-    """SSE events for /generate; aborts unfinished requests if the client goes away."""
+    """SSE events for /generate; aborts unfinished requests if the client goes away. Requests
+    the server stops end the stream with an error event (`SSE_STOPPING`) instead of their
+    finishing event."""
     events = [GenerateEvents(state, return_logprob, index if is_batch else None)
               for index, state in enumerate(states)]  # fmt: skip
     try:
         async for index, chunk in interleave(states):
+            if chunk.finish == SERVER_STOPPING:
+                if chunk.text or chunk.output_ids:  # what arrived before the stop, unfinished
+                    unfinished = dataclasses.replace(chunk, finish=None)
+                    yield b"data: %b\n\n" % events[index].event(unfinished)
+                yield SSE_STOPPING
+                break
             yield b"data: %b\n\n" % events[index].event(chunk)
         yield SSE_DONE
     finally:

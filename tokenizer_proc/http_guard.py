@@ -9,9 +9,9 @@ browser's form or text/plain "simple" request cannot drive the API), and the bod
 
 `header_timeout_protocol` is uvicorn's h11 protocol with a deadline for the request head of a
 new connection (uvicorn arms one only after a first response), so idle and slowloris
-connections are closed; `--max-connections` caps the rest (uvicorn answers 503). It is built
-on `http_stream.DirectBodyProtocol`, so streamed events reach the socket without the ASGI
-chain.
+connections are closed, and with our own `--max-connections` cap (503 in JSON, with
+Retry-After); its answer to a malformed request is JSON too. It is built on
+`http_stream.DirectBodyProtocol`, so streamed events reach the socket without the ASGI chain.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import json
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import h11
 
 from aerie.access import allowed_host_names, check_api_key, host_without_port
 from tokenizer_proc.http_stream import DirectBodyProtocol
@@ -124,11 +126,24 @@ async def send_error(send: Any, status: int, message: str, extra: list | None = 
     await send({"type": "http.response.body", "body": body})
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[DirectBodyProtocol]:
+def header_timeout_protocol(
+    header_timeout_s: float, max_connections: int | None = None
+) -> type[DirectBodyProtocol]:
     """uvicorn's h11 protocol, closing a connection whose next request head has not fully
     arrived within header_timeout_s of the connection opening or of the previous response
     (uvicorn's own keep-alive timer stops at the first byte, so it lets slowloris in).
-    Streamed events are written as `DirectBodyProtocol` writes them."""
+    Streamed events are written as `DirectBodyProtocol` writes them.
+
+    At most max_connections connections (None: any number) are served at once; a request on
+    one opened beyond them gets a JSON 503 with Retry-After and the connection is closed.
+    (uvicorn's limit_concurrency counts the asking connection among the open ones, so it
+    refused the N-th connection instead of the N+1-th, and answers in text/plain.)"""
+    served: set[DirectBodyProtocol] = set()  # this server's connections within the cap
+
+    async def refuse(scope: dict, receive: Any, send: Any) -> None:
+        message = (f"the server is serving its maximum of {max_connections} connections "
+                   "(--max-connections); retry shortly")  # fmt: skip
+        await send_error(send, 503, message, [(b"retry-after", b"1"), (b"connection", b"close")])
 
     class HeaderTimeoutProtocol(DirectBodyProtocol):
         _head_timer: asyncio.TimerHandle | None = None
@@ -136,6 +151,10 @@ def header_timeout_protocol(header_timeout_s: float) -> type[DirectBodyProtocol]
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if max_connections is not None and len(served) >= max_connections:
+                self.app = refuse  # every request of this connection; uvicorn reads self.app
+            else:
+                served.add(self)
             self._arm()
 
         def _arm(self) -> None:
@@ -163,7 +182,19 @@ def header_timeout_protocol(header_timeout_s: float) -> type[DirectBodyProtocol]
             super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            served.discard(self)
             self._disarm()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request h11 cannot parse, in JSON; then close."""
+            message = "the request is not valid HTTP/1.1; send a well-formed request"
+            body = json.dumps(error_body(message, None, 400)).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]  # fmt: skip
+            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body),
+                          h11.EndOfMessage()):  # fmt: skip
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
     return HeaderTimeoutProtocol

@@ -5,11 +5,12 @@ Request bodies are mapped onto the native sampling names (`max_tokens` /
 extensions (top_k, min_p, ignore_eos, repetition_penalty, stop_token_ids, skip_special_tokens)
 pass through. One choice per request (n > 1 is a 400). Default max_tokens: 16 for
 completions (OpenAI's default), what is left of the context for chat; both clamped to the
-context. Logprobs carry the sampled token's logprob (top_logprobs lists only that token).
-Streaming follows OpenAI's chunk shapes; `stream_options.include_usage` adds a final chunk
-with `usage` and empty `choices`. An aborted request reports finish_reason "abort". Stream
-chunks are written by `openai_events.OpenAIEvents` (the bytes of `envelope` and
-`logprobs_body` chunk dicts dumped, without building them) and sent by
+context. Logprobs carry the sampled token's logprob (top_logprobs lists only that token;
+-9999.0 for a token of zero probability). Streaming follows OpenAI's chunk shapes;
+`stream_options.include_usage` adds a final chunk with `usage` and empty `choices`. An aborted
+request reports finish_reason "abort"; one the server stops gets a 503 (in a stream, an error
+event and `[DONE]`). Stream chunks are written by `openai_events.OpenAIEvents` (the bytes of
+`envelope` and `logprobs_body` chunk dicts dumped, without building them) and sent by
 `http_stream.EventStream`.
 """
 
@@ -23,11 +24,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenizer_proc.frontend import Frontend
-from tokenizer_proc.http_api import SSE_DONE, read_body, wait_all_or_abort
+from tokenizer_proc.http_api import (
+    SSE_DONE,
+    SSE_STOPPING,
+    raise_if_stopped,
+    read_body,
+    wait_all_or_abort,
+)
 from tokenizer_proc.http_stream import EventStream
 from tokenizer_proc.openai_events import OpenAIEvents
 from tokenizer_proc.openai_request import OpenAIRequest, parse_openai
-from tokenizer_proc.request_tracker import RequestState
+from tokenizer_proc.request_tracker import SERVER_STOPPING, RequestState
 
 # ----------------------------------------------------------------------------------------------
 # Response shapes
@@ -85,7 +92,8 @@ def full_response(frontend: Frontend, req: OpenAIRequest, state: RequestState) -
 async def stream_openai(
     frontend: Frontend, req: OpenAIRequest, state: RequestState
 ) -> AsyncIterator[bytes]:
-    """OpenAI SSE chunks for one request; aborts it if the client goes away."""
+    """OpenAI SSE chunks for one request; aborts it if the client goes away. A request the
+    server stops ends with an error event (`SSE_STOPPING`) instead of its finishing chunk."""
     events = OpenAIEvents(req, state, frontend.tokenizer.token_strings)
     try:
         if req.kind == "chat":
@@ -93,6 +101,9 @@ async def stream_openai(
         async for chunk in state.chunks():
             if chunk.text or chunk.output_ids:
                 yield events.content(chunk)
+        if state.finish == SERVER_STOPPING:
+            yield SSE_STOPPING + SSE_DONE
+            return
         yield events.finish()
         if req.include_usage:
             yield events.usage()
@@ -128,7 +139,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
 
 
 async def serve_openai(frontend: Frontend, request: Request, kind: str) -> Response:
-    body = await read_body(request)
+    body = await read_body(request, frontend.executor)
     frontend.check_accepting()
     req = await parse_openai(frontend, body, kind)
     (state,) = await frontend.submit([req.prepared], req.stream, req.logprobs)
@@ -137,4 +148,5 @@ async def serve_openai(frontend: Frontend, request: Request, kind: str) -> Respo
         return EventStream(events)
     if not await wait_all_or_abort(frontend, request, [state]):
         return Response(status_code=499)
+    raise_if_stopped([state])
     return JSONResponse(full_response(frontend, req, state))

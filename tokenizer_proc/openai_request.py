@@ -21,6 +21,7 @@ from tokenizer_proc.validation import (
     ValidationError,
     is_id_list,
     kind_of,
+    max_chat_messages,
     read_bool,
     read_int,
     read_str,
@@ -89,7 +90,8 @@ async def parse_openai(frontend: Frontend, body: dict[str, Any], kind: str) -> O
     read_str(body, "model")  # any name is served by the one model; responses name it
     model = frontend.model_name
     if kind == "chat":
-        ids = await frontend.encode_chat(read_messages(body))
+        limit = max_chat_messages(frontend.tokenizer.chat_tokens_per_message, frontend.limits)
+        ids = await frontend.encode_chat(read_messages(body, limit))
         logprobs = read_bool(body, "logprobs", False)
         top_logprobs = read_int(body, "top_logprobs", 0) or 0
         if not 0 <= top_logprobs <= 20:
@@ -145,10 +147,17 @@ async def read_completion_prompt(frontend: Frontend, body: dict[str, Any]) -> li
     raise ValidationError("prompt must be a string or a list of token ids", "prompt")
 
 
-def read_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def read_messages(body: dict[str, Any], max_messages: int) -> list[dict[str, str]]:
+    """The messages as role and text content; more than max_messages (what the context can
+    hold) are refused before any is looked at."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValidationError("messages must be a non-empty list", "messages")
+    if len(messages) > max_messages:
+        raise ValidationError(
+            f"{len(messages)} messages cannot fit the context: at most {max_messages} can "
+            "(each takes tokens of the chat template)", "messages",
+        )  # fmt: skip
     out = []
     for i, m in enumerate(messages):
         param = f"messages[{i}]"

@@ -4,15 +4,19 @@ Build (before ProcessReady, so a taken port fails the launch with a clear error)
 tokenizer, bind the HTTP listening socket, the ZMQ client ROUTER and this process's inbox,
 connect senders to the scheduler and the launcher. Run: uvicorn (on the pre-bound socket),
 the ZMQ frontend and the inbox reader as tasks of one asyncio loop. Inbox messages dispatch
-through a table keyed by type: TextDeltas -> tracker, SchedulerStats -> metrics, EngineReady
--> healthy, BeginDrain -> 503 for new requests then DrainDone when idle or at the timeout
-(unfinished requests are then aborted), Shutdown -> stop uvicorn and exit 0.
+through a table keyed by type: TextDeltas -> tracker, SchedulerStats -> metrics, DebugReport
+-> the GET /debug/requests waiting for it, EngineReady -> healthy, BeginDrain -> 503 for new
+requests then DrainDone when idle or at the timeout (unfinished requests are then ended with
+a 503), Shutdown -> end what is still in flight the same way, stop uvicorn and exit 0. What
+heartbeats report (`aerie.process.Progress`): a task restarts "its event loop" every
+TICK_S, so a loop blocked by a callback stands still.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import shutil
 import socket
@@ -28,19 +32,21 @@ from aerie.config import AerieConfig
 from aerie.messages import (
     AbortRequest,
     BeginDrain,
+    DebugQuery,
+    DebugReport,
     DrainDone,
     EngineReady,
-    Heartbeat,
     SchedulerStats,
     Shutdown,
     TextDeltas,
     TokenizedRequest,
 )
-from aerie.process import HeartbeatResponder, run_process
+from aerie.process import Progress, run_process
 from aerie.transport import AsyncReceiver, AsyncSender
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import create_app
 from tokenizer_proc.http_guard import GuardPolicy, header_timeout_protocol
+from tokenizer_proc.request_tracker import SERVER_STOPPING
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import Limits
 from tokenizer_proc.zmq_frontend import ZmqAccess, ZmqFrontend
@@ -48,6 +54,8 @@ from tokenizer_proc.zmq_frontend import ZmqAccess, ZmqFrontend
 log = logging.getLogger(__name__)
 
 UVICORN_GRACEFUL_S = 3.0
+DEBUG_QUERY_TIMEOUT_S = 5.0  # a scheduler that does not answer a DebugQuery in time is stuck
+TICK_S = 1.0
 
 
 class SchedulerBackend:
@@ -59,6 +67,8 @@ class SchedulerBackend:
         self._senders = senders
         self._replica_of: dict[str, int] = {}  # rid -> replica, while unfinished
         self.load = [0] * len(senders)  # unfinished requests per replica
+        self._query_ids = itertools.count()
+        self._queries: dict[int, list[asyncio.Future[DebugReport]]] = {}  # one per replica
 
     async def submit(self, request: TokenizedRequest) -> None:
         replica = min(range(len(self._senders)), key=self.load.__getitem__)
@@ -74,6 +84,33 @@ class SchedulerBackend:
         replica = self._replica_of.pop(rid, None)
         if replica is not None:
             self.load[replica] -= 1
+
+    async def describe(self) -> list[dict[str, Any]]:
+        """Each replica's scheduler state and requests (`Scheduler.describe`), or
+        `answered: False` for a scheduler that did not answer within DEBUG_QUERY_TIMEOUT_S."""
+        query_id = next(self._query_ids)
+        loop = asyncio.get_running_loop()
+        futures = self._queries[query_id] = [loop.create_future() for _ in self._senders]
+        try:
+            for sender in self._senders:
+                await sender.send(DebugQuery(query_id))
+            await asyncio.wait(futures, timeout=DEBUG_QUERY_TIMEOUT_S)
+        finally:
+            del self._queries[query_id]
+        described = []
+        for replica, future in enumerate(futures):
+            if not future.done():
+                described.append({"replica": replica, "answered": False})
+                continue
+            report = future.result()
+            summary = {"replica": replica, "answered": True, **report.summary}
+            described.append({**summary, "requests": report.requests})
+        return described
+
+    def on_debug_report(self, report: DebugReport) -> None:
+        futures = self._queries.get(report.query_id)  # None: its query timed out
+        if futures is not None and not futures[report.replica].done():
+            futures[report.replica].set_result(report)
 
 
 class _Server(uvicorn.Server):
@@ -121,7 +158,10 @@ def zmq_access(config: AerieConfig) -> ZmqAccess:
         curve = (public, secret)
         log.info("ZMQ port encrypted with CURVE; server public key %s (from %s)",
                  public.decode(), security.zmq_curve_key_file)  # fmt: skip
-    return ZmqAccess(security.api_key, curve, config.limits.max_request_bytes)
+    limits = config.limits
+    return ZmqAccess(
+        security.api_key, curve, limits.max_request_bytes, limits.max_zmq_requests_per_connection
+    )
 
 
 class TokenizerProcess:
@@ -139,9 +179,11 @@ class TokenizerProcess:
             for replica in range(config.parallel.dp_size)
         ]
         self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
+        self.backend = SchedulerBackend(self.schedulers)
         self.frontend = Frontend(
-            tokenizer, frontend_limits(config, tokenizer), SchedulerBackend(self.schedulers),
+            tokenizer, frontend_limits(config, tokenizer), self.backend,
             config.server.served_model_name,  # resolved: the model directory's name by default
+            config.model.random_seed,
         )  # fmt: skip
         self.http_socket = bind_http_socket(config.server.host, config.server.port)
         self.zmq = ZmqFrontend(
@@ -158,8 +200,7 @@ class TokenizerProcess:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=UVICORN_GRACEFUL_S,
-            http=header_timeout_protocol(limits.header_timeout_s),
-            limit_concurrency=limits.max_connections,
+            http=header_timeout_protocol(limits.header_timeout_s, limits.max_connections),
         )
         self.server = _Server(uv_config)
         self._stop = asyncio.Event()
@@ -167,11 +208,12 @@ class TokenizerProcess:
         self.handlers: dict[type, Callable[[Any], None]] = {
             TextDeltas: self.frontend.tracker.feed,
             SchedulerStats: self.frontend.metrics.observe_stats,
+            DebugReport: self.backend.on_debug_report,
             EngineReady: self.on_engine_ready,
             BeginDrain: self.on_begin_drain,
             Shutdown: self.on_shutdown,
-            Heartbeat: HeartbeatResponder(config, "tokenizer"),
         }
+        self.progress = Progress()
 
     def ready_info(self) -> dict[str, int | float | str]:
         host, port = self.http_socket.getsockname()[:2]
@@ -180,7 +222,8 @@ class TokenizerProcess:
 
     async def run(self) -> None:
         http = asyncio.create_task(self.server.serve(sockets=[self.http_socket]))
-        others = [asyncio.create_task(self.zmq.serve()), asyncio.create_task(self.read_inbox())]
+        others = [asyncio.create_task(self.zmq.serve()), asyncio.create_task(self.read_inbox()),
+                  asyncio.create_task(self.tick())]  # fmt: skip
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([http, stop, *others], return_when=asyncio.FIRST_COMPLETED)
         self.server.should_exit = True
@@ -194,6 +237,13 @@ class TokenizerProcess:
         if stop not in done:
             raise RuntimeError("the HTTP server stopped before Shutdown")
         self.close()
+
+    async def tick(self) -> None:
+        # Well inside the watchdog's bound, so a healthy loop never looks stalled.
+        interval_s = min(TICK_S, self.config.server.watchdog_timeout_s / 4)
+        while True:
+            self.progress.begin("its event loop")
+            await asyncio.sleep(interval_s)
 
     async def read_inbox(self) -> None:
         while True:
@@ -218,15 +268,20 @@ class TokenizerProcess:
         tracker = self.frontend.tracker
         await tracker.wait_idle(timeout_s)
         num_unfinished = tracker.num_in_flight
-        for rid in tracker.rids():
-            self.frontend.abort(rid)
+        self.abort_in_flight()
         log.info("drained (%d unfinished)", num_unfinished)
         await self.launcher.send(DrainDone(num_unfinished=num_unfinished))
 
     def on_shutdown(self, message: Shutdown) -> None:
         log.info("shutting down%s", f": {message.reason}" if message.reason else "")
         self.frontend.begin_drain()
+        self.abort_in_flight()  # answered now, not cancelled at uvicorn's graceful timeout
         self._stop.set()
+
+    def abort_in_flight(self) -> None:
+        """End every request in flight as stopped by the server (HTTP clients get a 503)."""
+        for rid in self.frontend.tracker.rids():
+            self.frontend.abort(rid, SERVER_STOPPING)
 
     def close(self) -> None:
         self.zmq.close()

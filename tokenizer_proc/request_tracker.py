@@ -7,11 +7,12 @@ echoed back (`meta_info.id`). A client rid is unique among the requests in fligh
 request that can never receive the old one's deltas.
 
 `RequestTracker.add(rid)` registers a request; `feed(TextDeltas)` appends each delta to its
-request's state and wakes the consumer; `RequestState.chunks()` is an async iterator of
-coalesced `Chunk`s that ends after the finishing delta. A request leaves the tracker (and stops
-counting as in flight) when its finishing delta arrives or when `abort(rid)` drops it locally;
-deltas for rids the tracker does not know (already aborted, health checks) are ignored with a
-debug log. Everything runs on one asyncio loop; nothing here is thread-safe.
+request's state (logprobs floored at `LOGPROB_FLOOR`) and wakes the consumer;
+`RequestState.chunks()` is an async iterator of coalesced `Chunk`s that ends after the
+finishing delta. A request leaves the tracker (and stops counting as in flight) when its
+finishing delta arrives or when `abort(rid)` drops it locally; deltas for rids the tracker
+does not know (already aborted, health checks) are ignored with a debug log. Everything runs
+on one asyncio loop; nothing here is thread-safe.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from aerie.messages import FinishReason, TextDelta, TextDeltas
 log = logging.getLogger(__name__)
 
 ABORTED_LOCALLY = FinishReason(type="abort", message="aborted by the client")
+# Requests the server ends because it stops (drain timeout, Shutdown); the HTTP API answers
+# them with a 503 (an error event in a stream), so that clients retry elsewhere or later.
+SERVER_STOPPING = FinishReason("abort", message="the server is shutting down; retry the request")
+# JSON has no -Infinity: a token of zero probability (and anything below) reports this
+# logprob, as OpenAI does. NaN is kept, so that the strict JSON encoding fails loudly.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -57,6 +64,7 @@ class RequestState:
     rid: str
     client_rid: str | None = None  # the client's own id, echoed back; None: none given
     scope: object = None  # the client namespace of client_rid (HTTP, or a ZMQ connection)
+    seed: int | None = None  # the sampling seed the request runs with (reported in meta_info)
     created_at: float = field(default_factory=time.perf_counter)
     first_output_at: float | None = None
     finished_at: float | None = None
@@ -107,6 +115,8 @@ class RequestState:
     def _apply(self, delta: TextDelta) -> None:
         ids = unpack_ids(delta.token_ids)
         logprobs = unpack_floats(delta.logprobs) if delta.logprobs else []
+        if logprobs and min(logprobs) < LOGPROB_FLOOR:
+            logprobs = [LOGPROB_FLOOR if lp < LOGPROB_FLOOR else lp for lp in logprobs]
         if self.first_output_at is None and (ids or delta.text):
             self.first_output_at = time.perf_counter()
         self.text += delta.text
@@ -177,6 +187,7 @@ class RequestTracker:
         prompt_tokens: int = 0,
         client_rid: str | None = None,
         scope: object = None,
+        seed: int | None = None,
     ) -> RequestState:
         """Register a new request. Raises ValueError if rid, or client_rid within its scope,
         is already in flight."""
@@ -186,7 +197,7 @@ class RequestTracker:
             if (scope, client_rid) in self._client_rids:
                 raise ValueError(f"rid {client_rid!r} is already in flight")
             self._client_rids[(scope, client_rid)] = rid
-        state = RequestState(rid, client_rid, scope, prompt_tokens=prompt_tokens)
+        state = RequestState(rid, client_rid, scope, seed=seed, prompt_tokens=prompt_tokens)
         self._states[rid] = state
         self._idle.clear()
         return state
@@ -216,6 +227,22 @@ class RequestTracker:
 
     def rids(self) -> list[str]:
         return list(self._states)
+
+    def describe(self) -> list[dict[str, str | int | float | bool]]:
+        """One entry per request in flight, oldest first, for a debug view: its ids, age and
+        what arrived for it (counts, no text); `chunk_pending`: output its consumer has not
+        taken yet."""
+        now = time.perf_counter()
+        return [
+            {
+                "rid": state.rid,
+                "id": state.public_id,
+                "age_s": round(now - state.created_at, 3),
+                "output_tokens": len(state.output_ids),
+                "chunk_pending": state._pending is not None,
+            }
+            for state in self._states.values()
+        ]
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing is in flight; False if timeout_s passed first."""

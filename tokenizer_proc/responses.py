@@ -41,6 +41,7 @@ def meta_info(
         "spec_verify_ct": view.spec_verify_ct,
         "spec_accept_length": accept_length(view.completion_tokens, view.spec_verify_ct),
         "e2e_latency": e2e_latency(state, chunk),
+        "seed": state.seed,
     }
     if return_logprob:
         num_ids = chunk.ids_end if chunk is not None else len(state.output_ids)
@@ -96,6 +97,7 @@ class GenerateEvents:
         self.return_logprob = return_logprob
         self.tail = b"}" if index is None else b', "index": %d}' % index
         self.id_json = json_text(state.public_id)
+        self.seed_json = json_text(state.seed)
         self._text_end = self._ids_end = self._num_triples = 0  # what is serialized so far
         self._text = self._ids = self._triples = b""  # JSON, without quotes / brackets
 
@@ -124,7 +126,7 @@ class GenerateEvents:
         return (f'{{"id": {self.id_json}, "prompt_tokens": {chunk.prompt_tokens}, '
                 f'"completion_tokens": {chunk.completion_tokens}, "finish_reason": {finish}, '
                 f'"spec_verify_ct": {chunk.spec_verify_ct}, "spec_accept_length": {accept}, '
-                f'"e2e_latency": {latency}').encode()  # fmt: skip
+                f'"e2e_latency": {latency}, "seed": {self.seed_json}').encode()  # fmt: skip
 
     def _logprobs(self, chunk: Chunk) -> bytes:
         """The JSON of `logprob_triples` over state's first chunk.ids_end tokens."""
@@ -139,17 +141,20 @@ class GenerateEvents:
         return self._triples
 
 
-_ENCODER = json.JSONEncoder(ensure_ascii=False)
+# Strict: NaN or an infinity raises ValueError instead of writing a token JSON does not have.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
 
 
 def json_text(value: Any) -> str:
-    """json.dumps(value, ensure_ascii=False), without building an encoder per call."""
+    """json.dumps(value, ensure_ascii=False, allow_nan=False), without building an encoder per
+    call."""
     return _ENCODER.encode(value)
 
 
 def number_json(value: float | None) -> str:
     """json_text(value) for None or a float, faster for None and the finite floats (the
-    encoder starts a new iteration, about 2 us, for anything but a string)."""
+    encoder starts a new iteration, about 2 us, for anything but a string); a non-finite
+    float raises ValueError."""
     if type(value) is float and math.isfinite(value):
         return float.__repr__(value)
     if value is None:

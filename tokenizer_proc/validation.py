@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,14 @@ from aerie.messages import SamplingParams
 
 SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__)  # type: ignore[attr-defined]
 _DEFAULTS = SamplingParams()  # every default is written once, in aerie.messages
+
+# The worker samples in float32, so ranges are checked on the float32 value. top_p and
+# repetition_penalty also have floors: below them top_p times a token's probability (at least
+# 1 / vocabulary) or a logit divided by the penalty leaves the normal float32 range, which
+# makes top-p keep no token or the penalty divide by zero, and the logprobs NaN.
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_TOP_P = 1e-20
+MIN_REPETITION_PENALTY = 1e-20
 
 
 class ValidationError(ValueError):
@@ -191,6 +200,14 @@ def read_float(body: dict, key: str, default: float, param: str | None = None) -
     return number
 
 
+def as_float32(value: float) -> float:
+    """value rounded to float32, as the worker holds it (+-inf beyond the float32 range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def read_str(body: dict, key: str, param: str | None = None) -> str | None:
     value = body.get(key)
     if value is not None and not isinstance(value, str):
@@ -220,6 +237,28 @@ def check_prompt_ids(ids: list[int], limits: Limits, param: str = "input_ids") -
             "(prompt + output must fit)",
             param,
         )
+
+
+def max_chat_messages(tokens_per_message: int, limits: Limits) -> int:
+    """The most messages that can fit the context when each costs at least tokens_per_message
+    tokens of chat template."""
+    return (limits.context_length - 1) // tokens_per_message
+
+
+def check_chat_size(
+    messages: list[dict[str, str]], tokens_per_message: int, limits: Limits
+) -> None:
+    """Raise unless messages may fit the context, before anything renders or tokenizes them:
+    each costs at least tokens_per_message tokens of chat template, and its content at least
+    one token per max_token_bytes bytes (so empty messages count too)."""
+    num_bytes = sum(len(m["content"].encode("utf-8")) for m in messages)
+    min_tokens = len(messages) * tokens_per_message + -(-num_bytes // limits.max_token_bytes)
+    if min_tokens >= limits.context_length:
+        raise ValidationError(
+            f"the {len(messages)} messages ({num_bytes} bytes of content) take at least "
+            f"{min_tokens} tokens with the chat template; the context length is "
+            f"{limits.context_length}: send fewer or shorter messages", "messages",
+        )  # fmt: skip
 
 
 def build_sampling_params(
@@ -260,7 +299,7 @@ def build_sampling_params(
         presence_penalty=num(read_float, "presence_penalty"),
         repetition_penalty=num(read_float, "repetition_penalty"),
     )
-    _check_ranges(params, prefix)
+    _check_ranges(params, raw, prefix)
     _check_vocab(params.stop_token_ids, limits, p("stop_token_ids"))
     if params.max_new_tokens > room:
         raise ValidationError(
@@ -272,20 +311,29 @@ def build_sampling_params(
     return params
 
 
-def _check_ranges(s: SamplingParams, prefix: str) -> None:
+def _check_ranges(s: SamplingParams, raw: dict, prefix: str) -> None:
+    """Ranges of s, its floats checked as the worker holds them (bounds and values rounded to
+    float32); errors quote the value as sent."""
+
+    def within(key: str, low: float, high: float) -> bool:
+        return as_float32(low) <= as_float32(getattr(s, key)) <= as_float32(high)
+
     checks = [
         ("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
-        ("temperature", s.temperature >= 0.0, "must be >= 0"),
-        ("top_p", 0.0 < s.top_p <= 1.0, "must be in (0, 1]"),
+        ("temperature", within("temperature", 0.0, FLOAT32_MAX),
+         f"must be in [0, {FLOAT32_MAX:g}]"),
+        ("top_p", within("top_p", MIN_TOP_P, 1.0), f"must be in [{MIN_TOP_P:g}, 1]"),
         ("top_k", s.top_k == -1 or s.top_k >= 1, "must be -1 (disabled) or >= 1"),
-        ("min_p", 0.0 <= s.min_p <= 1.0, "must be in [0, 1]"),
-        ("frequency_penalty", -2.0 <= s.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-        ("presence_penalty", -2.0 <= s.presence_penalty <= 2.0, "must be in [-2, 2]"),
-        ("repetition_penalty", 0.0 < s.repetition_penalty <= 2.0, "must be in (0, 2]"),
-    ]
+        ("min_p", within("min_p", 0.0, 1.0), "must be in [0, 1]"),
+        ("frequency_penalty", within("frequency_penalty", -2.0, 2.0), "must be in [-2, 2]"),
+        ("presence_penalty", within("presence_penalty", -2.0, 2.0), "must be in [-2, 2]"),
+        ("repetition_penalty", within("repetition_penalty", MIN_REPETITION_PENALTY, 2.0),
+         f"must be in [{MIN_REPETITION_PENALTY:g}, 2]"),
+    ]  # fmt: skip
     for key, ok, rule in checks:
         if not ok:
-            raise ValidationError(f"{prefix}{key} {rule}, got {getattr(s, key)}", prefix + key)
+            sent = raw.get(key, getattr(s, key))
+            raise ValidationError(f"{prefix}{key} {rule}, got {sent}", prefix + key)
 
 
 def _read_stop(raw: dict, param: str) -> list[str]:

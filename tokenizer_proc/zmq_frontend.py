@@ -14,14 +14,35 @@ A delta dict is INCREMENTAL: `text` / `output_ids` (and `meta_info.output_token_
 return_logprob) hold only what is new; `meta_info` is otherwise current, and the last delta's
 `meta_info.finish_reason` is set. A batch body adds `"index"` to each delta. `done` carries
 the same dict (or list, for a batch) as POST /generate. `code` is an HTTP-like status
-(400 bad request, 401 missing or wrong api_key, 503 draining / not ready / overloaded).
+(400 bad request, 401 missing or wrong api_key, 429 too many unfinished requests on this
+connection, 503 draining / not ready / overloaded).
 With --zmq-curve the socket is a CURVE server (clients pass its public key); frames larger
 than --max-request-bytes make libzmq drop the connection before buffering them.
 
 req_ids are scoped per client connection, and so are the `rid`s a client puts in bodies (the
 engine keys requests on ids of its own). Every frame is checked field by field before use
 (`client_messages`); anything malformed gets an error reply (req_id None when none could be
-read) and one log line, and nothing a client sends can end the receive loop.
+read), and nothing a client sends can end the receive loop.
+
+Limits, so that a flood costs the flooder and not everyone else (CURVE changes none of this:
+anyone holding the server's public key reaches the same loop):
+- The receive loop handles at most `RECV_BATCH` frames, then yields to the event loop, so HTTP
+  and running requests are served between batches however fast frames arrive.
+- Each connection queues at most `RECV_HWM` frames in libzmq (each at most
+  --max-request-bytes); beyond that libzmq stops reading it, and TCP makes the client wait.
+  Fair queuing across connections serves other clients in between. The number of connections
+  is not bounded here: put the port behind a firewall or a proxy that limits them.
+- A frame is refused before any work: the envelope is scanned without building the body, and
+  a generate without the key is refused before its body is read (aborts need no key: they only
+  reach the requests of their own connection).
+- A connection may have --max-zmq-requests-per-connection generates unfinished; one more gets
+  a 429 error.
+- Error replies (400, 401, 429) come from a per-connection budget (`zmq_limits`: a burst of 64,
+  then 64 a second); beyond it the frame is dropped unanswered. Warnings about frames are
+  aggregated: one line per interval, not one per frame.
+- Each connection has at most `SEND_HWM` replies queued (after what its TCP buffers hold). A
+  client that leaves that many unread is treated as gone: its requests are aborted and replies
+  that do not fit are dropped (ROUTER cannot close one peer's connection).
 
 The ROUTER socket has one owner, the asyncio integration of zmq.asyncio: every receive and
 every send goes through it. (Sending through a blocking shadow of the same socket consumes the
@@ -48,29 +69,38 @@ import zmq
 import zmq.asyncio
 
 from aerie.access import check_api_key
-from tokenizer_proc.client_messages import ClientMessage, ProtocolError, parse_client_message
+from tokenizer_proc.client_messages import Envelope, ProtocolError, read_body, read_envelope
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.request_tracker import Chunk, RequestState
 from tokenizer_proc.responses import generate_response, interleave, logprob_triples, meta_info
 from tokenizer_proc.validation import ValidationError, parse_generate_body
+from tokenizer_proc.zmq_limits import ErrorReplyBudget, FrameLog
 
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 0.5
+RECV_BATCH = 64  # frames handled between two yields to the event loop
+RECV_HWM = 16  # frames queued per connection before libzmq stops reading it (x max bytes)
+SEND_HWM = 1024  # replies queued per connection; a client that leaves more unread is dropped
 HEARTBEAT_IVL_MS = 5_000
 HEARTBEAT_TIMEOUT_MS = 15_000
 _PING = msgpack.packb({"req_id": None, "event": "ping"})
+_BAD_KEY = ValidationError(
+    "missing or invalid API key: pass api_key= to the client", "api_key", status=401
+)
 
 
 @dataclass(frozen=True)
 class ZmqAccess:
     """api_key: what every generate must carry (None: no key); curve: the server's (public,
     secret) Z85 keys to encrypt with, or None; max_message_bytes: a peer sending a larger
-    frame is disconnected by libzmq before the frame is buffered."""
+    frame is disconnected by libzmq before the frame is buffered; max_requests_per_connection:
+    unfinished generates one connection may have (one more gets a 429 error)."""
 
     api_key: str | None = None
     curve: tuple[bytes, bytes] | None = None
     max_message_bytes: int = 8 << 20
+    max_requests_per_connection: int = 256
 
 
 class ZmqFrontend:
@@ -88,8 +118,8 @@ class ZmqFrontend:
         self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
         for option, value in (
             (zmq.LINGER, 0),
-            (zmq.SNDHWM, 0),
-            (zmq.RCVHWM, 0),
+            (zmq.SNDHWM, SEND_HWM),
+            (zmq.RCVHWM, RECV_HWM),
             (zmq.ROUTER_MANDATORY, 1),
             (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
@@ -107,26 +137,39 @@ class ZmqFrontend:
                                "(is another server using --zmq-port?)") from e  # fmt: skip
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._tasks: dict[bytes, dict[int | str, asyncio.Task]] = {}
-        self._ops = {"generate": self._on_generate, "abort": self._on_abort}
+        self._error_budget = ErrorReplyBudget()
+        self._frame_log = FrameLog(log)
 
     async def serve(self) -> None:
         """Receive and dispatch forever, probing clients' liveness (cancel the task to stop)."""
         probe = asyncio.get_running_loop().create_task(self._probe_clients())
         try:
             while True:
-                frames = await self._socket.recv_multipart()
-                try:
-                    self._dispatch(frames)
-                except Exception:  # noqa: BLE001 - a bug here must not stop serving everyone
-                    log.exception("failed to handle a ZMQ client message")
+                self._handle(await self._socket.recv_multipart())
+                for _ in range(RECV_BATCH - 1):
+                    try:
+                        frames = self._socket.recv_multipart(flags=zmq.NOBLOCK).result()
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+                # NOTE: awaiting a receive that is already done does not yield, so without this
+                # a steady stream of frames would keep HTTP and every request from running.
+                await asyncio.sleep(0)
         finally:
             probe.cancel()
+
+    def _handle(self, frames: list[bytes]) -> None:
+        try:
+            self._dispatch(frames)
+        except Exception:  # noqa: BLE001 - a bug here must not stop serving everyone
+            log.exception("failed to handle a ZMQ client message")
 
     async def _probe_clients(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             for identity in list(self._tasks):
                 self._send_raw(identity, _PING)
+            self._frame_log.flush_due()
 
     def close(self) -> None:
         for tasks in self._tasks.values():
@@ -137,50 +180,92 @@ class ZmqFrontend:
     def _dispatch(self, frames: list[bytes]) -> None:
         identity = frames[0]
         if len(frames) != 2:
-            log.warning("dropped a ZMQ message of %d frames (clients send one)", len(frames) - 1)
-            self._send_error(identity, None, ProtocolError("send one frame per message"))
+            self._refuse(
+                identity, None, "malformed frames", ProtocolError("send one frame per message")
+            )
             return
         try:
-            msg = parse_client_message(frames[1])
+            envelope = read_envelope(frames[1])
         except ProtocolError as e:
-            log.warning("bad ZMQ client message: %s", e.message)
-            self._send_error(identity, e.req_id, e)
+            self._refuse(identity, e.req_id, "malformed frames", e)
             return
-        self._ops[msg.op](identity, msg)
+        if envelope.op == "abort":
+            self._on_abort(identity, envelope.req_id)
+        else:
+            self._on_generate(identity, frames[1], envelope)
 
-    def _on_generate(self, identity: bytes, msg: ClientMessage) -> None:
-        if not check_api_key(self.access.api_key, msg.api_key):
-            error = ValidationError("missing or invalid API key: pass api_key= to the client",
-                                    "api_key", status=401)  # fmt: skip
-            self._send_error(identity, msg.req_id, error)
+    def _on_generate(self, identity: bytes, payload: bytes, envelope: Envelope) -> None:
+        """Start a request; the key and the connection's budget are checked before the body is
+        read."""
+        req_id = envelope.req_id
+        if not check_api_key(self.access.api_key, envelope.api_key):
+            self._refuse(identity, req_id, "unauthenticated frames", _BAD_KEY)
             return
-        tasks = self._tasks.setdefault(identity, {})
-        if msg.req_id in tasks:
+        tasks = self._tasks.get(identity, {})
+        limit = self.access.max_requests_per_connection
+        if len(tasks) >= limit:
+            error = ValidationError(
+                f"this connection already has {limit} requests unfinished (the most "
+                "--max-zmq-requests-per-connection allows): wait for replies before sending "
+                "more",
+                status=429,
+            )
+            self._refuse(identity, req_id, "frames over their connection's request budget", error)
+            return
+        if req_id in tasks:
             error = ValidationError("req_id already in use", "req_id")
-            self._send_error(identity, msg.req_id, error)
+            self._refuse(identity, req_id, "malformed frames", error)
             return
-        task = asyncio.get_running_loop().create_task(
-            self._run_generate(identity, msg.req_id, msg.body)
-        )
-        tasks[msg.req_id] = task
-        task.add_done_callback(lambda _: self._forget(identity, msg.req_id))
+        try:
+            body = read_body(payload, envelope)
+        except ProtocolError as e:
+            self._refuse(identity, req_id, "malformed frames", e)
+            return
+        task = asyncio.get_running_loop().create_task(self._run_generate(identity, req_id, body))
+        self._tasks.setdefault(identity, tasks)[req_id] = task
+        task.add_done_callback(lambda done: self._forget(identity, req_id, done))
 
-    def _on_abort(self, identity: bytes, msg: ClientMessage) -> None:
-        task = self._tasks.get(identity, {}).get(msg.req_id)
+    def _on_abort(self, identity: bytes, req_id: int | str) -> None:
+        task = self._tasks.get(identity, {}).get(req_id)
         if task is not None:
             task.cancel()
 
+    def _refuse(
+        self, identity: bytes, req_id: Any, kind: str, error: ValidationError | ProtocolError
+    ) -> None:
+        """Answer a frame that starts nothing with an error while its connection's error reply
+        budget lasts, else drop it; either way the warning goes through the rate-limited log."""
+        answered = self._error_budget.take(identity)
+        self._frame_log.warn(kind, f"refused a ZMQ client frame: {error.message}", answered)
+        if answered:
+            self._send_error(identity, req_id, error)
+
     def _on_disconnect(self, identity: bytes) -> None:
+        self._error_budget.forget(identity)
         tasks = self._tasks.pop(identity, {})
         if tasks:
             log.info("ZMQ client went away; aborting %d request(s)", len(tasks))
         for task in tasks.values():
             task.cancel()
 
-    def _forget(self, identity: bytes, req_id: int | str) -> None:
+    def _on_stalled(self, identity: bytes) -> None:
+        """The client has SEND_HWM replies unread: abort its requests (this reply is dropped)."""
+        tasks = self._tasks.pop(identity, {})
+        if tasks:
+            self._frame_log.warn(
+                "clients with their replies unread",
+                f"a ZMQ client left {SEND_HWM} replies unread; aborting its {len(tasks)} "
+                "request(s) and dropping their replies",
+            )
+        for task in tasks.values():
+            task.cancel()
+
+    def _forget(self, identity: bytes, req_id: int | str, task: asyncio.Task) -> None:
         tasks = self._tasks.get(identity)
-        if tasks is not None:
-            tasks.pop(req_id, None)
+        # NOTE: a request aborted with its connection may end after the client has reused its
+        # req_id for a new one, which must stay tracked.
+        if tasks is not None and tasks.get(req_id) is task:
+            del tasks[req_id]
             if not tasks:
                 del self._tasks[identity]
 
@@ -220,11 +305,14 @@ class ZmqFrontend:
         self._send_raw(identity, reply)
 
     def _send_raw(self, identity: bytes, payload: bytes) -> None:
-        # NOTE: with SNDHWM=0 a ROUTER send never blocks, so the future is already done; an
-        # unknown peer (a client that went away) fails it with EHOSTUNREACH.
+        # NOTE: every send is NOBLOCK, so none ever waits in zmq.asyncio's queue and the future
+        # is already done: a peer that went away fails it with EHOSTUNREACH, a peer with
+        # SEND_HWM replies unread with EAGAIN (ROUTER_MANDATORY reports both).
         sent = self._socket.send_multipart([identity, payload], flags=zmq.NOBLOCK)
         error = sent.exception() if sent.done() else None
-        if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
+        if isinstance(error, zmq.Again):
+            self._on_stalled(identity)
+        elif isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
             self._on_disconnect(identity)
         elif error is not None:
             log.warning("could not send to a ZMQ client: %s", error)

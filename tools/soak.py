@@ -18,6 +18,9 @@ prefix of it, cut where a stop string completes), the engine must be idle with n
 and no process may have grown its resident memory by more than `--max-rss-growth` since
 warm-up (the first `--warmup-fraction` of the requests). Exit status 1 and a list of problems
 otherwise. tests/e2e/test_soak.py runs a reduced size in CI.
+
+A stuck request (no reply while many others finish), or a soak past `--time-limit-s`, stops the
+soak with a report of what the client saw and where the server holds it (`tools/soak_watch`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie.client import AerieClientError, AerieTimeoutError, AsyncClient  # noqa: E402
+from tools import soak_watch  # noqa: E402
+from tools.soak_watch import StuckWatch, client_rid, describe_stuck, stuck_problems  # noqa: E402
 
 MAX_NEW = 40  # the reference outputs' length; every request asks for 1..MAX_NEW tokens
 NUM_PROMPTS = 48
@@ -79,6 +84,8 @@ class Report:
     rss_warm_mib: dict[str, float] = field(default_factory=dict)
     rss_end_mib: dict[str, float] = field(default_factory=dict)
     rss_growth: dict[str, float] = field(default_factory=dict)
+    max_overtaken: int = 0  # the most requests that finished while one waited for a reply
+    stuck: dict = field(default_factory=dict)  # `describe_stuck`, when the soak stopped
     problems: list[str] = field(default_factory=list)
 
 
@@ -117,13 +124,17 @@ def expected_stop(reference: list[int], stop: str, decode) -> int:
 
 class Soak:
     def __init__(self, url: str, zmq_address: str, prompts: list[list[int]], decode_raw,
-                 concurrency: int) -> None:  # fmt: skip
+                 concurrency: int, deadline: float | None = None) -> None:  # fmt: skip
+        """deadline: time.monotonic() past which `run` stops and reports what is in flight."""
         self.url, self.zmq_address = url, zmq_address
         self.prompts = prompts
         self.decode_raw = decode_raw  # skip_special_tokens=False, as the stop-string check
         self.concurrency = concurrency
+        self.deadline = deadline
         self.references: list[list[int]] = []
         self.reference_texts: list[str] = []
+        self.watch = StuckWatch(concurrency)
+        self.stuck: dict = {}  # `describe_stuck`, once run stopped on a stuck request
 
     async def take_references(self, http: httpx.AsyncClient) -> None:
         """Each prompt's greedy output, one request at a time (the single-request output)."""
@@ -160,11 +171,16 @@ class Soak:
             return Outcome(req.index, req.kind, "aborted")
         return Outcome(req.index, req.kind, "failed" if detail else "ok", detail)
 
-    # Each kind returns '' (checked, equal), a difference, or None (aborted on purpose).
+    # Each kind returns '' (checked, equal), a difference, or None (aborted on purpose), and
+    # tells `watch` what it receives before the end.
+
+    def body(self, req: Planned, ids: list[int], params: dict, stream: bool = False) -> dict:
+        """A /generate body (with the request's client rid)."""
+        rid = client_rid(req)
+        return {"input_ids": ids, "sampling_params": params, "rid": rid, "stream": stream}
 
     async def _http(self, req, ids, params, http, zmq):
-        response = await http.post(self.url + "/generate",
-                                   json={"input_ids": ids, "sampling_params": params})  # fmt: skip
+        response = await http.post(self.url + "/generate", json=self.body(req, ids, params))
         assert response.status_code == 200, response.text
         out = response.json()
         return self.check_greedy(req, out["output_ids"], out["meta_info"]["finish_reason"])
@@ -172,7 +188,7 @@ class Soak:
     _stop = _http
 
     async def _http_stream(self, req, ids, params, http, zmq):
-        body = {"input_ids": ids, "sampling_params": params, "stream": True}
+        body = self.body(req, ids, params, stream=True)
         output_ids, finish = [], None  # each event carries the output so far
         async with http.stream("POST", self.url + "/generate", json=body) as response:
             assert response.status_code == 200, await response.aread()
@@ -181,6 +197,7 @@ class Soak:
                     return f"event {event['output_ids']} does not extend {output_ids}"
                 output_ids = event["output_ids"]
                 finish = event["meta_info"]["finish_reason"] or finish
+                self.watch.reply(req.index, output_ids)
         return self.check_greedy(req, output_ids, finish)
 
     async def _openai(self, req, ids, params, http, zmq):
@@ -195,21 +212,23 @@ class Soak:
         return "" if got == want else f"text {got!r} != single-request {want!r}"
 
     async def _zmq(self, req, ids, params, http, zmq):
-        out = await zmq.generate(input_ids=ids, sampling_params=params, timeout=300)
+        rid = client_rid(req)
+        out = await zmq.generate(input_ids=ids, sampling_params=params, rid=rid, timeout=300)
         return self.check_greedy(req, out["output_ids"], out["meta_info"]["finish_reason"])
 
     async def _zmq_stream(self, req, ids, params, http, zmq):
         output_ids, finish = [], None
-        async for delta in zmq.stream(input_ids=ids, sampling_params=params, timeout=300):
+        rid = client_rid(req)
+        async for delta in zmq.stream(input_ids=ids, sampling_params=params, rid=rid, timeout=300):
             output_ids += delta["output_ids"]
             finish = delta["meta_info"]["finish_reason"] or finish
+            self.watch.reply(req.index, output_ids)
         return self.check_greedy(req, output_ids, finish)
 
     async def _sampled(self, req, ids, params, http, zmq):
         params = {"max_new_tokens": req.max_new, "temperature": 0.8, "top_p": 0.9,
                   "ignore_eos": True}  # fmt: skip
-        response = await http.post(self.url + "/generate",
-                                   json={"input_ids": ids, "sampling_params": params})  # fmt: skip
+        response = await http.post(self.url + "/generate", json=self.body(req, ids, params))
         assert response.status_code == 200, response.text
         got = len(response.json()["output_ids"])
         return "" if got == req.max_new else f"{got} tokens != {req.max_new}"
@@ -217,9 +236,10 @@ class Soak:
     async def _http_disconnect(self, req, ids, params, http, zmq):
         """Read the first event of a stream, then hang up."""
         params["max_new_tokens"] = MAX_NEW
-        body = {"input_ids": ids, "sampling_params": params, "stream": True}
+        body = self.body(req, ids, params, stream=True)
         async with http.stream("POST", self.url + "/generate", json=body) as response:
             async for _ in sse_events(response):
+                self.watch.reply(req.index)
                 break
         return None
 
@@ -227,8 +247,7 @@ class Soak:
         """A non-streaming request whose client gives up before the answer."""
         params["max_new_tokens"] = MAX_NEW
         try:
-            await http.post(self.url + "/generate", timeout=0.02,
-                            json={"input_ids": ids, "sampling_params": params})  # fmt: skip
+            await http.post(self.url + "/generate", json=self.body(req, ids, params), timeout=0.02)
         except httpx.TimeoutException:
             pass
         return None
@@ -236,8 +255,10 @@ class Soak:
     async def _zmq_abort(self, req, ids, params, http, zmq):
         """Leave a stream after its first delta: the client sends an abort."""
         params["max_new_tokens"] = MAX_NEW
-        stream = zmq.stream(input_ids=ids, sampling_params=params, timeout=300)
+        rid = client_rid(req)
+        stream = zmq.stream(input_ids=ids, sampling_params=params, rid=rid, timeout=300)
         async for _ in stream:
+            self.watch.reply(req.index)
             break
         await stream.aclose()
         return None
@@ -245,28 +266,55 @@ class Soak:
     async def _zmq_timeout(self, req, ids, params, http, zmq):
         params["max_new_tokens"] = MAX_NEW
         try:
-            await zmq.generate(input_ids=ids, sampling_params=params, timeout=0.02)
+            rid = client_rid(req)
+            await zmq.generate(input_ids=ids, sampling_params=params, rid=rid, timeout=0.02)
         except AerieTimeoutError:
             pass
         return None
 
     async def run(self, planned: list[Planned], on_progress) -> list[Outcome]:
-        """Every planned request, at most `concurrency` at a time; on_progress(done) after each."""
+        """Every planned request, at most `concurrency` at a time; on_progress(done) after each.
+        Stops at the first stuck request, or at the deadline, with `stuck` set (the requests
+        still in flight then have no outcome)."""
         limits = httpx.Limits(max_connections=self.concurrency * 2)
         outcomes: list[Outcome] = []
         queue = iter(planned)
         async with httpx.AsyncClient(timeout=300, limits=limits) as http:
             zmq = AsyncClient(self.zmq_address)
-            try:
-                async def worker() -> None:
-                    for req in queue:
-                        outcomes.append(await self.run_one(req, http, zmq))
-                        on_progress(len(outcomes))
 
-                await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+            async def worker() -> None:
+                for req in queue:
+                    self.watch.start(req, client_rid(req))
+                    outcomes.append(await self.run_one(req, http, zmq))
+                    self.watch.finish(req.index)
+                    on_progress(len(outcomes))
+
+            workers = [asyncio.ensure_future(worker()) for _ in range(self.concurrency)]
+            try:
+                await self.watch_workers(workers, http)
             finally:
+                for task in workers:
+                    task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
                 zmq.close()
         return sorted(outcomes, key=lambda o: o.index)
+
+    async def watch_workers(self, workers: list[asyncio.Future], http: httpx.AsyncClient) -> None:
+        """Wait for the workers (raising any one's error), checking every WATCH_INTERVAL_S for
+        a stuck request and the deadline; sets `stuck` when either stops the soak."""
+        pending = set(workers)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=soak_watch.WATCH_INTERVAL_S)
+            for task in done:
+                task.result()
+            why, stuck = self.watch.stuck()
+            if not why and self.deadline is not None and time.monotonic() > self.deadline:
+                why = "the soak ran past its time limit"
+                stuck = sorted(self.watch.flights.values(), key=lambda f: f.last_reply)
+            if why:
+                watch, prompts = self.watch, self.prompts
+                self.stuck = await describe_stuck(why, stuck, watch, prompts, self.url, http)
+                return
 
 
 def greedy(max_new: int) -> dict:
@@ -303,15 +351,18 @@ async def wait_idle(url: str, timeout_s: float) -> dict:
 
 def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, vocab: int,
          requests: int, concurrency: int, seed: int, warmup_fraction: float,
-         max_rss_growth: float, log=print) -> Report:  # fmt: skip
-    """Run the soak against a live server and return the report (problems listed in it)."""
+         max_rss_growth: float, log=print,
+         time_limit_s: float | None = None) -> Report:  # fmt: skip
+    """Run the soak against a live server and return the report (problems listed in it).
+    time_limit_s: from now; past it the soak stops and reports the requests in flight."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
     rng = random.Random(seed)
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     runner = Soak(
         url, zmq_address, random_prompts(rng, vocab, NUM_PROMPTS),
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=False), concurrency,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=False), concurrency, deadline,
     )  # fmt: skip
     report = Report(requests, concurrency)
 
@@ -332,7 +383,7 @@ def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, v
         start = time.monotonic()
         outcomes = await runner.run(planned, on_progress)
         report.seconds = round(time.monotonic() - start, 1)
-        report.idle = await wait_idle(url, timeout_s=60)
+        report.idle = await wait_idle(url, timeout_s=5 if runner.stuck else 60)
         return outcomes
 
     outcomes = asyncio.run(main())
@@ -341,6 +392,9 @@ def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, v
     report.greedy_checked = sum(o.kind in GREEDY_KINDS and o.status == "ok" for o in outcomes)
     report.stopped_by_string = sum(o.kind == "stop" and o.status == "ok" for o in outcomes)
     report.num_retractions = report.idle.get("num_retractions", 0)
+    report.max_overtaken = runner.watch.max_overtaken
+    report.stuck = runner.stuck
+    report.problems += stuck_problems(runner.stuck)
     report.problems += [f"request {o.index} ({o.kind}): {o.detail}" for o in outcomes
                         if o.status == "failed"][:20]  # fmt: skip
     busy = {k: report.idle.get(k) for k in ("num_running", "num_waiting", "kv_used_tokens")}
@@ -379,11 +433,12 @@ def soak_server_args(
 ) -> list[str]:
     """A KV cache for about a third of the in-flight requests' full lengths, admitted without
     reserve: retraction happens throughout. draft_path: an EAGLE draft (chains of 3, trees of
-    6 nodes: 6 positions of headroom per step); overlap False: --disable-overlap-schedule."""
+    6 nodes: 6 positions of headroom per step); overlap False: --disable-overlap-schedule.
+    --enable-debug-info: /debug/requests tells where a stuck request is."""
     args = ["--model-path", model_path, "--max-running-requests", str(concurrency),
             "--max-total-tokens", str(max(256, concurrency * (60 + MAX_NEW) // 3)),
             "--page-size", "4", "--chunked-prefill-size", "64",
-            "--schedule-conservativeness", "0"]  # fmt: skip
+            "--schedule-conservativeness", "0", "--enable-debug-info"]  # fmt: skip
     if draft_path is not None:
         args += ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", draft_path,
                  "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
@@ -404,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative", action="store_true",
                         help="serve with a tiny random EAGLE draft of the tiny model")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument("--time-limit-s", type=float, help="stop and report what is in flight")
     parser.add_argument("--output", help="write the report here as JSON")
     args = parser.parse_args(argv)
 
@@ -430,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             report = soak(server.url, server.zmq_address, server_pids(server), model_path,
                           vocab=320, requests=args.requests, concurrency=args.concurrency,
                           seed=args.seed, warmup_fraction=args.warmup_fraction,
-                          max_rss_growth=args.max_rss_growth)  # fmt: skip
+                          max_rss_growth=args.max_rss_growth,
+                          time_limit_s=args.time_limit_s)  # fmt: skip
     text = json.dumps(asdict(report), indent=2)
     print(text)
     if args.output:

@@ -251,3 +251,14 @@ def test_loopback_defaults_allowed_hosts_and_the_served_model_name(tmp_path, mon
     assert curve.security.zmq_curve_key_file.endswith("zmq_curve_secret.key")
     for cfg in (named, curve):
         os.rmdir(cfg.runtime_dir)
+
+
+def test_help_states_each_default_once_and_never_as_none():
+    """Each flag's help says its default exactly where the reader looks: appended when the
+    text does not say it, never "(default: None)" after a text that explains it."""
+    from aerie.config import build_arg_parser
+
+    for action in build_arg_parser()._actions:
+        text = action.help or ""
+        assert "default: None" not in text, action.option_strings
+        assert text.lower().count("(default") <= 1, action.option_strings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import REPO_ROOT, Server, assert_no_orphans, child_named
+from tests.e2e.server import REPO_ROOT, Server, assert_no_orphans, child_named, device_args
 
 pytestmark = pytest.mark.e2e
 
@@ -113,10 +114,14 @@ def test_second_signal_stops_at_once_without_traceback(tiny_model_dirs):
         assert "Traceback" not in server.log_text()
 
 
-def test_the_systemd_watchdog_is_fed_only_while_every_process_answers(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("victim", ["scheduler", "gpu_worker"])
+def test_the_systemd_watchdog_is_fed_only_while_every_process_answers(
+    tiny_model_dirs, tmp_path, victim
+):
     """Under systemd (a fake NOTIFY_SOCKET here) the launcher reports READY=1, then
-    WATCHDOG=1 while every child answers heartbeats; a stopped child (SIGSTOP) is named, the
-    pings stop and the server exits non-zero, so systemd restarts it."""
+    WATCHDOG=1 while every child answers heartbeats; a stopped child (SIGSTOP: its heartbeat
+    thread stops too) is named, the pings stop and the server exits non-zero, so systemd
+    restarts it."""
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify.sock"))
     notify.settimeout(0.2)
@@ -135,19 +140,53 @@ def test_the_systemd_watchdog_is_fed_only_while_every_process_answers(tiny_model
         collect(2.5)
         assert "READY=1" in [m for _, m in seen]
         assert [m for _, m in seen].count("WATCHDOG=1") >= 3  # every 0.5 s
-        victim = child_named(server, "scheduler")
+        victim_pid = child_named(server, victim)
         stopped_at = time.monotonic()
-        os.kill(victim, signal.SIGSTOP)
+        os.kill(victim_pid, signal.SIGSTOP)
         try:
             while server.proc.poll() is None and time.monotonic() < stopped_at + 30:
                 collect(0.2)  # timestamps within 0.2 s of each datagram's sending
             code = server.proc.wait(timeout=1)
         finally:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(victim, signal.SIGKILL)
+                os.kill(victim_pid, signal.SIGKILL)
         collect(0.3)
         pings = [t for t, m in seen if m == "WATCHDOG=1" and t > stopped_at + 3.5]
-        assert code == 1 and not pings  # no WATCHDOG=1 once the scheduler was overdue
-        assert "the scheduler process has not answered a heartbeat" in server.log_text()
+        assert code == 1 and not pings  # no WATCHDOG=1 once the victim was overdue
+        assert f"the {victim} process has not answered a heartbeat" in server.log_text()
+        assert "it is stopped or wedged (at its last answer: " in server.log_text()
         assert_no_orphans(server)
     notify.close()
+
+
+def _interpreted_triton(tiny_model_dirs) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Server arguments and environment whose steps run Triton's interpreter on the CPU: a
+    layer of a step then takes seconds of pure-Python work, longer the longer the prompt."""
+    pytest.importorskip("triton")
+    if device_args()[1] != "cpu":
+        pytest.skip("Triton's interpreter runs on the CPU")
+    args = (*_tiny_args(tiny_model_dirs), "--attention-backend", "triton")
+    return args, {"TRITON_INTERPRET": "1"}
+
+
+def _prompt(num_tokens: int) -> dict:
+    return {"input_ids": list(range(5, 5 + num_tokens)), "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+
+
+def _step(num_tokens: int) -> str:
+    return rf"step \d+ \(extend, {num_tokens} tokens, 1 request\) on the host"
+
+
+def test_a_worker_step_longer_than_the_watchdog_timeout_completes(tiny_model_dirs):
+    """A step that outlasts --watchdog-timeout-s is not a stuck worker: its heartbeat thread
+    answers meanwhile, the request completes, the server stays up and logs the long step."""
+    args, env = _interpreted_triton(tiny_model_dirs)
+    with Server(*args, "--watchdog-timeout-s", "3", env=env) as server:
+        response = httpx.post(server.url + "/generate", json=_prompt(160), timeout=300)
+        assert response.status_code == 200, response.text
+        assert response.json()["meta_info"]["completion_tokens"] == 2
+        # Logged once it passed the timeout, so the step did outlast it.
+        assert re.search(f"gpu_worker: {_step(160)} for \\d+ s", server.log_text())
+        assert server.proc.poll() is None
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200

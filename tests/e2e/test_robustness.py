@@ -5,9 +5,12 @@ that dies. Each test names the failure it guards against."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import re
 import signal
+import socket
 import threading
 import time
 
@@ -119,10 +122,14 @@ def test_a_rid_reused_right_after_its_abort_gets_its_own_output(server, transpor
 
 def test_bad_input_on_the_real_tokenizer_is_a_400(server):
     """A lone surrogate used to reach the tokenizer (500, connection reset); a seed beyond 64
-    bits the msgpack codec (500)."""
+    bits the msgpack codec (500); top_p or repetition_penalty 1e-50 the worker, where float32
+    made it 0: NaN logprobs, a 500 (not JSON compliant)."""
     for body in (b'{"text": "a\\ud800"}',
                  b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}',
-                 b'{"text": "a", "sampling_params": {"temperature": 1e999}}'):  # fmt: skip
+                 b'{"text": "a", "sampling_params": {"temperature": 1e999}}',
+                 b'{"text": "a", "return_logprob": true, "sampling_params": {"top_p": 1e-50}}',
+                 b'{"text": "a", "return_logprob": true, "sampling_params": '
+                 b'{"repetition_penalty": 1e-50}}'):  # fmt: skip
         r = httpx.post(server.url + "/generate", content=body, timeout=30,
                        headers={"content-type": "application/json"})  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["code"] == 400
@@ -219,3 +226,52 @@ def test_a_killed_launcher_leaves_no_runtime_directory(tiny_model_dirs, tmp_path
             assert time.monotonic() < deadline, list(tmp_path.iterdir())
             time.sleep(0.05)
 
+
+def raw_get_json(sock: socket.socket, path: str) -> dict:
+    """GET path on an open keep-alive connection; the JSON body."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return json.loads(body)
+
+
+def test_the_connection_cap_and_the_drain_timeout_answer_in_json(tiny_model_dirs):
+    """--max-connections 3 serves three connections and refuses the fourth with a JSON 503
+    (uvicorn's limit refused the third, in text/plain). Requests still running when the drain
+    times out get a JSON 503 (a stream: a final error event), not a 200 "aborted by the
+    client" or a text/plain 500."""
+    body = {"input_ids": [5, 6], "sampling_params": LONG}
+    args = ("--model-path", tiny_model_dirs["llama"], "--max-connections", "3",
+            "--drain-timeout-s", "0")  # fmt: skip
+    with Server(*args) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        probe = socket.create_connection((host, int(port)), timeout=30)  # the first of three
+        results: list[httpx.Response] = []
+        plain = threading.Thread(target=lambda: results.append(httpx.post(
+            server.url + "/generate", json=body, timeout=120)))  # fmt: skip
+        streamed = {**body, "stream": True}
+        with httpx.stream("POST", server.url + "/generate", json=streamed, timeout=120) as stream:
+            lines = (line for line in stream.iter_lines() if line)
+            assert json.loads(next(lines).removeprefix("data: "))["output_ids"]
+            plain.start()  # the third connection
+            deadline = time.monotonic() + 60
+            while raw_get_json(probe, "/server_info")["num_running"] < 2:
+                assert time.monotonic() < deadline, "the second request never ran"
+                time.sleep(0.05)
+            refused = httpx.get(server.url + "/health", timeout=30)  # the fourth
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert "--max-connections" in refused.json()["error"]["message"]
+            server.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        plain.join(60)
+        probe.close()
+        assert server.proc.wait(timeout=60) == 0
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == 503
+    assert results[0].status_code == 503
+    assert "shutting down" in results[0].json()["error"]["message"]

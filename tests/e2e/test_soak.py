@@ -4,10 +4,17 @@ disconnects, timeouts, aborts) with random prompt and output lengths against a l
 whose KV cache forces retraction, with and without speculation, with the overlap schedule and
 without. Every completed greedy request must equal its single-request output, and once idle
 /server_info must show nothing running, waiting or holding KV. `python tools/soak.py` runs the
-full 10,000."""
+full 10,000.
+
+A stuck request stops the soak with a report of it and of where the server holds it (the
+report's problems), and so does a soak that would outlast pytest's timeout on a slow machine;
+progress lines are printed, so a failure's captured output shows how far it got."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 
 from tests.e2e.server import Server
@@ -17,6 +24,9 @@ from tools.soak import GREEDY_KINDS, KIND_WEIGHTS, server_pids, soak, soak_serve
 pytestmark = pytest.mark.e2e
 
 CONCURRENCY = 16
+# Past this, from the test's start, the soak stops and reports what is in flight: inside the
+# 600 s pytest timeout, with time left to ask the server where they are and to stop it.
+SOAK_BUDGET_S = 480.0
 
 
 @pytest.mark.parametrize(
@@ -27,16 +37,22 @@ CONCURRENCY = 16
 def test_soak_every_kind_completes_exactly_and_leaves_nothing_behind(
     tiny_model_dirs, tmp_path, speculative, overlap, requests
 ):
+    started = time.monotonic()
     model = tiny_model_dirs["llama"]
     draft = make_tiny_eagle_draft(str(tmp_path / "draft"), model) if speculative else None
     with Server(*soak_server_args(model, CONCURRENCY, draft, overlap)) as server:
         pids = server_pids(server)
         assert set(pids) == {"launcher", "tokenizer", "scheduler", "gpu_worker", "detokenizer"}
+        time_limit_s = SOAK_BUDGET_S - (time.monotonic() - started)
         report = soak(server.url, server.zmq_address, pids, model, vocab=320, requests=requests,
                       concurrency=CONCURRENCY, seed=1, warmup_fraction=0.25,
-                      max_rss_growth=0.10, log=lambda _: None)  # fmt: skip
+                      max_rss_growth=0.10, log=print, time_limit_s=time_limit_s)  # fmt: skip
+        where = httpx.get(server.url + "/debug/requests", timeout=30).json()
 
-    assert report.problems == []
+    assert report.problems == [], "\n".join(report.problems)
+    # Idle, the debug view finds nothing in flight in the tokenizer or the scheduler.
+    assert where["tokenizer"] == []
+    assert [(s["answered"], s["requests"]) for s in where["schedulers"]] == [(True, [])]
     assert report.idle["disable_overlap_schedule"] is not overlap
     assert (report.idle["speculative_algorithm"] == "EAGLE") is speculative
     assert set(report.kinds) == set(KIND_WEIGHTS)

@@ -93,7 +93,8 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     worker.execute(prefill)
     # A new request with penalties, prefilled while a decode step is in flight: its sampling
     # state goes over without waiting for the device either.
-    penalized = SamplingParams(max_new_tokens=8, frequency_penalty=0.5, repetition_penalty=1.2)
+    penalized = SamplingParams(max_new_tokens=8, frequency_penalty=0.5, repetition_penalty=1.2,
+                               seed=4)
     second = RequestStart(2, penalized, False, pack_ids([8, 9]))
     torch.cuda.set_sync_debug_mode("error")
     try:

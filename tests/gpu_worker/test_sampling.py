@@ -81,9 +81,9 @@ def reference_penalties(
 
 def test_greedy_is_exact_argmax_in_a_mixed_batch():
     state = make_state()
-    state.start(1, SamplingParams(temperature=0.0), [1, 2], 0, default_seed=0)
-    state.start(2, SamplingParams(temperature=1.0, top_k=1), [3], 0, default_seed=0)
-    state.start(3, SamplingParams(temperature=1.5, seed=5), [3], 0, default_seed=0)
+    state.start(1, SamplingParams(temperature=0.0), [1, 2], 0)
+    state.start(2, SamplingParams(temperature=1.0, top_k=1), [3], 0)
+    state.start(3, SamplingParams(temperature=1.5, seed=5), [3], 0)
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB) * 3
     tokens, logprobs = state.sample(logits, torch.tensor([1, 2, 3]), torch.tensor([4, 4, 4]))
@@ -96,7 +96,7 @@ def test_greedy_is_exact_argmax_in_a_mixed_batch():
 def test_all_greedy_batch_is_argmax():
     state = make_state()
     for row in (1, 2, 3):
-        state.start(row, SamplingParams(temperature=0.0), [1], 0, default_seed=row)
+        state.start(row, SamplingParams(temperature=0.0), [1], 0)
     logits = torch.randn(5, VOCAB)
     tokens, _ = state.sample(logits, torch.tensor([1, 2, 3, 1, 2]), torch.arange(5))
     assert torch.equal(tokens, logits.argmax(-1))
@@ -106,7 +106,7 @@ def test_same_seed_and_position_give_same_token_across_batches():
     vocab = 1000
     state = make_state(vocab=vocab)
     for row in range(1, 6):
-        state.start(row, SamplingParams(temperature=1.0, seed=100 + row), [1], 0, 0)
+        state.start(row, SamplingParams(temperature=1.0, seed=100 + row), [1], 0)
     torch.manual_seed(1)
     logits = torch.randn(6, vocab)  # row r uses logits[r]
     positions = torch.tensor([0, 7, 3, 9, 12, 5])
@@ -121,17 +121,17 @@ def test_same_seed_and_position_give_same_token_across_batches():
     assert run([4]) == {4: full[4]}
     assert run([2, 5]) == {r: full[r] for r in (2, 5)}
     # Same seed on another row (a restart elsewhere) reproduces the token too.
-    state.start(6, SamplingParams(temperature=1.0, seed=103), [9], 0, 0)
+    state.start(6, SamplingParams(temperature=1.0, seed=103), [9], 0)
     tokens, _ = state.sample(logits[3:4], torch.tensor([6]), positions[3:4])
     assert tokens.item() == full[3]
 
 
-def test_different_seeds_differ_and_default_seed_is_used():
+def test_different_seeds_differ_and_equal_seeds_agree():
     vocab = 1000
     state = make_state(vocab=vocab)
-    state.start(1, SamplingParams(temperature=1.0, seed=1), [1], 0, default_seed=0)
-    state.start(2, SamplingParams(temperature=1.0, seed=2), [1], 0, default_seed=0)
-    state.start(3, SamplingParams(temperature=1.0), [1], 0, default_seed=1)
+    state.start(1, SamplingParams(temperature=1.0, seed=1), [1], 0)
+    state.start(2, SamplingParams(temperature=1.0, seed=2), [1], 0)
+    state.start(3, SamplingParams(temperature=1.0, seed=1), [1], 0)
     logits = torch.zeros(vocab)
     a, _ = draw_many(state, 1, logits, 64)
     b, _ = draw_many(state, 2, logits, 64)
@@ -140,10 +140,25 @@ def test_different_seeds_differ_and_default_seed_is_used():
     assert torch.equal(a, c)
 
 
+def test_a_sampled_request_without_a_seed_is_refused():
+    """The frontend gives every request a seed; a sampled row without one would share a
+    fallback noise with every other such row. Greedy rows draw no noise and need none."""
+    state = make_state()
+    for params in (SamplingParams(temperature=1.0), SamplingParams(presence_penalty=0.5),
+                   SamplingParams(temperature=0.3, top_k=5)):  # fmt: skip
+        with pytest.raises(ValueError, match="has no seed"):
+            state.start(1, params, [1], 0)
+    state.start(1, SamplingParams(temperature=0.0), [1], 0)
+    state.start(2, SamplingParams(temperature=1.0, top_k=1), [1], 0)
+    logits = torch.randn(2, VOCAB)
+    tokens, _ = state.sample(logits, torch.tensor([1, 2]), torch.tensor([3, 3]))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 2.0])
 def test_sampled_frequencies_match_softmax(temperature):
     state = make_state()
-    state.start(1, SamplingParams(temperature=temperature, seed=11), [1], 0, 0)
+    state.start(1, SamplingParams(temperature=temperature, seed=11), [1], 0)
     logits = torch.linspace(-2.0, 2.0, VOCAB)
     tokens, _ = draw_many(state, 1, logits, 20000)
     assert_matches_distribution(tokens, torch.softmax(logits.double() / temperature, -1))
@@ -156,7 +171,7 @@ def test_sampled_frequencies_match_softmax(temperature):
 def test_filters_keep_renormalised_proportions(top_k, top_p, min_p):
     state = make_state()
     params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=3)
-    state.start(1, params, [1], 0, 0)
+    state.start(1, params, [1], 0)
     torch.manual_seed(2)
     logits = torch.randn(VOCAB) * 1.5
     expected = reference_filter(logits, 0.8, top_k, top_p, min_p)
@@ -169,8 +184,9 @@ def test_filters_keep_renormalised_proportions(top_k, top_p, min_p):
 
 def test_processed_probs_match_reference_and_greedy_rows_are_one_hot_in_the_probs_only():
     state = make_state()
-    state.start(1, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05), [1], 0, 0)
-    state.start(2, SamplingParams(temperature=0.0), [1], 0, 0)
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1)
+    state.start(1, params, [1], 0)
+    state.start(2, SamplingParams(temperature=0.0), [1], 0)
     logits = torch.randn(2, VOCAB) * 2
     rows = state.gather(torch.tensor([1, 2]))
     processed, probs = processed_probs(logits, rows)
@@ -195,7 +211,7 @@ def test_penalties_match_reference():
         params = SamplingParams(
             temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres
         )
-        state.start(row, params, prompts[row], 0, 0)
+        state.start(row, params, prompts[row], 0)
     for step in range(4):  # outputs arrive one decode step at a time
         rows = [r for r in cases if step < len(outputs[r])]
         state.observe(torch.tensor(rows), torch.tensor([outputs[r][step] for r in rows]))
@@ -212,12 +228,12 @@ def test_penalties_match_reference():
 
 def test_penalty_free_batches_skip_penalty_work():
     state = make_state()
-    state.start(1, SamplingParams(temperature=1.0), [1, 2], 0, 0)
+    state.start(1, SamplingParams(temperature=1.0, seed=1), [1, 2], 0)
     state.observe(torch.tensor([1]), torch.tensor([2]))
     assert state.counts.sum() == 0  # observe is a no-op without penalised rows
     logits = torch.randn(1, VOCAB)
     assert state.penalize(logits, torch.tensor([1]), state.gather(torch.tensor([1]))) is logits
-    state.start(2, SamplingParams(presence_penalty=1.0), [3], 0, 0)
+    state.start(2, SamplingParams(presence_penalty=1.0, seed=2), [3], 0)
     assert not state.gather(torch.tensor([1])).use_penalty  # exact per batch for CPU indices
     assert state.gather(torch.tensor([1, 2])).use_penalty
 
@@ -226,14 +242,14 @@ def test_restart_after_retraction_rebuilds_penalty_state():
     state = make_state()
     params = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.2, seed=9)
     prompt, outputs = [1, 2, 3], [4, 4, 2, 7]
-    state.start(1, params, prompt, 0, 0)
+    state.start(1, params, prompt, 0)
     for tok in outputs:
         state.observe(torch.tensor([1]), torch.tensor([tok]))
     counts, mask = state.counts[1].clone(), state.prompt_mask[1].clone()
     # Another request takes the row, then the retracted one resumes on a different row.
-    state.start(1, SamplingParams(presence_penalty=1.0), [5], 0, 0)
+    state.start(1, SamplingParams(presence_penalty=1.0, seed=5), [5], 0)
     assert state.counts[1].sum() == 0 and state.prompt_mask[1].sum() == 1
-    state.start(2, params, prompt + outputs, len(outputs), 0)
+    state.start(2, params, prompt + outputs, len(outputs))
     assert torch.equal(state.counts[2], counts)
     seen = torch.zeros(VOCAB, dtype=torch.bool)
     seen[prompt + outputs] = True
@@ -279,7 +295,7 @@ def test_cuda_matches_cpu():
     for device in ("cpu", "cuda"):
         state = SamplingState(4, vocab, device)
         for row, p in enumerate(params, start=1):
-            state.start(row, p, [1, 2, 3, 2], 1, default_seed=0)
+            state.start(row, p, [1, 2, 3, 2], 1)
         rows = torch.tensor([1, 2, 3])
         state.observe(rows.to(device), torch.tensor([7, 8, 7], device=device))
         tokens, logprobs = state.sample(logits.to(device), rows, torch.tensor([10, 11, 12]))
@@ -299,7 +315,7 @@ def test_observe_counts_only_each_rows_accepted_prefix():
 
     state = SamplingState(3, 10, "cpu")
     for row in (1, 2):
-        state.start(row, SamplingParams(frequency_penalty=1.0), [0], 0, 0)
+        state.start(row, SamplingParams(frequency_penalty=1.0, seed=row), [0], 0)
     tokens = torch.tensor([[4, 4, 5, 6], [7, 8, 9, 9]])
     state.observe(torch.tensor([1, 2]), tokens, lengths=torch.tensor([3, 1]))
     assert state.counts[1].tolist() == [0, 0, 0, 0, 2, 1, 0, 0, 0, 0]
@@ -319,9 +335,9 @@ def test_fixed_stages_give_each_row_its_own_token_and_logprob(extra):
         "penalty": SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4),
         "min_p": SamplingParams(temperature=1.1, min_p=0.05, seed=4),
     }[extra]
-    state.start(1, SamplingParams(temperature=0.0), [1, 2], 0, default_seed=0)
-    state.start(2, SamplingParams(temperature=0.7, seed=9), [3], 0, default_seed=0)
-    state.start(3, params, [5, 6, 6], 1, default_seed=0)
+    state.start(1, SamplingParams(temperature=0.0), [1, 2], 0)
+    state.start(2, SamplingParams(temperature=0.7, seed=9), [3], 0)
+    state.start(3, params, [5, 6, 6], 1)
     sorts = extra in ("top_p", "top_k")
     torch.manual_seed(1)
     # with a sampled row; without one (the eager sampler then takes the argmax branch)

@@ -11,12 +11,22 @@ import torch
 
 from aerie import codec, endpoints
 from aerie.config import AerieConfig
-from aerie.messages import ForwardPlan, RequestStart, SamplingParams, Shutdown, StepResult
+from aerie.messages import (
+    ForwardPlan,
+    RequestStart,
+    SamplingParams,
+    Shutdown,
+    StepResult,
+    TokenizedRequest,
+)
 from aerie.transport import Inbox, Sender, StepLink
 from gpu_worker.plan_builders import decode_plan, extend_plan
 from gpu_worker.process import WorkerLoop
 from gpu_worker.warm_up import run_warm_up, warm_up_plans
 from gpu_worker.worker import GPUWorker
+from scheduler_proc.policy import NewTokenEstimate
+from scheduler_proc.scheduler import Scheduler
+from tests.engine_loop import drive
 from tests.gpu_worker.checkpoints import reference_logits
 
 PAGE_SIZE = 4
@@ -215,6 +225,41 @@ def test_decode_steps_count_the_tokens_of_penalised_rows(tiny_dirs, graph_max_bs
     assert torch.equal(worker.sampling.counts[1], expected)
 
 
+def test_a_retracted_sampled_request_continues_its_draw(tiny_dirs):
+    """Sampled requests served with the scheduler into a KV cache too small for all of them
+    are retracted and recomputed; each keeps its seed (part of its params), so it emits the
+    tokens it emits in a cache that fits everything, and different seeds give other tokens."""
+    prompts = [[(7 * i + 3 * k) % 250 + 3 for k in range(5 + i)] for i in range(6)]
+
+    def serve(max_total_tokens: int, seed_base: int) -> tuple[dict[str, list[int]], int]:
+        config = make_config(tiny_dirs["llama"]).replace(
+            cache={"max_total_tokens": max_total_tokens},
+            scheduler={"max_running_requests": 6, "chunked_prefill_size": 16})  # fmt: skip
+        worker = GPUWorker(config)
+        sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+        sched.new_tokens = NewTokenEstimate(0.0)  # admit on free KV alone: retractions happen
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_new_tokens=20, temperature=1.0, ignore_eos=True,
+                                    seed=seed_base + i)  # fmt: skip
+            sched.add_request(TokenizedRequest(f"r{i}", codec.pack_ids(prompt), params))
+        outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+
+        def collect(plan, result, deltas):
+            for d in deltas.deltas if deltas else []:
+                outputs[d.rid] += codec.unpack_ids(d.token_ids)
+
+        drive(sched, worker, collect)
+        return outputs, sched.stats().num_retractions
+
+    roomy, roomy_retractions = serve(512, seed_base=100)
+    tight, tight_retractions = serve(96, seed_base=100)
+    assert roomy_retractions == 0 and tight_retractions > 0
+    assert all(len(out) == 20 for out in roomy.values())
+    assert tight == roomy
+    reseeded, _ = serve(512, seed_base=200)
+    assert all(reseeded[rid] != roomy[rid] for rid in roomy)
+
+
 def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, reference_models):
     """Plans and results cross the step link, Shutdown comes to the ZMQ inbox."""
     config = make_config(tiny_dirs["qwen2"], runtime_dir=str(tmp_path))
@@ -229,6 +274,10 @@ def test_process_loop_answers_plans_and_stops_on_shutdown(tmp_path, tiny_dirs, r
     result = Inbox(link).recv(timeout_s=30)
     assert isinstance(result, StepResult) and result.plan_id == 7
     assert codec.unpack_ids(result.token_ids) == hf_greedy(reference_models("qwen2"), ids, 1)[0]
+    # What heartbeats report moved on the launch, on each layer (on a CPU), at the launch's end
+    # and on the result: now idle.
+    num_layers = len(loop.worker.runner.model.model.layers)
+    assert loop.progress.snapshot() == ("", 0.0, 3 + num_layers)
     to_worker.send(Shutdown())
     thread.join(timeout=30)
     assert not thread.is_alive()
@@ -282,23 +331,25 @@ def test_compiles_after_the_warm_up_are_logged(monkeypatch, caplog):
     from gpu_worker.warm_up import watch_compiles
 
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    assert watch_compiles()
+    built = []
+    assert watch_compiles(on_build=lambda: built.append(1))
     hook = knobs.runtime.jit_post_compile_hook
     with caplog.at_level("WARNING", logger="gpu_worker.warm_up"):
         hook(key="k", repr="_extend_kernel[num_warps=4](q: *bf16)", fn=None, compile={},
              is_manual_warmup=False, already_compiled=False)  # fmt: skip
     assert "_extend_kernel[num_warps=4]" in caplog.text and "warm-up" in caplog.text
+    assert built == [1]  # a build is progress for the watchdog
 
 
 def test_decode_step_variant_serves_every_row_of_a_batch(tiny_dirs):
     """Greedy batches without logprobs take the argmax graph; logprobs, sampling or penalties
     the sampling graph; a top-k or top-p row the one that sorts."""
     worker = GPUWorker(make_config(tiny_dirs["llama"]).replace(runner={"cuda_graph_max_bs": 4}))
-    params = {1: SamplingParams(temperature=0.0), 2: SamplingParams(temperature=0.8),
+    params = {1: SamplingParams(temperature=0.0), 2: SamplingParams(temperature=0.8, seed=2),
               3: SamplingParams(temperature=0.0, presence_penalty=0.5),
-              4: SamplingParams(temperature=0.8, top_p=0.9)}  # fmt: skip
+              4: SamplingParams(temperature=0.8, top_p=0.9, seed=4)}  # fmt: skip
     for row, p in params.items():
-        worker.sampling.start(row, p, [5, 6], 0, default_seed=0)
+        worker.sampling.start(row, p, [5, 6], 0)
     step = worker.decode_step
     assert step.variant_for(np.array([1]), want_logprobs=False) == "greedy"
     assert step.variant_for(np.array([1]), want_logprobs=True) == "sample"

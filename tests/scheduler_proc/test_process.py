@@ -6,7 +6,15 @@ import time
 
 from aerie import endpoints
 from aerie.codec import unpack_ids
-from aerie.messages import AbortRequest, ForwardPlan, SchedulerStats, Shutdown, TokenDeltas
+from aerie.messages import (
+    AbortRequest,
+    DebugQuery,
+    DebugReport,
+    ForwardPlan,
+    SchedulerStats,
+    Shutdown,
+    TokenDeltas,
+)
 from aerie.transport import Inbox, Receiver, Sender, StepLink
 from scheduler_proc.process import RESULT_SPIN_S, SchedulerLoop, load_decoder
 from tests.scheduler_proc.fake_worker import (
@@ -20,7 +28,8 @@ from tests.tokenizer_fixture import make_tiny_tokenizer
 TIMEOUT_S = 5.0
 
 
-def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
+def loop_config(tmp_path):
+    """The config of a scheduler loop on a tiny model directory (config.json, tokenizer)."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(
@@ -35,11 +44,15 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         )
     )
     make_tiny_tokenizer(model_dir)
-    config = make_config().replace(
+    return make_config().replace(
         model={"model_path": str(model_dir)},
         cache={"max_total_tokens": 64},
         runtime_dir=str(tmp_path),
     )
+
+
+def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
+    config = loop_config(tmp_path)
     worker_link = StepLink.listen(endpoints.step_link(config))  # as the worker does
     worker_inbox = Inbox(worker_link)  # plans come over the link, results go back over it
     detok_inbox = Receiver(endpoints.inbox(config, "detokenizer"))
@@ -97,6 +110,40 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         assert {spin for in_flight, spin in waits if not in_flight} == {0.0}
     finally:
         for socket in (to_scheduler, worker_link, detok_inbox, tokenizer_inbox):
+            socket.close()
+        loop.close()
+
+
+def test_a_debug_query_is_answered_with_where_each_request_is(tmp_path):
+    config = loop_config(tmp_path)
+    worker_link = StepLink.listen(endpoints.step_link(config))
+    worker_inbox = Inbox(worker_link)
+    tokenizer_inbox = Receiver(endpoints.inbox(config, "tokenizer"))
+    loop = SchedulerLoop(config)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    to_scheduler = Sender(endpoints.inbox(config, "scheduler"))
+    try:
+        to_scheduler.send(make_request("a", [1, 2, 3], max_new_tokens=5))
+        assert isinstance(worker_inbox.recv(timeout_s=TIMEOUT_S), ForwardPlan)  # not answered
+        to_scheduler.send(make_request("b", [4, 5, 6], max_new_tokens=5))
+        to_scheduler.send(DebugQuery(query_id=7))
+        deadline = time.monotonic() + TIMEOUT_S
+        report = None
+        while not isinstance(report, DebugReport) and time.monotonic() < deadline:
+            report = tokenizer_inbox.recv(timeout_s=TIMEOUT_S)  # stats come too
+        assert isinstance(report, DebugReport)
+        assert (report.query_id, report.replica) == (7, 0)
+        # a's prefill and its first decode are in flight (overlap), unanswered: b must wait.
+        assert report.summary["plans_in_flight"] == 2 and not report.summary["can_plan"]
+        by_rid = {entry["rid"]: entry for entry in report.requests}
+        assert by_rid["a"]["state"] == "running" and by_rid["a"]["plans_in_flight"] == 2
+        assert by_rid["a"]["prefix_len"] == 3 and by_rid["a"]["output_len"] == 0
+        assert by_rid["b"]["state"] == "waiting" and by_rid["b"]["queue_position"] == 0
+        to_scheduler.send(Shutdown(reason="test"))
+        thread.join(TIMEOUT_S)
+    finally:
+        for socket in (to_scheduler, worker_link, tokenizer_inbox):
             socket.close()
         loop.close()
 

@@ -413,3 +413,20 @@ def test_tiny_caches_with_requests_finishing_in_flight(overlap):
                 assert "does not fit" in collector.finish["F"].message
             else:
                 assert collector.outputs["F"] == reference_output(list(range(5, 15)), max_new)
+
+
+def test_describe_says_where_each_request_is_held():
+    """The debug view's entries: a request finished while a plan in flight still holds its
+    row, and one waiting for that row."""
+    sched = Scheduler(make_config(max_running=1), (), max_total_tokens=64)
+    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=4))
+    sched.add_request(make_request("b", [4, 5], max_new_tokens=4))
+    assert sched.next_plan() is not None  # a's prefill; b waits for the one row
+    sched.abort("a")
+    summary, entries = sched.describe()
+    assert (summary["plans_in_flight"], summary["free_pages"], summary["free_rows"]) == (1, 61, 0)
+    by_rid = {entry["rid"]: entry for entry in entries}
+    assert by_rid["a"]["state"] == "finished" and by_rid["a"]["plans_in_flight"] == 1
+    assert by_rid["a"]["row"] > 0 and by_rid["a"]["prefix_len"] == 3
+    assert by_rid["b"]["state"] == "waiting" and by_rid["b"]["queue_position"] == 0
+    assert (by_rid["b"]["row"], by_rid["b"]["fill_len"], by_rid["b"]["output_len"]) == (0, 2, 0)

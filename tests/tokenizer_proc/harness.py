@@ -61,6 +61,11 @@ class FakeEngine:
     def finished(self, rid: str) -> None:
         pass
 
+    async def describe(self) -> list[dict]:
+        """One scheduler that holds every submitted request still in flight."""
+        held = [{"rid": r.rid} for r in self.submitted if r.rid in self.frontend.tracker]
+        return [{"replica": 0, "answered": True, "requests": held}]
+
     async def play(self, request: TokenizedRequest) -> None:
         ids = fake_output_ids(request)
         prompt_len = len(unpack_ids(request.input_ids))
@@ -86,11 +91,13 @@ class FakeEngine:
                 return
 
 
-def make_frontend(tokenizer_dir: str, ready: bool = True) -> tuple[Frontend, FakeEngine]:
+def make_frontend(
+    tokenizer_dir: str, ready: bool = True, random_seed: int = 0
+) -> tuple[Frontend, FakeEngine]:
     tokenizer = Tokenizer(tokenizer_dir)
     engine = FakeEngine()
     limits = Limits(vocab_size=tokenizer.vocab_size, context_length=CONTEXT_LENGTH)
-    frontend = Frontend(tokenizer, limits, engine, model_name="/models/tiny-model")
+    frontend = Frontend(tokenizer, limits, engine, "/models/tiny-model", random_seed)
     engine.frontend = frontend
     if ready:
         frontend.mark_ready({"page_size": 1, "max_total_tokens": 1000})
@@ -157,10 +164,9 @@ class LiveServer:
 def _uvicorn_config(app, header_timeout_s: float, max_connections: int | None):
     import uvicorn
 
+    protocol = header_timeout_protocol(header_timeout_s, max_connections)
     return uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
-                          timeout_graceful_shutdown=1,
-                          http=header_timeout_protocol(header_timeout_s),
-                          limit_concurrency=max_connections)  # fmt: skip
+                          timeout_graceful_shutdown=1, http=protocol)  # fmt: skip
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:

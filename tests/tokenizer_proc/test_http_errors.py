@@ -1,5 +1,6 @@
 """Every error is a JSON body in the API's error format, and the keep-alive connection that
-carried the bad request keeps working (checked on one raw socket)."""
+carried the bad request keeps working (checked on one raw socket); no response holds NaN or
+an infinity."""
 
 from __future__ import annotations
 
@@ -119,3 +120,130 @@ def test_an_error_inside_a_stream_ends_it_with_an_error_event(live, monkeypatch)
     assert r.status_code == 200
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == 500
     assert lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("GET", "/nope", 404, None), ("POST", "/v1/nope", 404, None),
+    ("GET", "/generate", 405, "POST"), ("POST", "/v1/models", 405, "GET"),
+])  # fmt: skip
+def test_unknown_paths_and_methods_get_the_api_error_format(live, method, path, status, allow):
+    """404 and 405 came as FastAPI's {"detail": ...}, a shape no OpenAI client reads."""
+    server, _, _ = live
+    conn = Connection(server.url)
+    code, headers, payload = conn.request(method, path, b"{}" if method == "POST" else b"")
+    assert code == status and headers["content-type"] == "application/json"
+    error = json.loads(payload)["error"]
+    assert error["code"] == status and error["type"] == "invalid_request_error"
+    assert path in error["message"] and "detail" not in json.loads(payload)
+    if allow:
+        assert headers["allow"] == allow and f"use {allow}" in error["message"]
+    else:
+        assert "/v1/chat/completions" in error["message"]  # where to go instead
+    assert conn.request("POST", "/generate", GOOD)[0] == 200  # the same connection
+    conn.close()
+
+
+def test_a_malformed_request_gets_a_json_400(live):
+    server, _, _ = live
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head
+    assert json.loads(body)["error"]["code"] == 400
+
+
+def test_requests_cut_off_by_uvicorns_shutdown_get_a_503_not_a_text_500(tokenizer_dir):
+    """What is still running when uvicorn's graceful shutdown times out is cancelled; that
+    used to end in uvicorn's text/plain 500 (or a stream cut without an end)."""
+    import threading
+
+    import httpx
+
+    from tests.tokenizer_proc.harness import LiveServer, make_frontend, wait_until
+
+    frontend, engine = make_frontend(tokenizer_dir)
+    engine.hold = True  # nothing finishes
+    with LiveServer(frontend) as server:
+        results: list = []
+        plain = threading.Thread(target=lambda: results.append(httpx.post(
+            server.url + "/v1/completions", json={"prompt": [5]}, timeout=30)))  # fmt: skip
+        plain.start()
+        with httpx.stream("POST", server.url + "/generate", timeout=30, json={
+                "input_ids": [6], "stream": True}) as stream:  # fmt: skip
+            assert wait_until(lambda: frontend.tracker.num_in_flight == 2)
+            server._server.should_exit = True
+            lines = [line for line in stream.iter_lines() if line]
+        plain.join(30)
+    assert results[0].status_code == 503
+    assert results[0].json()["error"]["type"] == "service_unavailable"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == 503
+    assert lines[-1] == "data: [DONE]"
+
+
+def strict_json(text: str | bytes):
+    """json.loads refusing NaN and the infinities (which Python's parser accepts)."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} in a response")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def logprob_responses(url: str) -> dict[str, list]:
+    """Every shape logprobs take: (non-)streamed /generate, completions and chat; each entry
+    is the response's JSON documents, parsed strictly."""
+    import httpx
+
+    generate = {"input_ids": [5], "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 2}}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 1}  # fmt: skip
+    completion = {"prompt": [5], "max_tokens": 2, "logprobs": 1}
+    out = {}
+    for name, path, body in [("generate", "/generate", generate),
+                             ("chat", "/v1/chat/completions", chat),
+                             ("completion", "/v1/completions", completion)]:  # fmt: skip
+        out[name] = [strict_json(httpx.post(url + path, json=body, timeout=10).content)]
+        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=10) as r:
+            events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+        out[name + "_stream"] = [strict_json(e) for e in events if e != "[DONE]"]
+    return out
+
+
+def test_a_zero_probability_logprob_is_reported_as_the_floor_in_every_shape(live, monkeypatch):
+    """-inf (a token of zero probability) was written as -Infinity in streams (not JSON) and
+    made non-streamed responses 500. Every shape now reports -9999.0."""
+    from tests.tokenizer_proc import harness
+
+    server, _, _ = live
+    monkeypatch.setattr(harness, "LOGPROB", float("-inf"))
+    responses = logprob_responses(server.url)
+    for name, docs in responses.items():
+        text = json.dumps(docs)
+        assert "-9999.0" in text, name
+        assert "-0.5" not in text  # every logprob was floored
+
+
+def test_a_nan_logprob_fails_loudly_never_as_invalid_json(live, monkeypatch):
+    """NaN would be a worker bug: it must not reach a client as `NaN` (invalid JSON). The
+    strict encoding turns it into a 500 (an error event in a stream)."""
+    import httpx
+
+    from tests.tokenizer_proc import harness
+
+    server, _, _ = live
+    monkeypatch.setattr(harness, "LOGPROB", float("nan"))
+    body = {"input_ids": [5], "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(server.url + "/generate", json=body, timeout=10)
+    assert r.status_code == 500 and strict_json(r.content)["error"]["code"] == 500
+    for path, extra in [("/generate", {}), ("/v1/completions", {"prompt": [5], "logprobs": 1})]:
+        request = {**body, "stream": True} if not extra else {**extra, "stream": True}
+        with httpx.stream("POST", server.url + path, json=request, timeout=10) as r:
+            events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+        assert events[-1] == "[DONE]" and strict_json(events[-2])["error"]["code"] == 500
+        for event in events[:-1]:
+            strict_json(event)

@@ -97,7 +97,7 @@ def request(kind: str, logprobs: bool, top: int, include_usage: bool) -> OpenAIR
 
 def deltas(rid: str) -> list[list[TextDelta]]:
     """Groups of deltas: one delta, several coalesced into one chunk, tokens without text,
-    text without tokens, deltas without logprobs, NaN and infinite logprobs."""
+    text without tokens, deltas without logprobs, logprobs below the floor (-inf)."""
     num = [0]
 
     def delta(text: str, num_ids: int = 1, logprobs: list[float] | None = None, **kw):
@@ -112,7 +112,7 @@ def deltas(rid: str) -> list[list[TextDelta]]:
     groups.append([delta("", num_ids=3)])  # tokens, no text
     groups.append([delta("tail", num_ids=0, logprobs=[])])  # text, no tokens
     groups.append([delta("ab", num_ids=2, logprobs=[])])  # tokens without logprobs
-    groups.append([delta("c", num_ids=3, logprobs=[float("nan"), -math.inf, 0.0])])
+    groups.append([delta("c", num_ids=3, logprobs=[-1e30, -math.inf, 0.0])])
     return groups
 
 

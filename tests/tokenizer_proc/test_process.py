@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -77,7 +78,8 @@ def test_process_round_trip_drain_and_shutdown(config):
         assert launcher.recv(timeout_s=5) == DrainDone(num_unfinished=1)
         assert scheduler.recv(timeout_s=5) == AbortRequest(held.rid)
         thread.join(10)
-        assert results[1].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert results[1].status_code == 503  # cut off by the drain's end: retry elsewhere
+        assert "shutting down" in results[1].json()["error"]["message"]
         assert httpx.get(url + "/health").status_code == 503
         assert httpx.post(url + "/generate", json={"input_ids": [7]}).status_code == 503
     finally:
@@ -88,6 +90,43 @@ def test_process_round_trip_drain_and_shutdown(config):
         sock.close()
 
 
+def test_requests_cut_off_by_shutdown_get_a_json_503_or_a_final_error_event(config, monkeypatch):
+    """Requests in flight at Shutdown (no drain: a process died) used to wait for uvicorn's
+    graceful timeout and be cancelled: a text/plain 500, a stream cut without an end. They are
+    answered at once now (the graceful timeout is made longer than the clients wait)."""
+    monkeypatch.setattr("tokenizer_proc.process.UVICORN_GRACEFUL_S", 60.0)
+    scheduler = Receiver(endpoints.inbox(config, "scheduler"))
+    to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
+    proc = TokenizerProcess(config)
+    url = proc.ready_info()["http_url"]
+    runner = threading.Thread(target=lambda: uvloop.run(proc.run()))
+    runner.start()
+    try:
+        to_tokenizer.send(EngineReady({"page_size": 1}))
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
+        results: list[httpx.Response] = []
+        plain = post_in_background(url + "/v1/completions", {"prompt": [5]}, results)
+        with httpx.stream("POST", url + "/generate", timeout=10, json={
+                "input_ids": [6], "stream": True}) as stream:  # fmt: skip
+            held = [scheduler.recv(timeout_s=5) for _ in range(2)]
+            streamed = held[1] if unpack_ids(held[1].input_ids) == [6] else held[0]
+            to_tokenizer.send(TextDeltas([TextDelta(streamed.rid, " a", pack_ids([9]))]))
+            to_tokenizer.send(Shutdown("a process died"))
+            lines = [line for line in stream.iter_lines() if line]
+        plain.join(10)
+    finally:
+        to_tokenizer.send(Shutdown("test over"))
+        runner.join(10)
+    assert results[0].status_code == 503
+    assert results[0].headers["content-type"] == "application/json"
+    assert "shutting down" in results[0].json()["error"]["message"]
+    assert json.loads(lines[0].removeprefix("data: "))["text"] == " a"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == 503
+    assert lines[-1] == "data: [DONE]" and len(lines) == 3
+    for sock in (scheduler, to_tokenizer):
+        sock.close()
+
+
 def test_taken_port_fails_with_a_clear_error(config):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -95,3 +134,17 @@ def test_taken_port_fails_with_a_clear_error(config):
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"--port {port}"):
             TokenizerProcess(config.replace(server={"port": port}))
+
+
+def test_random_seed_starts_the_sequence_of_drawn_seeds(config):
+    """--random-seed reaches the frontend: the same value draws the same seeds for requests
+    without one, another value other seeds."""
+
+    def first_seeds(random_seed: int) -> list[int]:
+        proc = TokenizerProcess(config.replace(model={"random_seed": random_seed}))
+        try:
+            return [proc.frontend.draw_seed() for _ in range(3)]
+        finally:
+            proc.close()
+
+    assert first_seeds(9) == first_seeds(9) != first_seeds(10)

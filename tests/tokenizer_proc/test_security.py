@@ -140,18 +140,23 @@ def test_a_generation_longer_than_the_body_timeout_completes(guarded):
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
 
 
-def test_connections_beyond_the_cap_get_503(tokenizer_dir):
+def test_connections_beyond_the_cap_get_a_json_503(tokenizer_dir):
+    """--max-connections N serves N connections and refuses the N+1-th (uvicorn's own limit
+    refused the N-th, in text/plain)."""
     frontend, _ = make_frontend(tokenizer_dir)
     with LiveServer(frontend, max_connections=2, header_timeout_s=5.0) as server:
         host, port = server.url.removeprefix("http://").split(":")
-        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        idle = socket.create_connection((host, int(port)))  # the first connection
         try:
-            time.sleep(0.2)  # both accepted and counted
-            with httpx.Client(base_url=server.url) as third:
-                assert third.get("/health").status_code == 503
+            with httpx.Client(base_url=server.url) as second, \
+                    httpx.Client(base_url=server.url) as third:  # fmt: skip
+                assert second.get("/health").status_code == 200  # the N-th is served
+                r = third.get("/health")
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert "--max-connections" in r.json()["error"]["message"]
+                assert second.get("/health").status_code == 200  # still served
         finally:
-            for sock in held:
-                sock.close()
+            idle.close()
         assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
 
 
@@ -324,3 +329,79 @@ def test_curve_encryption_and_a_clear_error_for_a_missing_or_wrong_server_key(to
 
         with pytest.raises(AerieClientError, match="handshake"):
             asyncio.run(without_key())
+
+
+def test_a_chat_too_big_for_the_context_is_refused_before_rendering(live, monkeypatch):
+    """250,000 empty messages (8 MB) were rendered and tokenized (750,000 tokens, seconds of
+    CPU) before the 400: the message count and each message's template tokens are now held
+    against the context first."""
+    server, frontend, engine = live
+    rendered = []
+    original = frontend.tokenizer.encode_chat
+    monkeypatch.setattr(frontend.tokenizer, "encode_chat",
+                        lambda messages: rendered.append(len(messages)) or original(messages))
+    per_message = frontend.tokenizer.chat_tokens_per_message
+    most = (frontend.limits.context_length - 1) // per_message
+    empty, long = {"role": "user", "content": ""}, "x" * frontend.limits.max_prompt_bytes
+    for messages in ([empty] * 250_000, [empty] * (most + 1),
+                     [{"role": "user", "content": long}]):  # fmt: skip
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "context" in r.json()["error"]["message"]
+    assert rendered == [] and engine.submitted == []
+    ok = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}] * 2, "max_tokens": 1})  # fmt: skip
+    assert ok.status_code == 200 and rendered == [2]
+
+
+def test_chat_errors_name_the_served_model_never_a_path(live, monkeypatch, tokenizer_dir):
+    """The error for a model without a chat template named the tokenizer's directory."""
+    server, frontend, _ = live
+    frontend.model_name = "tiny-model"
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    monkeypatch.setattr(frontend.tokenizer._tok, "chat_template", None)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "'tiny-model' has no chat template" in r.text
+    assert "/v1/completions" in r.text and tokenizer_dir not in r.text
+    refusing = "{{ raise_exception('roles must alternate') }}"
+    monkeypatch.setattr(frontend.tokenizer._tok, "chat_template", refusing)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+    assert "tiny-model" in r.text and tokenizer_dir not in r.text
+
+
+@pytest.mark.parametrize("stage", ["parse", "render"])
+def test_a_big_chat_does_not_stall_the_server(live, monkeypatch, stage):
+    """A large body is parsed and checked in a thread (walking 250,000 messages took most of
+    a second on the event loop), and the chat template renders in one: /health answers
+    while either runs."""
+    from tokenizer_proc import http_api
+
+    server, frontend, _ = live
+    entered, release = threading.Event(), threading.Event()
+    module, name = (http_api, "parse_json_object") if stage == "parse" else (
+        frontend.tokenizer, "encode_chat")  # fmt: skip
+    original = getattr(module, name)
+
+    def blocking(value):
+        entered.set()
+        release.wait(10)
+        return original(value)
+
+    monkeypatch.setattr(module, name, blocking)
+    filler = [{"role": "system", "content": "x" * 100}] * (600 if stage == "parse" else 0)
+    body = {"messages": [*filler, {"role": "user", "content": "hi"}], "max_tokens": 1}
+    if stage == "render":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(httpx.post(
+        server.url + "/v1/chat/completions", json=body, timeout=30)))  # fmt: skip
+    worker.start()
+    try:
+        assert entered.wait(10)
+        assert httpx.get(server.url + "/health", timeout=2).status_code == 200  # not stalled
+    finally:
+        release.set()
+        worker.join(30)
+    assert result[0].status_code in (200, 400)  # answered either way (600 messages: 400)

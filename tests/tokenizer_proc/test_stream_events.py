@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ from aerie.codec import pack_floats, pack_ids
 from aerie.messages import FinishReason, TextDelta
 from tests.tokenizer_proc import harness
 from tests.tokenizer_proc.harness import LOGPROB, fake_output_ids, wait_until
-from tokenizer_proc.request_tracker import RequestState
+from tokenizer_proc.request_tracker import LOGPROB_FLOOR, RequestState
 from tokenizer_proc.responses import GenerateEvents, generate_response, interleave
 
 # Text pieces JSON must escape or keep as they are: quotes, backslashes, control characters,
@@ -82,12 +81,12 @@ def test_incremental_events_equal_the_full_dump(return_logprob, index):
 
 def test_events_with_missing_logprobs_special_floats_and_an_abort():
     """Deltas without logprobs shift the pairing of logprobs and ids (by absolute position,
-    as meta_info pairs them); NaN and infinities are written as json.dumps writes them; an
-    abort adds an event without tokens."""
+    as meta_info pairs them); -inf and anything below the floor are written as the floor
+    (JSON has no -Infinity); an abort adds an event without tokens."""
     rid = "rid1"
     groups = [
         [TextDelta(rid, "a", pack_ids([1, 2]), b"", prompt_tokens=2, completion_tokens=2)],
-        [TextDelta(rid, '"', pack_ids([3]), pack_floats([float("nan")]), completion_tokens=3)],
+        [TextDelta(rid, '"', pack_ids([3]), pack_floats([-1e30]), completion_tokens=3)],
         [TextDelta(rid, "\\", pack_ids([4, 5]), pack_floats([float("-inf"), 1.5]),
                    completion_tokens=5)],
     ]  # fmt: skip
@@ -103,7 +102,7 @@ def test_events_with_missing_logprobs_special_floats_and_an_abort():
     last = json.loads(asyncio.run(run())[-1])
     triples = last["meta_info"]["output_token_logprobs"]
     assert [t[1:] for t in triples] == [[1, None], [2, None], [3, None]]
-    assert math.isnan(triples[0][0]) and triples[1][0] == -math.inf and triples[2][0] == 1.5
+    assert [t[0] for t in triples] == [LOGPROB_FLOOR, LOGPROB_FLOOR, 1.5]
 
 
 def test_interleave_of_one_state_yields_its_chunks_without_a_task():

@@ -114,3 +114,43 @@ def test_batches_pair_prompts_with_their_parameters():
     shared = parse_generate_body({"text": ["a", "b"], "sampling_params": {"top_k": 2}})
     assert [i.sampling for i in shared.items] == [{"top_k": 2}, {"top_k": 2}]
     assert not parse_generate_body({"text": "a"}).is_batch
+
+
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                "repetition_penalty")  # fmt: skip
+EXTREMES = (1e-300, 1e-50, 1e-45, 1e-40, 1e-38, 1e-30, 1e-21, 1e-20, 1e-6, 0.3, 1.0, 2.0,
+            3.4e38, 3.5e38, 1e300)  # fmt: skip
+
+
+@pytest.mark.parametrize("key", FLOAT_PARAMS)
+def test_every_accepted_float_gives_the_worker_finite_logprobs(key):
+    """Values valid as 64-bit floats can round to 0 or inf in the worker's float32: top_p
+    1e-50 made top-p keep no token and repetition_penalty 1e-50 divided by zero (NaN logprobs,
+    and a 500 for return_logprob). Whatever validation accepts, alone or with the smallest
+    sampled temperature, the worker's sampler gives a finite logprob, even where every token
+    is penalised and logits are large."""
+    import torch
+
+    from gpu_worker.sampling import GREEDY_EPS, SamplingState
+
+    logits = torch.linspace(-500.0, 500.0, LIMITS.vocab_size)[None]  # [1, V]
+    for value, temperature in [(v, t) for v in EXTREMES for t in (1.0, GREEDY_EPS)]:
+        raw = {"temperature": temperature, "seed": 7, key: value}
+        try:
+            params = build_sampling_params(raw, 1, LIMITS)
+        except ValidationError as e:
+            assert e.param == f"sampling_params.{key}" and "must be in [" in e.message
+            continue
+        state = SamplingState(max_rows=1, vocab_size=LIMITS.vocab_size, device="cpu")
+        state.start(1, params, list(range(LIMITS.vocab_size)), 0)
+        _, logprobs = state.sample(logits, torch.tensor([1]), torch.tensor([3]))
+        assert torch.isfinite(logprobs).all(), (key, value, temperature, logprobs)
+
+
+def test_a_value_that_float32_rounds_out_of_range_is_refused_with_the_range():
+    for key, value in [("top_p", 1e-50), ("repetition_penalty", 1e-50), ("temperature", 1e39)]:
+        with pytest.raises(ValidationError) as info:
+            build_sampling_params({key: value}, 1, LIMITS)
+        assert info.value.message.startswith(f"sampling_params.{key} must be in [")
+        assert info.value.message.endswith(f"got {value}")
+    assert build_sampling_params({"top_p": 1e-20}, 1, LIMITS).top_p == 1e-20

@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
+import msgpack
+import zmq
+import zmq.asyncio
+
 from aerie.codec import unpack_ids
-from tests.tokenizer_proc.harness import dealer, fake_output_ids, recv, send, wait_until
+from tests.tokenizer_proc.harness import (
+    LiveServer,
+    dealer,
+    fake_output_ids,
+    make_frontend,
+    recv,
+    send,
+    wait_until,
+)
+from tests.tokenizer_proc.zmq_fuzz import GOOD_BODY, pack
+from tokenizer_proc.zmq_frontend import RECV_BATCH, SEND_HWM, ZmqAccess, ZmqFrontend
+from tokenizer_proc.zmq_limits import ERROR_REPLIES_PER_S, ERROR_REPLY_BURST, LOG_INTERVAL_S
 
 
 def test_generate_and_stream_events(live):
@@ -77,8 +96,6 @@ def test_disconnected_client_has_its_requests_aborted(live):
 def test_abort_storm_through_async_client_applies_every_abort(live):
     """96 streams left after their first delta: every request is aborted in the engine (the
     launched-server storm in tests/e2e/test_robustness.py exercises the socket race)."""
-    import asyncio
-
     from aerie.client import AsyncClient
 
     server, frontend, engine = live
@@ -102,7 +119,6 @@ def test_abort_storm_through_async_client_applies_every_abort(live):
     assert frontend.tracker.num_in_flight == 0
 
 
-
 def test_rids_in_bodies_are_scoped_per_connection(live):
     server, _, engine = live
     engine.hold = True
@@ -119,3 +135,144 @@ def test_rids_in_bodies_are_scoped_per_connection(live):
     assert len(engine.submitted) == 2 and engine.submitted[0].rid != engine.submitted[1].rid
     first.close()
     second.close()
+
+
+# -- limits: what a flooding client can cost ------------------------------------------------
+
+
+async def inproc_frontend(tokenizer_dir: str, access=None):
+    """(ZmqFrontend on inproc, a blocking DEALER on the same context, FakeEngine, Frontend), in
+    the running loop. Over inproc a sent frame is in the frontend's queue at once (no I/O
+    thread), so a test can queue frames before the frontend reads any."""
+    frontend, engine = make_frontend(tokenizer_dir)
+    context = zmq.asyncio.Context()
+    zf = ZmqFrontend(frontend, f"inproc://zmq-limits-{id(frontend)}", context, access)
+    client = zmq.Context.shadow(context.underlying).socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.setsockopt(zmq.RCVHWM, 1)
+    client.connect(zf.address)
+    return zf, client, engine, frontend
+
+
+def test_the_receive_loop_yields_between_batches(tokenizer_dir):
+    """A steady stream of frames used to keep the loop from ever yielding (HTTP starved)."""
+    num_frames = 8 * RECV_BATCH
+
+    async def main() -> list[int]:
+        zf, client, _, _ = await inproc_frontend(tokenizer_dir)
+        for req_id in range(num_frames):  # aborts of nothing: no reply, no work
+            client.send(pack({"op": "abort", "req_id": req_id}), zmq.NOBLOCK)
+        handled: list[int] = []
+        dispatch = zf._dispatch
+        zf._dispatch = lambda frames: (handled.append(1), dispatch(frames))
+        serve = asyncio.get_running_loop().create_task(zf.serve())
+        seen = [0]  # frames handled each time another task got to run
+        while len(handled) < num_frames:
+            await asyncio.sleep(0)
+            seen.append(len(handled))
+        serve.cancel()
+        client.close()
+        zf.close()
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 30))
+    assert max(b - a for a, b in zip(seen, seen[1:], strict=False)) <= RECV_BATCH, seen
+
+
+def test_a_connection_over_its_request_budget_gets_429(tokenizer_dir):
+    frontend, engine = make_frontend(tokenizer_dir)
+    engine.hold = True  # requests stay unfinished
+    with LiveServer(frontend, access=ZmqAccess(max_requests_per_connection=3)) as server:
+        busy, other = dealer(server.zmq_address), dealer(server.zmq_address)
+        for req_id in range(4):
+            body = {"input_ids": [5, req_id + 1], "stream": True}
+            send(busy, {"op": "generate", "req_id": req_id, "body": body})
+        replies = sorted((recv(busy) for _ in range(4)), key=lambda r: r["req_id"])
+        assert [r["event"] for r in replies] == ["delta"] * 3 + ["error"]
+        assert replies[3]["data"]["code"] == 429
+        assert "--max-zmq-requests-per-connection" in replies[3]["data"]["message"]
+        send(other, {"op": "generate", "req_id": 0, "body": {"input_ids": [6], "stream": True}})
+        assert recv(other)["event"] == "delta"  # a budget per connection
+        send(busy, {"op": "abort", "req_id": 0})
+        assert wait_until(lambda: frontend.tracker.num_in_flight == 3)
+        send(busy, {"op": "generate", "req_id": 4, "body": {"input_ids": [7], "stream": True}})
+        reply = recv(busy)
+        assert (reply["req_id"], reply["event"]) == (4, "delta")
+        busy.close()
+        other.close()
+
+
+def test_a_flood_of_bad_frames_gets_few_error_replies_and_few_log_lines(live, caplog):
+    """Each bad frame used to get an error reply and a log line: a million of each."""
+    server, _, _ = live
+    flooder = dealer(server.zmq_address)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tokenizer_proc.zmq_frontend"):
+        for _ in range(5000):
+            flooder.send(b"\xc1 not msgpack")
+        send(flooder, {"op": "generate", "req_id": "after", "body": GOOD_BODY})
+        num_errors = 0
+        while (reply := recv(flooder))["req_id"] != "after":
+            num_errors += reply["event"] == "error"
+        elapsed = time.monotonic() - start
+    assert reply["event"] == "done"  # the flooder itself is still served
+    # The bound grows with the wall time measured here: a slow machine only widens it.
+    assert num_errors <= ERROR_REPLY_BURST + ERROR_REPLIES_PER_S * elapsed, num_errors
+    frontend_lines = [r for r in caplog.records if r.name == "tokenizer_proc.zmq_frontend"]
+    assert len(frontend_lines) <= 2 + elapsed / LOG_INTERVAL_S, len(frontend_lines)
+    flooder.close()
+
+
+def test_unauthenticated_generates_are_refused_before_their_body_is_read(
+    tokenizer_dir, monkeypatch
+):
+    import tokenizer_proc.zmq_frontend as zmq_frontend
+
+    bodies_read = []
+    read_body = zmq_frontend.read_body
+    monkeypatch.setattr(
+        zmq_frontend, "read_body", lambda *args: bodies_read.append(1) or read_body(*args)
+    )
+    frontend, _ = make_frontend(tokenizer_dir)
+    with LiveServer(frontend, access=ZmqAccess(api_key="the-key")) as server:
+        sock = dealer(server.zmq_address)
+        body = {"input_ids": list(range(10, 60)), "sampling_params": {"max_new_tokens": 2}}
+        for api_key in (None, "not-the-key"):
+            send(sock, {"op": "generate", "req_id": 1, "body": body, "api_key": api_key})
+            reply = recv(sock)
+            assert reply["event"] == "error" and reply["data"]["code"] == 401
+        assert bodies_read == []
+        send(sock, {"op": "generate", "req_id": 2, "body": body, "api_key": "the-key"})
+        assert recv(sock)["event"] == "done" and bodies_read == [1]
+        sock.close()
+
+
+def test_a_client_that_reads_nothing_has_its_requests_aborted(tokenizer_dir):
+    """Replies to a client that reads nothing used to pile up in memory without bound."""
+    num_requests = 2 * SEND_HWM // 30  # 30 replies each: more than the queue holds
+
+    async def main() -> None:
+        zf, client, engine, frontend = await inproc_frontend(tokenizer_dir)
+        serve = asyncio.get_running_loop().create_task(zf.serve())
+        sampling = {"max_new_tokens": 58}  # 29 deltas of 2 tokens, then "done"
+        for req_id in range(num_requests):
+            body = {"input_ids": [5, req_id], "sampling_params": sampling, "stream": True}
+            client.send(pack({"op": "generate", "req_id": req_id, "body": body}))
+        while len(engine.submitted) < num_requests or frontend.tracker.num_in_flight:
+            await asyncio.sleep(0.01)
+        assert engine.aborted, "no request was aborted"
+        while client.poll(0):  # the client reads at last, and is served again
+            client.recv()
+        body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}}
+        client.send(pack({"op": "generate", "req_id": "again", "body": body}))
+        while True:
+            await asyncio.sleep(0.01)
+            reply = msgpack.unpackb(client.recv()) if client.poll(0) else {}
+            if reply.get("req_id") == "again":
+                assert reply["event"] == "done"
+                break
+        serve.cancel()
+        client.close()
+        zf.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

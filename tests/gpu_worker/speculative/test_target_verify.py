@@ -24,7 +24,7 @@ def test_penalties_count_the_drafts_on_each_nodes_path():
     penalty of 1, plain decoding emits 5 then 6 (5 was just emitted); so must verification."""
     vocab, steps = 8, 2
     sampling = SamplingState(2, vocab, "cpu")
-    sampling.start(1, SamplingParams(temperature=0.0, frequency_penalty=1.0), [0], 0, 0)
+    sampling.start(1, SamplingParams(temperature=0.0, frequency_penalty=1.0), [0], 0)
     tree = build_tree(torch.tensor([3]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
                       torch.tensor([[5, 5]]), torch.tensor([4]), 1, steps, steps + 1)
     logits = torch.zeros(steps + 1, vocab)
@@ -70,7 +70,7 @@ def test_fixed_stages_accept_what_the_batchs_own_stages_do(rows):
     vocab = 40
     sampling = SamplingState(8, vocab, "cpu")
     for row, params in enumerate(REQUESTS, start=1):
-        sampling.start(row, params, [row, 7, 9], 0, default_seed=0)
+        sampling.start(row, params, [row, 7, 9], 0)
         sampling.observe(torch.tensor([row]), torch.tensor([row + 3]))
     tree, logits = tree_and_logits(seed=len(rows), bs=len(rows), vocab=vocab)
     index, rows_cpu = torch.tensor(rows), np.array(rows)
@@ -92,8 +92,8 @@ def test_a_greedy_row_of_a_sampled_batch_gets_its_logprobs_as_plain_decoding_doe
     its batch; those of a sampled row the log of the processed distribution it drew from."""
     vocab = 40
     sampling = SamplingState(4, vocab, "cpu")
-    sampling.start(1, SamplingParams(temperature=0.0), [1], 0, default_seed=0)
-    sampling.start(2, SamplingParams(temperature=0.5, seed=1), [1], 0, default_seed=0)
+    sampling.start(1, SamplingParams(temperature=0.0), [1], 0)
+    sampling.start(2, SamplingParams(temperature=0.5, seed=1), [1], 0)
     tree, logits = tree_and_logits(seed=0, bs=2, vocab=vocab)
     result, step = accept_and_read(sampling, tree, logits, torch.tensor([1, 2]),
                                    ACCEPT_FLAGS["sample"])  # fmt: skip

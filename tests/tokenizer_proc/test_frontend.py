@@ -1,0 +1,66 @@
+"""Frontend: the seed each request runs with (drawn from the server's sequence for a request
+that brings none) and its report in meta_info over HTTP, SSE and ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from tests.tokenizer_proc.harness import dealer, make_frontend, recv, send
+
+
+def prepared_seeds(tokenizer_dir: str, random_seed: int, bodies: list[dict]) -> list[int]:
+    """The seed of each sampling body, prepared in order by a fresh frontend."""
+    frontend, _ = make_frontend(tokenizer_dir, random_seed=random_seed)
+
+    async def prepare_all() -> list[int]:
+        return [(await frontend.prepare([5, 6], body, None, "input_ids")).sampling.seed
+                for body in bodies]  # fmt: skip
+
+    return asyncio.run(prepare_all())
+
+
+def test_unseeded_requests_get_a_sequence_of_seeds_fixed_by_random_seed(tokenizer_dir):
+    unseeded = [{"temperature": 1.0}, {"temperature": 0.0}, {}, {"top_p": 0.5}] * 2
+    seeds = prepared_seeds(tokenizer_dir, 3, unseeded)
+    assert len(set(seeds)) == len(seeds)  # greedy requests draw theirs too
+    assert all(0 <= s < 2**53 for s in seeds)  # exact as a JSON double, and in int64
+    assert prepared_seeds(tokenizer_dir, 3, unseeded) == seeds  # a restart replays them
+    assert not set(prepared_seeds(tokenizer_dir, 4, unseeded)) & set(seeds)
+    # A client's seed is kept and takes no draw from the sequence.
+    mixed = [{}, {"seed": 7}, {"temperature": 1.0}, {"seed": 0}, {"seed": -(2**63)}]
+    assert prepared_seeds(tokenizer_dir, 3, mixed) == [seeds[0], 7, seeds[1], 0, -(2**63)]
+
+
+def test_meta_info_reports_the_seed_each_request_ran_with(live):
+    server, _, engine = live
+    body = {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3}}
+    out = httpx.post(server.url + "/generate", json=body).json()
+    seeds = [r.sampling.seed for r in engine.submitted]
+    assert None not in seeds and len(set(seeds)) == 2  # one seed per prompt of a batch
+    assert [o["meta_info"]["seed"] for o in out] == seeds
+
+    body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 4, "seed": 42},
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/generate", json=body) as r:
+        events = [json.loads(line[len("data: ") :]) for line in r.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    assert events and all(e["meta_info"]["seed"] == 42 for e in events)
+    assert engine.submitted[-1].sampling.seed == 42
+
+    sock = dealer(server.zmq_address)
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    send(sock, {"op": "generate", "req_id": 1, "body": body})
+    replies = [recv(sock)]
+    while replies[-1]["event"] != "done":
+        replies.append(recv(sock))
+    drawn = engine.submitted[-1].sampling.seed
+    assert drawn is not None and drawn not in seeds
+    assert all(r["data"]["meta_info"]["seed"] == drawn for r in replies)
+    sock.close()
+
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert engine.submitted[-1].sampling.seed not in (None, drawn, *seeds)
