@@ -128,15 +128,19 @@ def test_run_apart_runs_in_a_process_of_its_own() -> None:
 @pytest.mark.gpu
 def test_two_models_with_graphs_and_the_compiled_baseline_in_one_run(tmp_path) -> None:
     """Two models, graphs at batch 1 and 64, and the compiled baseline between them: a library
-    GEMM replayed after torch.compile recorded its graphs in the same process faulted."""
+    GEMM replayed after torch.compile recorded its graphs in the same process faulted. Run as
+    its own process, as users run it (its profiler would stay attached to pytest's)."""
+    import subprocess
+
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from benchmarks import bench_decode  # importable by name in the spawned child
-
     tiny = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
-    report = bench_decode.main(["--models", f"{tiny},llama3-8b", "--load-format", "dummy",
-                         "--device", "cuda", "--dtype", "bfloat16", "--batch-size", "1,64",
-                         "--variants", "triton+graph,compiled", "--decode-steps", "8",
-                         "--warmup-steps", "2", "--repeats", "1", "--profile-steps", "1"])
+    out = tmp_path / "report.json"
+    subprocess.run([sys.executable, _PATH, "--models", f"{tiny},llama3-8b", "--load-format",
+                    "dummy", "--device", "cuda", "--dtype", "bfloat16", "--batch-size", "1,64",
+                    "--variants", "triton+graph,compiled", "--decode-steps", "8",
+                    "--warmup-steps", "2", "--repeats", "1", "--profile-steps", "1",
+                    "--output", str(out)], check=True, timeout=900)  # fmt: skip
+    report = json.loads(out.read_text())
     assert {(r["variant"], r["batch_size"]) for r in report["results"]} == {
         (v, bs) for v in ("triton+graph", "compiled") for bs in (1, 64)}
