@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -45,15 +47,26 @@ def post_in_background(url: str, body: dict, results: list) -> threading.Thread:
     return thread
 
 
+@contextlib.contextmanager
+def running_tokenizer(config: AerieConfig, to_tokenizer: Sender) -> Iterator[str]:
+    """A TokenizerProcess running on a thread; yields its HTTP url, then sends it Shutdown and
+    checks that it stopped."""
+    proc = TokenizerProcess(config)
+    runner = threading.Thread(target=lambda: uvloop.run(proc.run()))
+    runner.start()
+    try:
+        yield proc.ready_info()["http_url"]
+    finally:
+        to_tokenizer.send(Shutdown("test over"))
+        runner.join(10)
+    assert not runner.is_alive()
+
+
 def test_process_round_trip_drain_and_shutdown(config):
     scheduler = Receiver(endpoints.inbox(config, "scheduler"))
     launcher = Receiver(endpoints.inbox(config, "launcher"))
     to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
-    proc = TokenizerProcess(config)
-    url = proc.ready_info()["http_url"]
-    runner = threading.Thread(target=lambda: uvloop.run(proc.run()))
-    runner.start()
-    try:
+    with running_tokenizer(config, to_tokenizer) as url:
         assert httpx.get(url + "/health").status_code == 503
         to_tokenizer.send(EngineReady({"page_size": 1}))
         assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
@@ -82,10 +95,6 @@ def test_process_round_trip_drain_and_shutdown(config):
         assert "shutting down" in results[1].json()["error"]["message"]
         assert httpx.get(url + "/health").status_code == 503
         assert httpx.post(url + "/generate", json={"input_ids": [7]}).status_code == 503
-    finally:
-        to_tokenizer.send(Shutdown("test over"))
-        runner.join(10)
-    assert not runner.is_alive()
     for sock in (scheduler, launcher, to_tokenizer):
         sock.close()
 
@@ -97,11 +106,7 @@ def test_requests_cut_off_by_shutdown_get_a_json_503_or_a_final_error_event(conf
     monkeypatch.setattr("tokenizer_proc.process.UVICORN_GRACEFUL_S", 60.0)
     scheduler = Receiver(endpoints.inbox(config, "scheduler"))
     to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
-    proc = TokenizerProcess(config)
-    url = proc.ready_info()["http_url"]
-    runner = threading.Thread(target=lambda: uvloop.run(proc.run()))
-    runner.start()
-    try:
+    with running_tokenizer(config, to_tokenizer) as url:
         to_tokenizer.send(EngineReady({"page_size": 1}))
         assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
         results: list[httpx.Response] = []
@@ -114,9 +119,6 @@ def test_requests_cut_off_by_shutdown_get_a_json_503_or_a_final_error_event(conf
             to_tokenizer.send(Shutdown("a process died"))
             lines = [line for line in stream.iter_lines() if line]
         plain.join(10)
-    finally:
-        to_tokenizer.send(Shutdown("test over"))
-        runner.join(10)
     assert results[0].status_code == 503
     assert results[0].headers["content-type"] == "application/json"
     assert "shutting down" in results[0].json()["error"]["message"]
