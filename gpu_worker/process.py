@@ -94,8 +94,8 @@ class WorkerLoop:
         # Start-up is over: from now on a collective that waits this long means a dead peer.
         self.worker.tp.start_serving()
         self.running = True
-        self.launched: deque[Launched] = deque()
-        self.launch_starts: deque[tuple[ForwardPlan, float]] = deque()  # one per launched step
+        # Launched steps, each with its plan and when its launch began (what heartbeats report).
+        self.launched: deque[tuple[Launched, ForwardPlan, float]] = deque()
         # AERIE_STEP_TRACE (benchmarks only): rank 0's host timestamps of every step.
         self.trace = StepTrace.from_env(self.name) if rank == 0 else None
         self.worker.trace = self.trace
@@ -136,8 +136,7 @@ class WorkerLoop:
             self.profiler.on_launch(plan.mode, len(plan.rows) // 4)
         if self.clock is not None:
             self.clock.begin(plan.plan_id)
-        self.launched.append(self.worker.launch(plan))
-        self.launch_starts.append((plan, started))
+        self.launched.append((self.worker.launch(plan), plan, started))
         self.report_oldest()
         if self.clock is not None:
             self.clock.end(plan.plan_id)
@@ -146,10 +145,10 @@ class WorkerLoop:
 
     def report_oldest(self) -> None:
         """Progress: the oldest launched step, waiting for the device; idle when none is."""
-        if not self.launch_starts:
+        if not self.launched:
             self.progress.end()
             return
-        plan, started = self.launch_starts[0]
+        _, plan, started = self.launched[0]
         self.progress.begin((plan, ON_DEVICE), started)
 
     def record_device_time(self, plan_id: int) -> None:
@@ -170,8 +169,7 @@ class WorkerLoop:
 
     def finish_oldest(self) -> StepResult:
         """Wait for the oldest launched step's result; progress moves on to the next one."""
-        result = self.worker.finish(self.launched.popleft())
-        self.launch_starts.popleft()
+        result = self.worker.finish(self.launched.popleft()[0])
         self.report_oldest()
         return result
 
@@ -189,9 +187,9 @@ class WorkerLoop:
             message = self.messages.recv(timeout_s=0)
             if message is not None:
                 self.dispatch(message)
-            elif self.launched[0].ready():
+            elif self.launched[0][0].ready():
                 if self.trace is not None:
-                    self.trace.mark("ready", self.launched[0].plan_id)
+                    self.trace.mark("ready", self.launched[0][0].plan_id)
                 result = self.finish_oldest()
                 if self.trace is not None:
                     self.trace.mark("result_out", result.plan_id)
