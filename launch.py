@@ -150,9 +150,13 @@ class Launcher:
         configs = []  # each replica's scheduler plans for its own worker's KV capacity
         for names in self.replica_workers:
             replica_info = workers_ready[names[0]].info
+            # Adaptive speculation's step costs, measured by the worker unless given.
+            costs = (self.config.speculative.speculative_step_costs
+                     or replica_info.get("speculative_step_costs"))  # fmt: skip
             configs.append(self.config.replace(
                 cache={"max_total_tokens": int(replica_info["max_total_tokens"])},
                 scheduler={"max_running_requests": int(replica_info["max_running_requests"])},
+                speculative={"speculative_step_costs": costs},
             ))  # fmt: skip
         info, config = workers_ready["gpu_worker"].info, configs[0]
         for replica, name in enumerate(self.schedulers):

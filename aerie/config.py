@@ -122,9 +122,28 @@ class SpeculativeConfig:
         None, "Tree nodes verified per step (ND) (default: S + 1 for a chain, else at most 8)."
     )
 
+    speculative_adaptive: str = _opt(
+        "on",
+        "on: before each decode step, speculate or decode plainly, whichever the measured "
+        "step costs and the running acceptance expect to be faster for that batch; off: "
+        "always speculate.",
+        ("on", "off"),
+    )
+    speculative_step_costs: str | None = _opt(
+        None,
+        "The step costs adaptive speculation compares, as JSON (the shape /server_info shows "
+        "under speculative_step_costs). Default: measured by the GPU worker at start-up "
+        "(on CUDA; without them, on CPU, every decode step speculates).",
+    )
+
     @property
     def enabled(self) -> bool:
         return self.speculative_algorithm is not None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether decode steps may run as plain decoding (`speculative_adaptive`)."""
+        return self.enabled and self.speculative_adaptive == "on"
 
     @property
     def decode_alloc_len(self) -> int:

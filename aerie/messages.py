@@ -120,6 +120,8 @@ class ForwardPlan:
     next_input_ids: [bs] the fill token right after a non-final chunk (the draft's prefill
         rotation needs it as the chunk's tail), -1 otherwise.
     starts: the rows (re)started by this step.
+    speculate: decode only, with speculation: False runs the step as plain decoding, one token
+        per request (adaptive speculation chose it; see `scheduler_proc.adaptive`).
     """
 
     plan_id: int
@@ -134,6 +136,7 @@ class ForwardPlan:
     sample: bytes = b""
     next_input_ids: bytes = b""
     starts: list[RequestStart] = field(default_factory=list)
+    speculate: bool = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,6 +204,7 @@ class SchedulerStats:
     num_retractions: int = 0  # requests retracted since start (KV ran out)
     num_requests: int = 0  # requests received since start
     replica: int = 0  # the data-parallel replica whose scheduler reports
+    num_plain_steps: int = 0  # decode steps a speculative server ran plainly (adaptive)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import tempfile
 from aerie.config import AerieConfig, SpeculativeConfig
 from aerie.endpoints import split_host_port
 from aerie.model_info import ModelInfo, read_model_info
+from aerie.step_costs import StepCosts
 
 
 class ConfigError(ValueError):
@@ -147,6 +148,12 @@ def _validate(config: AerieConfig) -> None:
     fraction = config.cache.mem_fraction_static
     if fraction is not None and not 0 < fraction <= 1:
         raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
+    costs = config.speculative.speculative_step_costs
+    if costs:
+        try:
+            StepCosts.from_json(costs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _resolve_parallel(config: AerieConfig, device: str, info: ModelInfo) -> dict:
@@ -304,7 +311,8 @@ def _resolve_speculative(spec: SpeculativeConfig, model_path: str) -> Speculativ
     """Defaults (S=3, topk=1, ND=S+1) and clear errors for impossible shapes."""
     algorithm = spec.speculative_algorithm
     if algorithm is None:
-        given = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None]
+        given = [f.name for f in dataclasses.fields(spec)
+                 if getattr(spec, f.name) not in (None, f.default)]  # fmt: skip
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise ConfigError(f"{flags} need --speculative-algorithm (EAGLE, EAGLE3 or MTP)")

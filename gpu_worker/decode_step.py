@@ -52,22 +52,27 @@ class DecodeOutput:
 class DecodeStep:
     def __init__(self, runner: ModelRunner, state: RowState, sampling: SamplingState,
                  graph_max_bs: int, pools: list[ReqToTokenPool] | None = None,
-                 slots_per_row: int = 1) -> None:  # fmt: skip
+                 slots_per_row: int = 1, graph_pool=None) -> None:  # fmt: skip
         """graph_max_bs: the largest batch replayed as a graph (captured on CUDA when the
         attention backend can be); 0 runs every step directly. pools: the req_to_token tables
         a step records its new slots in (default: the runner's), all of one width.
         slots_per_row: new slots per row of a bucket the stage takes (a decode step's
-        headroom, `--speculative` aside: one)."""
+        headroom, `--speculative` aside: one). graph_pool: a CUDA graph memory pool to
+        capture into (default: a new one), e.g. the speculative stages', whose graphs never
+        run at the same time as these."""
         self.runner, self.state, self.sampling = runner, state, sampling
         self.pools = pools or [runner.req_to_token_pool]
         self.slots_per_row = slots_per_row
         self.stages: dict[str, StageGraph | DirectStage] = {}
         device = runner.device
         capture = device.type == "cuda" and runner.attn_backend.supports_cuda_graph
-        pool = torch.cuda.graph_pool_handle() if capture and graph_max_bs > 0 else None
+        pool = None
+        if capture and graph_max_bs > 0:
+            pool = graph_pool if graph_pool is not None else torch.cuda.graph_pool_handle()
         inputs = {"rows": PER_REQUEST, "slot_index": StageInput((slots_per_row,)),
                   "slot_value": StageInput((slots_per_row,), torch.int32)}  # fmt: skip
         for variant in VARIANTS:
+
             def step(bs, inputs, prefix_cpu, variant=variant):  # noqa: ANN001
                 return self._step(variant, inputs)
 

@@ -44,6 +44,7 @@ from aerie.process import Progress, run_process
 from aerie.step_trace import StepTrace
 from aerie.transport import Inbox, Receiver, Sender, StepLink
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
+from gpu_worker.step_costs import measure_step_costs
 from gpu_worker.step_profile import StepClock, StepProfiler
 from gpu_worker.warm_up import run_warm_up, watch_compiles
 from gpu_worker.worker import GPUWorker, Launched
@@ -69,6 +70,9 @@ class WorkerLoop:
             seconds = run_warm_up(self.worker)
             if seconds is not None:
                 log.info("start-up warm-up: prefill kernels compiled in %.1f s", seconds)
+            spec = config.speculative
+            if spec.adaptive and not spec.speculative_step_costs:
+                self.worker.step_costs = measure_step_costs(self.worker)
             watch_compiles(on_build=self.progress.advance)
         else:
             watch_layers(self.worker, self.progress.advance)

@@ -30,6 +30,7 @@ import torch
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, RequestStart, StepResult
+from aerie.step_costs import StepCosts
 from aerie.step_trace import StepTrace
 from gpu_worker.build import build_models, graph_max_bs, prefill_graph_tokens
 from gpu_worker.decode_step import DecodeStep
@@ -68,29 +69,41 @@ class GPUWorker:
         self.sampling, self.spec, self.rows = models.sampling, models.speculative, models.rows
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
-        # Plain decoding only: a speculative iteration runs its own stages.
-        self.decode_step = None if self.spec is not None else DecodeStep(
-            self.runner, self.rows, self.sampling, graph_max_bs(config),
-            [runner.req_to_token_pool for runner in self.runners],
-            config.speculative.decode_alloc_len,
-        )  # fmt: skip
+        # Plain decoding, and the plain steps of adaptive speculation (a speculative iteration
+        # runs its own stages).
+        self.decode_step: DecodeStep | None = None
+        if self.spec is None or config.speculative.adaptive:
+            self.decode_step = DecodeStep(
+                self.runner, self.rows, self.sampling, graph_max_bs(config),
+                [runner.req_to_token_pool for runner in self.runners],
+                config.speculative.decode_alloc_len,
+                graph_pool=self.spec.graph_pool if self.spec is not None else None,
+            )  # fmt: skip
         # Short prefills replay graphs where they can be captured (the speculative draft's
         # prefill reads the target's hidden states, so they are kept with a draft).
         self.prefill_graphs: PrefillGraphs | None = None
         backend = self.runner.attn_backend
         if (prefill_graph_tokens(config) > 0 and self.device.type == "cuda"
                 and backend.supports_cuda_graph):  # fmt: skip
-            self.prefill_graphs = PrefillGraphs(self.runner, prefill_graph_tokens(config),
-                                                capture=True, keep_hidden=self.spec is not None)
+            self.prefill_graphs = PrefillGraphs(
+                self.runner,
+                prefill_graph_tokens(config),
+                capture=True,
+                keep_hidden=self.spec is not None,
+            )
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
         self.trace: StepTrace | None = None  # set by the worker process (AERIE_STEP_TRACE)
         self.results = HostCopy(self.device)  # and its results come back in one
+        self.step_costs: StepCosts | None = None  # measured for adaptive speculation
 
     def info(self) -> dict[str, int | float | str]:
         """What the launcher and scheduler need to know (sent in ProcessReady)."""
+        costs = {} if self.step_costs is None else {
+            "speculative_step_costs": self.step_costs.to_json()}  # fmt: skip
         return {
+            **costs,
             "max_total_tokens": self.runner.max_total_tokens,
             "max_running_requests": self.max_running_requests,
             "vocab_size": self.runner.vocab_size,
@@ -120,7 +133,10 @@ class GPUWorker:
             empty = StepResult(plan_id=plan.plan_id, num_tokens=b"", token_ids=b"")
             return Launched(plan.plan_id, None, lambda _: empty)
         self._mark("parsed", plan.plan_id)
-        if plan.mode == "decode" and self.decode_step is not None:
+        if plan.mode == "decode" and (self.spec is None or not plan.speculate):
+            if self.decode_step is None:
+                raise ValueError("a plain decode plan for a speculative worker built without "
+                                 "--speculative-adaptive on")  # fmt: skip
             return self._launch_decode(plan.plan_id, arrays)  # (its stage records the slots)
         rows = self._write_slots(arrays)
         self._mark("slots_written", plan.plan_id)
@@ -253,8 +269,9 @@ class GPUWorker:
         (`ReqToTokenPool.flat_index`), when the caller has them."""
         if flat is None:
             flat = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
-        rows, index, packed = self.staging.upload([arrays.rows, flat,
-                                                    int64_entries(arrays.slots, 4)])
+        rows, index, packed = self.staging.upload(
+            [arrays.rows, flat, int64_entries(arrays.slots, 4)]
+        )
         if len(flat):
             slots = packed.view(torch.int32)[: len(flat)]
             for runner in self.runners:

@@ -79,9 +79,11 @@ def build_decode_plan(
     slot_starts: list[int],
     slot_lens: list[int],
     slots: list[int],
+    speculate: bool = True,
 ) -> ForwardPlan:
     """A decode step for `requests`, with the slot columns as `KVAllocator.grow_rows` returns
-    them (per request the first new position and how many; the new slots back to back)."""
+    them (per request the first new position and how many; the new slots back to back);
+    speculate False: a plain step of a speculative server."""
     return ForwardPlan(
         plan_id=plan_id,
         mode="decode",
@@ -90,4 +92,5 @@ def build_decode_plan(
         slot_lens=pack_ids(slot_lens),
         slots=pack_ids(slots),
         starts=_take_starts(requests),
+        speculate=speculate,
     )

@@ -40,6 +40,7 @@ from aerie.messages import (
     TokenDeltas,
     TokenizedRequest,
 )
+from scheduler_proc.adaptive import AdaptiveSpeculation, StepCosts, samples
 from scheduler_proc.kv_allocator import KVAllocator
 from scheduler_proc.plan import build_decode_plan, build_extend_plan
 from scheduler_proc.policy import NewTokenEstimate, SchedulePolicy, decode_alloc_len_for
@@ -88,10 +89,19 @@ class Scheduler:
         self._num_decode_tokens = 0  # tokens from decode entries with verify counts
         self._num_verify = 0
         self._accepted_per_position: list[int] = []
+        self._num_plain_steps = 0  # decode steps of a speculative server run plainly
+        self._stale_drafts: dict[int, set[str]] = {}  # plan id -> rids drafting from old state
         self._num_retractions = 0
         self._num_requests = 0  # requests received since start
         # Admission's estimate of the KV running requests will still take.
         self.new_tokens = NewTokenEstimate(config.scheduler.schedule_conservativeness)
+        spec = config.speculative
+        self.speculative = spec.enabled
+        # Speculate or decode plainly, step by step (without measured costs: always speculate).
+        self.adaptive: AdaptiveSpeculation | None = None
+        if spec.adaptive:
+            costs = spec.speculative_step_costs
+            self.adaptive = AdaptiveSpeculation(StepCosts.from_json(costs) if costs else None)
 
     # ------------------------------------------------------------------ requests in
 
@@ -221,8 +231,33 @@ class Scheduler:
         batch = decision.batch
         grown = self.allocator.grow_rows([req.req_pool_idx for req in batch], decision.ends)
         assert grown is not None, "policy kept more decoders than the free KV"
-        plan = build_decode_plan(self._take_plan_id(), batch, *grown)
+        speculate = self.speculative and self._speculate(batch)
+        plan = build_decode_plan(self._take_plan_id(), batch, *grown, speculate=speculate)
+        if self.speculative:
+            # An iteration right after a plain step drafts from the state the draft had
+            # before it (its extend then catches up): its acceptance says nothing of the draft.
+            stale = {req.rid for req in batch if not req.draft_fresh} if speculate else set()
+            if stale:
+                self._stale_drafts[plan.plan_id] = stale
+            for req in batch:
+                req.draft_fresh = speculate
         return plan, batch, [True] * len(batch)
+
+    def _speculate(self, batch: list[Request]) -> bool:
+        """Adaptive speculation's choice for this decode batch (True without it)."""
+        if self.adaptive is None:
+            return True
+        before = self.adaptive.last
+        choice = self.adaptive.choose([req.rid for req in batch],
+                                      any(samples(req.sampling) for req in batch))  # fmt: skip
+        if before is None or before.speculate != choice.speculate or choice.probe:
+            logger.debug("adaptive speculation: %s for a batch of %d (expected %s tokens per "
+                         "iteration, break-even %.2f)",
+                         "a probing iteration" if choice.probe else
+                         "speculate" if choice.speculate else "plain decoding", len(batch),
+                         "unknown" if choice.expected is None else f"{choice.expected:.2f}",
+                         choice.break_even)  # fmt: skip
+        return choice.speculate
 
     def _retract(self, req: Request) -> None:
         """Free its row and KV and put it at the front of the queue; outputs are kept."""
@@ -261,6 +296,11 @@ class Scheduler:
         verify = unpack_ids(result.num_verify) if result.num_verify else [0] * len(requests)
         packed = result.token_ids  # ids as int32 bytes: a delta's token_ids are slices of it
         decode = plan.mode == "decode"
+        plain_speculative = decode and self.speculative and not plan.speculate
+        if plain_speculative:  # one target forward each: counted like a verify of no drafts
+            verify = [1] * len(requests)
+            self._num_plain_steps += 1
+        stale = self._stale_drafts.pop(plan.plan_id, ())
         end = 0
         for req, sample, n, num_verify in zip(requests, samples, counts, verify, strict=True):
             start, end = end, end + n
@@ -271,8 +311,26 @@ class Scheduler:
                 if req.in_flight == 0:
                     self._release(req)
                 continue
+            if not plain_speculative:
+                self._observe_accept(req, decode, num_verify, n, req.rid not in stale)
             self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
         return self.take_deltas()
+
+    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int,
+                        fresh: bool) -> None:  # fmt: skip
+        """Acceptance stats of an entry from a speculative iteration (num_verify > 0); fresh:
+        the draft drafted from its up-to-date state (adaptive speculation learns from it)."""
+        if not decode or num_verify == 0:
+            return
+        self._num_decode_tokens += n
+        self._num_verify += num_verify
+        if num_verify == 1:
+            grow = n - len(self._accepted_per_position)
+            self._accepted_per_position.extend([0] * max(grow, 0))
+            for k in range(n):
+                self._accepted_per_position[k] += 1
+            if self.adaptive is not None and fresh:
+                self.adaptive.observe(req.rid, n)
 
     def _apply_entry(
         self,
@@ -291,8 +349,6 @@ class Scheduler:
         if decode:
             # The input token and the accepted drafts now have KV; the newest token has none.
             req.prefix_len += end - start
-            if num_verify > 0:
-                self._count_accepts(end - start, num_verify)
         if start == end:
             return
         new_ids = ids[start:end]
@@ -315,22 +371,14 @@ class Scheduler:
         unsent_is_new = req.num_sent + num_keep == len(output_ids)
         self._emit(req, packed[4 * start : 4 * (start + num_keep)] if unsent_is_new else None)
 
-    def _count_accepts(self, num_accepted: int, num_verify: int) -> None:
-        """Acceptance stats of a speculative entry (num_verify > 0)."""
-        self._num_decode_tokens += num_accepted
-        self._num_verify += num_verify
-        if num_verify == 1:
-            grow = num_accepted - len(self._accepted_per_position)
-            self._accepted_per_position.extend([0] * max(grow, 0))
-            for k in range(num_accepted):
-                self._accepted_per_position[k] += 1
-
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark finished and queue its last delta; release its row and KV now, or when the
         last plan in flight that holds it is applied."""
         if req.state == ReqState.RUNNING:
             self.running.remove(req)
         req.finish, req.state = reason, ReqState.FINISHED
+        if self.adaptive is not None:
+            self.adaptive.forget(req.rid)
         if req.in_flight == 0:
             self._release(req)
         del self._requests[req.rid]
@@ -425,4 +473,5 @@ class Scheduler:
             accepted_per_position=list(self._accepted_per_position),
             num_retractions=self._num_retractions,
             num_requests=self._num_requests,
+            num_plain_steps=self._num_plain_steps,
         )

@@ -76,10 +76,18 @@ class Metrics:
             registry=r,
         )
         labels = ["replica"]
-        self.replica_running = Gauge("aerie_replica_num_running_requests",
-                                     "Requests running, per replica.", labels, registry=r)
-        self.replica_queued = Gauge("aerie_replica_num_queued_requests",
-                                    "Requests waiting, per replica.", labels, registry=r)
+        self.replica_running = Gauge(
+            "aerie_replica_num_running_requests",
+            "Requests running, per replica.",
+            labels,
+            registry=r,
+        )
+        self.replica_queued = Gauge(
+            "aerie_replica_num_queued_requests",
+            "Requests waiting, per replica.",
+            labels,
+            registry=r,
+        )
         self.replica_kv_usage = Gauge("aerie_replica_kv_cache_usage",
                                       "Fraction of KV slots in use, per replica.", labels,
                                       registry=r)  # fmt: skip
@@ -161,6 +169,7 @@ def combine_stats(reports: list[SchedulerStats]) -> SchedulerStats:
         accepted_per_position=accepted,
         num_retractions=sum(r.num_retractions for r in reports),
         num_requests=sum(r.num_requests for r in reports),
+        num_plain_steps=sum(r.num_plain_steps for r in reports),
     )
 
 
@@ -182,12 +191,19 @@ class SchedulerTotals(Collector):
         retractions = CounterMetricFamily(
             "aerie_retractions", "Requests retracted because the KV cache ran out."
         )
+        plain = CounterMetricFamily(
+            "aerie_spec_plain_steps",
+            "Decode steps a speculative server ran as plain decoding, because adaptive "
+            "speculation expected them to be faster for their batch.",
+        )
         if stats is not None:
             for position, count in enumerate(stats.accepted_per_position):
                 accepted.add_metric([str(position)], count)
             retractions.add_metric([], stats.num_retractions)
+            plain.add_metric([], stats.num_plain_steps)
         yield accepted
         yield retractions
+        yield plain
 
 
 def kv_usage(stats: SchedulerStats) -> float:

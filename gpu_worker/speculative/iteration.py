@@ -118,6 +118,7 @@ class SpeculativeWorker:
         an accept stage writes its extend inputs over the greedy ones."""
         accept = {name: functools.partial(self._accept, flags)
                   for name, flags in ACCEPT_FLAGS.items()}  # fmt: skip
+        self.graph_pool = None
         if graph_max_bs <= 0:
             self.propose_stage = DirectStage(self.propose)
             self.accept_stages = {name: DirectStage(fn) for name, fn in accept.items()}
@@ -132,6 +133,7 @@ class SpeculativeWorker:
         device = self.target.device
         capture = device.type == "cuda" and all(r.attn_backend.supports_cuda_graph for r in runners)
         pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graph_pool = pool  # (adaptive speculation's plain decode step captures into it)
         self.extend_stage = StageGraph("draft extend", self._extend, extend_inputs,
                                        graph_max_bs, device, capture=False)  # fmt: skip
         into = self.extend_stage.inputs
@@ -217,9 +219,20 @@ class SpeculativeWorker:
         draft extend (the caller starts copying the results there). The rows' `RowState` has
         advanced once the extend has run. The step returned may view stage buffers that the
         next iteration's propose stage overwrites: it holds until then, in stream order."""
+        variant = self.accept_variant(rows_cpu, want_logprobs)
+        return self.iterate(rows, prefix_cpu, variant, want_logprobs, on_accepted)
+
+    def iterate(
+        self,
+        rows: torch.Tensor,
+        prefix_cpu: list[int],
+        variant: str | None,
+        want_logprobs: bool = False,
+        on_accepted: Callable[[SpecStepOutput], None] | None = None,
+    ) -> SpecStepOutput:
+        """`decode` with the accept variant given (None: greedy, inside the propose stage)."""
         proposed = self.propose_stage({"rows": rows}, prefix_cpu)
         prefix_lens = proposed["prefix_lens"]
-        variant = self.accept_variant(rows_cpu, want_logprobs)
         if variant is None:  # accepted inside the propose stage
             accept_lens = proposed["greedy_accept_lens"]
             result = VerifyResult(proposed["greedy_predict"], proposed["greedy_accept_index"],
@@ -253,7 +266,10 @@ class SpeculativeWorker:
         return "filter" if top_k or top_p else "sample"
 
     def _accept(
-        self, flags: tuple[bool, ...], bs: int, inputs: dict[str, torch.Tensor],
+        self,
+        flags: tuple[bool, ...],
+        bs: int,
+        inputs: dict[str, torch.Tensor],
         prefix_cpu: list[int],
     ) -> dict[str, torch.Tensor]:
         """An accept stage: acceptance with the sampling stages `flags`, the accepted path's
@@ -270,5 +286,9 @@ class SpeculativeWorker:
         result, step = accept_and_read(self.sampling, tree, flat["logits"], rows, flags)
         self.compact(result, rows, inputs["prefix_lens"])
         assert step.logprobs is not None
-        return {"accept_lens": step.accept_lens, "tokens": step.tokens,
-                "logprobs": step.logprobs, "features": compact_rows(flat["features"], result)}
+        return {
+            "accept_lens": step.accept_lens,
+            "tokens": step.tokens,
+            "logprobs": step.logprobs,
+            "features": compact_rows(flat["features"], result),
+        }

@@ -174,12 +174,16 @@ def test_speculative_defaults_are_a_chain(tmp_path):
         "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"]))
     assert tree.speculative.decode_alloc_len == 12  # topk * S draft scratch > ND verify nodes
     assert config_from_args([]).speculative.decode_alloc_len == 1
+    plain = resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
+    assert plain.speculative.speculative_adaptive == "on"  # a default is not a choice made
+    assert not plain.speculative.adaptive  # (nothing to adapt without speculation)
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--speculative-num-steps", "3"], "need --speculative-algorithm"),
+        (["--speculative-adaptive", "off"], "--speculative-adaptive need --speculative-alg"),
         (["--speculative-algorithm", "MTP"], "has no MTP layers"),
         (["--speculative-algorithm", "MTP", "MTPDIR", "--speculative-num-steps", "3"],
          "needs 3 MTP layers, but there are 2"),

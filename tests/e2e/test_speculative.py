@@ -5,6 +5,11 @@ target, and sampling at temperature > 0."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import httpx
 import pytest
 
@@ -19,6 +24,7 @@ from tests.gpu_worker.draft_checkpoints import (
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
 pytestmark = pytest.mark.e2e
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +152,42 @@ def test_verify_counts_do_not_depend_on_prefill_chunking(
     else:
         args = ["--model-path", mtp_target, "--speculative-algorithm", "MTP"]
     assert _verify_counts(args, 3) == _verify_counts(args, 64)
+
+
+def step_costs_json(break_even: float) -> str:
+    """Step costs whose iterations cost `break_even` plain steps at every batch size."""
+    buckets = [1, 2, 4, 8, 16]
+    return json.dumps({"buckets": buckets,
+                       "plain_ms": {"greedy": [1.0] * 5, "sampled": [1.0] * 5},
+                       "speculative_ms": {"greedy": [break_even] * 5,
+                                          "sampled": [break_even] * 5}})  # fmt: skip
+
+
+def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model_dirs, drafts):
+    """Given step costs under which this random draft cannot pay (an iteration costing 3.5
+    plain steps), the server decodes plainly but for its probes, and the output still equals
+    transformers' greedy output; the choice shows in /metrics and /server_info."""
+    target = tiny_model_dirs["llama"]
+    args = ["--model-path", target, *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
+            "--speculative-step-costs", step_costs_json(3.5)]
+    with Server(*args) as server:
+        check_parity(target, server.url, vocab=320, seed=5)
+        check_parity(target, server.url, vocab=320, seed=6)
+        metrics = httpx.get(server.url + "/metrics").text
+        info = httpx.get(server.url + "/server_info").json()
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+    plain = float(samples["aerie_spec_plain_steps_total"])
+    verified = float(samples['aerie_spec_accepted_tokens_total{position="0"}'])
+    assert plain > 0 and verified > 0  # the probes (and the first steps) still speculate
+    assert plain > verified  # mostly plain
+    assert info["speculative_adaptive"] == "on"
+    assert json.loads(info["speculative_step_costs"])["buckets"] == [1, 2, 4, 8, 16]
+
+
+def test_bad_step_costs_stop_the_launch_with_the_reason(tiny_model_dirs, drafts):
+    args = ["--model-path", tiny_model_dirs["llama"], *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
+            "--speculative-step-costs", "{\"buckets\": []}"]
+    result = subprocess.run([sys.executable, "launch.py", *args], capture_output=True, text=True,
+                            timeout=120, cwd=REPO_ROOT)  # fmt: skip
+    assert result.returncode != 0
+    assert "--speculative-step-costs must be JSON like" in result.stderr + result.stdout

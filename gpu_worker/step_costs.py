@@ -1,0 +1,87 @@
+"""Start-up measurement of the step costs adaptive speculation compares (`aerie.step_costs`).
+
+For every batch bucket of the decode graphs, the time of a plain decode step and of a
+speculative iteration, each greedy and sampled, measured the way the server runs them: the
+stage replays launched back to back without waiting in between (the overlap schedule keeps
+the device fed the same way), timed with device events. The rows are the reserved dummy row 0,
+which padded rows of every graph already use, so nothing a request owns is touched; its short
+context makes attention a little cheaper than in a served step, for both alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from aerie.step_costs import StepCosts
+from gpu_worker.plan_arrays import EMPTY
+from gpu_worker.stage_graph import StageGraph
+
+if TYPE_CHECKING:
+    from gpu_worker.worker import GPUWorker
+
+log = logging.getLogger(__name__)
+
+EAGER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # measured without graphs (up to the rows there are)
+# The worker's step variants behind each cost variant: plain decode's, the accept stage's.
+PLAIN_VARIANT = {"greedy": "greedy", "sampled": "sample"}
+ACCEPT_VARIANT = {"greedy": None, "sampled": "sample"}
+
+
+def cost_buckets(worker: GPUWorker) -> list[int]:
+    assert worker.decode_step is not None
+    stage = worker.decode_step.stages["greedy"]
+    if isinstance(stage, StageGraph):
+        return list(stage.buckets)
+    return [b for b in EAGER_BUCKETS if b <= worker.max_running_requests] or [1]
+
+
+@torch.inference_mode()
+def measure_step_costs(worker: GPUWorker, repeats: int = 10, warmup: int = 3) -> StepCosts:
+    """Milliseconds per step at each bucket, for `worker` (speculative, with its plain step)."""
+    spec, step = worker.spec, worker.decode_step
+    assert spec is not None and step is not None, "a speculative worker with a plain step"
+    buckets = cost_buckets(worker)
+    plain = {name: [] for name in PLAIN_VARIANT}
+    speculative = {name: [] for name in ACCEPT_VARIANT}
+    began = time.perf_counter()
+    for bs in buckets:
+        rows_cpu = np.zeros(bs, dtype=np.int64)
+        rows = torch.zeros(bs, dtype=torch.int64, device=worker.device)
+        for name in PLAIN_VARIANT:
+            plain_step = functools.partial(step, rows_cpu, EMPTY, EMPTY, PLAIN_VARIANT[name])
+            iteration = functools.partial(spec.iterate, rows, [0] * bs, ACCEPT_VARIANT[name])
+            plain[name].append(_time(worker.device, repeats, warmup, plain_step))
+            speculative[name].append(_time(worker.device, repeats, warmup, iteration))
+    costs = StepCosts(tuple(buckets), {k: tuple(v) for k, v in plain.items()},
+                      {k: tuple(v) for k, v in speculative.items()})  # fmt: skip
+    log.info("adaptive speculation: step costs measured in %.1f s; break-even accept length "
+             "%.2f greedy, %.2f sampled at batch 1, %.2f / %.2f at %d",
+             time.perf_counter() - began, costs.break_even(1, False), costs.break_even(1, True),
+             costs.break_even(buckets[-1], False), costs.break_even(buckets[-1], True),
+             buckets[-1])  # fmt: skip
+    return costs
+
+
+def _time(device: torch.device, repeats: int, warmup: int, run) -> float:
+    """Milliseconds per call of run(), calls queued back to back."""
+    for _ in range(warmup):
+        run()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(repeats):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+    began = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - began) * 1e3 / repeats

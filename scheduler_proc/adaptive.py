@@ -1,0 +1,124 @@
+"""Adaptive speculation: each decode step either speculates or decodes plainly, whichever is
+expected to produce more tokens per second for that batch.
+
+What it compares, for a batch of b requests:
+- the step costs the GPU worker measured at start-up (`StepCosts`): per CUDA-graph batch
+  bucket, the time of a plain decode step and of a speculative iteration, greedy and sampled;
+- the acceptance: each request's running estimate of the tokens an iteration emits for it (an
+  exponential moving average of its accept lengths), and one over all requests, which stands
+  in for a request not observed yet.
+The batch speculates when its mean estimate reaches the break-even t_spec(b) / t_plain(b):
+an iteration must emit that many tokens per request to be as fast as plain decoding. A batch of
+one is one request's own choice, so a stream whose draft keeps missing stops drafting.
+
+While plain decoding is chosen nothing is observed, so every `probe_interval` plain steps a
+probe of PROBE_ITERATIONS iterations runs anyway. The draft is not run on plainly decoded
+positions: the first iteration after plain steps drafts from the state the draft had before
+them and is not observed (the scheduler leaves it out); its draft extend brings the state up
+to date, and the second is observed. The interval starts at FIRST_PROBE and doubles each time
+a probe confirms plain decoding, up to MAX_PROBE: a probe costs about two plain steps (two
+iterations of 2.3 plain steps for about 3 tokens), 0.8% once in 256 steps. A batch whose drafts
+start agreeing again (a new request, code after prose) switches back.
+
+Exactness does not depend on the choice: a plain step is the target's own decode step, and an
+iteration emits only tokens the target verified. The draft's own KV at plainly decoded
+positions stays stale when speculation resumes: that lowers its acceptance (which the estimates
+then see), never the output's correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aerie.messages import SamplingParams
+from aerie.step_costs import StepCosts
+
+FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
+PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the second measures
+REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate
+OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
+
+
+def samples(params: SamplingParams) -> bool:
+    """Whether a request's step runs the sampling stages (drawn tokens or penalties) rather
+    than a bare argmax: the sampled step costs."""
+    drawn = params.temperature > 0 and params.top_k != 1
+    penalised = params.frequency_penalty or params.presence_penalty
+    return drawn or bool(penalised) or params.repetition_penalty != 1.0
+
+
+@dataclass
+class Decision:
+    """One step's choice and why: the batch's mean estimate against the break-even."""
+
+    speculate: bool
+    expected: float | None  # mean tokens per iteration expected (None: nothing observed yet)
+    break_even: float
+    probe: bool = False
+
+
+@dataclass
+class AdaptiveSpeculation:
+    """The per-step choice (see the module docstring). costs None: always speculate."""
+
+    costs: StepCosts | None
+    overall: float | None = None  # running accept length over all requests
+    probe_interval: int = FIRST_PROBE
+    plain_run: int = 0  # plain steps since the last iteration
+    probe_left: int = 0  # iterations of the current probe still to plan
+    num_plain_steps: int = 0
+    num_probes: int = 0
+    last: Decision | None = None
+    estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
+
+    def choose(self, rids: list[str], sampled: bool) -> Decision:
+        """Speculate for this batch of requests (True) or decode plainly (False)."""
+        if self.costs is None:
+            return Decision(True, None, 0.0)
+        break_even = self.costs.break_even(len(rids), sampled)
+        if self.overall is None:  # nothing observed yet: speculate to learn
+            decision = Decision(True, None, break_even)
+        else:
+            expected = sum(self.estimates.get(rid, self.overall) for rid in rids) / len(rids)
+            decision = Decision(expected >= break_even, expected, break_even)
+        if decision.speculate:
+            self.plain_run, self.probe_interval, self.probe_left = 0, FIRST_PROBE, 0
+        elif self.probe_left > 0 or self.plain_run >= self.probe_interval:
+            if self.probe_left == 0:  # a new probe
+                self.probe_left, self.num_probes = PROBE_ITERATIONS, self.num_probes + 1
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE)
+            decision.speculate = decision.probe = True
+            self.plain_run, self.probe_left = 0, self.probe_left - 1
+        else:
+            self.plain_run += 1
+            self.num_plain_steps += 1
+        self.last = decision
+        return decision
+
+    def observe(self, rid: str, accept_length: int) -> None:
+        """One iteration emitted accept_length tokens for request rid."""
+        old = self.estimates.get(rid)
+        self.estimates[rid] = (
+            accept_length if old is None else old + REQUEST_WEIGHT * (accept_length - old)
+        )
+        if self.overall is None:
+            self.overall = float(accept_length)
+        else:
+            self.overall += OVERALL_WEIGHT * (accept_length - self.overall)
+
+    def forget(self, rid: str) -> None:
+        """A request finished (or was retracted and will start afresh)."""
+        self.estimates.pop(rid, None)
+
+    def snapshot(self) -> dict[str, float | int | bool | None]:
+        """For /server_info-style reports and the debug log."""
+        last = self.last
+        return {
+            "measured": self.costs is not None,
+            "overall_accept_length": self.overall,
+            "plain_steps": self.num_plain_steps,
+            "probes": self.num_probes,
+            "last_speculated": None if last is None else last.speculate,
+            "last_expected": None if last is None else last.expected,
+            "last_break_even": None if last is None else last.break_even,
+        }

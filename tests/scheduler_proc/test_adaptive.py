@@ -1,0 +1,226 @@
+"""Adaptive speculation's choice (`scheduler_proc.adaptive`) and its step costs, alone and
+inside the scheduler with the fake worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from aerie.config import AerieConfig
+from aerie.messages import SamplingParams
+from aerie.resolve import ConfigError, _validate
+from aerie.step_costs import StepCosts
+from scheduler_proc.adaptive import (
+    FIRST_PROBE,
+    MAX_PROBE,
+    PROBE_ITERATIONS,
+    AdaptiveSpeculation,
+    samples,
+)
+from scheduler_proc.scheduler import Scheduler
+from tests.scheduler_proc.fake_worker import Collector, FakeWorker, make_request, reference_output
+
+
+def costs(break_even: dict[int, float], sampled_factor: float = 1.0) -> StepCosts:
+    """Plain steps of 1 ms; iterations of break_even[bucket] ms (sampled: times the factor)."""
+    buckets = tuple(sorted(break_even))
+    spec = tuple(break_even[b] for b in buckets)
+    ones = (1.0,) * len(buckets)
+    sampled = tuple(t * sampled_factor for t in spec)
+    return StepCosts(buckets, {"greedy": ones, "sampled": ones},
+                     {"greedy": spec, "sampled": sampled})
+
+
+def test_break_even_is_the_buckets_cost_ratio():
+    c = costs({1: 2.0, 4: 3.0, 8: 5.0}, sampled_factor=1.5)
+    assert c.break_even(1, False) == 2.0
+    assert c.break_even(2, False) == 3.0  # the smallest bucket that holds the batch
+    assert c.break_even(8, False) == 5.0
+    assert c.break_even(100, False) == 5.0  # beyond the graphs: the last bucket's ratio
+    assert c.break_even(3, True) == 4.5
+    assert StepCosts.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize("text, says", [
+    ("not json", "JSONDecodeError"),
+    ('{"buckets": [1], "plain_ms": {"greedy": [1]}}', "KeyError"),
+    ('{"buckets": [2, 1], "plain_ms": {"greedy": [1, 1], "sampled": [1, 1]}, '
+     '"speculative_ms": {"greedy": [1, 1], "sampled": [1, 1]}}', "increasing"),
+    ('{"buckets": [1], "plain_ms": {"greedy": [0], "sampled": [1]}, '
+     '"speculative_ms": {"greedy": [1], "sampled": [1]}}', "positive"),
+])  # fmt: skip
+def test_bad_step_costs_are_refused_at_start_up_with_the_reason(text, says):
+    config = AerieConfig().replace(speculative={"speculative_step_costs": text})
+    with pytest.raises(ConfigError, match=says):
+        _validate(config)
+
+
+def test_without_costs_or_observations_every_step_speculates():
+    assert AdaptiveSpeculation(None).choose(["a"], False).speculate
+    policy = AdaptiveSpeculation(costs({1: 2.0}))
+    first = policy.choose(["a"], False)
+    assert first.speculate and first.expected is None  # speculate to learn
+
+
+def test_a_request_whose_draft_misses_decodes_plainly_and_probes_less_and_less():
+    policy = AdaptiveSpeculation(costs({1: 2.0}))
+    policy.observe("a", 1)
+    choices = [policy.choose(["a"], False) for _ in range(4 * MAX_PROBE)]
+    assert all(c.speculate == c.probe for c in choices)  # plain but for the probes
+    runs = "".join("s" if c.speculate else "p" for c in choices).split("s" * PROBE_ITERATIONS)
+    plain_runs = [len(run) for run in runs[:-1]]
+    assert plain_runs[:4] == [FIRST_PROBE, 2 * FIRST_PROBE, 4 * FIRST_PROBE, 8 * FIRST_PROBE]
+    assert set(plain_runs[4:]) == {MAX_PROBE}
+    assert policy.num_plain_steps == sum(not c.speculate for c in choices)
+    assert policy.num_probes == len(plain_runs)
+
+
+def test_a_probe_that_finds_agreement_switches_back():
+    policy = AdaptiveSpeculation(costs({1: 2.0}))
+    policy.observe("a", 1)
+    while not policy.choose(["a"], False).probe:
+        pass
+    for _ in range(3):  # the probe and what follows accept 4 tokens each
+        policy.observe("a", 4)
+    assert policy.choose(["a"], False).speculate
+    assert policy.probe_interval == FIRST_PROBE
+
+
+def test_the_batch_compares_its_mean_estimate_with_its_own_break_even():
+    policy = AdaptiveSpeculation(costs({1: 1.5, 2: 1.5, 4: 2.4}))
+    policy.observe("good", 3)  # the overall estimate starts at 3 ...
+    policy.observe("bad", 1)  # ... and moves a little towards 1
+    assert policy.choose(["good"], False).speculate
+    assert not policy.choose(["bad"], False).speculate
+    assert policy.choose(["good", "bad"], False).speculate  # mean 2 >= 1.5
+    # An unseen request counts at the overall estimate (2.9): 4 rows need 2.4 each.
+    decision = policy.choose(["good", "bad", "new1", "new2"], False)
+    assert decision.speculate and decision.expected == pytest.approx((3 + 1 + 2 * 2.9) / 4)
+    assert not policy.choose(["bad", "bad", "bad", "new"], False).speculate
+    policy.forget("bad")  # finished: a new request of that id starts from the overall estimate
+    assert policy.choose(["bad"], False).expected == pytest.approx(2.9)
+
+
+def test_sampled_batches_use_the_sampled_costs():
+    policy = AdaptiveSpeculation(costs({1: 2.0}, sampled_factor=1.5))
+    policy.observe("a", 2.5)
+    assert policy.choose(["a"], False).speculate  # 2.5 >= 2
+    assert not policy.choose(["a"], True).speculate  # 2.5 < 3
+
+
+@pytest.mark.parametrize("params, sampled", [
+    (SamplingParams(temperature=0.0), False),
+    (SamplingParams(temperature=0.7), True),
+    (SamplingParams(temperature=0.7, top_k=1), False),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.1), True),
+    (SamplingParams(temperature=0.0, presence_penalty=0.5), True),
+])  # fmt: skip
+def test_which_requests_count_as_sampled(params, sampled):
+    assert samples(params) is sampled
+
+
+class PlainAwareWorker(FakeWorker):
+    """The fake worker, answering a plain decode plan the way the real one does: one token per
+    request and no verify counts."""
+
+    def run(self, plan):
+        if plan.mode != "decode" or plan.speculate:
+            return super().run(plan)
+        accept, self.accept = self.accept, lambda step, row: 1
+        try:
+            result = super().run(plan)
+        finally:
+            self.accept = accept
+        self.plain_plans += 1
+        return type(result)(result.plan_id, result.num_tokens, result.token_ids, result.logprobs)
+
+    plain_plans = 0
+
+
+def speculative_scheduler(step_costs: StepCosts | None, adaptive: str = "on") -> Scheduler:
+    config = AerieConfig().replace(
+        scheduler={"max_running_requests": 4},
+        speculative={"speculative_algorithm": "EAGLE", "speculative_adaptive": adaptive,
+                     "speculative_step_costs": step_costs and step_costs.to_json()},
+    )  # fmt: skip
+    return Scheduler(config, (), max_total_tokens=4096, decode_alloc_len=4)
+
+
+def run_to_end(sched: Scheduler, worker: FakeWorker, collector: Collector) -> list:
+    plans = []
+    while sched.has_work():
+        plan = sched.next_plan()
+        assert plan is not None
+        plans.append(plan)
+        collector.add(sched.apply_result(plan, worker.run(plan)))
+    return plans
+
+
+@pytest.mark.parametrize("accept, expect_plain", [(1, True), (4, False)])
+def test_the_scheduler_plans_plain_steps_when_the_draft_misses(accept, expect_plain):
+    sched = speculative_scheduler(costs({1: 2.0, 2: 2.0, 4: 2.0}))
+    worker, collector = PlainAwareWorker(accept=lambda step, row: accept, alloc_len=4), Collector()
+    prompts = {"a": [1, 2, 3], "b": [4, 5]}
+    for rid, prompt in prompts.items():
+        sched.add_request(make_request(rid, prompt, max_new_tokens=60, ignore_eos=True))
+    plans = run_to_end(sched, worker, collector)
+    for rid, prompt in prompts.items():
+        assert collector.outputs[rid] == reference_output(prompt, 60)
+    decodes = [p for p in plans if p.mode == "decode"]
+    plain = sum(not p.speculate for p in decodes)
+    assert (plain > len(decodes) // 2) is expect_plain
+    assert sched.stats().num_plain_steps == plain == worker.plain_plans
+    # Acceptance counts speculative iterations only: position 0 counts every one of them.
+    assert sched.stats().accepted_per_position[0] == 2 * (len(decodes) - plain)
+
+
+def test_plain_steps_count_as_one_forward_each_in_the_accept_length():
+    sched = speculative_scheduler(costs({1: 2.0}))
+    worker = PlainAwareWorker(alloc_len=4)
+    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=40, ignore_eos=True))
+    verify_ct = {}
+    plans = []
+    while sched.has_work():
+        plan = sched.next_plan()
+        plans.append(plan)
+        deltas = sched.apply_result(plan, worker.run(plan))
+        for d in deltas.deltas if deltas else []:
+            verify_ct[d.rid] = d.spec_verify_ct
+    assert worker.plain_plans > 0
+    assert verify_ct["a"] == sum(p.mode == "decode" for p in plans)  # tokens per target forward
+
+
+@pytest.mark.parametrize("adaptive, step_costs", [("off", costs({1: 100.0})), ("on", None)])
+def test_fixed_speculation_and_unmeasured_costs_always_speculate(adaptive, step_costs):
+    sched = speculative_scheduler(step_costs, adaptive)
+    worker, collector = PlainAwareWorker(alloc_len=4), Collector()
+    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=30, ignore_eos=True))
+    plans = run_to_end(sched, worker, collector)
+    assert all(p.speculate for p in plans) and worker.plain_plans == 0
+
+
+def test_the_first_iteration_after_plain_steps_is_not_observed():
+    """It drafts from the state before the plain steps: the policy must not learn from it."""
+    sched = speculative_scheduler(costs({1: 2.0}))
+    # Probing iterations accept everything (4 tokens), a stale draft's first one only 1.
+    fresh = {"value": True}
+
+    def accept(step, row):
+        return 4 if fresh["value"] else 1
+
+    worker, collector = PlainAwareWorker(accept=accept, alloc_len=4), Collector()
+    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=400, ignore_eos=True))
+    observed = []
+    real_observe = sched.adaptive.observe
+    sched.adaptive.observe = lambda rid, n: (observed.append(n), real_observe(rid, n))
+    sched.adaptive.overall = 1.0  # learned before: this draft misses
+    sched.adaptive.estimates["a"] = 1.0
+    previous_plain = False
+    while sched.has_work():
+        plan = sched.next_plan()
+        if plan.mode == "decode":
+            fresh["value"] = plan.speculate and not previous_plain
+            previous_plain = not plan.speculate
+        collector.add(sched.apply_result(plan, worker.run(plan)))
+    assert collector.outputs["a"] == reference_output([1, 2, 3], 400)
+    assert worker.plain_plans > 0
+    assert observed and set(observed) == {4}  # never the stale iteration's 1
