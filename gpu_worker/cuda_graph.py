@@ -23,10 +23,12 @@ outputs returned by `run` are views of the static buffers: read them before the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +43,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NUM_WARMUP_RUNS = 2
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a graph is captured. A collection that
+    frees an unreachable CUDAGraph (an earlier worker's, in a process that builds several)
+    destroys its executable graph, which is not permitted while a stream captures: the capture
+    is invalidated and fails later with "operation failed due to a previous error during
+    capture", at whichever kernel comes next, as often or as rarely as collections happen to
+    run during captures. `torch.cuda.graph` collects once before it starts capturing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_buckets(buckets: list[int], run: Callable[[int], None], device: torch.device,
@@ -61,7 +80,7 @@ def capture_buckets(buckets: list[int], run: Callable[[int], None], device: torc
                 run(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream), no_collection():
             run(bucket)
         graphs[bucket] = graph
     torch.cuda.synchronize(device)

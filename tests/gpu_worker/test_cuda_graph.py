@@ -123,3 +123,61 @@ def test_capture_buckets_warms_up_then_captures_each_bucket_largest_first(monkey
                                        ("captured", "shared")]  # fmt: skip
     runs = [b for kind, b in events if kind == "run"]
     assert runs == [b for b in (4, 2, 1) for _ in range(cuda_graph.NUM_WARMUP_RUNS + 1)]
+
+
+def test_captures_run_without_garbage_collection(monkeypatch):
+    """The cyclic collector is off inside every capture (it would destroy unreachable graphs
+    there, which invalidates the capture) and back on outside: warm-ups and afterwards."""
+    import contextlib
+    import gc
+    from types import SimpleNamespace
+
+    from gpu_worker import cuda_graph
+
+    state = {"capturing": False}
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(g, pool, stream):
+        state["capturing"] = True
+        yield
+        state["capturing"] = False
+
+    fake = SimpleNamespace(
+        memory_reserved=lambda device: 0, graph_pool_handle=lambda: "pool",
+        Stream=lambda device: SimpleNamespace(wait_stream=lambda other: None),
+        current_stream=lambda: SimpleNamespace(wait_stream=lambda other: None),
+        stream=lambda s: contextlib.nullcontext(), CUDAGraph=object, graph=graph,
+        synchronize=lambda device: None,
+    )  # fmt: skip
+    monkeypatch.setattr(cuda_graph.torch, "cuda", fake)
+    assert gc.isenabled()
+    cuda_graph.capture_buckets([1, 2], lambda b: seen.append((state["capturing"], gc.isenabled())),
+                               "cpu", "test")  # fmt: skip
+    assert {enabled for capturing, enabled in seen if capturing} == {False}
+    assert {enabled for capturing, enabled in seen if not capturing} == {True}
+    assert gc.isenabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
+def test_a_graph_collected_during_a_capture_does_not_break_it():
+    """An unreachable graph (in a reference cycle, as an old worker's are) and a collector set
+    to run at almost every allocation: the capture must not see a collection."""
+    import gc
+
+    from gpu_worker.cuda_graph import capture_buckets
+
+    x = torch.zeros(64, device="cuda")
+    old = capture_buckets([1], lambda b: x.add_(1), x.device, "old")
+    cycle = {"graphs": old}
+    cycle["self"] = cycle
+    del old, cycle
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graphs = capture_buckets([1, 2], lambda b: [torch.ones(8, device="cuda") * b
+                                                     for _ in range(50)], x.device, "new")
+    finally:
+        gc.set_threshold(*threshold)
+    graphs[2].replay()
+    torch.cuda.synchronize()
