@@ -170,6 +170,16 @@ def verify_sampling(
     """
     bs, nd = tree.next_token.shape
     probs = target_probs.view(bs, nd, -1)  # [bs, ND, V]
+    if tree.topk == 1 and nd == tree.num_steps + 1:
+        return verify_sampling_chain(tree, probs, coins, final_coins)
+    return verify_sampling_walk(tree, probs, coins, final_coins)
+
+
+def verify_sampling_walk(
+    tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, final_coins: torch.Tensor
+) -> VerifyResult:
+    """`verify_sampling` for any tree, one level at a time. probs [bs, ND, V]."""
+    bs, nd = tree.next_token.shape
     rows = torch.arange(bs, device=probs.device)
 
     def accept_child(last, kid_tokens, valid):
@@ -183,6 +193,28 @@ def verify_sampling(
     valid = last_kids >= 0
     kid_tokens = torch.where(valid, tree.tokens.view(bs, nd).gather(1, last_kids.clamp(min=0)), 0)
     final = sample_residual(q_last, kid_tokens, valid, final_coins)
+    return assemble_result(tree, accept_local, final)
+
+
+def verify_sampling_chain(
+    tree: DraftTree, probs: torch.Tensor, coins: torch.Tensor, final_coins: torch.Tensor
+) -> VerifyResult:
+    """`verify_sampling` for a chain (node k's only child is k+1): draft k+1 is accepted when
+    node k's coin is at most the target's probability of it there (and that is above 0), so
+    the accepted drafts are the longest run of such levels, found at once rather than walked.
+    The token after the run is sampled from the last accepted node's distribution without the
+    rejected draft. probs [bs, ND, V]."""
+    bs, nd = tree.next_token.shape
+    tokens = tree.tokens.view(bs, nd).to(torch.int64)
+    q_next = probs[:, :-1].gather(2, tokens[:, 1:, None]).squeeze(2)  # [bs, S]
+    hit = (coins[:, :-1] <= q_next) & (q_next > 0)
+    num_correct = hit.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [bs]
+    node = constants.arange(nd, probs.device)[None, :]
+    accept_local = torch.where(node <= num_correct[:, None], node, -1)  # [bs, S+1]
+    vocab = probs.shape[2]
+    q_last = probs.gather(1, num_correct[:, None, None].expand(bs, 1, vocab)).squeeze(1)
+    rejected = tokens.gather(1, (num_correct + 1).clamp(max=nd - 1)[:, None])  # [bs, 1]
+    final = sample_residual(q_last, rejected, (num_correct < nd - 1)[:, None], final_coins)
     return assemble_result(tree, accept_local, final)
 
 

@@ -179,3 +179,29 @@ def test_greedy_chain_fast_path_equals_the_tree_walk(seed):
     for name in ("predict", "accept_index", "num_correct", "accept_lens"):
         assert torch.equal(getattr(fast, name), getattr(walk, name)), name
     assert fast.accept_lens.tolist() == (cut + 1).tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sampling_chain_fast_path_equals_the_tree_walk(seed):
+    """Random chains, random target distributions over a small vocabulary (some tokens at
+    probability 0) and random coins: the chain fast path accepts, and samples the token after
+    the run, exactly as the level-by-level walk does (every accept length occurs)."""
+    from gpu_worker.speculative.tree import chain_tree
+    from gpu_worker.speculative.verify import verify_sampling_chain, verify_sampling_walk
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, steps, vocab = 256, 4, 3
+    drafts = torch.randint(0, vocab, (bs, steps), generator=gen)
+    tree = chain_tree(torch.randint(0, vocab, (bs,), generator=gen), drafts,
+                      torch.randint(1, 30, (bs,), generator=gen), steps)  # fmt: skip
+    probs = torch.rand(bs, steps + 1, vocab, generator=gen)
+    probs = probs * (torch.rand(bs, steps + 1, vocab, generator=gen) > 0.2)  # some zeros
+    probs[..., 0] += 1e-3  # no all-zero row
+    probs = probs / probs.sum(-1, keepdim=True)
+    coins = torch.rand(bs, steps + 1, generator=gen)
+    final = torch.rand(bs, generator=gen)
+    fast = verify_sampling_chain(tree, probs, coins, final)
+    walk = verify_sampling_walk(tree, probs, coins, final)
+    for name in ("predict", "accept_index", "num_correct", "accept_lens"):
+        assert torch.equal(getattr(fast, name), getattr(walk, name)), name
+    assert set(fast.accept_lens.tolist()) == set(range(1, steps + 2))
