@@ -12,18 +12,15 @@ an iteration must emit that many tokens per request to be as fast as plain decod
 one is one request's own choice, so a stream whose draft keeps missing stops drafting.
 
 While plain decoding is chosen nothing is observed, so every `probe_interval` plain steps a
-probe of PROBE_ITERATIONS iterations runs anyway. The draft is not run on plainly decoded
-positions: the first iteration after plain steps drafts from the state the draft had before
-them and is not observed (the scheduler leaves it out); its draft extend brings the state up
-to date, and the second is observed. The interval starts at FIRST_PROBE and doubles each time
-a probe confirms plain decoding, up to MAX_PROBE: a probe costs about two plain steps (two
-iterations of 2.3 plain steps for about 3 tokens), 0.8% once in 256 steps. A batch whose drafts
-start agreeing again (a new request, code after prose) switches back.
+probe of PROBE_ITERATIONS iterations runs anyway (before the first, the worker runs the draft
+over the positions it missed: `gpu_worker.speculative.plain_history`). The interval starts at
+FIRST_PROBE and doubles each time a probe confirms plain decoding, up to MAX_PROBE: a probe of
+two iterations of 2.2 plain steps that emit 1.9 tokens each costs 0.6 plain steps, 0.2% once
+in 256 steps. A batch whose drafts start agreeing again (a new request, code after prose)
+switches back.
 
 Exactness does not depend on the choice: a plain step is the target's own decode step, and an
-iteration emits only tokens the target verified. The draft's own KV at plainly decoded
-positions stays stale when speculation resumes: that lowers its acceptance (which the estimates
-then see), never the output's correctness.
+iteration emits only tokens the target verified.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from aerie.messages import SamplingParams
 from aerie.step_costs import StepCosts
 
 FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
-PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the second measures
+PROBE_ITERATIONS = 2  # two accept lengths per probe
 REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate
 OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
 
@@ -62,7 +59,9 @@ class AdaptiveSpeculation:
     """The per-step choice (see the module docstring). costs None: always speculate."""
 
     costs: StepCosts | None
-    overall: float | None = None  # running accept length over all requests
+    # Running accept length over all requests, greedy (False) and sampled (True) apart: a
+    # request not observed yet starts from its kind's.
+    overall: dict[bool, float] = field(default_factory=dict)
     probe_interval: int = FIRST_PROBE
     plain_run: int = 0  # plain steps since the last iteration
     probe_left: int = 0  # iterations of the current probe still to plan
@@ -71,15 +70,18 @@ class AdaptiveSpeculation:
     last: Decision | None = None
     estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
 
-    def choose(self, rids: list[str], sampled: bool) -> Decision:
-        """Speculate for this batch of requests (True) or decode plainly (False)."""
+    def choose(self, rids: list[str], sampled: list[bool]) -> Decision:
+        """Speculate for this batch of requests (True) or decode plainly (False); sampled:
+        per request, whether it samples (`samples`)."""
         if self.costs is None:
             return Decision(True, None, 0.0)
-        break_even = self.costs.break_even(len(rids), sampled)
-        if self.overall is None:  # nothing observed yet: speculate to learn
+        break_even = self.costs.break_even(len(rids), any(sampled))
+        estimates = [self.estimates.get(rid, self.overall.get(kind))
+                     for rid, kind in zip(rids, sampled, strict=True)]  # fmt: skip
+        if None in estimates:  # a request of a kind never observed: speculate to learn
             decision = Decision(True, None, break_even)
         else:
-            expected = sum(self.estimates.get(rid, self.overall) for rid in rids) / len(rids)
+            expected = sum(estimates) / len(estimates)
             decision = Decision(expected >= break_even, expected, break_even)
         if decision.speculate:
             self.plain_run, self.probe_interval, self.probe_left = 0, FIRST_PROBE, 0
@@ -95,30 +97,15 @@ class AdaptiveSpeculation:
         self.last = decision
         return decision
 
-    def observe(self, rid: str, accept_length: int) -> None:
-        """One iteration emitted accept_length tokens for request rid."""
+    def observe(self, rid: str, accept_length: int, sampled: bool = False) -> None:
+        """One iteration emitted accept_length tokens for request rid (which samples or not)."""
         old = self.estimates.get(rid)
         self.estimates[rid] = (
             accept_length if old is None else old + REQUEST_WEIGHT * (accept_length - old)
         )
-        if self.overall is None:
-            self.overall = float(accept_length)
-        else:
-            self.overall += OVERALL_WEIGHT * (accept_length - self.overall)
+        overall = self.overall.get(sampled, accept_length)
+        self.overall[sampled] = overall + OVERALL_WEIGHT * (accept_length - overall)
 
     def forget(self, rid: str) -> None:
         """A request finished (or was retracted and will start afresh)."""
         self.estimates.pop(rid, None)
-
-    def snapshot(self) -> dict[str, float | int | bool | None]:
-        """For /server_info-style reports and the debug log."""
-        last = self.last
-        return {
-            "measured": self.costs is not None,
-            "overall_accept_length": self.overall,
-            "plain_steps": self.num_plain_steps,
-            "probes": self.num_probes,
-            "last_speculated": None if last is None else last.speculate,
-            "last_expected": None if last is None else last.expected,
-            "last_break_even": None if last is None else last.break_even,
-        }

@@ -90,7 +90,6 @@ class Scheduler:
         self._num_verify = 0
         self._accepted_per_position: list[int] = []
         self._num_plain_steps = 0  # decode steps of a speculative server run plainly
-        self._stale_drafts: dict[int, set[str]] = {}  # plan id -> rids drafting from old state
         self._num_retractions = 0
         self._num_requests = 0  # requests received since start
         # Admission's estimate of the KV running requests will still take.
@@ -233,14 +232,6 @@ class Scheduler:
         assert grown is not None, "policy kept more decoders than the free KV"
         speculate = self.speculative and self._speculate(batch)
         plan = build_decode_plan(self._take_plan_id(), batch, *grown, speculate=speculate)
-        if self.speculative:
-            # An iteration right after a plain step drafts from the state the draft had
-            # before it (its extend then catches up): its acceptance says nothing of the draft.
-            stale = {req.rid for req in batch if not req.draft_fresh} if speculate else set()
-            if stale:
-                self._stale_drafts[plan.plan_id] = stale
-            for req in batch:
-                req.draft_fresh = speculate
         return plan, batch, [True] * len(batch)
 
     def _speculate(self, batch: list[Request]) -> bool:
@@ -249,7 +240,7 @@ class Scheduler:
             return True
         before = self.adaptive.last
         choice = self.adaptive.choose([req.rid for req in batch],
-                                      any(samples(req.sampling) for req in batch))  # fmt: skip
+                                      [samples(req.sampling) for req in batch])  # fmt: skip
         if before is None or before.speculate != choice.speculate or choice.probe:
             logger.debug("adaptive speculation: %s for a batch of %d (expected %s tokens per "
                          "iteration, break-even %.2f)",
@@ -300,7 +291,6 @@ class Scheduler:
         if plain_speculative:  # one target forward each: counted like a verify of no drafts
             verify = [1] * len(requests)
             self._num_plain_steps += 1
-        stale = self._stale_drafts.pop(plan.plan_id, ())
         end = 0
         for req, sample, n, num_verify in zip(requests, samples, counts, verify, strict=True):
             start, end = end, end + n
@@ -312,14 +302,12 @@ class Scheduler:
                     self._release(req)
                 continue
             if not plain_speculative:
-                self._observe_accept(req, decode, num_verify, n, req.rid not in stale)
+                self._observe_accept(req, decode, num_verify, n)
             self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
         return self.take_deltas()
 
-    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int,
-                        fresh: bool) -> None:  # fmt: skip
-        """Acceptance stats of an entry from a speculative iteration (num_verify > 0); fresh:
-        the draft drafted from its up-to-date state (adaptive speculation learns from it)."""
+    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int) -> None:
+        """Acceptance stats of an entry from a speculative iteration (num_verify > 0)."""
         if not decode or num_verify == 0:
             return
         self._num_decode_tokens += n
@@ -329,8 +317,8 @@ class Scheduler:
             self._accepted_per_position.extend([0] * max(grow, 0))
             for k in range(n):
                 self._accepted_per_position[k] += 1
-            if self.adaptive is not None and fresh:
-                self.adaptive.observe(req.rid, n)
+            if self.adaptive is not None:
+                self.adaptive.observe(req.rid, n, samples(req.sampling))
 
     def _apply_entry(
         self,
@@ -474,4 +462,14 @@ class Scheduler:
             num_retractions=self._num_retractions,
             num_requests=self._num_requests,
             num_plain_steps=self._num_plain_steps,
+            **self._adaptive_stats(),
         )
+
+    def _adaptive_stats(self) -> dict[str, float | int]:
+        """Adaptive speculation's last choice and why, for /server_info and /metrics."""
+        last = self.adaptive.last if self.adaptive is not None else None
+        if last is None:
+            return {}
+        return {"speculating": int(last.speculate),
+                "expected_accept_length": last.expected or 0.0,
+                "break_even_accept_length": last.break_even}  # fmt: skip

@@ -63,6 +63,22 @@ class Metrics:
         self.accept_length = Gauge(
             "aerie_avg_accept_length", "Average speculative accept length.", registry=r
         )
+        self.speculating = Gauge(
+            "aerie_spec_speculating",
+            "Adaptive speculation's last decode step: 1 an iteration, 0 plain decoding.",
+            registry=r,
+        )
+        self.expected_accept = Gauge(
+            "aerie_spec_expected_accept_length",
+            "Tokens per iteration adaptive speculation expected of the last decode batch.",
+            registry=r,
+        )
+        self.break_even = Gauge(
+            "aerie_spec_break_even_accept_length",
+            "Tokens per iteration at which an iteration would match plain decoding for the "
+            "last decode batch (measured step costs).",
+            registry=r,
+        )
         self.ttft = Histogram(
             "aerie_time_to_first_token_seconds",
             "Time from arrival to the first output.",
@@ -118,6 +134,10 @@ class Metrics:
         self.num_queued.set(stats.num_waiting)
         self.kv_usage.set(kv_usage(stats))
         self.accept_length.set(stats.avg_accept_length)
+        if stats.speculating >= 0:
+            self.speculating.set(stats.speculating)
+            self.expected_accept.set(stats.expected_accept_length)
+            self.break_even.set(stats.break_even_accept_length)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -148,13 +168,19 @@ def stats_dict(s: SchedulerStats) -> dict[str, Any]:
         "accepted_per_position": list(s.accepted_per_position),
         "num_retractions": s.num_retractions,
         "num_requests": s.num_requests,
+        # Adaptive speculation: decode steps run plainly, and the last step's choice and why.
+        "spec_plain_steps": s.num_plain_steps,
+        "spec_speculating": None if s.speculating < 0 else bool(s.speculating),
+        "spec_expected_accept_length": s.expected_accept_length,
+        "spec_break_even_accept_length": s.break_even_accept_length,
     }
 
 
 def combine_stats(reports: list[SchedulerStats]) -> SchedulerStats:
     """The replicas' reports as one: counts summed; the accept length of all verify steps
     together (accepted_per_position[0] counts a replica's verify steps and the sum over
-    positions its decoded tokens)."""
+    positions its decoded tokens); adaptive speculation's last choice is each replica's own
+    ("replicas" in /server_info), not combined."""
     if len(reports) == 1:
         return reports[0]
     positions = max(len(r.accepted_per_position) for r in reports)

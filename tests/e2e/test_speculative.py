@@ -181,6 +181,8 @@ def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model
     assert plain > 0 and verified > 0  # the probes (and the first steps) still speculate
     assert plain > verified  # mostly plain
     assert info["speculative_adaptive"] == "on"
+    assert info["spec_plain_steps"] == plain
+    assert info["spec_break_even_accept_length"] == 3.5
     assert json.loads(info["speculative_step_costs"])["buckets"] == [1, 2, 4, 8, 16]
 
 

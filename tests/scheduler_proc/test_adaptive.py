@@ -55,16 +55,16 @@ def test_bad_step_costs_are_refused_at_start_up_with_the_reason(text, says):
 
 
 def test_without_costs_or_observations_every_step_speculates():
-    assert AdaptiveSpeculation(None).choose(["a"], False).speculate
+    assert AdaptiveSpeculation(None).choose(["a"], [False]).speculate
     policy = AdaptiveSpeculation(costs({1: 2.0}))
-    first = policy.choose(["a"], False)
+    first = policy.choose(["a"], [False])
     assert first.speculate and first.expected is None  # speculate to learn
 
 
 def test_a_request_whose_draft_misses_decodes_plainly_and_probes_less_and_less():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
     policy.observe("a", 1)
-    choices = [policy.choose(["a"], False) for _ in range(4 * MAX_PROBE)]
+    choices = [policy.choose(["a"], [False]) for _ in range(4 * MAX_PROBE)]
     assert all(c.speculate == c.probe for c in choices)  # plain but for the probes
     runs = "".join("s" if c.speculate else "p" for c in choices).split("s" * PROBE_ITERATIONS)
     plain_runs = [len(run) for run in runs[:-1]]
@@ -77,11 +77,11 @@ def test_a_request_whose_draft_misses_decodes_plainly_and_probes_less_and_less()
 def test_a_probe_that_finds_agreement_switches_back():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
     policy.observe("a", 1)
-    while not policy.choose(["a"], False).probe:
+    while not policy.choose(["a"], [False]).probe:
         pass
     for _ in range(3):  # the probe and what follows accept 4 tokens each
         policy.observe("a", 4)
-    assert policy.choose(["a"], False).speculate
+    assert policy.choose(["a"], [False]).speculate
     assert policy.probe_interval == FIRST_PROBE
 
 
@@ -89,22 +89,36 @@ def test_the_batch_compares_its_mean_estimate_with_its_own_break_even():
     policy = AdaptiveSpeculation(costs({1: 1.5, 2: 1.5, 4: 2.4}))
     policy.observe("good", 3)  # the overall estimate starts at 3 ...
     policy.observe("bad", 1)  # ... and moves a little towards 1
-    assert policy.choose(["good"], False).speculate
-    assert not policy.choose(["bad"], False).speculate
-    assert policy.choose(["good", "bad"], False).speculate  # mean 2 >= 1.5
+    assert policy.choose(["good"], [False]).speculate
+    assert not policy.choose(["bad"], [False]).speculate
+    assert policy.choose(["good", "bad"], [False] * 2).speculate  # mean 2 >= 1.5
     # An unseen request counts at the overall estimate (2.9): 4 rows need 2.4 each.
-    decision = policy.choose(["good", "bad", "new1", "new2"], False)
+    decision = policy.choose(["good", "bad", "new1", "new2"], [False] * 4)
     assert decision.speculate and decision.expected == pytest.approx((3 + 1 + 2 * 2.9) / 4)
-    assert not policy.choose(["bad", "bad", "bad", "new"], False).speculate
+    assert not policy.choose(["bad", "bad", "bad", "new"], [False] * 4).speculate
     policy.forget("bad")  # finished: a new request of that id starts from the overall estimate
-    assert policy.choose(["bad"], False).expected == pytest.approx(2.9)
+    assert policy.choose(["bad"], [False]).expected == pytest.approx(2.9)
 
 
 def test_sampled_batches_use_the_sampled_costs():
-    policy = AdaptiveSpeculation(costs({1: 2.0}, sampled_factor=1.5))
+    policy = AdaptiveSpeculation(costs({1: 2.0, 2: 2.0}, sampled_factor=1.5))
     policy.observe("a", 2.5)
-    assert policy.choose(["a"], False).speculate  # 2.5 >= 2
-    assert not policy.choose(["a"], True).speculate  # 2.5 < 3
+    assert policy.choose(["a"], [False]).speculate  # 2.5 >= 2
+    assert not policy.choose(["a"], [True]).speculate  # 2.5 < 3
+    policy.observe("b", 2.5, sampled=True)
+    assert not policy.choose(["a", "b"], [False, True]).speculate  # one samples: 3 needed
+
+
+def test_greedy_and_sampled_requests_learn_apart():
+    """A new greedy request starts from what greedy requests accepted, not from sampled ones
+    (whose drafts agree less): a mix of both does not keep greedy streams from speculating."""
+    policy = AdaptiveSpeculation(costs({1: 2.0}))
+    for _ in range(20):
+        policy.observe("sampled", 1, sampled=True)
+    assert policy.choose(["new"], [False]).speculate  # no greedy request seen yet: learn
+    policy.observe("greedy", 3)
+    assert policy.choose(["new"], [False]).expected == 3
+    assert not policy.choose(["new"], [True]).speculate
 
 
 @pytest.mark.parametrize("params, sampled", [
@@ -168,7 +182,9 @@ def test_the_scheduler_plans_plain_steps_when_the_draft_misses(accept, expect_pl
     decodes = [p for p in plans if p.mode == "decode"]
     plain = sum(not p.speculate for p in decodes)
     assert (plain > len(decodes) // 2) is expect_plain
-    assert sched.stats().num_plain_steps == plain == worker.plain_plans
+    stats = sched.stats()
+    assert stats.num_plain_steps == plain == worker.plain_plans
+    assert stats.break_even_accept_length == 2.0 and stats.speculating in (0, 1)
     # Acceptance counts speculative iterations only: position 0 counts every one of them.
     assert sched.stats().accepted_per_position[0] == 2 * (len(decodes) - plain)
 
@@ -197,30 +213,3 @@ def test_fixed_speculation_and_unmeasured_costs_always_speculate(adaptive, step_
     plans = run_to_end(sched, worker, collector)
     assert all(p.speculate for p in plans) and worker.plain_plans == 0
 
-
-def test_the_first_iteration_after_plain_steps_is_not_observed():
-    """It drafts from the state before the plain steps: the policy must not learn from it."""
-    sched = speculative_scheduler(costs({1: 2.0}))
-    # Probing iterations accept everything (4 tokens), a stale draft's first one only 1.
-    fresh = {"value": True}
-
-    def accept(step, row):
-        return 4 if fresh["value"] else 1
-
-    worker, collector = PlainAwareWorker(accept=accept, alloc_len=4), Collector()
-    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=400, ignore_eos=True))
-    observed = []
-    real_observe = sched.adaptive.observe
-    sched.adaptive.observe = lambda rid, n: (observed.append(n), real_observe(rid, n))
-    sched.adaptive.overall = 1.0  # learned before: this draft misses
-    sched.adaptive.estimates["a"] = 1.0
-    previous_plain = False
-    while sched.has_work():
-        plan = sched.next_plan()
-        if plan.mode == "decode":
-            fresh["value"] = plan.speculate and not previous_plain
-            previous_plain = not plan.speculate
-        collector.add(sched.apply_result(plan, worker.run(plan)))
-    assert collector.outputs["a"] == reference_output([1, 2, 3], 400)
-    assert worker.plain_plans > 0
-    assert observed and set(observed) == {4}  # never the stale iteration's 1

@@ -141,3 +141,45 @@ def test_step_costs_are_measured_on_the_dummy_row_without_a_trace(models):
     drive(sched, worker, lambda plan, result, deltas: [
         outputs[d.rid].extend(unpack_ids(d.token_ids)) for d in (deltas.deltas if deltas else [])])
     assert outputs == expected
+
+
+def engine_counts(config, prompts, max_new):
+    """run_engine, with each decode plan's per-request token counts kept by plan kind."""
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
+    counts = {True: [], False: []}
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+
+    def collect(plan, result, deltas):
+        if plan.mode == "decode":
+            counts[plan.speculate].extend(unpack_ids(result.num_tokens))
+        for d in deltas.deltas if deltas else []:
+            outputs[d.rid] += unpack_ids(d.token_ids)
+
+    drive(sched, worker, collect)
+    return outputs, counts
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "MTP"])
+def test_the_draft_catches_up_on_plainly_decoded_positions(models, switching, algorithm,
+                                                           tmp_path_factory):  # fmt: skip
+    """A draft that always agrees with its target is accepted in full by every iteration, also
+    the first after plain steps: the catch-up ran the draft over the positions it missed."""
+    from tests.gpu_worker.mtp_checkpoints import make_agreeing_mtp_target
+
+    steps = 3
+    if algorithm == "EAGLE":
+        target = models["bigram"]
+        config = make_config(target, "EAGLE", models["agreeing"], steps, 1, steps + 1)
+    else:
+        target = make_agreeing_mtp_target(str(tmp_path_factory.mktemp("agree") / "t"),
+                                          num_mtp_layers=steps)  # fmt: skip
+        config = make_config(target, "MTP", None, steps, 1, steps + 1)
+    prompts = random_prompts(seed=5, n=3)
+    outputs, counts = engine_counts(config, prompts, 60)
+    assert outputs == run_engine(make_config(target), prompts, 60)[0]
+    assert counts[False] and set(counts[False]) == {1}
+    assert counts[True] and set(counts[True]) == {steps + 1}
