@@ -32,7 +32,11 @@ from aerie.step_costs import StepCosts
 
 FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
 PROBE_ITERATIONS = 2  # two accept lengths per probe
-REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate
+REQUEST_WEIGHT = 0.2  # weight of a new accept length in a request's estimate (from its kind's)
+# While speculating, plain decoding takes over only below (1 - HYSTERESIS) x the break-even:
+# a switch costs (the draft's catch-up), and the measured costs leave out the server's own
+# per-step host work, which makes an iteration relatively cheaper served than measured.
+HYSTERESIS = 0.1
 OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
 
 
@@ -68,6 +72,7 @@ class AdaptiveSpeculation:
     num_plain_steps: int = 0
     num_probes: int = 0
     last: Decision | None = None
+    speculating: bool = True  # the last choice but for probes
     estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
 
     def choose(self, rids: list[str], sampled: list[bool]) -> Decision:
@@ -82,7 +87,9 @@ class AdaptiveSpeculation:
             decision = Decision(True, None, break_even)
         else:
             expected = sum(estimates) / len(estimates)
-            decision = Decision(expected >= break_even, expected, break_even)
+            threshold = break_even * (1 - HYSTERESIS) if self.speculating else break_even
+            decision = Decision(expected >= threshold, expected, break_even)
+        self.speculating = decision.speculate
         if decision.speculate:
             self.plain_run, self.probe_interval, self.probe_left = 0, FIRST_PROBE, 0
         elif self.probe_left > 0 or self.plain_run >= self.probe_interval:
@@ -99,11 +106,9 @@ class AdaptiveSpeculation:
 
     def observe(self, rid: str, accept_length: int, sampled: bool = False) -> None:
         """One iteration emitted accept_length tokens for request rid (which samples or not)."""
-        old = self.estimates.get(rid)
-        self.estimates[rid] = (
-            accept_length if old is None else old + REQUEST_WEIGHT * (accept_length - old)
-        )
         overall = self.overall.get(sampled, accept_length)
+        old = self.estimates.get(rid, overall)
+        self.estimates[rid] = old + REQUEST_WEIGHT * (accept_length - old)
         self.overall[sampled] = overall + OVERALL_WEIGHT * (accept_length - overall)
 
     def forget(self, rid: str) -> None:

@@ -11,8 +11,10 @@ from aerie.resolve import ConfigError, _validate
 from aerie.step_costs import StepCosts
 from scheduler_proc.adaptive import (
     FIRST_PROBE,
+    HYSTERESIS,
     MAX_PROBE,
     PROBE_ITERATIONS,
+    REQUEST_WEIGHT,
     AdaptiveSpeculation,
     samples,
 )
@@ -87,8 +89,8 @@ def test_a_probe_that_finds_agreement_switches_back():
 
 def test_the_batch_compares_its_mean_estimate_with_its_own_break_even():
     policy = AdaptiveSpeculation(costs({1: 1.5, 2: 1.5, 4: 2.4}))
-    policy.observe("good", 3)  # the overall estimate starts at 3 ...
-    policy.observe("bad", 1)  # ... and moves a little towards 1
+    policy.overall[False] = 2.9
+    policy.estimates.update(good=3.0, bad=1.0)
     assert policy.choose(["good"], [False]).speculate
     assert not policy.choose(["bad"], [False]).speculate
     assert policy.choose(["good", "bad"], [False] * 2).speculate  # mean 2 >= 1.5
@@ -98,6 +100,26 @@ def test_the_batch_compares_its_mean_estimate_with_its_own_break_even():
     assert not policy.choose(["bad", "bad", "bad", "new"], [False] * 4).speculate
     policy.forget("bad")  # finished: a new request of that id starts from the overall estimate
     assert policy.choose(["bad"], [False]).expected == pytest.approx(2.9)
+
+
+def test_a_request_estimate_starts_from_its_kinds_and_moves_with_each_iteration():
+    policy = AdaptiveSpeculation(costs({1: 2.0}))
+    policy.observe("a", 3)  # the first of its kind: the overall estimate starts there
+    assert policy.overall[False] == 3 and policy.estimates["a"] == 3
+    policy.observe("b", 1)  # one miss moves b a fifth of the way from the overall 3
+    assert policy.estimates["b"] == pytest.approx(3 - REQUEST_WEIGHT * 2)
+    for _ in range(30):
+        policy.observe("b", 1)
+    assert policy.estimates["b"] == pytest.approx(1, abs=0.01)
+
+
+def test_speculation_holds_within_the_hysteresis_and_returns_at_the_break_even():
+    policy = AdaptiveSpeculation(costs({1: 2.0}))
+    policy.overall[False] = 2.0
+    for value, speculate in [(1.9, True), (2.0 * (1 - HYSTERESIS) - 0.01, False),
+                             (1.95, False), (2.0, True), (1.85, True)]:  # fmt: skip
+        policy.estimates["a"] = value
+        assert policy.choose(["a"], [False]).speculate is speculate, value
 
 
 def test_sampled_batches_use_the_sampled_costs():
