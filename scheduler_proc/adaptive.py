@@ -32,11 +32,11 @@ from aerie.step_costs import StepCosts
 
 FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
 PROBE_ITERATIONS = 2  # two accept lengths per probe
-REQUEST_WEIGHT = 0.2  # weight of a new accept length in a request's estimate (from its kind's)
+REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate (from its kind's)
 # While speculating, plain decoding takes over only below (1 - HYSTERESIS) x the break-even:
 # a switch costs (the draft's catch-up), and the measured costs leave out the server's own
 # per-step host work, which makes an iteration relatively cheaper served than measured.
-HYSTERESIS = 0.1
+HYSTERESIS = 0.05
 OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
 
 
@@ -46,6 +46,16 @@ def samples(params: SamplingParams) -> bool:
     drawn = params.temperature > 0 and params.top_k != 1
     penalised = params.frequency_penalty or params.presence_penalty
     return drawn or bool(penalised) or params.repetition_penalty != 1.0
+
+
+def kind(params: SamplingParams) -> tuple:
+    """What a request's acceptance is learnt with: its sampling settings. Drafts agree with a
+    greedy target far more than with one sampled at temperature 1, so a new request starts
+    from what requests of its own kind accepted. The first element says whether it samples."""
+    if not samples(params):
+        return (False,)
+    return (True, round(params.temperature, 2), round(params.top_p, 2), params.top_k,
+            round(params.min_p, 2))  # fmt: skip
 
 
 @dataclass
@@ -63,9 +73,9 @@ class AdaptiveSpeculation:
     """The per-step choice (see the module docstring). costs None: always speculate."""
 
     costs: StepCosts | None
-    # Running accept length over all requests, greedy (False) and sampled (True) apart: a
-    # request not observed yet starts from its kind's.
-    overall: dict[bool, float] = field(default_factory=dict)
+    # Running accept length over all requests of each kind (`kind`): a request not observed
+    # yet starts from its kind's.
+    overall: dict[tuple, float] = field(default_factory=dict)
     probe_interval: int = FIRST_PROBE
     plain_run: int = 0  # plain steps since the last iteration
     probe_left: int = 0  # iterations of the current probe still to plan
@@ -75,14 +85,14 @@ class AdaptiveSpeculation:
     speculating: bool = True  # the last choice but for probes
     estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
 
-    def choose(self, rids: list[str], sampled: list[bool]) -> Decision:
-        """Speculate for this batch of requests (True) or decode plainly (False); sampled:
-        per request, whether it samples (`samples`)."""
+    def choose(self, rids: list[str], kinds: list[tuple]) -> Decision:
+        """Speculate for this batch of requests (True) or decode plainly (False); kinds: per
+        request, its `kind`."""
         if self.costs is None:
             return Decision(True, None, 0.0)
-        break_even = self.costs.break_even(len(rids), any(sampled))
-        estimates = [self.estimates.get(rid, self.overall.get(kind))
-                     for rid, kind in zip(rids, sampled, strict=True)]  # fmt: skip
+        break_even = self.costs.break_even(len(rids), any(k[0] for k in kinds))
+        estimates = [self.estimates.get(rid, self.overall.get(k))
+                     for rid, k in zip(rids, kinds, strict=True)]  # fmt: skip
         if None in estimates:  # a request of a kind never observed: speculate to learn
             decision = Decision(True, None, break_even)
         else:
@@ -104,12 +114,12 @@ class AdaptiveSpeculation:
         self.last = decision
         return decision
 
-    def observe(self, rid: str, accept_length: int, sampled: bool = False) -> None:
-        """One iteration emitted accept_length tokens for request rid (which samples or not)."""
-        overall = self.overall.get(sampled, accept_length)
+    def observe(self, rid: str, accept_length: int, kind: tuple = (False,)) -> None:
+        """One iteration emitted accept_length tokens for request rid (of this `kind`)."""
+        overall = self.overall.get(kind, accept_length)
         old = self.estimates.get(rid, overall)
         self.estimates[rid] = old + REQUEST_WEIGHT * (accept_length - old)
-        self.overall[sampled] = overall + OVERALL_WEIGHT * (accept_length - overall)
+        self.overall[kind] = overall + OVERALL_WEIGHT * (accept_length - overall)
 
     def forget(self, rid: str) -> None:
         """A request finished (or was retracted and will start afresh)."""

@@ -40,7 +40,7 @@ from aerie.messages import (
     TokenDeltas,
     TokenizedRequest,
 )
-from scheduler_proc.adaptive import AdaptiveSpeculation, StepCosts, samples
+from scheduler_proc.adaptive import AdaptiveSpeculation, StepCosts, kind
 from scheduler_proc.kv_allocator import KVAllocator
 from scheduler_proc.plan import build_decode_plan, build_extend_plan
 from scheduler_proc.policy import NewTokenEstimate, SchedulePolicy, decode_alloc_len_for
@@ -240,7 +240,7 @@ class Scheduler:
             return True
         before = self.adaptive.last
         choice = self.adaptive.choose([req.rid for req in batch],
-                                      [samples(req.sampling) for req in batch])  # fmt: skip
+                                      [kind(req.sampling) for req in batch])  # fmt: skip
         if before is None or before.speculate != choice.speculate or choice.probe:
             logger.debug("adaptive speculation: %s for a batch of %d (expected %s tokens per "
                          "iteration, break-even %.2f)",
@@ -318,7 +318,7 @@ class Scheduler:
             for k in range(n):
                 self._accepted_per_position[k] += 1
             if self.adaptive is not None:
-                self.adaptive.observe(req.rid, n, samples(req.sampling))
+                self.adaptive.observe(req.rid, n, kind(req.sampling))
 
     def _apply_entry(
         self,

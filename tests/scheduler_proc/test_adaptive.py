@@ -16,10 +16,13 @@ from scheduler_proc.adaptive import (
     PROBE_ITERATIONS,
     REQUEST_WEIGHT,
     AdaptiveSpeculation,
+    kind,
     samples,
 )
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler_proc.fake_worker import Collector, FakeWorker, make_request, reference_output
+
+G, S = (False,), (True, 0.7, 1.0, -1, 0.0)  # request kinds: greedy, sampled at 0.7
 
 
 def costs(break_even: dict[int, float], sampled_factor: float = 1.0) -> StepCosts:
@@ -57,16 +60,16 @@ def test_bad_step_costs_are_refused_at_start_up_with_the_reason(text, says):
 
 
 def test_without_costs_or_observations_every_step_speculates():
-    assert AdaptiveSpeculation(None).choose(["a"], [False]).speculate
+    assert AdaptiveSpeculation(None).choose(["a"], [G]).speculate
     policy = AdaptiveSpeculation(costs({1: 2.0}))
-    first = policy.choose(["a"], [False])
+    first = policy.choose(["a"], [G])
     assert first.speculate and first.expected is None  # speculate to learn
 
 
 def test_a_request_whose_draft_misses_decodes_plainly_and_probes_less_and_less():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
     policy.observe("a", 1)
-    choices = [policy.choose(["a"], [False]) for _ in range(4 * MAX_PROBE)]
+    choices = [policy.choose(["a"], [G]) for _ in range(4 * MAX_PROBE)]
     assert all(c.speculate == c.probe for c in choices)  # plain but for the probes
     runs = "".join("s" if c.speculate else "p" for c in choices).split("s" * PROBE_ITERATIONS)
     plain_runs = [len(run) for run in runs[:-1]]
@@ -79,33 +82,33 @@ def test_a_request_whose_draft_misses_decodes_plainly_and_probes_less_and_less()
 def test_a_probe_that_finds_agreement_switches_back():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
     policy.observe("a", 1)
-    while not policy.choose(["a"], [False]).probe:
+    while not policy.choose(["a"], [G]).probe:
         pass
     for _ in range(3):  # the probe and what follows accept 4 tokens each
         policy.observe("a", 4)
-    assert policy.choose(["a"], [False]).speculate
+    assert policy.choose(["a"], [G]).speculate
     assert policy.probe_interval == FIRST_PROBE
 
 
 def test_the_batch_compares_its_mean_estimate_with_its_own_break_even():
     policy = AdaptiveSpeculation(costs({1: 1.5, 2: 1.5, 4: 2.4}))
-    policy.overall[False] = 2.9
+    policy.overall[G] = 2.9
     policy.estimates.update(good=3.0, bad=1.0)
-    assert policy.choose(["good"], [False]).speculate
-    assert not policy.choose(["bad"], [False]).speculate
-    assert policy.choose(["good", "bad"], [False] * 2).speculate  # mean 2 >= 1.5
+    assert policy.choose(["good"], [G]).speculate
+    assert not policy.choose(["bad"], [G]).speculate
+    assert policy.choose(["good", "bad"], [G] * 2).speculate  # mean 2 >= 1.5
     # An unseen request counts at the overall estimate (2.9): 4 rows need 2.4 each.
-    decision = policy.choose(["good", "bad", "new1", "new2"], [False] * 4)
+    decision = policy.choose(["good", "bad", "new1", "new2"], [G] * 4)
     assert decision.speculate and decision.expected == pytest.approx((3 + 1 + 2 * 2.9) / 4)
-    assert not policy.choose(["bad", "bad", "bad", "new"], [False] * 4).speculate
+    assert not policy.choose(["bad", "bad", "bad", "new"], [G] * 4).speculate
     policy.forget("bad")  # finished: a new request of that id starts from the overall estimate
-    assert policy.choose(["bad"], [False]).expected == pytest.approx(2.9)
+    assert policy.choose(["bad"], [G]).expected == pytest.approx(2.9)
 
 
 def test_a_request_estimate_starts_from_its_kinds_and_moves_with_each_iteration():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
     policy.observe("a", 3)  # the first of its kind: the overall estimate starts there
-    assert policy.overall[False] == 3 and policy.estimates["a"] == 3
+    assert policy.overall[G] == 3 and policy.estimates["a"] == 3
     policy.observe("b", 1)  # one miss moves b a fifth of the way from the overall 3
     assert policy.estimates["b"] == pytest.approx(3 - REQUEST_WEIGHT * 2)
     for _ in range(30):
@@ -115,20 +118,21 @@ def test_a_request_estimate_starts_from_its_kinds_and_moves_with_each_iteration(
 
 def test_speculation_holds_within_the_hysteresis_and_returns_at_the_break_even():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
-    policy.overall[False] = 2.0
-    for value, speculate in [(1.9, True), (2.0 * (1 - HYSTERESIS) - 0.01, False),
-                             (1.95, False), (2.0, True), (1.85, True)]:  # fmt: skip
+    policy.overall[G] = 2.0
+    low = 2.0 * (1 - HYSTERESIS)
+    for value, speculate in [(low + 0.01, True), (low - 0.01, False), (1.99, False),
+                             (2.0, True), (low + 0.01, True)]:  # fmt: skip
         policy.estimates["a"] = value
-        assert policy.choose(["a"], [False]).speculate is speculate, value
+        assert policy.choose(["a"], [G]).speculate is speculate, value
 
 
 def test_sampled_batches_use_the_sampled_costs():
     policy = AdaptiveSpeculation(costs({1: 2.0, 2: 2.0}, sampled_factor=1.5))
     policy.observe("a", 2.5)
-    assert policy.choose(["a"], [False]).speculate  # 2.5 >= 2
-    assert not policy.choose(["a"], [True]).speculate  # 2.5 < 3
-    policy.observe("b", 2.5, sampled=True)
-    assert not policy.choose(["a", "b"], [False, True]).speculate  # one samples: 3 needed
+    assert policy.choose(["a"], [G]).speculate  # 2.5 >= 2
+    assert not policy.choose(["a"], [S]).speculate  # 2.5 < 3
+    policy.observe("b", 2.5, S)
+    assert not policy.choose(["a", "b"], [G, S]).speculate  # one samples: 3 needed
 
 
 def test_greedy_and_sampled_requests_learn_apart():
@@ -136,11 +140,13 @@ def test_greedy_and_sampled_requests_learn_apart():
     (whose drafts agree less): a mix of both does not keep greedy streams from speculating."""
     policy = AdaptiveSpeculation(costs({1: 2.0}))
     for _ in range(20):
-        policy.observe("sampled", 1, sampled=True)
-    assert policy.choose(["new"], [False]).speculate  # no greedy request seen yet: learn
+        policy.observe("sampled", 1, S)
+    assert policy.choose(["new"], [G]).speculate  # no greedy request seen yet: learn
     policy.observe("greedy", 3)
-    assert policy.choose(["new"], [False]).expected == 3
-    assert not policy.choose(["new"], [True]).speculate
+    assert policy.choose(["new"], [G]).expected == 3
+    assert not policy.choose(["new"], [S]).speculate
+    hotter = kind(SamplingParams(temperature=1.0))
+    assert policy.choose(["new"], [hotter]).speculate  # a kind of its own: learn it
 
 
 @pytest.mark.parametrize("params, sampled", [
