@@ -25,7 +25,6 @@ entries write slot 0 at row 0's position 0, where it already is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,13 +32,12 @@ import torch
 
 from gpu_worker.forward_batch import ForwardMode, make_batch
 from gpu_worker.kv_cache.req_to_token import ReqToTokenPool
-from gpu_worker.model_runner import LogitsOutput, ModelRunner
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState, fixed_flags
 from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 
 VARIANTS = ("greedy", "sample", "filter")
-OnForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LogitsOutput], None]
 
 
 @dataclass(frozen=True)
@@ -54,18 +52,14 @@ class DecodeOutput:
 class DecodeStep:
     def __init__(self, runner: ModelRunner, state: RowState, sampling: SamplingState,
                  graph_max_bs: int, pools: list[ReqToTokenPool] | None = None,
-                 slots_per_row: int = 1, graph_pool=None,
-                 on_forward: OnForward | None = None) -> None:  # fmt: skip
+                 slots_per_row: int = 1, graph_pool=None) -> None:  # fmt: skip
         """graph_max_bs: the largest batch replayed as a graph (captured on CUDA when the
         attention backend can be); 0 runs every step directly. pools: the req_to_token tables
         a step records its new slots in (default: the runner's), all of one width.
         slots_per_row: new slots per row of a bucket the stage takes (a decode step's
         headroom, `--speculative` aside: one). graph_pool: a CUDA graph memory pool to
         capture into (default: a new one), e.g. the speculative stages', whose graphs never
-        run at the same time as these. on_forward(rows, input_ids, positions, out): called
-        inside the step after the target's forward (adaptive speculation records what the
-        draft will need, `PlainHistory.record`)."""
-        self.on_forward = on_forward
+        run at the same time as these."""
         self.runner, self.state, self.sampling = runner, state, sampling
         self.pools = pools or [runner.req_to_token_pool]
         self.slots_per_row = slots_per_row
@@ -130,10 +124,7 @@ class DecodeStep:
         batch = make_batch(ForwardMode.DECODE, input_ids, positions, out_cache_loc, rows,
                            lens_cpu, [1] * bs, seq_lens=seq_lens,
                            extend_seq_lens=torch.ones_like(seq_lens))  # fmt: skip
-        out = self.runner.forward(batch)
-        if self.on_forward is not None:
-            self.on_forward(rows, input_ids, positions, out)
-        logits = out.next_token_logits.float()
+        logits = self.runner.forward(batch).next_token_logits.float()
         if variant == "greedy":
             tokens, result = logits.argmax(dim=-1), {}
         else:

@@ -38,7 +38,6 @@ from gpu_worker.host_batch import HostCopy, PendingCopy, Staging, int64_entries
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.plan_arrays import EMPTY, PlanArrays, parse_plan
 from gpu_worker.prefill_graph import PrefillGraphs
-from gpu_worker.speculative.plain_history import PlainHistory
 from gpu_worker.speculative.target_verify import SpecStepOutput
 
 PLAN_MODES = ("extend", "decode")
@@ -73,16 +72,12 @@ class GPUWorker:
         # Plain decoding, and the plain steps of adaptive speculation (a speculative iteration
         # runs its own stages).
         self.decode_step: DecodeStep | None = None
-        self.plain_history: PlainHistory | None = None  # what the draft misses in plain steps
-        if self.spec is not None and config.speculative.adaptive:
-            self.plain_history = PlainHistory(self.spec, self.max_running_requests + 1)
         if self.spec is None or config.speculative.adaptive:
             self.decode_step = DecodeStep(
                 self.runner, self.rows, self.sampling, graph_max_bs(config),
                 [runner.req_to_token_pool for runner in self.runners],
                 config.speculative.decode_alloc_len,
                 graph_pool=self.spec.graph_pool if self.spec is not None else None,
-                on_forward=self.plain_history.record if self.plain_history else None,
             )  # fmt: skip
         # Short prefills replay graphs where they can be captured (the speculative draft's
         # prefill reads the target's hidden states, so they are kept with a draft).
@@ -146,11 +141,7 @@ class GPUWorker:
         rows = self._write_slots(arrays)
         self._mark("slots_written", plan.plan_id)
         if plan.mode == "extend":
-            if self.plain_history is not None:
-                self.plain_history.on_draft_ran(arrays.rows)
             return self._launch_extend(plan.plan_id, arrays, rows)
-        if self.plain_history is not None:
-            self.plain_history.catch_up(arrays.rows)
         return self._launch_speculative(plan.plan_id, arrays, rows)
 
     # ------------------------------------------------------------------------------ modes
@@ -194,8 +185,6 @@ class GPUWorker:
         decode stage's inputs, which records the slots and runs the step (one replay)."""
         step = self.decode_step
         assert step is not None
-        if self.plain_history is not None:
-            self.plain_history.on_plain_step(arrays.rows)
         want = bool(self.return_logprob[arrays.rows].any())
         variant = step.variant_for(arrays.rows, want)
         index = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
@@ -272,8 +261,6 @@ class GPUWorker:
             start.output_len,
         )
         self.return_logprob[start.row] = start.return_logprob
-        if self.plain_history is not None:
-            self.plain_history.on_draft_ran(np.array([start.row]))
 
     def _write_slots(self, arrays: PlanArrays, flat: np.ndarray | None = None) -> torch.Tensor:
         """Record every assigned slot (headroom included) in every runner's req_to_token rows

@@ -46,6 +46,9 @@ class Request:
     prefix_len: int = 0
     fill_ids: list[int] = field(default_factory=list)
     spec_verify_ct: int = 0
+    # Whether the draft's state follows the request's last token: false after a plain decode
+    # step (adaptive speculation), true again once an iteration's draft extend has run.
+    draft_fresh: bool = True
     finish: FinishReason | None = None
     num_sent: int = 0  # output tokens already sent to the detokenizer
     needs_start: bool = True  # next plan entry carries a RequestStart (new row)
@@ -95,3 +98,4 @@ class Request:
         self.prefix_len = 0
         self.fill_ids = self.prompt_ids + self.output_ids
         self.needs_start = True
+        self.draft_fresh = True  # the draft's prefill runs again

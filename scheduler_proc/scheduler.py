@@ -90,6 +90,7 @@ class Scheduler:
         self._num_verify = 0
         self._accepted_per_position: list[int] = []
         self._num_plain_steps = 0  # decode steps of a speculative server run plainly
+        self._stale_drafts: dict[int, set[str]] = {}  # plan id -> rids drafting from old state
         self._num_retractions = 0
         self._num_requests = 0  # requests received since start
         # Admission's estimate of the KV running requests will still take.
@@ -232,6 +233,14 @@ class Scheduler:
         assert grown is not None, "policy kept more decoders than the free KV"
         speculate = self.speculative and self._speculate(batch)
         plan = build_decode_plan(self._take_plan_id(), batch, *grown, speculate=speculate)
+        if self.speculative:
+            # An iteration right after a plain step drafts from the state the draft had
+            # before it (its extend then catches up): its acceptance says nothing of the draft.
+            stale = {req.rid for req in batch if not req.draft_fresh} if speculate else set()
+            if stale:
+                self._stale_drafts[plan.plan_id] = stale
+            for req in batch:
+                req.draft_fresh = speculate
         return plan, batch, [True] * len(batch)
 
     def _speculate(self, batch: list[Request]) -> bool:
@@ -288,6 +297,7 @@ class Scheduler:
         packed = result.token_ids  # ids as int32 bytes: a delta's token_ids are slices of it
         decode = plan.mode == "decode"
         plain_speculative = decode and self.speculative and not plan.speculate
+        stale = self._stale_drafts.pop(plan.plan_id, ())
         if plain_speculative:  # one target forward each: counted like a verify of no drafts
             verify = [1] * len(requests)
             self._num_plain_steps += 1
@@ -302,12 +312,14 @@ class Scheduler:
                     self._release(req)
                 continue
             if not plain_speculative:
-                self._observe_accept(req, decode, num_verify, n)
+                self._observe_accept(req, decode, num_verify, n, req.rid not in stale)
             self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
         return self.take_deltas()
 
-    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int) -> None:
-        """Acceptance stats of an entry from a speculative iteration (num_verify > 0)."""
+    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int,
+                        fresh: bool) -> None:  # fmt: skip
+        """Acceptance stats of an entry from a speculative iteration (num_verify > 0); fresh:
+        the draft drafted from its up-to-date state (adaptive speculation learns from it)."""
         if not decode or num_verify == 0:
             return
         self._num_decode_tokens += n
@@ -317,7 +329,7 @@ class Scheduler:
             self._accepted_per_position.extend([0] * max(grow, 0))
             for k in range(n):
                 self._accepted_per_position[k] += 1
-            if self.adaptive is not None:
+            if self.adaptive is not None and fresh:
                 self.adaptive.observe(req.rid, n, kind(req.sampling))
 
     def _apply_entry(
