@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 # Shared value types
 
 
+GREEDY_EPS = 1e-5  # temperatures below this are greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping parameters, already validated by the tokenizer."""
@@ -41,6 +44,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+
+    @property
+    def draws(self) -> bool:
+        """Whether tokens are drawn from the distribution, not its argmax."""
+        return self.temperature >= GREEDY_EPS and self.top_k != 1
+
+    @property
+    def penalised(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aerie.messages import SamplingParams
-
-GREEDY_EPS = 1e-5  # temperatures below this are greedy
+from aerie.messages import GREEDY_EPS, SamplingParams
 
 # Noise streams: independent randomness for the same (seed, position).
 STREAM_TOKEN = 0  # the sampled token
@@ -426,11 +424,9 @@ class SamplingState:
 
 def _row_flags(params: SamplingParams, top_k: int, vocab_size: int) -> list[bool]:
     """Host flags in `_FLAG_COLUMNS` order for one request's parameters."""
-    sampling = params.temperature >= GREEDY_EPS and top_k != 1
+    sampling = params.draws
     return [
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0,
+        params.penalised,
         sampling,
         sampling and top_k < vocab_size,
         sampling and params.top_p < 1.0,

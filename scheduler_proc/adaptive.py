@@ -36,8 +36,9 @@ FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
 PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the second measures
 REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate (from its kind's)
 # While speculating, plain decoding takes over only below (1 - HYSTERESIS) x the break-even:
-# a switch costs (the draft's catch-up), and the measured costs leave out the server's own
-# per-step host work, which makes an iteration relatively cheaper served than measured.
+# a switch costs (the first iteration after plain steps drafts from a stale state), and the
+# measured costs leave out the server's own per-step host work, which makes an iteration
+# relatively cheaper served than measured.
 HYSTERESIS = 0.05
 OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
 
@@ -45,9 +46,7 @@ OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
 def samples(params: SamplingParams) -> bool:
     """Whether a request's step runs the sampling stages (drawn tokens or penalties) rather
     than a bare argmax: the sampled step costs."""
-    drawn = params.temperature > 0 and params.top_k != 1
-    penalised = params.frequency_penalty or params.presence_penalty
-    return drawn or bool(penalised) or params.repetition_penalty != 1.0
+    return params.draws or params.penalised
 
 
 def kind(params: SamplingParams) -> tuple:
@@ -72,17 +71,15 @@ class Decision:
 
 @dataclass
 class AdaptiveSpeculation:
-    """The per-step choice (see the module docstring). costs None: always speculate."""
+    """The per-step choice (see the module docstring)."""
 
-    costs: StepCosts | None
+    costs: StepCosts
     # Running accept length over all requests of each kind (`kind`): a request not observed
     # yet starts from its kind's.
     overall: dict[tuple, float] = field(default_factory=dict)
     probe_interval: int = FIRST_PROBE
     plain_run: int = 0  # plain steps since the last iteration
     probe_left: int = 0  # iterations of the current probe still to plan
-    num_plain_steps: int = 0
-    num_probes: int = 0
     last: Decision | None = None
     speculating: bool = True  # the last choice but for probes
     estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
@@ -90,8 +87,6 @@ class AdaptiveSpeculation:
     def choose(self, rids: list[str], kinds: list[tuple]) -> Decision:
         """Speculate for this batch of requests (True) or decode plainly (False); kinds: per
         request, its `kind`."""
-        if self.costs is None:
-            return Decision(True, None, 0.0)
         break_even = self.costs.break_even(len(rids), any(k[0] for k in kinds))
         estimates = [self.estimates.get(rid, self.overall.get(k))
                      for rid, k in zip(rids, kinds, strict=True)]  # fmt: skip
@@ -106,13 +101,12 @@ class AdaptiveSpeculation:
             self.plain_run, self.probe_interval, self.probe_left = 0, FIRST_PROBE, 0
         elif self.probe_left > 0 or self.plain_run >= self.probe_interval:
             if self.probe_left == 0:  # a new probe
-                self.probe_left, self.num_probes = PROBE_ITERATIONS, self.num_probes + 1
+                self.probe_left = PROBE_ITERATIONS
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE)
             decision.speculate = decision.probe = True
             self.plain_run, self.probe_left = 0, self.probe_left - 1
         else:
             self.plain_run += 1
-            self.num_plain_steps += 1
         self.last = decision
         return decision
 

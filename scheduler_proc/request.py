@@ -18,6 +18,7 @@ import enum
 from dataclasses import InitVar, dataclass, field
 
 from aerie.messages import FinishReason, SamplingParams
+from scheduler_proc.adaptive import kind
 
 
 class ReqState(enum.Enum):
@@ -46,6 +47,8 @@ class Request:
     prefix_len: int = 0
     fill_ids: list[int] = field(default_factory=list)
     spec_verify_ct: int = 0
+    # What adaptive speculation learns its acceptance with (`adaptive.kind`): its sampling.
+    accept_kind: tuple = field(init=False)
     # Whether the draft's state follows the request's last token: false after a plain decode
     # step (adaptive speculation), true again once an iteration's draft extend has run.
     draft_fresh: bool = True
@@ -70,6 +73,7 @@ class Request:
         if not self.fill_ids:
             self.fill_ids = list(self.prompt_ids)
         self.max_output_len = self.sampling.max_new_tokens
+        self.accept_kind = kind(self.sampling)
         if context_length is not None:
             self.max_output_len = min(self.max_output_len, context_length - len(self.prompt_ids))
 

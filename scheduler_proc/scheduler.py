@@ -40,7 +40,8 @@ from aerie.messages import (
     TokenDeltas,
     TokenizedRequest,
 )
-from scheduler_proc.adaptive import AdaptiveSpeculation, StepCosts, kind
+from aerie.step_costs import StepCosts
+from scheduler_proc.adaptive import AdaptiveSpeculation
 from scheduler_proc.kv_allocator import KVAllocator
 from scheduler_proc.plan import build_decode_plan, build_extend_plan
 from scheduler_proc.policy import NewTokenEstimate, SchedulePolicy, decode_alloc_len_for
@@ -97,11 +98,11 @@ class Scheduler:
         self.new_tokens = NewTokenEstimate(config.scheduler.schedule_conservativeness)
         spec = config.speculative
         self.speculative = spec.enabled
-        # Speculate or decode plainly, step by step (without measured costs: always speculate).
+        # Speculate or decode plainly, step by step; without step costs (none were measured:
+        # CPU), or with --speculative-adaptive off, every decode step speculates.
         self.adaptive: AdaptiveSpeculation | None = None
-        if spec.adaptive:
-            costs = spec.speculative_step_costs
-            self.adaptive = AdaptiveSpeculation(StepCosts.from_json(costs) if costs else None)
+        if spec.adaptive and spec.speculative_step_costs:
+            self.adaptive = AdaptiveSpeculation(StepCosts.from_json(spec.speculative_step_costs))
 
     # ------------------------------------------------------------------ requests in
 
@@ -233,7 +234,7 @@ class Scheduler:
         assert grown is not None, "policy kept more decoders than the free KV"
         speculate = self.speculative and self._speculate(batch)
         plan = build_decode_plan(self._take_plan_id(), batch, *grown, speculate=speculate)
-        if self.speculative:
+        if self.adaptive is not None:
             # An iteration right after a plain step drafts from the state the draft had
             # before it (its extend then catches up): its acceptance says nothing of the draft.
             stale = {req.rid for req in batch if not req.draft_fresh} if speculate else set()
@@ -249,7 +250,7 @@ class Scheduler:
             return True
         before = self.adaptive.last
         choice = self.adaptive.choose([req.rid for req in batch],
-                                      [kind(req.sampling) for req in batch])  # fmt: skip
+                                      [req.accept_kind for req in batch])  # fmt: skip
         if before is None or before.speculate != choice.speculate or choice.probe:
             logger.debug("adaptive speculation: %s for a batch of %d (expected %s tokens per "
                          "iteration, break-even %.2f)",
@@ -330,7 +331,7 @@ class Scheduler:
             for k in range(n):
                 self._accepted_per_position[k] += 1
             if self.adaptive is not None and fresh:
-                self.adaptive.observe(req.rid, n, kind(req.sampling))
+                self.adaptive.observe(req.rid, n, req.accept_kind)
 
     def _apply_entry(
         self,

@@ -14,6 +14,7 @@ import pytest
 
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
+from aerie.step_costs import StepCosts
 from gpu_worker.step_costs import measure_step_costs
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.adaptive import AdaptiveSpeculation, Decision
@@ -21,6 +22,16 @@ from scheduler_proc.scheduler import Scheduler
 from tests.engine_loop import drive
 from tests.gpu_worker.mtp_checkpoints import make_tiny_mtp_target
 from tests.gpu_worker.speculative.test_eagle_worker import make_config, random_prompts, run_engine
+
+COSTS = StepCosts((1,), {"greedy": (1.0,), "sampled": (1.0,)},
+                  {"greedy": (2.0,), "sampled": (2.0,)}).to_json()  # (the pattern decides)
+
+
+def adaptive_config(*args, **kwargs):
+    """A speculative config whose scheduler runs adaptive speculation (given step costs)."""
+    config = make_config(*args, **kwargs)
+    return config.replace(speculative={"speculative_step_costs": COSTS})
+
 
 # Plain steps alone, in pairs and runs, between iterations (1: speculate).
 PATTERN = (1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1, 1)
@@ -73,7 +84,7 @@ def test_switching_between_plain_and_speculative_steps_keeps_greedy_output(
     base, _, _ = run_engine(make_config(target, page_size=page_size), prompts, 24)
     switching.clear()
     switching.plain_launches = 0
-    config = make_config(target, algorithm, draft, steps, topk, num_draft, page_size, chunk,
+    config = adaptive_config(target, algorithm, draft, steps, topk, num_draft, page_size, chunk,
                          overlap=overlap)  # fmt: skip
     outputs, verify_ct, counts = run_engine(config, prompts, 24)
     assert outputs == base
@@ -102,7 +113,7 @@ def test_plain_steps_of_a_speculative_engine_draw_what_plain_decoding_draws(mode
                         lambda self, rids, sampled: Decision(False, None, 0.0))  # fmt: skip
     prompt = [5, 6, 7, 8, 9]
     plain = run_sampled(make_config(models["target"]), prompt, seed=3)
-    spec = make_config(models["target"], "EAGLE3", models["eagle3"], 3, 1, 4)
+    spec = adaptive_config(models["target"], "EAGLE3", models["eagle3"], 3, 1, 4)
     assert run_sampled(spec, prompt, seed=3) == plain
     assert run_sampled(make_config(models["target"]), prompt, seed=4) != plain
 
@@ -110,7 +121,7 @@ def test_plain_steps_of_a_speculative_engine_draw_what_plain_decoding_draws(mode
 def test_a_speculative_worker_without_adaptive_refuses_plain_plans(models, monkeypatch):
     monkeypatch.setattr(AdaptiveSpeculation, "choose",
                         lambda self, rids, sampled: Decision(False, None, 0.0))  # fmt: skip
-    config = make_config(models["target"], "EAGLE", models["eagle"], 2, 1, 3)
+    config = adaptive_config(models["target"], "EAGLE", models["eagle"], 2, 1, 3)
     worker = GPUWorker(config.replace(speculative={"speculative_adaptive": "off"}))
     assert worker.decode_step is None
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
