@@ -104,8 +104,11 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
         graph_tokens=graph_tokens,
         prefill_graph_tokens=prefill_graph_tokens(config) if captured else 0,
         # The plain decode step samples inside its graphs, one row per request; speculation in
-        # its accept graphs, one row per tree node, up to ACCEPT_GRAPH_ROWS of them.
-        graph_sampled_rows=(min(graph_tokens, ACCEPT_GRAPH_ROWS) if spec.enabled else graph_bs),
+        # its accept graphs, one row per tree node, up to ACCEPT_GRAPH_ROWS of them, and with
+        # adaptive speculation in the plain decode step's graphs too (one memory pool, but
+        # the graphs keep their own temporaries).
+        graph_sampled_rows=(min(graph_tokens, ACCEPT_GRAPH_ROWS) + graph_bs * spec.adaptive
+                            if spec.enabled else graph_bs),  # fmt: skip
         tp=tp,
     )  # fmt: skip
 

@@ -372,9 +372,11 @@ def test_graph_memory_is_budgeted_only_where_graphs_are_captured(tiny_dirs, back
     reserved = (spec.graph_tokens, spec.graph_sampled_rows, spec.prefill_graph_tokens)
     assert reserved == ((8, 8, 256) if captured else (0, 0, 0))
     # speculation: the stage graphs' verify forwards and accept graphs, one row per tree node
-    # (up to ACCEPT_GRAPH_ROWS of them)
+    # (up to ACCEPT_GRAPH_ROWS of them), and adaptive speculation's plain decode step graphs
     for num_draft, rows in ((6, 48), (64, ACCEPT_GRAPH_ROWS)):
-        spec = target_spec(config.replace(speculative={
-            "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": num_draft}))
-        reserved = (spec.graph_tokens, spec.graph_sampled_rows)
-        assert reserved == ((8 * num_draft, rows) if captured else (0, 0))
+        for adaptive, plain_rows in (("off", 0), ("on", 8)):
+            spec = target_spec(config.replace(speculative={
+                "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": num_draft,
+                "speculative_adaptive": adaptive}))  # fmt: skip
+            reserved = (spec.graph_tokens, spec.graph_sampled_rows)
+            assert reserved == ((8 * num_draft, rows + plain_rows) if captured else (0, 0))
