@@ -85,12 +85,8 @@ class GPUWorker:
         backend = self.runner.attn_backend
         if (prefill_graph_tokens(config) > 0 and self.device.type == "cuda"
                 and backend.supports_cuda_graph):  # fmt: skip
-            self.prefill_graphs = PrefillGraphs(
-                self.runner,
-                prefill_graph_tokens(config),
-                capture=True,
-                keep_hidden=self.spec is not None,
-            )
+            self.prefill_graphs = PrefillGraphs(self.runner, prefill_graph_tokens(config),
+                                                capture=True, keep_hidden=self.spec is not None)
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
@@ -269,9 +265,8 @@ class GPUWorker:
         (`ReqToTokenPool.flat_index`), when the caller has them."""
         if flat is None:
             flat = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
-        rows, index, packed = self.staging.upload(
-            [arrays.rows, flat, int64_entries(arrays.slots, 4)]
-        )
+        rows, index, packed = self.staging.upload([arrays.rows, flat,
+                                                    int64_entries(arrays.slots, 4)])
         if len(flat):
             slots = packed.view(torch.int32)[: len(flat)]
             for runner in self.runners:

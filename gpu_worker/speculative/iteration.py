@@ -266,10 +266,7 @@ class SpeculativeWorker:
         return "filter" if top_k or top_p else "sample"
 
     def _accept(
-        self,
-        flags: tuple[bool, ...],
-        bs: int,
-        inputs: dict[str, torch.Tensor],
+        self, flags: tuple[bool, ...], bs: int, inputs: dict[str, torch.Tensor],
         prefix_cpu: list[int],
     ) -> dict[str, torch.Tensor]:
         """An accept stage: acceptance with the sampling stages `flags`, the accepted path's
@@ -286,9 +283,5 @@ class SpeculativeWorker:
         result, step = accept_and_read(self.sampling, tree, flat["logits"], rows, flags)
         self.compact(result, rows, inputs["prefix_lens"])
         assert step.logprobs is not None
-        return {
-            "accept_lens": step.accept_lens,
-            "tokens": step.tokens,
-            "logprobs": step.logprobs,
-            "features": compact_rows(flat["features"], result),
-        }
+        return {"accept_lens": step.accept_lens, "tokens": step.tokens,
+                "logprobs": step.logprobs, "features": compact_rows(flat["features"], result)}
