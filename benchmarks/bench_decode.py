@@ -16,9 +16,7 @@ host synchronisation inside the timed loop) for these variants:
   library, library+graph
                  triton with the one-row projections of large weights (over
                  small_m_linear.MAX_FUSED_WEIGHT elements: the 8B shape's) by the library GEMM
-                 instead of the kernel at small_m_linear.GEMV_CONFIG, and 2-16 rows of small
-                 weights by the library GEMM instead of `few_row_linear` (with PDL at one row
-                 only; measured last, so no runner of another group sees its row limit)
+                 instead of the kernel at small_m_linear.GEMV_CONFIG
   compiled       a gpt-fast-style static-KV decoder on the same weights, compiled with
                  torch.compile(mode="reduce-overhead") (benchmarks/static_kv_baseline.py)
 
@@ -72,7 +70,6 @@ GROUPS = ("torch_native", "triton", "unfused", "nopdl", "library")  # one runner
 def configure_kernels(group: str, gemv: small_m_linear.Config | None = GEMV_CONFIG) -> None:
     small_m_linear.MAX_FUSED_WEIGHT = 0 if group == "unfused" else FUSED_WEIGHT
     small_m_linear.GEMV_CONFIG = None if group in ("unfused", "library") else gemv
-    small_m_linear.FEW_ROW_KERNEL = group != "library"
     pdl.FORCE_OFF = group == "nopdl"
 
 

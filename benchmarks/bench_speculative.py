@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import statistics
@@ -413,10 +412,10 @@ def print_iterations(args, rows: list[dict]) -> None:
           f"{args.context_len} tokens, {args.iters} iterations each")
     print(f"{'mode':30s} {'bs':>3s} {'plain ms':>9s} {'iter ms':>8s} {'ratio':>6s} "
           f"{'bound':>6s} {'agree acc':>9s} {'agree tok/s vs plain':>21s}")
-    several_settings = len({r["few_row_kernel"] for r in rows}) > 1
+    several_limits = len({r["fused_rows"] for r in rows}) > 1
     for r in rows:
-        if several_settings:
-            print(f"  (few_row_linear {r['few_row_kernel']})")
+        if several_limits:
+            print(f"  (fused kernel up to {r['fused_rows']} rows)")
         print(f"{r['mode']:30s} {r['batch_size']:3d} {r['plain_step_ms']:9.3f} "
               f"{r['iteration_ms']:8.3f} {r['ratio']:6.2f} {r['byte_bound']:6.2f} "
               f"{r['agreeing_tokens_per_iteration']:9.2f} {r['agreeing_speedup']:20.2f}x")
@@ -489,10 +488,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=50, help="--mode iteration: timed steps")
     parser.add_argument("--profile-top", type=int, default=0,
                         help="with --profile: print the N most expensive kernels of each row")
-    parser.add_argument("--few-row-kernel", default="on",
-                        help="--mode iteration: on, off or on,off: measure every shape with "
-                        "small weights at 2-16 rows projected by few_row_linear (on) or by the "
-                        "library GEMM (off, PDL at one row only)")
+    parser.add_argument("--fused-rows", default="",
+                        help="--mode iteration: e.g. 1,4: measure every shape once per value of "
+                        "small_m_linear.MAX_FUSED_ROWS (rows up to which the triton backend's "
+                        "projections run the fused kernel)")
     parser.add_argument("--profile", action="store_true",
                         help="--mode iteration on CUDA: kernels and GPU busy time per step")
     args = parser.parse_args(argv)
@@ -512,18 +511,15 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--mode iteration needs --model-path, and --draft-path or "
                          "--load-format dummy")
         rows = []
-        settings = args.few_row_kernel.split(",")
-        if not set(settings) <= {"on", "off"}:
-            parser.error("--few-row-kernel takes on, off or both")
-        default = small_m_linear.FEW_ROW_KERNEL
+        default_rows = small_m_linear.MAX_FUSED_ROWS
+        limits = [int(n) for n in args.fused_rows.split(",")] if args.fused_rows else [default_rows]
         try:
-            for setting in settings:
-                small_m_linear.FEW_ROW_KERNEL = setting == "on"
-                gc.collect()  # the last worker's models, whose PDL row limit would still count
-                rows += [{**row, "few_row_kernel": setting}
+            for fused_rows in limits:
+                small_m_linear.MAX_FUSED_ROWS = fused_rows
+                rows += [{**row, "fused_rows": fused_rows}
                          for row in measure_iterations(args, shapes, draft_dir)]  # fmt: skip
         finally:
-            small_m_linear.FEW_ROW_KERNEL = default
+            small_m_linear.MAX_FUSED_ROWS = default_rows
         print_iterations(args, rows)
         if args.output:
             with open(args.output, "w") as f:

@@ -27,7 +27,6 @@ from gpu_worker.attention import create_attention_backend
 from gpu_worker.cuda_graph import CudaGraphRunner
 from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.host_batch import HostBatch, Staging
-from gpu_worker.kernels import pdl, small_m_linear
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.layers.layernorm import set_use_triton
 from gpu_worker.layers.rotary import init_cos_sin_caches
@@ -152,8 +151,6 @@ class ModelRunner:
         self.model = self._load_model(spec.load_format, spec.seed, draft_of)
         init_cos_sin_caches(self.model, row_width, self.device)
         set_use_triton(self.model, spec.attention_backend == "triton")
-        if spec.attention_backend == "triton":
-            pdl.limit_rows(self.model, small_m_linear.pdl_rows(self.model))
         self.aux_hidden_layers = self._check_aux_layers(list(spec.aux_hidden_layers))
         graph_tokens = max(spec.cuda_graph_max_bs, spec.graph_tokens)
         self.graph_reserve_bytes = (

@@ -351,8 +351,8 @@ if [[ $1 == spec-graphs ]]; then
   # one iteration against a plain graphed step (carry wheels, smollm2-config, llama8b).
   # MODELS picks the shapes; SKIP_UNIT=1 / SKIP_E2E=1 skip the tests; DRAFT=DIR shapes the draft
   # after that checkpoint's config (e.g. the shipped aerie/drafts/SmolLM2-135M-Instruct/eagle3)
-  # instead of a random one after the target's. FEW_ROW_KERNEL="on,off" measures every shape with
-  # few_row_linear and without it (bench_speculative.py --few-row-kernel).
+  # instead of a random one after the target's. FUSED_ROWS="1,4" measures every shape once per
+  # limit of rows that run the fused projection kernel (bench_speculative.py --fused-rows).
   # PYSPY_S=6 (py-spy among the carried wheels): host profiles of plain steps and of each
   # shape's iterations at the first batch size (host_profile_iter_*.txt).
   # KERNEL_TESTS=1 first runs the kernel tests on CUDA, the PDL graphs bit for bit and the model
@@ -393,7 +393,7 @@ if [[ $1 == spec-graphs ]]; then
       timeout ${BENCH_S:-240} python benchmarks/bench_speculative.py --mode iteration \
         --model-path .device-carry/$m --load-format dummy --algorithm $algo --shapes "$shapes" ${DRAFT:+--draft-path $DRAFT} \
         --batch-sizes ${BATCH_SIZES:-1,32} --iters ${ITERS:-50} ${PROFILE:+--profile --profile-top ${PROFILE_TOP:-0}} \
-        ${FEW_ROW_KERNEL:+--few-row-kernel $FEW_ROW_KERNEL} ${PYSPY_S:+--spin $PYSPY_S} --temperature $temp \
+        ${FUSED_ROWS:+--fused-rows $FUSED_ROWS} ${PYSPY_S:+--spin $PYSPY_S} --temperature $temp \
         --output "$OUT/iter_$tag.json" > "$OUT/iter_$tag.txt" 2>&1 &
       bench=$!; seen=0
       # PYSPY_S: a host profile of the worker's loop over plain steps, then over each shape's

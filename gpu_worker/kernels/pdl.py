@@ -17,13 +17,12 @@ The rules for a kernel that takes USE_PDL and calls `wait_for_previous(USE_PDL)`
 A kernel that never waits must not be launched with `launch_pdl`: it could read its inputs
 before they are written. `launch_args(device, rows)` gives both switches together.
 
-Only launches of at most `MAX_ROWS` rows (tokens) use it: every projection there must be one of
-our kernels, which lets the next launch only once its own wait has returned. After a library
-GEMM a kernel launched early waited on the device for longer than it saved. H100, bf16, the
-135M shape's decode step in a CUDA graph (bench_decode.py, triton+graph against nopdl+graph):
-at batch 1, 0.630 -> 0.503 ms per step; at batch 64 (PDL on every Triton kernel) 1.025 ->
-1.091 ms. So MAX_ROWS is 1 unless every model runner in the process says its projections are
-ours at more rows (`limit_rows`: small weights run `few_row_linear` up to 16 rows).
+Only launches of at most MAX_ROWS rows (tokens) use it. There every projection is one of our
+kernels, which lets the next launch only once its own wait has returned; with more rows the
+projections are library GEMMs, and a kernel launched early after one of those waited on the
+device for longer than it saved. H100, bf16, the 135M shape's decode step in a CUDA graph
+(bench_decode.py, triton+graph against nopdl+graph): at batch 1, 0.630 -> 0.503 ms per step;
+at batch 64 (PDL on every Triton kernel) 1.025 -> 1.091 ms.
 
 Off on CPU (Triton's interpreter has no grid dependency control), before compute capability 9.0,
 and where AERIE_PDL=0 (e.g. to rule it out when a driver misbehaves); `FORCE_OFF` is for
@@ -33,7 +32,6 @@ benchmarks that compare the two launches.
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import triton
@@ -42,16 +40,7 @@ import triton.language as tl
 ENV = "AERIE_PDL"
 FORCE_OFF = False  # bench_decode's "nopdl" variants
 MAX_ROWS = 1
-_row_limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> rows it allows
 _capable: dict[int, bool] = {}
-
-
-def limit_rows(model: object, rows: int) -> None:
-    """A runner's model allows PDL up to `rows` rows; MAX_ROWS becomes the least that any
-    model alive in the process allows (a runner built later never raises another's limit)."""
-    global MAX_ROWS
-    _row_limits[model] = rows
-    MAX_ROWS = min(_row_limits.values())
 
 
 def enabled(device: torch.device) -> bool:

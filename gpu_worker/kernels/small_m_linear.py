@@ -13,8 +13,7 @@ norm+gate_up, silu+down. The residual add before a norm is computed by every pro
 is a few KB) and stored by the first. Where the fused prologue does not pay (`choose_config`):
 one row of a large weight (the 8B shape's) runs the separate norm or SiLU kernel, then this
 kernel without a prologue, which reads the weight closer to the memory bandwidth than the
-library GEMM does; two to 16 rows of a small weight run the separate kernel, then
-`few_row_linear` on the tensor cores; more rows, or a large weight, the library GEMM.
+library GEMM does; several rows run the separate kernels and the library GEMM.
 
 Numerics are the references' (`norm.add_rms_norm_reference`, `activation.silu_and_mul_reference`
 followed by `F.linear`): the normalised or gated input is rounded to the input dtype before the
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import activation, few_row_linear, next_power_of_2, norm, pdl
+from gpu_worker.kernels import activation, next_power_of_2, norm, pdl
 from gpu_worker.kernels.activation import silu_and_mul_reference
 from gpu_worker.kernels.norm import add_rms_norm_reference, rms_norm_reference
 
@@ -163,9 +162,6 @@ MAX_FUSED_WEIGHT = 4 << 20  # elements; 0 never fuses (bench_decode's "unfused" 
 # norm or SiLU kernel and the library GEMM together (see choose_config); bench_speculative.py
 # --fused-rows measures a speculative iteration at other limits.
 MAX_FUSED_ROWS = 1
-# Two to 16 rows of a small weight: the separate norm or SiLU kernel, then `few_row_linear` on
-# the tensor cores (False: the library GEMM, bench_decode's "library" comparison).
-FEW_ROW_KERNEL = True
 # One row of a larger weight: the kernel without the prologue (the norm or SiLU runs as its
 # own kernel first), or the library GEMM where None (bench_decode's "library" variants).
 # Two columns per program and 2048 keys per iteration: the best or within 1% of the best
@@ -194,8 +190,7 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
       kernel and the library GEMM, and a chain S=3 iteration on the 135M shape took 1.35 ms
       of GPU time with it against 1.21 ms without (MAX_FUSED_ROWS 4 against 1). A variant
       on the tensor cores (rows padded to a 16-row tile) matched the library GEMM alone, but
-      with the prologue took 7.4-22 us, so several rows run the separate kernels (and then
-      `few_row_linear`, which `linear` picks where this returns None);
+      with the prologue took 7.4-22 us, so several rows run the separate kernels;
     - more rows, or several of a large weight: the library GEMM is as fast or faster.
     A small weight's program covers its input in one tile up to ONE_TILE_K, which with PDL
     lets it read its weight while the kernel before it still runs."""
@@ -226,32 +221,11 @@ def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Confi
     return out, summed
 
 
-def few_rows(rows: int, n: int, k: int) -> bool:
-    """Whether rows x [n, k] runs `few_row_linear` (a small weight at 2-16 rows)."""
-    return FEW_ROW_KERNEL and few_row_linear.fits(rows) and n * k <= MAX_FUSED_WEIGHT
-
-
-def pdl_rows(model: torch.nn.Module) -> int:
-    """The most rows at which every projection of model's layers is one of our kernels, so
-    that the kernels between them may launch with PDL (`pdl.limit_rows`): 1, or up to
-    few_row_linear.MAX_ROWS where every weight is small. The lm_head is a library GEMM at
-    the end of a forward, after which nothing of ours runs, and does not count."""
-    from gpu_worker.layers.linear import MergedLinear, RowParallelLinear
-
-    kinds = (MergedLinear, RowParallelLinear)
-    weights = [m.weight for m in model.modules() if isinstance(m, kinds)]
-    if not FEW_ROW_KERNEL or any(w.numel() > MAX_FUSED_WEIGHT for w in weights):
-        return 1
-    return few_row_linear.MAX_ROWS
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None):
     """x [m, K] (rows may be strided) @ weight [N, K].T (+ bias) -> [m, N]. config: force the
     fused kernel with this launch shape (tests, benchmarks)."""
     config = config or choose_config(x.shape[0], *weight.shape)
     if config is None:
-        if few_rows(x.shape[0], *weight.shape):
-            return few_row_linear.linear(x, weight, bias)
         return F.linear(x, weight, bias)
     return _launch(_PLAIN, x, weight, bias, None, None, 0.0, config)[0]
 
@@ -260,9 +234,6 @@ def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=Non
     """-> (rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: the norm of
     x alone, and x itself second."""
     config = config or choose_config(x.shape[0], *weight.shape, prologue=True)
-    if config is None and few_rows(x.shape[0], *weight.shape) and few_row_linear.FUSE_PROLOGUE \
-            and few_row_linear.norm_fits(x.shape[1], x.element_size()):
-        return few_row_linear.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
     if config is None:
         if residual is None:
             return linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
@@ -276,9 +247,6 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias=None, conf
     """gate_up [m, 2I] -> (silu(gate) * up) @ weight [H, I].T + bias -> [m, H]."""
     assert gate_up.shape[1] == 2 * weight.shape[1]
     config = config or choose_config(gate_up.shape[0], *weight.shape, prologue=True)
-    if config is None and few_rows(gate_up.shape[0], *weight.shape) \
-            and few_row_linear.FUSE_PROLOGUE:
-        return few_row_linear.silu_mul_linear(gate_up, weight, bias)
     if config is None:
         return linear(activation.silu_and_mul(gate_up), weight, bias)
     return _launch(_SILU_MUL, gate_up, weight, bias, None, None, 0.0, config)[0]

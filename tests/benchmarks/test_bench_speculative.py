@@ -158,13 +158,15 @@ def test_bad_turns_are_refused_with_a_message(tmp_path, capsys, turns, questions
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("algorithm, shapes, settings",
-                         [("EAGLE3", "2,1,3 2,2,4", "on"), ("MTP", "2,1,3", "on,off")])  # fmt: skip
-def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, shapes, settings):
-    """--mode iteration: a row per shape and batch size (and --few-row-kernel setting, the
-    default restored after); the constructed always-agreeing draft is accepted in full (S+1
-    tokens per request per iteration); the byte bound exceeds 1."""
+@pytest.mark.parametrize("algorithm, shapes, fused_rows",
+                         [("EAGLE3", "2,1,3 2,2,4", ""), ("MTP", "2,1,3", "1,4")])  # fmt: skip
+def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, shapes, fused_rows):
+    """--mode iteration: a row per shape and batch size (and value of --fused-rows, restored
+    after); the constructed always-agreeing draft is accepted in full (S+1 tokens per request
+    per iteration); the byte bound exceeds 1."""
     from gpu_worker.kernels import small_m_linear
+
+    default_rows = small_m_linear.MAX_FUSED_ROWS
     model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
                                  max_position_embeddings=512)
     out = tmp_path / "result.json"
@@ -172,13 +174,13 @@ def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, sh
         "--mode", "iteration", "--model-path", model, "--load-format", "dummy",
         "--algorithm", algorithm, "--shapes", shapes, "--batch-sizes", "1,3",
         "--context-len", "12", "--iters", "2", "--device", "cpu", "--output", str(out),
-        "--few-row-kernel", settings,
+        "--fused-rows", fused_rows,
     ])  # fmt: skip
     rows = json.loads(out.read_text())["results"]
-    assert [(r["few_row_kernel"], r["mode"].split()[2], r["batch_size"]) for r in rows] == [
-        (v, f"topk={s.split(',')[1]}", bs)
-        for v in settings.split(",") for s in shapes.split() for bs in (1, 3)]  # fmt: skip
-    assert small_m_linear.FEW_ROW_KERNEL is True
+    values = [int(n) for n in fused_rows.split(",")] if fused_rows else [default_rows]
+    assert [(r["fused_rows"], r["mode"].split()[2], r["batch_size"]) for r in rows] == [
+        (n, f"topk={s.split(',')[1]}", bs) for n in values for s in shapes.split() for bs in (1, 3)]
+    assert small_m_linear.MAX_FUSED_ROWS == default_rows
     for r in rows:
         assert r["agreeing_tokens_per_iteration"] == 3  # S + 1
         assert r["iteration_ms"] > 0 and r["plain_step_ms"] > 0 and r["byte_bound"] > 1
