@@ -155,14 +155,12 @@ def test_verify_counts_do_not_depend_on_prefill_chunking(
 
 
 def step_costs_json(break_even: float) -> str:
-    """Step costs whose iterations cost `break_even` plain steps at every batch size, kept
-    as given (not calibrated by the CPU server's own step times)."""
+    """Step costs whose iterations cost `break_even` plain steps at every batch size."""
     buckets = [1, 2, 4, 8, 16]
     return json.dumps({"buckets": buckets,
                        "plain_ms": {"greedy": [1.0] * 5, "sampled": [1.0] * 5},
                        "speculative_ms": {"greedy": [break_even] * 5,
-                                          "sampled": [break_even] * 5},
-                       "calibrate": False})  # fmt: skip
+                                          "sampled": [break_even] * 5}})  # fmt: skip
 
 
 def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model_dirs, drafts):
