@@ -19,7 +19,9 @@ worker process runs steps when served: the same decode plan launched over and ov
 flight (`GPUWorker.launch`, then `finish` of the step before), so host work overlaps the device's
 and the plain step is the one `bench_decode` times (prompts of --context-len random tokens; the
 median of five loops). Each step timed alone (launched and finished before the next) is printed
-beside it, to show what the host's round trip adds. Each ratio is printed next to its lower bound
+beside it, to show what the host's round trip adds, and each stage alone (`iteration_stages`:
+propose = draft + verify, accept, extend) with the rest of the served iteration, the host's.
+Each ratio is printed next to its lower bound
 from bytes: 1 + (bytes the draft forwards of one iteration read: draft weights + LM head) / (bytes
 of one target forward). With --profile, each row also gets its kernels, GPU busy time and step
 timeline (`step_timeline`), from profiles taken after all timings. It runs twice: with the random
@@ -53,6 +55,7 @@ from aerie.resolve import (  # noqa: E402
     resolve_device,
     resolve_dtype,
 )
+from benchmarks.iteration_stages import stage_split  # noqa: E402
 from benchmarks.spec_requests import Engine, RunResult, run, served_config, sync  # noqa: E402
 from benchmarks.step_timeline import Interval, between_markers, mean_timeline, step_timeline  # noqa: E402,E501
 from gpu_worker.kernels import small_m_linear  # noqa: E402
@@ -362,6 +365,8 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
                  for bs in sizes}  # fmt: skip
         if args.device == "cuda":
             hosts[shape] = {bs: host_split(replay, bs) for bs in sizes}
+        stages = {bs: stage_split(worker, sub_plan(replay.plan, bs), replay.restore)
+                  for bs in sizes}  # fmt: skip
         spin(replay, sizes[0], f"S={shape[0]} topk={shape[1]} ND={shape[2]}", args.spin)
         make_agreeing(worker, max_bs)
         for bs in sizes:
@@ -376,6 +381,7 @@ def measure_iterations(args, shapes, draft_dir) -> list[dict]:
                 "byte_bound": bound, "agreeing_iteration_ms": agreed_s * 1e3,
                 "agreeing_tokens_per_iteration": agreed_tokens / bs,
                 "agreeing_speedup": agreed_tokens / agreed_s / (bs / plain[bs]),
+                "stages": {**stages[bs], "host_ms": seconds * 1e3 - stages[bs]["stages_ms"]},
             })  # fmt: skip
             if hosts:
                 rows[-1].update(plain_host=hosts[None][bs], host=hosts[shape][bs])
@@ -421,6 +427,10 @@ def print_iterations(args, rows: list[dict]) -> None:
               f"{r['agreeing_tokens_per_iteration']:9.2f} {r['agreeing_speedup']:20.2f}x")
         print(f"{'':34s} each step alone: plain {r['plain_step_alone_ms']:.3f} ms, iteration "
               f"{r['iteration_alone_ms']:.3f} ms")
+        st = r["stages"]
+        print(f"{'':34s} stages alone: propose (draft + verify) {st['propose_ms']:.3f} ms, accept "
+              f"{st['accept_ms']:.3f}, extend {st['extend_ms']:.3f}; the rest (host) "
+              f"{st['host_ms']:.3f}")
         for name in ("plain_host", "host"):
             if name in r:
                 h = r[name]

@@ -184,6 +184,10 @@ def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, sh
     for r in rows:
         assert r["agreeing_tokens_per_iteration"] == 3  # S + 1
         assert r["iteration_ms"] > 0 and r["plain_step_ms"] > 0 and r["byte_bound"] > 1
+        stages = r["stages"]  # greedy: accepted inside the propose stage
+        assert stages["propose_ms"] > 0 and stages["extend_ms"] > 0 and stages["accept_ms"] == 0
+        assert stages["stages_ms"] == stages["propose_ms"] + stages["extend_ms"]
+        assert stages["host_ms"] == pytest.approx(r["iteration_ms"] - stages["stages_ms"])
 
 
 def test_iteration_mode_at_a_temperature_samples_in_the_accept_stage(tmp_path, monkeypatch):
@@ -206,6 +210,8 @@ def test_iteration_mode_at_a_temperature_samples_in_the_accept_stage(tmp_path, m
             "--output", str(tmp_path / "result.json"),
         ])  # fmt: skip
         assert set(variants) == ({"sample"} if temperature != "0" else {None})
+        stages = json.loads((tmp_path / "result.json").read_text())["results"][0]["stages"]
+        assert (stages["accept_ms"] > 0) is (temperature != "0")  # the accept stage timed
 
 
 def test_iteration_steps_are_timed_two_in_flight_as_served(tmp_path, monkeypatch):
