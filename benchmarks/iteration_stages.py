@@ -3,10 +3,12 @@
 An iteration is three stages (`gpu_worker.speculative.iteration`): propose (the draft's tree
 and the target's verify forward, one CUDA graph), accept (sampled batches only: the accept
 stage's graph) and extend (the draft over the accepted tokens, then the rows advance). Here
-each runs by itself from the same saved per-row state, synchronised before and after, and is
-timed with device events (on CPU, the wall clock): milliseconds per stage. What an iteration
-served costs beyond their sum is the host's (launches, the result copy, the gaps between
-stages), which `bench_speculative.py --mode iteration` reports as `host_ms`.
+the iteration runs as the worker runs it (`SpeculativeWorker.iterate`), from the same saved
+per-row state each time, but with every stage synchronised before and after and timed with
+device events (on CPU, the wall clock): milliseconds per stage. What an iteration served costs
+beyond their sum, `bench_speculative.py --mode iteration`'s `host_ms`, is the host's
+(launches, the result copy, the gaps between stages) and, for trees accepted greedily, the
+KV compaction that runs between the propose and extend stages.
 """
 
 from __future__ import annotations
@@ -18,69 +20,57 @@ import torch
 
 from aerie.messages import ForwardPlan
 from gpu_worker.plan_arrays import parse_plan
-from gpu_worker.speculative.iteration import ACCEPT_INPUTS
 from gpu_worker.worker import GPUWorker
 
 
-def _timed(run: Callable[[], object], before: Callable[[], object], device: torch.device,
-           iters: int) -> float:  # fmt: skip
-    """Milliseconds of run() after before(), each synchronised, averaged over iters."""
-    total = 0.0
-    for _ in range(iters):
-        before()
-        if device.type == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            torch.cuda.synchronize(device)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            total += start.elapsed_time(end)
-        else:
+class _Timed:
+    """A stage that, called, runs synchronised and adds its milliseconds to totals[name]."""
+
+    def __init__(self, stage, name: str, totals: dict[str, float], device: torch.device):
+        self.stage, self.name, self.totals, self.device = stage, name, totals, device
+
+    def __call__(self, *args):
+        if self.device.type != "cuda":
             began = time.perf_counter()
-            run()
-            total += (time.perf_counter() - began) * 1e3
-    return total / iters
+            out = self.stage(*args)
+            self.totals[self.name] += (time.perf_counter() - began) * 1e3
+            return out
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        torch.cuda.synchronize(self.device)
+        start.record()
+        out = self.stage(*args)
+        end.record()
+        end.synchronize()
+        self.totals[self.name] += start.elapsed_time(end)
+        return out
 
 
 @torch.inference_mode()
 def stage_split(worker: GPUWorker, plan: ForwardPlan, restore: Callable[[], None],
                 iters: int = 20) -> dict[str, float]:  # fmt: skip
     """Milliseconds of each stage of `plan`'s iteration (a decode plan the worker has run, so
-    its slots are recorded), each from the state `restore` puts back: propose_ms, accept_ms
-    (0 where the batch accepts inside the propose stage) and extend_ms, and their sum."""
+    its slots are recorded), over `iters` iterations (`SpeculativeWorker.iterate`), each from
+    the state `restore` puts back: propose_ms, accept_ms (0 where the batch accepts inside
+    the propose stage) and extend_ms, and their sum. Each stage runs synchronised before and
+    after, so nothing overlaps it."""
     spec = worker.spec
     assert spec is not None, "a speculative worker"
     arrays = parse_plan(plan, worker.max_running_requests)
     rows = torch.as_tensor(arrays.rows, device=worker.device)
     variant = spec.accept_variant(arrays.rows, False)
     prefix_cpu = worker.rows.prefix_lens[rows].tolist()
-    staged: dict[str, dict] = {}
-
-    def propose():
-        staged["proposed"] = spec.propose_stage({"rows": rows}, prefix_cpu)
-
-    def accept():
-        proposed = staged["proposed"]
-        if variant is None:
-            staged["accepted"] = {"accept_lens": proposed["greedy_accept_lens"],
-                                  "tokens": proposed["greedy_tokens"],
-                                  "features": proposed["greedy_features"]}  # fmt: skip
-        else:
-            staged["accepted"] = spec.accept_stages[variant](
-                {k: proposed[k] for k in ACCEPT_INPUTS}, prefix_cpu)
-
-    def extend():
-        proposed, accepted = staged["proposed"], staged["accepted"]
-        spec.extend_stage({"rows": proposed["rows"], "prefix_lens": proposed["prefix_lens"],
-                           **{k: accepted[k] for k in ("accept_lens", "tokens", "features")}},
-                          prefix_cpu)  # fmt: skip
-
-    propose_ms = _timed(propose, restore, worker.device, iters)
-    accept_ms = 0.0
-    if variant is not None:
-        accept_ms = _timed(accept, lambda: (restore(), propose()), worker.device, iters)
-    extend_ms = _timed(extend, lambda: (restore(), propose(), accept()), worker.device, iters)
-    restore()
-    return {"propose_ms": propose_ms, "accept_ms": accept_ms, "extend_ms": extend_ms,
-            "stages_ms": propose_ms + accept_ms + extend_ms}  # fmt: skip
+    totals = {"propose_ms": 0.0, "accept_ms": 0.0, "extend_ms": 0.0}
+    stages = spec.propose_stage, spec.extend_stage, dict(spec.accept_stages)
+    spec.propose_stage = _Timed(stages[0], "propose_ms", totals, worker.device)
+    spec.extend_stage = _Timed(stages[1], "extend_ms", totals, worker.device)
+    spec.accept_stages = {name: _Timed(stage, "accept_ms", totals, worker.device)
+                          for name, stage in stages[2].items()}  # fmt: skip
+    try:
+        for _ in range(iters):
+            restore()
+            spec.iterate(rows, prefix_cpu, variant)
+    finally:
+        spec.propose_stage, spec.extend_stage, spec.accept_stages = stages
+        restore()
+    split = {name: ms / iters for name, ms in totals.items()}
+    return {**split, "stages_ms": sum(split.values())}

@@ -36,9 +36,8 @@ FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
 PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the second measures
 REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate (from its kind's)
 # While speculating, plain decoding takes over only below (1 - HYSTERESIS) x the break-even:
-# a switch costs (the first iteration after plain steps drafts from a stale state), and the
-# measured costs leave out the server's own per-step host work, which makes an iteration
-# relatively cheaper served than measured.
+# a switch costs (the first iteration after plain steps drafts from a stale state, and the
+# draft's KV stays stale at the plainly decoded positions).
 HYSTERESIS = 0.05
 OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
 
