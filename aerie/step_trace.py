@@ -11,7 +11,8 @@ for every process on the machine, so the files merge into one timeline
 Events, by plan id:
     scheduler  result_in   its StepResult received, before it is applied
                applied     applied: outputs, finishes and KV updated, deltas queued
-               plan_out    the plan built, about to be sent (its mode and batch size kept)
+               plan_out    the plan built, about to be sent (its mode and batch size kept;
+                           "speculate" for a speculative iteration, "decode" for a plain step)
                done        its result's deltas and the stats sent: the loop is free again
     worker     plan_in     the plan received
                parsed, slots_written, stepped

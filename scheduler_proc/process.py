@@ -182,7 +182,9 @@ class SchedulerLoop:
                 break
             if self.trace is not None:
                 self.trace.mark("plan_out", plan.plan_id)
-                self.trace.plan(plan.plan_id, plan.mode, len(plan.rows) // 4)  # int32 rows
+                # A speculative iteration is traced as "speculate", a plain decode step as "decode".
+                mode = "speculate" if plan.mode == "decode" and plan.speculate else plan.mode
+                self.trace.plan(plan.plan_id, mode, len(plan.rows) // 4)  # int32 rows
             self.to_worker.send(plan)
         queued = self.core.take_deltas()
         self.applied.extend(queued.deltas if queued is not None else [])

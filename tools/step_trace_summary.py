@@ -162,7 +162,8 @@ def summarise(rows: list[dict[str, float]]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory")
-    parser.add_argument("--mode", default="decode", help="'decode', 'extend' or 'all'")
+    parser.add_argument("--mode", default="decode", help="'decode' (plain steps), 'speculate' "
+                        "(speculative iterations), 'extend' or 'all'")  # fmt: skip
     parser.add_argument("--batch-size", default="1-100000", help="next plan's rows: N or LO-HI")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args(argv)
