@@ -14,8 +14,10 @@ buffer keeps every uploaded array aligned, so that does not vary with the batch)
 `run_warm_up` sends the worker extend steps of dummy requests that cover those variants: one
 request of a short chunk, one of a long chunk, then two requests, one of them extending a
 cached prefix; with a draft on the triton backend, one request of each chunk length the
-few-query kernel takes. Their rows and KV slots are free at start-up, and a request that
-later runs on those rows starts afresh (its RequestStart resets the row's sampling state, its
+few-query kernel takes, and one-token chunks of two requests, which launch it without PDL
+(an eager launch takes that kernel only with one request's split count:
+`TritonBackend.init_forward_metadata`). Their rows and KV slots are free at start-up, and a
+request that later runs on those rows starts afresh (its RequestStart resets the row's sampling state, its
 first extend the row's device state, and it only reads KV slots it wrote). After it,
 `watch_compiles` makes every further compile log a warning naming the kernel, so a variant the
 warm-up missed shows in the server's log instead of as an unexplained slow request.
@@ -68,6 +70,8 @@ def warm_up_plans(
         second = run_of(LONG + 1)
         chunks.append([chunk(1, long, LONG, PREFIX_EXTEND), chunk(2, second, 0, LONG + 1)])
     chunks += [[chunk(1, run_of(n), 0, n)] for n in draft_lengths]
+    if num_rows > 1 and 1 in draft_lengths:  # one token each: no PDL, unlike one row's
+        chunks.append([chunk(1, run_of(1), 0, 1), chunk(2, run_of(1), 0, 1)])
 
     def starts(plan: list[tuple]) -> list[RequestStart]:
         return [RequestStart(c[0], greedy, False, pack_ids(c[2])) for c in plan if c[1] == 0]

@@ -111,14 +111,24 @@ class TritonBackend(AttentionBackend):
         lens_cpu = batch.extend_seq_lens_cpu
         if batch.mode != ForwardMode.EXTEND and lens_cpu and len(set(lens_cpu)) == 1:
             queries = lens_cpu[0]
-            if fits(queries, self.num_heads, self.num_kv_heads):
-                bs = len(lens_cpu)
+            bs = len(lens_cpu)
+            splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
+            # The split count is a constexpr of the kernel: a captured launch compiles at
+            # capture, an eager one (a prefill's or a catch-up's draft pass over equal chunks)
+            # only where the start-up warm-up compiled it, one request's count; otherwise it
+            # would compile while serving, and the extend kernel takes it instead.
+            one = choose_num_splits(1, self.num_kv_heads, self.num_sms)
+            if fits(queries, self.num_heads, self.num_kv_heads) and (
+                    splits == one or self._capturing()):
                 self._scratch(queries, bs)
-                splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
                 return FewQueryMetadata(queries, splits)
         lens = batch.extend_seq_lens.to(torch.int64)
         start_loc = torch.cumsum(lens, 0) - lens  # [bs], on the device
         return ExtendMetadata(start_loc, max(batch.extend_seq_lens_cpu, default=0))
+
+    def _capturing(self) -> bool:
+        device = self.kv_pool.device
+        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
         """Decode scratch for the largest batch, shared by every captured graph."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_worker.attention import RopeArgs, create_attention_backend
-from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata
+from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata, TritonBackend
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from gpu_worker.kernels import decode_attention as decode_attention_module
 from gpu_worker.kernels import few_query_attention as few_query_module
@@ -99,6 +99,13 @@ def batch_of(pools: Pools, mode, rows, prefix_lens, extend_lens, custom_mask=Non
              for r, p, n in zip(rows, prefix_lens, extend_lens, strict=True)]  # fmt: skip
     return build_forward_batch(mode, ids, prefix_lens, slots, rows, pools.device,
                                custom_mask=custom_mask)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def captured_launches(monkeypatch):
+    """Launches as in a CUDA graph capture, where a batch of equal short chunks always takes
+    the few-query kernel (eagerly, only at one request's split count: tested below)."""
+    monkeypatch.setattr(TritonBackend, "_capturing", lambda self: True)
 
 
 def check(pools: Pools, batch: ForwardBatch) -> None:
@@ -213,6 +220,23 @@ def test_draft_decode_over_branch_local_keys(device, dtype, page_size, step):
     batch = batch_of(pools, ForwardMode.DRAFT_DECODE, [2, 3, 1],
                      [s + width - topk for s in seq], [topk] * 3, custom_mask=mask)  # fmt: skip
     assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
+    check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+def test_an_eager_batch_runs_few_query_only_with_one_requests_split_count(device, dtype,
+                                                                          monkeypatch):
+    """The split count is a constexpr: an eager batch of equal short chunks (a draft pass over
+    prompts or a catch-up) whose batch size would split differently from one request takes the
+    extend kernel, not a few-query variant the warm-up never compiled; same attention."""
+    monkeypatch.undo()  # an eager launch
+    pools = Pools(device, dtype, 9, 3, 64, page_size=1, seed=11)
+    backend = create_attention_backend("triton", pools.req, pools.kv, pools.layer.num_heads)
+    backend.num_sms = 12  # one request splits 8 ways, four 2 ways
+    batch = batch_of(pools, ForwardMode.DRAFT_EXTEND, [1, 2, 3, 4], [5, 40, 9, 70], [2] * 4)
+    assert isinstance(backend.init_forward_metadata(batch), ExtendMetadata)
+    one = batch_of(pools, ForwardMode.DRAFT_EXTEND, [3], [9], [2])
+    assert isinstance(backend.init_forward_metadata(one), FewQueryMetadata)
     check(pools, batch)
 
 
