@@ -127,13 +127,11 @@ class ForwardPlan:
         (often none), including the speculative headroom.
     Extend only (a decode step reads each row's last token and committed length on the
     device, so it needs neither):
-    prefix_lens: [bs] committed KV length before the chunk (for a draft catch-up, which reruns
-        committed positions up to the committed length, the first of them:
-        `scheduler_proc.catch_up`); extend_lens: [bs] chunk lengths;
+    prefix_lens: [bs] committed KV length before the chunk; extend_lens: [bs] chunk lengths;
     input_ids: [sum(extend_lens)] the chunks, back to back, at positions prefix_len, +1, ...;
     sample: [bs] 1 when the chunk is the last of the request's fill (it samples a token);
-    next_input_ids: [bs] the token right after a non-final chunk or a catch-up (the draft's
-        prefill rotation needs it as the chunk's tail), -1 otherwise.
+    next_input_ids: [bs] the fill token right after a non-final chunk (the draft's prefill
+        rotation needs it as the chunk's tail), -1 otherwise.
     starts: the rows (re)started by this step.
     speculate: decode only, with speculation: False runs the step as plain decoding, one token
         per request (adaptive speculation chose it; see `scheduler_proc.adaptive`).
@@ -220,7 +218,6 @@ class SchedulerStats:
     num_requests: int = 0  # requests received since start
     replica: int = 0  # the data-parallel replica whose scheduler reports
     num_plain_steps: int = 0  # decode steps a speculative server ran plainly (adaptive)
-    num_catch_up_tokens: int = 0  # positions rerun so that drafts see plain steps (adaptive)
     # Adaptive speculation's last choice (-1: none yet), the accept length it expected of the
     # batch and the break-even it compared that with (0: unknown).
     speculating: int = -1

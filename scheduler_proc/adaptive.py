@@ -12,13 +12,14 @@ an iteration must emit that many tokens per request to be as fast as plain decod
 one is one request's own choice, so a stream whose draft keeps missing stops drafting.
 
 While plain decoding is chosen nothing is observed, so every `probe_interval` plain steps a
-probe of PROBE_ITERATIONS iterations runs anyway. A plain step does not run the draft, so
-before any iteration after plain steps the scheduler catches the drafts up
-(`scheduler_proc.catch_up`): the probe drafts from every position, as an iteration of a batch
-that never stopped speculating does, and what it accepts is what speculating would give. The
-interval starts at FIRST_PROBE and doubles each time a probe confirms plain decoding, up to
-MAX_PROBE (with the catch-up, a probe costs about two plain steps: 0.8% once in 256 steps). A
-batch whose drafts start agreeing again (a new request, code after prose) switches back.
+probe of PROBE_ITERATIONS iterations runs anyway. The draft is not run on plainly decoded
+positions: the first iteration after plain steps drafts from the state the draft had before
+them, and the scheduler does not learn from it; its draft extend brings the state up to date,
+and the second is observed. The interval starts at FIRST_PROBE and doubles each time a probe
+confirms plain decoding, up to MAX_PROBE: a probe costs about two plain steps, 0.8% once in
+256 steps. A batch whose drafts start agreeing again (a new request, code after prose)
+switches back. The draft's KV at plainly decoded positions stays stale after speculation
+resumes: that costs acceptance, which the estimates see.
 
 Exactness does not depend on the choice: a plain step is the target's own decode step, and an
 iteration emits only tokens the target verified.
@@ -32,12 +33,11 @@ from aerie.messages import SamplingParams
 from aerie.step_costs import StepCosts
 
 FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
-# Iterations a probe runs, each observed (the drafts have caught up): two move a request's
-# estimate about half way to what they accept, and share the catch-up's cost.
-PROBE_ITERATIONS = 2
+PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the second measures
 REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate (from its kind's)
 # While speculating, plain decoding takes over only below (1 - HYSTERESIS) x the break-even:
-# a switch costs (switching back reruns the plainly decoded positions for the drafts).
+# a switch costs (the first iteration after plain steps drafts from a stale state, and the
+# draft's KV stays stale at the plainly decoded positions).
 HYSTERESIS = 0.05
 OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
 

@@ -49,11 +49,9 @@ class Request:
     spec_verify_ct: int = 0
     # What adaptive speculation learns its acceptance with (`adaptive.kind`): its sampling.
     accept_kind: tuple = field(init=False)
-    # Adaptive speculation: the first position a plain decode step left without draft KV (None:
-    # the draft has seen every position), and the plain steps in flight that hold it. Before
-    # it speculates again the request catches up (`scheduler_proc.catch_up`).
-    draft_stale_from: int | None = None
-    plain_in_flight: int = 0
+    # Whether the draft's state follows the request's last token: false after a plain decode
+    # step (adaptive speculation), true again once an iteration's draft extend has run.
+    draft_fresh: bool = True
     finish: FinishReason | None = None
     num_sent: int = 0  # output tokens already sent to the detokenizer
     needs_start: bool = True  # next plan entry carries a RequestStart (new row)
@@ -104,4 +102,4 @@ class Request:
         self.prefix_len = 0
         self.fill_ids = self.prompt_ids + self.output_ids
         self.needs_start = True
-        self.draft_stale_from = None  # the draft's prefill runs again
+        self.draft_fresh = True  # the draft's prefill runs again

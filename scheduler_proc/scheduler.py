@@ -42,7 +42,6 @@ from aerie.messages import (
 )
 from aerie.step_costs import StepCosts
 from scheduler_proc.adaptive import AdaptiveSpeculation
-from scheduler_proc.catch_up import build_catch_up_plan, needs_catch_up
 from scheduler_proc.kv_allocator import KVAllocator
 from scheduler_proc.plan import build_decode_plan, build_extend_plan
 from scheduler_proc.policy import NewTokenEstimate, SchedulePolicy, decode_alloc_len_for
@@ -88,13 +87,13 @@ class Scheduler:
         self._in_flight: deque[tuple[ForwardPlan, list[Request], list[bool]]] = deque()
         self._next_plan_id = 0
         self._last_mode = ""
-        self._num_decode_tokens, self._num_verify = 0, 0  # of decode entries with verify counts
+        self._num_decode_tokens = 0  # tokens from decode entries with verify counts
+        self._num_verify = 0
         self._accepted_per_position: list[int] = []
         self._num_plain_steps = 0  # decode steps of a speculative server run plainly
-        self._num_catch_up_tokens = 0  # positions rerun for drafts that missed them
-        self._speculate_next = False  # speculation chosen; its batch is catching up first
-        self._drafts_behind = False  # a plain step was planned since no draft was stale
-        self._num_retractions, self._num_requests = 0, 0  # (requests received since start)
+        self._stale_drafts: dict[int, set[str]] = {}  # plan id -> rids drafting from old state
+        self._num_retractions = 0
+        self._num_requests = 0  # requests received since start
         # Admission's estimate of the KV running requests will still take.
         self.new_tokens = NewTokenEstimate(config.scheduler.schedule_conservativeness)
         spec = config.speculative
@@ -231,32 +230,23 @@ class Scheduler:
         for req in decision.retracted:
             self._retract(req)
         batch = decision.batch
-        speculate = self.speculative and self._speculate(batch)
-        stale = []
-        if speculate and self._drafts_behind:  # (O(batch) only after plain steps)
-            stale = [req for req in batch if needs_catch_up(req)]
-            self._drafts_behind = bool(stale)
-        if stale:  # the drafts catch up first (`scheduler_proc.catch_up`)
-            self._speculate_next = True  # the choice stands until its iteration is planned
-            if any(req.in_flight for req in stale):
-                return None  # the tokens of their plain steps are not known yet
-            plan = build_catch_up_plan(self._take_plan_id(), stale, self.allocator,
-                                       self.policy.chunked_prefill_size)  # fmt: skip
-            self._num_catch_up_tokens += len(plan.input_ids) // 4  # int32 ids
-            return plan, stale, [False] * len(stale)
-        self._speculate_next = False
         grown = self.allocator.grow_rows([req.req_pool_idx for req in batch], decision.ends)
         assert grown is not None, "policy kept more decoders than the free KV"
+        speculate = self.speculative and self._speculate(batch)
         plan = build_decode_plan(self._take_plan_id(), batch, *grown, speculate=speculate)
-        if not speculate and self.speculative:
-            self._drafts_behind = True
+        if self.adaptive is not None:
+            # An iteration right after a plain step drafts from the state the draft had
+            # before it (its extend then catches up): its acceptance says nothing of the draft.
+            stale = {req.rid for req in batch if not req.draft_fresh} if speculate else set()
+            if stale:
+                self._stale_drafts[plan.plan_id] = stale
             for req in batch:
-                req.plain_in_flight += 1
+                req.draft_fresh = speculate
         return plan, batch, [True] * len(batch)
 
     def _speculate(self, batch: list[Request]) -> bool:
         """Adaptive speculation's choice for this decode batch (True without it)."""
-        if self.adaptive is None or self._speculate_next:
+        if self.adaptive is None:
             return True
         before = self.adaptive.last
         choice = self.adaptive.choose([req.rid for req in batch],
@@ -308,6 +298,7 @@ class Scheduler:
         packed = result.token_ids  # ids as int32 bytes: a delta's token_ids are slices of it
         decode = plan.mode == "decode"
         plain_speculative = decode and self.speculative and not plan.speculate
+        stale = self._stale_drafts.pop(plan.plan_id, ())
         if plain_speculative:  # one target forward each: counted like a verify of no drafts
             verify = [1] * len(requests)
             self._num_plain_steps += 1
@@ -317,21 +308,19 @@ class Scheduler:
             req.in_flight -= 1
             req.samples_in_flight -= sample
             req.decodes_in_flight -= decode
-            if plain_speculative:  # the draft missed this position
-                req.plain_in_flight -= 1
-                if req.draft_stale_from is None:
-                    req.draft_stale_from = req.prefix_len
             if req.state is ReqState.FINISHED:  # finished while this plan was in flight
                 if req.in_flight == 0:
                     self._release(req)
                 continue
             if not plain_speculative:
-                self._observe_accept(req, decode, num_verify, n)
+                self._observe_accept(req, decode, num_verify, n, req.rid not in stale)
             self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
         return self.take_deltas()
 
-    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int) -> None:
-        """Acceptance stats of an entry from a speculative iteration (num_verify > 0)."""
+    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int,
+                        fresh: bool) -> None:  # fmt: skip
+        """Acceptance stats of an entry from a speculative iteration (num_verify > 0); fresh:
+        the draft drafted from its up-to-date state (adaptive speculation learns from it)."""
         if not decode or num_verify == 0:
             return
         self._num_decode_tokens += n
@@ -341,7 +330,7 @@ class Scheduler:
             self._accepted_per_position.extend([0] * max(grow, 0))
             for k in range(n):
                 self._accepted_per_position[k] += 1
-            if self.adaptive is not None:
+            if self.adaptive is not None and fresh:
                 self.adaptive.observe(req.rid, n, req.accept_kind)
 
     def _apply_entry(
@@ -486,7 +475,6 @@ class Scheduler:
             num_retractions=self._num_retractions,
             num_requests=self._num_requests,
             num_plain_steps=self._num_plain_steps,
-            num_catch_up_tokens=self._num_catch_up_tokens,
             **self._adaptive_stats(),
         )
 

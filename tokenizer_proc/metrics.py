@@ -170,7 +170,6 @@ def stats_dict(s: SchedulerStats) -> dict[str, Any]:
         "num_requests": s.num_requests,
         # Adaptive speculation: decode steps run plainly, and the last step's choice and why.
         "spec_plain_steps": s.num_plain_steps,
-        "spec_catch_up_tokens": s.num_catch_up_tokens,
         "spec_speculating": None if s.speculating < 0 else bool(s.speculating),
         "spec_expected_accept_length": s.expected_accept_length,
         "spec_break_even_accept_length": s.break_even_accept_length,
@@ -197,7 +196,6 @@ def combine_stats(reports: list[SchedulerStats]) -> SchedulerStats:
         num_retractions=sum(r.num_retractions for r in reports),
         num_requests=sum(r.num_requests for r in reports),
         num_plain_steps=sum(r.num_plain_steps for r in reports),
-        num_catch_up_tokens=sum(r.num_catch_up_tokens for r in reports),
     )
 
 
@@ -224,21 +222,14 @@ class SchedulerTotals(Collector):
             "Decode steps a speculative server ran as plain decoding, because adaptive "
             "speculation expected them to be faster for their batch.",
         )
-        catch_up = CounterMetricFamily(
-            "aerie_spec_catch_up_tokens",
-            "Positions decoded plainly that the target and draft ran again before speculation "
-            "resumed, so that the draft drafts from every position.",
-        )
         if stats is not None:
             for position, count in enumerate(stats.accepted_per_position):
                 accepted.add_metric([str(position)], count)
             retractions.add_metric([], stats.num_retractions)
             plain.add_metric([], stats.num_plain_steps)
-            catch_up.add_metric([], stats.num_catch_up_tokens)
         yield accepted
         yield retractions
         yield plain
-        yield catch_up
 
 
 def kv_usage(stats: SchedulerStats) -> float:

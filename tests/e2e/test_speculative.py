@@ -165,9 +165,8 @@ def step_costs_json(break_even: float) -> str:
 
 def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model_dirs, drafts):
     """Given step costs under which this random draft cannot pay (an iteration costing 3.5
-    plain steps), the server decodes plainly but for its probes (each after the drafts catch
-    up), and the output still equals transformers' greedy output; the choice shows in /metrics
-    and /server_info."""
+    plain steps), the server decodes plainly but for its probes, and the output still equals
+    transformers' greedy output; the choice shows in /metrics and /server_info."""
     target = tiny_model_dirs["llama"]
     args = ["--model-path", target, *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
             "--speculative-step-costs", step_costs_json(3.5)]
@@ -183,10 +182,6 @@ def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model
     assert plain > verified  # mostly plain
     assert info["speculative_adaptive"] == "on"
     assert info["spec_plain_steps"] == plain
-    # Each probe after plain steps first reran their positions (one per request of a plain
-    # step) for the draft.
-    catch_up = float(samples["aerie_spec_catch_up_tokens_total"])
-    assert catch_up > 0 and info["spec_catch_up_tokens"] == catch_up
     assert info["spec_break_even_accept_length"] == 3.5
     assert json.loads(info["speculative_step_costs"])["buckets"] == [1, 2, 4, 8, 16]
 

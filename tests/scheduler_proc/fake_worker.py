@@ -64,9 +64,6 @@ class FakeWorker:
         self.row_slots: dict[int, dict[int, int]] = {}  # row -> position -> slot
         self.row_token: dict[int, int] = {}  # row -> last token (no KV yet)
         self.row_len: dict[int, int] = {}  # row -> committed length
-        # row -> the position after the last one its draft ran at: a speculative decode must
-        # find it at the committed length (plain steps leave it behind; a catch-up restores it)
-        self.draft_end: dict[int, int] = {}
         self.accept = accept or (lambda step, row: 1)
         self.step = 0
         self.starts: list[tuple[int, int]] = []  # (row, output_len) per RequestStart
@@ -90,14 +87,7 @@ class FakeWorker:
         if plan.mode == "extend":
             per_row = self._extend(plan, rows)
         else:
-            for row in rows:
-                assert not plan.speculate or self.draft_end[row] == self.row_len[row], (
-                    f"row {row} drafts from position {self.draft_end[row]}, not its newest "
-                    f"{self.row_len[row]}")
             per_row = [self._decode(row) for row in rows]
-            for row in rows:
-                if plan.speculate:
-                    self.draft_end[row] = self.row_len[row]
         num_verify = [1 if plan.mode == "decode" else 0 for _ in rows]
         token_ids = [t for tokens in per_row for t in tokens]
         return StepResult(
@@ -120,13 +110,8 @@ class FakeWorker:
         for i, row in enumerate(rows):
             chunk = ids[offset : offset + extend_lens[i]]
             offset += extend_lens[i]
-            next_id = unpack_ids(plan.next_input_ids)[i]
-            if self.row_len[row] != prefix_lens[i]:  # a draft catch-up reruns committed ones
-                assert not sample[i] and prefix_lens[i] + len(chunk) == self.row_len[row]
-                assert chunk == self._sequence(row, self.row_len[row])[prefix_lens[i]:]
-                assert next_id == self.row_token[row], "the catch-up's tail is not the newest"
+            assert self.row_len[row] == prefix_lens[i], "extend after the wrong prefix"
             seq = self._sequence(row, prefix_lens[i]) + chunk
-            self.draft_end[row] = len(seq)
             for p, token in enumerate(chunk):
                 self.kv[self.row_slots[row][prefix_lens[i] + p]] = token
             self.row_len[row] = len(seq)

@@ -239,3 +239,32 @@ def test_fixed_speculation_and_unmeasured_costs_always_speculate(adaptive, step_
     sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=30, ignore_eos=True))
     plans = run_to_end(sched, worker, collector)
     assert all(p.speculate for p in plans) and worker.plain_plans == 0
+
+
+def test_the_first_iteration_after_plain_steps_is_not_observed():
+    """It drafts from the state before the plain steps: the policy must not learn from it."""
+    sched = speculative_scheduler(costs({1: 2.0}))
+    # Probing iterations accept everything (4 tokens), a stale draft's first one only 1.
+    fresh = {"value": True}
+
+    def accept(step, row):
+        return 4 if fresh["value"] else 1
+
+    worker, collector = PlainAwareWorker(accept=accept, alloc_len=4), Collector()
+    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=400, ignore_eos=True,
+                                    temperature=0.0))
+    observed = []
+    real_observe = sched.adaptive.observe
+    sched.adaptive.observe = lambda rid, n, k: (observed.append(n), real_observe(rid, n, k))
+    sched.adaptive.overall[G] = 1.0  # learned before: this draft misses
+    sched.adaptive.estimates["a"] = 1.0
+    previous_plain = False
+    while sched.has_work():
+        plan = sched.next_plan()
+        if plan.mode == "decode":
+            fresh["value"] = plan.speculate and not previous_plain
+            previous_plain = not plan.speculate
+        collector.add(sched.apply_result(plan, worker.run(plan)))
+    assert collector.outputs["a"] == reference_output([1, 2, 3], 400)
+    assert worker.plain_plans > 0
+    assert observed and set(observed) == {4}  # never the stale iteration's 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
@@ -154,57 +153,3 @@ def test_step_costs_are_measured_on_the_dummy_row_without_a_trace(models):
         outputs[d.rid].extend(unpack_ids(d.token_ids)) for d in (deltas.deltas if deltas else [])])
     assert outputs == expected
 
-
-
-def draft_after(config, prompt: list[int], max_new: int, on_plan) -> dict:
-    """Serve `prompt` greedily for max_new tokens; on_plan(plan, sched) -> True marks the plan
-    after whose result the draft's state of the request's row is taken: its first-level ids,
-    pass-back hidden and KV at every committed position, with the request's tokens."""
-    worker = GPUWorker(config)
-    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
-    taken, out = {}, []
-
-    def on_result(plan, result, deltas):
-        out.extend(t for d in (deltas.deltas if deltas else []) for t in unpack_ids(d.token_ids))
-        if not taken and on_plan(plan, sched):
-            (row,) = unpack_ids(plan.rows)
-            length = int(worker.rows.prefix_lens[row])
-            draft = worker.draft_runner_list[0]
-            slots = draft.req_to_token_pool.slots_of(row, length).long()
-            taken.update(tokens=prompt + out, length=length,
-                         topk_index=worker.spec.topk_index[row].clone(),
-                         hidden=worker.spec.hidden[row].clone(),
-                         kv=draft.kv_pool.kv[:, :, slots].clone())  # fmt: skip
-
-    drive(sched, worker, on_result)
-    return taken
-
-
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_a_caught_up_draft_is_the_draft_that_prefilled_those_tokens(models, monkeypatch,
-                                                                    page_size):  # fmt: skip
-    """Plain steps, then speculation: the catch-up step leaves the EAGLE-3 draft with the state
-    and KV a request gets whose prompt was those tokens (its prefill's draft pass, tail and
-    all): what it drafts next is what it would have drafted had it never stopped."""
-    choices = itertools.chain([False] * 9, itertools.repeat(True))
-    monkeypatch.setattr(AdaptiveSpeculation, "choose",
-                        lambda self, rids, sampled: Decision(next(choices), None, 0.0))
-    config = adaptive_config(models["target"], "EAGLE3", models["eagle3"], 3, 1, 4, page_size,
-                             overlap=False)  # fmt: skip
-    prompt = [7, 19, 4, 250, 33, 8]
-
-    def is_catch_up(plan, sched):  # (the prompt fits one chunk: its extend samples)
-        return plan.mode == "extend" and not any(unpack_ids(plan.sample))
-
-    caught_up = draft_after(config, prompt, 14, is_catch_up)
-    assert caught_up, "no catch-up step ran"
-    length = caught_up["length"]  # the committed positions; the token at `length` is the newest
-    assert length == len(prompt) + 9  # (the first output came from the prefill)
-    fresh = draft_after(config, caught_up["tokens"][:length], 1,
-                        lambda plan, sched: plan.mode == "extend")  # fmt: skip
-    assert fresh["tokens"][length] == caught_up["tokens"][length]  # the same newest token
-    assert torch.equal(fresh["topk_index"], caught_up["topk_index"])
-    torch.testing.assert_close(fresh["hidden"], caught_up["hidden"])
-    torch.testing.assert_close(fresh["kv"], caught_up["kv"])
