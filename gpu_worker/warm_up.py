@@ -17,10 +17,11 @@ cached prefix; with a draft on the triton backend, one request of each chunk len
 few-query kernel takes, and one-token chunks of two requests, which launch it without PDL
 (an eager launch takes that kernel only with one request's split count:
 `TritonBackend.init_forward_metadata`). Their rows and KV slots are free at start-up, and a
-request that later runs on those rows starts afresh (its RequestStart resets the row's sampling state, its
-first extend the row's device state, and it only reads KV slots it wrote). After it,
-`watch_compiles` makes every further compile log a warning naming the kernel, so a variant the
-warm-up missed shows in the server's log instead of as an unexplained slow request.
+request that later runs on those rows starts afresh (its RequestStart resets the row's
+sampling state, its first extend the row's device state, and it only reads KV slots it
+wrote). After it, `watch_compiles` makes every further compile log a warning naming the
+kernel, so a variant the warm-up missed shows in the server's log instead of as an
+unexplained slow request.
 """
 
 from __future__ import annotations
