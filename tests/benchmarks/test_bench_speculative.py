@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_speculative
+from benchmarks import bench_speculative, iteration_timing
 from tests.gpu_worker.checkpoints import make_tiny_checkpoint
 from tests.gpu_worker.draft_checkpoints import make_agreeing_eagle_draft, make_bigram_target
 from tests.tokenizer_fixture import make_tiny_tokenizer
@@ -227,14 +227,14 @@ def test_iteration_steps_are_timed_two_in_flight_as_served(tmp_path, monkeypatch
     args = argparse.Namespace(model_path=model, device="cpu", dtype="float32",
                               load_format="dummy", attention_backend="auto")  # fmt: skip
     config = bench_speculative.iteration_config(args, None, None, 2)
-    replay = bench_speculative.Replayer(GPUWorker(config), config, 2, 12)
+    replay = iteration_timing.Replayer(GPUWorker(config), config, 2, 12)
     calls = []
     launch, finish = replay.worker.launch, replay.worker.finish
     monkeypatch.setattr(replay.worker, "launch", lambda plan: calls.append("L") or launch(plan))
     monkeypatch.setattr(replay.worker, "finish", lambda step: calls.append("F") or finish(step))
-    served = bench_speculative.run_steps(replay, None, 4, in_flight=2)
+    served = iteration_timing.run_steps(replay, None, 4, in_flight=2)
     assert "".join(calls) == "LLFLFLFF"
     calls.clear()
-    alone = bench_speculative.run_steps(replay, None, 2, in_flight=1)
+    alone = iteration_timing.run_steps(replay, None, 2, in_flight=1)
     assert "".join(calls) == "LFLF"
     assert served.token_ids == alone.token_ids and len(served.token_ids) > 0

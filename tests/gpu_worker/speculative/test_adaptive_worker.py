@@ -152,4 +152,3 @@ def test_step_costs_are_measured_on_the_dummy_row_without_a_trace(models):
     drive(sched, worker, lambda plan, result, deltas: [
         outputs[d.rid].extend(unpack_ids(d.token_ids)) for d in (deltas.deltas if deltas else [])])
     assert outputs == expected
-
