@@ -25,7 +25,7 @@ if [[ $1 == prepare ]]; then
 import json, os, random, shutil, sys
 sys.path.insert(0, ".")
 from aerie.default_model import ensure_default_model
-from benchmarks.bench_decode import write_llama8b_config
+from benchmarks.bench_models import write_llama8b_config
 from training.sharegpt import find_sharegpt_file, load_conversations
 model = ensure_default_model()
 for out in (".device-carry/smollm2-config", write_llama8b_config(".device-carry/llama8b")):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.bench_models import write_llama8b_config
 from gpu_worker.models import read_arch_config
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint
@@ -108,8 +109,8 @@ def test_decode_loop_produces_greedy_tokens(bench, tiny_dir: str, variant: str) 
     assert tokens.tolist() == expected.tolist()
 
 
-def test_llama8b_config_is_llama31_8b_shaped(bench, tmp_path) -> None:
-    cfg = read_arch_config(bench.write_llama8b_config(str(tmp_path)))
+def test_llama8b_config_is_llama31_8b_shaped(tmp_path) -> None:
+    cfg = read_arch_config(write_llama8b_config(str(tmp_path)))
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * cfg.intermediate_size + 2 * h
     num_params = 2 * cfg.vocab_size * h + cfg.num_layers * per_layer + h
