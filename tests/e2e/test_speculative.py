@@ -5,6 +5,7 @@ target, and sampling at temperature > 0."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from tests.gpu_worker.draft_checkpoints import (
     make_tiny_eagle_draft,
 )
 from tests.tokenizer_fixture import make_tiny_tokenizer
+from tools.step_trace_summary import load
 
 pytestmark = pytest.mark.e2e
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,14 +165,17 @@ def step_costs_json(break_even: float) -> str:
                                           "sampled": [break_even] * 5}})  # fmt: skip
 
 
-def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model_dirs, drafts):
+def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model_dirs, drafts,
+                                                                      tmp_path):  # fmt: skip
     """Given step costs under which this random draft cannot pay (an iteration costing 3.5
     plain steps), the server decodes plainly but for its probes, and the output still equals
-    transformers' greedy output; the choice shows in /metrics and /server_info."""
+    transformers' greedy output; the choice shows in /metrics and /server_info, and the step
+    trace tells plain steps ("decode") from iterations ("speculate")."""
     target = tiny_model_dirs["llama"]
     args = ["--model-path", target, *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
             "--speculative-step-costs", step_costs_json(3.5)]
-    with Server(*args) as server:
+    trace_dir = tmp_path / "trace"
+    with Server(*args, env={"AERIE_STEP_TRACE": f"1,100000,{trace_dir}"}) as server:
         check_parity(target, server.url, vocab=320, seed=5)
         check_parity(target, server.url, vocab=320, seed=6)
         metrics = httpx.get(server.url + "/metrics").text
@@ -184,6 +189,8 @@ def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model
     assert info["spec_plain_steps"] == plain
     assert info["spec_break_even_accept_length"] == 3.5
     assert json.loads(info["speculative_step_costs"])["buckets"] == [1, 2, 4, 8, 16]
+    modes = collections.Counter(mode for mode, _ in load(str(trace_dir))[1].values())
+    assert modes["decode"] > modes["speculate"] > 0 and modes["extend"] > 0
 
 
 def test_bad_step_costs_stop_the_launch_with_the_reason(tiny_model_dirs, drafts):
