@@ -33,9 +33,9 @@ With the overlap schedule the scheduler plans step N+2 once step N's result is a
 the device runs step N+1; the device waits whenever `launched(N+2)` comes after `ready(N+1)`.
 The trace shows which link of that chain (the worker's packing, the two socket hops, the
 scheduler's apply and plan, the worker's launch) makes it late. Recording costs a list append
-per event, but on CUDA the worker's events around each launch slow a one-stream server
-noticeably (`docs/performance.md`, "Where one stream's served step goes"): compare traced runs
-with traced runs only.
+per event, and on CUDA the worker also records events around each launch; traced one-stream
+servers have run slower than untraced ones (`docs/performance.md`, "Where one stream's served
+step goes"), so compare traced runs with traced runs only.
 """
 
 from __future__ import annotations

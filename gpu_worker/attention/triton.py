@@ -113,10 +113,10 @@ class TritonBackend(AttentionBackend):
             queries = lens_cpu[0]
             bs = len(lens_cpu)
             splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
-            # The split count is a constexpr of the kernel: a captured launch compiles at
-            # capture, an eager one (a prefill's or a catch-up's draft pass over equal chunks)
-            # only where the start-up warm-up compiled it, one request's count; otherwise it
-            # would compile while serving, and the extend kernel takes it instead.
+            # The split count is a constexpr of the kernel. A captured launch compiles at
+            # capture; the warm-up compiled eager ones (a draft pass over equal prompt chunks)
+            # at one request's count only, so an eager batch that splits otherwise takes the
+            # extend kernel rather than compile a variant while serving.
             one = choose_num_splits(1, self.num_kv_heads, self.num_sms)
             if fits(queries, self.num_heads, self.num_kv_heads) and (
                     splits == one or self._capturing()):
