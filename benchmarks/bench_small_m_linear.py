@@ -73,16 +73,26 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
     from gpu_worker.kernels.norm import add_rms_norm
 
     out = []
+    pdl_rows = pdl.MAX_ROWS
     ws = weights(n, k, args.rotate_mb)
     for rows in (int(r) for r in args.rows.split(",")):
         chosen = sml.choose_config(rows, n, k, prologue=True) or gemv or sml.Config(8, 512, 4)
         shapes = [chosen] + [dataclasses.replace(chosen, block_k=int(b))
                              for b in args.fused_block_k.split(",") if b]  # fmt: skip
+        for spec in filter(None, args.fused_configs.split(";")):
+            block_m, block_n, warps = (int(v) for v in spec.split(","))
+            if block_m <= rows:
+                shapes.append(dataclasses.replace(chosen, block_m=block_m, block_n=block_n,
+                                                  num_warps=warps))  # fmt: skip
         if name.endswith((".qkv", ".gate_up")):
             x, res, nw = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in "xrn")
             nw = nw[0]
             fused = lambda w, c: sml.rms_norm_linear(x, res, nw, 1e-5, w, config=c)  # noqa: E731, B023 (used in this iteration)
             before = lambda: add_rms_norm(x, res, nw, 1e-5)[0]  # noqa: E731, B023 (used in this iteration)
+        elif name.endswith(".o"):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            fused = lambda w, c: sml.linear(x, w, config=c)  # noqa: E731, B023 (used in this iteration)
+            before = lambda: x  # noqa: E731, B023 (used in this iteration)
         elif name.endswith(".down"):
             gu = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
             fused = lambda w, c: sml.silu_mul_linear(gu, w, config=c)  # noqa: E731, B023 (used in this iteration)
@@ -91,6 +101,7 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
             continue
         for pdl_on in (v == "on" for v in args.pdl.split(",")):
             pdl.FORCE_OFF = not pdl_on
+            pdl.MAX_ROWS = max(rows, pdl_rows)  # a fused launch of these rows takes PDL
             for config in shapes:
                 f_us = time_graph(cycling(ws, lambda w, c=config: fused(w, c)))  # noqa: B023 (used in this iteration)
                 library_us = time_graph(cycling(ws, lambda w: F.linear(before(), w)))  # noqa: B023 (used in this iteration)
@@ -104,7 +115,7 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
                 out.append({"shape": name, "rows": rows, "pdl": pdl_on, "fused_us": f_us,
                             "fused_config": config.__dict__, "unfused_us": library_us,
                             "separate_gemv_us": gemv_us})  # fmt: skip
-        pdl.FORCE_OFF = False
+        pdl.FORCE_OFF, pdl.MAX_ROWS = False, pdl_rows
     return out
 
 
@@ -117,6 +128,9 @@ def main() -> None:
     p.add_argument("--output")
     p.add_argument("--prologues-only", action="store_true", help="skip the sweep")
     p.add_argument("--pdl", default="on,off", help="fused kernels with PDL on, off or both")
+    p.add_argument("--fused-configs", default="",
+                   help="BLOCK_M,BLOCK_N,WARPS;...: fused kernels also timed at these launch "
+                        "shapes (rows per program, columns per program, warps)")  # fmt: skip
     p.add_argument("--fused-block-k", default="",
                    help="comma list: fused kernels also timed at these widths")  # fmt: skip
     args = p.parse_args()

@@ -17,12 +17,13 @@ The rules for a kernel that takes USE_PDL and calls `wait_for_previous(USE_PDL)`
 A kernel that never waits must not be launched with `launch_pdl`: it could read its inputs
 before they are written. `launch_args(device, rows)` gives both switches together.
 
-Only launches of at most MAX_ROWS rows (tokens) use it. There every projection is one of our
-kernels, which lets the next launch only once its own wait has returned; with more rows the
-projections are library GEMMs, and a kernel launched early after one of those waited on the
-device for longer than it saved. H100, bf16, the 135M shape's decode step in a CUDA graph
-(bench_decode.py, triton+graph against nopdl+graph): at batch 1, 0.630 -> 0.503 ms per step;
-at batch 64 (PDL on every Triton kernel) 1.025 -> 1.091 ms.
+Only launches of at most MAX_ROWS rows (tokens) use it, the rows up to which every projection
+of a small model is one of our kernels (`small_m_linear.MAX_FUSED_ROWS`), which lets the next
+launch only once its own wait has returned. With more rows the projections are library GEMMs,
+and a kernel launched early after one of those waited on the device for longer than it saved.
+H100, bf16, the 135M shape's decode step in a CUDA graph (bench_decode.py, triton+graph against
+nopdl+graph): at batch 1, 0.630 -> 0.503 ms per step; at batch 64 (PDL on every Triton kernel)
+1.025 -> 1.091 ms.
 
 Off on CPU (Triton's interpreter has no grid dependency control), before compute capability 9.0,
 and where AERIE_PDL=0 (e.g. to rule it out when a driver misbehaves); `FORCE_OFF` is for
@@ -39,7 +40,7 @@ import triton.language as tl
 
 ENV = "AERIE_PDL"
 FORCE_OFF = False  # bench_decode's "nopdl" variants
-MAX_ROWS = 1
+MAX_ROWS = 4  # = small_m_linear.MAX_FUSED_ROWS (that module imports this one)
 _capable: dict[int, bool] = {}
 
 

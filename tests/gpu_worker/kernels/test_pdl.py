@@ -20,6 +20,7 @@ def test_on_for_small_launches_of_a_capable_device_unless_switched_off(monkeypat
     monkeypatch.setitem(pdl._capable, 0, True)  # as an H100 reports (compute capability 9.0)
     monkeypatch.delenv(pdl.ENV, raising=False)
     assert pdl.launch_args(CUDA0, 1) == {"USE_PDL": True, "launch_pdl": True}
+    assert pdl.launch_args(CUDA0, pdl.MAX_ROWS)["USE_PDL"]  # a chain S=3's verify
     assert not pdl.launch_args(CUDA0, pdl.MAX_ROWS + 1)["USE_PDL"]  # library GEMMs around it
     monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.enabled(CUDA0)
@@ -33,3 +34,11 @@ def test_off_before_compute_capability_9(monkeypatch):
     monkeypatch.setitem(pdl._capable, 0, False)  # e.g. an A100 (8.0)
     monkeypatch.delenv(pdl.ENV, raising=False)
     assert not pdl.launch_args(CUDA0, 1)["launch_pdl"]
+
+
+def test_it_covers_exactly_the_launches_whose_projections_are_our_kernels():
+    from gpu_worker.kernels import small_m_linear
+
+    assert pdl.MAX_ROWS == small_m_linear.MAX_FUSED_ROWS
+    assert small_m_linear.choose_config(pdl.MAX_ROWS, 960, 576, prologue=True) is not None
+    assert small_m_linear.choose_config(pdl.MAX_ROWS + 1, 960, 576, prologue=True) is None

@@ -1,8 +1,8 @@
-"""The fused single-row projections against the torch references (CPU under Triton's
+"""The fused few-row projections against the torch references (CPU under Triton's
 interpreter, and on CUDA in every model dtype): plain, RMSNorm, residual add + RMSNorm,
-SiLU-and-multiply; with and without bias; the kernel at 1 to 4 rows and launch shapes that do
-and do not divide the widths; and the separate-kernel path the functions take where the fused
-kernel does not pay."""
+SiLU-and-multiply; with and without bias; the kernel at 1 to 6 rows, in row blocks that do and
+do not divide the rows, and launch shapes that do and do not divide the widths; and the
+separate-kernel path the functions take where the fused kernel does not pay."""
 
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ def random(gen, device, dtype, *shape, scale=1.0):
 
 
 # (rows, K, N, config): the chosen launch shape for one row of a narrow and of a wide
-# projection, forced ones for three and four rows (bench_speculative.py --fused-rows), and
-# None for the separate kernels (16 rows).
-SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (4, 520, 1040, sml.Config(8, 512, 4)),
-          (3, 200, 136, sml.Config(4, 64, 2)), (16, 64, 48, None)]  # fmt: skip
+# projection and for three rows (two row blocks, the second partial); forced ones stepping over
+# K at three and four rows, and in one tile at six (a program per row) and five (a partial
+# block of two rows); None for the separate kernels (16 rows).
+SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (3, 520, 1040, "chosen"),
+          (4, 520, 1040, sml.Config(8, 512, 4)), (3, 200, 136, sml.Config(4, 64, 2)),
+          (6, 200, 136, sml.Config(4, 256, 4)), (5, 200, 136, sml.Config(4, 256, 4, block_m=2)),
+          (16, 64, 48, None)]  # fmt: skip
 
 
 def config_for(rows, k, n, config):
@@ -85,15 +88,21 @@ def test_the_fused_kernel_runs_only_where_it_pays():
     assert sml.choose_config(1, 576, 1536, prologue=True).block_k == 2048  # 135M down
     assert sml.choose_config(1, 960, 576, prologue=True).block_k == 1024  # 135M qkv
     assert sml.choose_config(1, 64, sml.ONE_TILE_K + 1).block_k < sml.ONE_TILE_K + 1
-    # up to MAX_FUSED_ROWS rows of a small weight: fused; more (a chain's verify), the library
-    assert sml.choose_config(sml.MAX_FUSED_ROWS, 960, 576, prologue=True) is not None
+    # up to MAX_FUSED_ROWS rows of a small weight (a chain S=3's verify): fused, two rows per
+    # program from two rows on; more, the library
+    assert sml.MAX_FUSED_ROWS >= 4
+    assert sml.choose_config(1, 960, 576, prologue=True).block_m == 1
+    assert sml.choose_config(sml.MAX_FUSED_ROWS, 960, 576, prologue=True).block_m == 2
     assert sml.choose_config(sml.MAX_FUSED_ROWS + 1, 960, 576) is None
     assert sml.choose_config(2, 6144, 4096) is None  # several rows of a large weight: the library
     # the 8B shape's qkv: bandwidth-bound; the kernel alone, after a separate norm
     assert sml.choose_config(1, 6144, 4096) == sml.GEMV_CONFIG is not None
     assert sml.choose_config(1, 6144, 4096, prologue=True) is None
-    with pytest.raises(AssertionError, match="rows"):
-        sml.linear(torch.zeros(sml.MAX_KERNEL_ROWS + 1, 8), torch.zeros(4, 8),
+    with pytest.raises(AssertionError, match="rows"):  # stepping over K
+        sml.linear(torch.zeros(sml.MAX_KERNEL_ROWS + 1, 80), torch.zeros(4, 80),
+                   config=sml.Config(4, 64, 2))  # fmt: skip
+    with pytest.raises(AssertionError, match="rows"):  # one tile, row by row
+        sml.linear(torch.zeros(sml.MAX_ONE_TILE_ROWS + 1, 8), torch.zeros(4, 8),
                    config=sml.Config(4, 64, 2))  # fmt: skip
 
 
