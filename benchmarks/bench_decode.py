@@ -367,7 +367,7 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
             torch.cuda.empty_cache()
             on_cuda = runner.device.type == "cuda"
             runner.graph_runner = CudaGraphRunner(runner, graph_bs, capture=on_cuda)
-            tag = ",".join(str(v) for v in dataclasses.astuple(config))
+            tag = f"{config.block_n},{config.block_k},{config.num_warps}"  # as --gemv-configs
             for bs in sizes:
                 results[(f"triton+graph@{tag}", bs)] = bench_variant(
                     lambda r=runner, b=bs: Decoder(r, b, max_len, True), prompts_of[bs], args
