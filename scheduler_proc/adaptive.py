@@ -4,9 +4,9 @@ expected to produce more tokens per second for that batch.
 What it compares, for a batch of b requests:
 - the step costs the GPU worker measured at start-up (`StepCosts`): per CUDA-graph batch
   bucket, the time of a plain decode step and of a speculative iteration, greedy and sampled;
-- the acceptance: each request's running estimate of the tokens an iteration emits for it (an
-  exponential moving average of its accept lengths), and one over all requests, which stands
-  in for a request not observed yet.
+- the acceptance: each request's running estimate of the tokens an iteration emits for it (the
+  mean of its accept lengths, starting from its kind's), and one per kind over all requests,
+  which stands in for a request not observed yet.
 The batch speculates when its mean estimate reaches the break-even t_spec(b) / t_plain(b):
 an iteration must emit that many tokens per request to be as fast as plain decoding. A batch of
 one is one request's own choice, so a stream whose draft keeps missing stops drafting.
@@ -34,7 +34,13 @@ from aerie.step_costs import StepCosts
 
 FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
 PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the second measures
-REQUEST_WEIGHT = 0.3  # weight of a new accept length in a request's estimate (from its kind's)
+# A request's estimate is the mean of its observed accept lengths, its kind's estimate counted
+# as PRIOR_ITERATIONS observations. A running mean, not a moving average: a request that goes
+# plain rarely comes back (its draft's KV goes stale), so one bad patch must not send it there.
+# One iteration's accept length spreads over 1..S+1 (a standard deviation of about 1.2 at S =
+# 3), so a moving average of weight 0.3 crossed a 5% hysteresis band within about ten
+# iterations for every request of a draft accepting 2.3 against a break-even of 1.8.
+PRIOR_ITERATIONS = 8
 # While speculating, plain decoding takes over only below (1 - HYSTERESIS) x the break-even:
 # a switch costs (the first iteration after plain steps drafts from a stale state, and the
 # draft's KV stays stale at the plainly decoded positions).
@@ -82,6 +88,7 @@ class AdaptiveSpeculation:
     last: Decision | None = None
     speculating: bool = True  # the last choice but for probes
     estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
+    observed: dict[str, int] = field(default_factory=dict)  # rid -> iterations observed
 
     def choose(self, rids: list[str], kinds: list[tuple]) -> Decision:
         """Speculate for this batch of requests (True) or decode plainly (False); kinds: per
@@ -113,9 +120,11 @@ class AdaptiveSpeculation:
         """One iteration emitted accept_length tokens for request rid (of this `kind`)."""
         overall = self.overall.get(kind, accept_length)
         old = self.estimates.get(rid, overall)
-        self.estimates[rid] = old + REQUEST_WEIGHT * (accept_length - old)
+        n = self.observed[rid] = self.observed.get(rid, 0) + 1
+        self.estimates[rid] = old + (accept_length - old) / (PRIOR_ITERATIONS + n)
         self.overall[kind] = overall + OVERALL_WEIGHT * (accept_length - overall)
 
     def forget(self, rid: str) -> None:
         """A request finished (or was retracted and will start afresh)."""
         self.estimates.pop(rid, None)
+        self.observed.pop(rid, None)
