@@ -13,10 +13,11 @@ buffer keeps every uploaded array aligned, so that does not vary with the batch)
 
 `run_warm_up` sends the worker extend steps of dummy requests that cover those variants: one
 request of a short chunk, one of a long chunk, then two requests, one of them extending a
-cached prefix; with a draft on the triton backend, one request of each chunk length the
-few-query kernel takes, and one-token chunks of two requests, which launch it without PDL
-(an eager launch takes that kernel only with one request's split count:
-`TritonBackend.init_forward_metadata`). Their rows and KV slots are free at start-up, and a
+cached prefix; one request of FEW_ROWS tokens (the fused projections of a few rows, with PDL);
+with a draft on the triton backend, one request of each chunk length the few-query kernel
+takes (an eager batch takes that kernel only where it splits and takes PDL as one request of
+its chunk length does: `TritonBackend.init_forward_metadata`). Their rows and KV slots are
+free at start-up, and a
 request that later runs on those rows starts afresh (its RequestStart resets the row's
 sampling state, its first extend the row's device state, and it only reads KV slots it
 wrote). After it, `watch_compiles` makes every further compile log a warning naming the
@@ -43,14 +44,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHORT, LONG, PREFIX_EXTEND = 5, 40, 3  # chunk lengths: a 16-token query block, a 64-token one
+FEW_ROWS = 2  # within pdl.MAX_ROWS: the fused projections' launch for 2-4 rows
 
 
 def warm_up_plans(
     num_rows: int, page_size: int, vocab_size: int, draft_lengths: Sequence[int] = ()
 ) -> list[ForwardPlan]:
     """The warm-up's extend plans on request rows 1 (and 2 where num_rows > 1), then one
-    single-chunk plan on row 1 per length of `draft_lengths`. Each request writes its own
-    page-aligned run of KV slots (position p of a run starting at s in slot s + p), after the
+    single-chunk plan on row 1 of FEW_ROWS tokens and one per other length of `draft_lengths`.
+    Each request writes its own page-aligned run of KV slots (position p of a run starting at
+    s in slot s + p), after the
     reserved page 0."""
     greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
     next_slot = page_size
@@ -70,9 +73,8 @@ def warm_up_plans(
     if num_rows > 1:  # row 1 extends its cached LONG tokens; row 2 starts a long chunk
         second = run_of(LONG + 1)
         chunks.append([chunk(1, long, LONG, PREFIX_EXTEND), chunk(2, second, 0, LONG + 1)])
-    chunks += [[chunk(1, run_of(n), 0, n)] for n in draft_lengths]
-    if num_rows > 1 and 1 in draft_lengths:  # one token each: no PDL, unlike one row's
-        chunks.append([chunk(1, run_of(1), 0, 1), chunk(2, run_of(1), 0, 1)])
+    lengths = [FEW_ROWS, *(n for n in draft_lengths if n != FEW_ROWS)]
+    chunks += [[chunk(1, run_of(n), 0, n)] for n in lengths]
 
     def starts(plan: list[tuple]) -> list[RequestStart]:
         return [RequestStart(c[0], greedy, False, pack_ids(c[2])) for c in plan if c[1] == 0]

@@ -26,6 +26,7 @@ from gpu_worker.attention.base import (
     register_backend,
 )
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode
+from gpu_worker.kernels import pdl
 from gpu_worker.kernels.decode_attention import (
     DecodeScratch,
     choose_num_splits,
@@ -113,13 +114,16 @@ class TritonBackend(AttentionBackend):
             queries = lens_cpu[0]
             bs = len(lens_cpu)
             splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
-            # The split count is a constexpr of the kernel. A captured launch compiles at
-            # capture; the warm-up compiled eager ones (a draft pass over equal prompt chunks)
-            # at one request's count only, so an eager batch that splits otherwise takes the
+            # The split count and PDL are constexprs of the kernel. A captured launch compiles
+            # at capture; the warm-up compiled eager ones (a draft pass over equal prompt
+            # chunks) as one request launches them, so an eager batch that splits otherwise,
+            # or takes PDL otherwise (PDL covers launches of up to pdl.MAX_ROWS rows), runs the
             # extend kernel rather than compile a variant while serving.
-            one = choose_num_splits(1, self.num_kv_heads, self.num_sms)
+            device = self.kv_pool.device
+            as_one = (splits == choose_num_splits(1, self.num_kv_heads, self.num_sms)
+                      and pdl.launch_args(device, bs * queries) == pdl.launch_args(device, queries))
             if fits(queries, self.num_heads, self.num_kv_heads) and (
-                    splits == one or self._capturing()):
+                    as_one or self._capturing()):
                 self._scratch(queries, bs)
                 return FewQueryMetadata(queries, splits)
         lens = batch.extend_seq_lens.to(torch.int64)

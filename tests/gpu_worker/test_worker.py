@@ -120,9 +120,9 @@ def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference
 
 def test_warm_up_plans_fit_the_pool_or_are_skipped(tiny_dirs):
     worker = GPUWorker(make_config(tiny_dirs["llama"]))  # a pool of 64 tokens
-    plans = warm_up_plans(2, PAGE_SIZE, worker.runner.vocab_size, draft_lengths=[1, 2])
+    plans = warm_up_plans(2, PAGE_SIZE, worker.runner.vocab_size, draft_lengths=[1, 2, 3])
     chunk_lens = [codec.unpack_ids(p.extend_lens) for p in plans]
-    assert chunk_lens == [[5], [40], [3, 41], [1], [2], [1, 1]]
+    assert chunk_lens == [[5], [40], [3, 41], [2], [1], [3]]  # FEW_ROWS (2) once
     for plan in plans:  # each request's run of slots starts on a page (slot = run + position)
         starts, lens = codec.unpack_ids(plan.slot_starts), codec.unpack_ids(plan.slot_lens)
         slots = codec.unpack_ids(plan.slots)

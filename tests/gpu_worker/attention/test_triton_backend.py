@@ -240,6 +240,28 @@ def test_an_eager_batch_runs_few_query_only_with_one_requests_split_count(device
     check(pools, batch)
 
 
+def test_an_eager_batch_runs_few_query_only_where_it_takes_pdl_as_one_request_does(monkeypatch):
+    """PDL is a constexpr too, on for launches of up to pdl.MAX_ROWS rows: an eager batch of
+    short chunks whose rows pass that limit (three requests of two tokens) would need the
+    variant without PDL, which one request of two tokens never compiles; it takes the extend
+    kernel. Chunks past the limit alone (five tokens) are without PDL either way."""
+    from gpu_worker.kernels import pdl
+
+    monkeypatch.undo()  # an eager launch
+    pools = Pools("cpu", torch.float32, 9, 3, 64, page_size=1, seed=11)
+    backend = create_attention_backend("triton", pools.req, pools.kv, pools.layer.num_heads)
+    backend.num_sms = 1  # one split at every batch size
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)  # as on an H100
+    kinds = {}
+    for n, bs in [(2, 1), (2, 2), (2, 3), (5, 1), (5, 2)]:
+        batch = batch_of(pools, ForwardMode.DRAFT_EXTEND, list(range(1, bs + 1)), [40] * bs,
+                         [n] * bs)  # fmt: skip
+        kinds[n, bs] = type(backend.init_forward_metadata(batch))
+    assert kinds == {(2, 1): FewQueryMetadata, (2, 2): FewQueryMetadata,
+                     (2, 3): ExtendMetadata, (5, 1): FewQueryMetadata,
+                     (5, 2): FewQueryMetadata}  # fmt: skip
+
+
 def few_query_metadata(pools: Pools, batch: ForwardBatch):
     backend = create_attention_backend("triton", pools.req, pools.kv, pools.layer.num_heads)
     return backend.init_forward_metadata(batch)
