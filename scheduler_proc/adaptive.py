@@ -41,6 +41,10 @@ PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the se
 # 3), so a moving average of weight 0.3 crossed a 5% hysteresis band within about ten
 # iterations for every request of a draft accepting 2.3 against a break-even of 1.8.
 PRIOR_ITERATIONS = 8
+# From LONG_RUN - PRIOR_ITERATIONS observations on, each new one weighs 1 / LONG_RUN (a moving
+# average that long), so a long request still follows its text (code after prose, or a draft
+# that stops agreeing).
+LONG_RUN = 32
 # While speculating, plain decoding takes over only below (1 - HYSTERESIS) x the break-even:
 # a switch costs (the first iteration after plain steps drafts from a stale state, and the
 # draft's KV stays stale at the plainly decoded positions).
@@ -121,7 +125,7 @@ class AdaptiveSpeculation:
         overall = self.overall.get(kind, accept_length)
         old = self.estimates.get(rid, overall)
         n = self.observed[rid] = self.observed.get(rid, 0) + 1
-        self.estimates[rid] = old + (accept_length - old) / (PRIOR_ITERATIONS + n)
+        self.estimates[rid] = old + (accept_length - old) / min(PRIOR_ITERATIONS + n, LONG_RUN)
         self.overall[kind] = overall + OVERALL_WEIGHT * (accept_length - overall)
 
     def forget(self, rid: str) -> None:

@@ -12,6 +12,7 @@ from aerie.step_costs import StepCosts
 from scheduler_proc.adaptive import (
     FIRST_PROBE,
     HYSTERESIS,
+    LONG_RUN,
     MAX_PROBE,
     PRIOR_ITERATIONS,
     PROBE_ITERATIONS,
@@ -112,12 +113,18 @@ def test_a_request_estimate_is_the_mean_of_its_iterations_from_its_kinds():
     policy.observe("b", 1)  # b starts from the overall 3, counted as PRIOR_ITERATIONS
     prior = PRIOR_ITERATIONS * 3
     assert policy.estimates["b"] == pytest.approx((prior + 1) / (PRIOR_ITERATIONS + 1))
-    for _ in range(299):
+    mean_len = LONG_RUN - PRIOR_ITERATIONS
+    for _ in range(mean_len - 1):
         policy.observe("b", 1)
-    assert policy.estimates["b"] == pytest.approx((prior + 300) / (PRIOR_ITERATIONS + 300))
-    policy.forget("b")  # finished: a new request of that id starts afresh
+    assert policy.estimates["b"] == pytest.approx((prior + mean_len) / LONG_RUN)
+    before = policy.estimates["b"]  # from here on, a moving average of LONG_RUN iterations
+    policy.observe("b", 4)
+    assert policy.estimates["b"] == pytest.approx(before + (4 - before) / LONG_RUN)
+    overall = policy.overall[G]
+    policy.forget("b")  # finished: a new request of that id starts afresh from its kind's
     policy.observe("b", 1)
     assert policy.observed["b"] == 1
+    assert policy.estimates["b"] == pytest.approx(overall + (1 - overall) / (PRIOR_ITERATIONS + 1))
 
 
 def test_a_draft_that_pays_on_average_keeps_speculating_through_bad_patches():
