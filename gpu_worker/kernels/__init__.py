@@ -3,10 +3,11 @@ torch reference it is tested against.
 
 Owns the fused element-wise kernels (`norm`: RMSNorm and residual-add + RMSNorm; `rotary`: RoPE
 on q and k fused with the K/V store into the KV pool; `activation`: SiLU-and-multiply) and the
-paged-attention kernels (`decode_attention`, `extend_attention`), and the single-row projections,
-fused with the norm or SiLU-and-multiply before them or, for large weights, alone as a GEMV
-(`small_m_linear`); and when they launch with programmatic dependent launch (`pdl`: at batch 1
-each starts while the kernel before it runs). Each module exposes the
+paged-attention kernels (`decode_attention`, `few_query_attention`, `extend_attention`), and
+the projections of one to four rows, fused with the norm or SiLU-and-multiply before them or,
+for one row of a large weight, alone as a GEMV (`small_m_linear`); and when they launch with
+programmatic dependent launch (`pdl`: in launches of up to four rows each starts while the
+kernel before it runs). Each module exposes the
 kernel (`name`) and its torch reference (`name_reference`), which defines the result; callers
 choose (layers: `use_triton`, set by the runner for the triton attention backend). Kernels run
 on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (Triton's interpreter, which is

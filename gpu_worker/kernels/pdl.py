@@ -19,8 +19,10 @@ before they are written. `launch_args(device, rows)` gives both switches togethe
 
 Only launches of at most MAX_ROWS rows (tokens) use it, the rows up to which every projection
 of a small model is one of our kernels (`small_m_linear.MAX_FUSED_ROWS`), which lets the next
-launch only once its own wait has returned. With more rows the projections are library GEMMs,
-and a kernel launched early after one of those waited on the device for longer than it saved.
+launch only once its own wait has returned. With many more rows the projections are library
+GEMMs, and a kernel launched early after one of those waited on the device for longer than it
+saved (batch 64 below). On the 8B shape, whose projections of 2-4 rows are library GEMMs, PDL
+on the other kernels of those launches still gains about 3% (docs/performance.md).
 H100, bf16, the 135M shape's decode step in a CUDA graph (bench_decode.py, triton+graph against
 nopdl+graph): at batch 1, 0.630 -> 0.503 ms per step; at batch 64 (PDL on every Triton kernel)
 1.025 -> 1.091 ms.

@@ -208,6 +208,7 @@ def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Confi
     assert x.stride(-1) == 1 and weight.is_contiguous()
     n, k = weight.shape
     one_tile = config.block_k >= k
+    assert config.block_m in (1, 2, 4), f"block_m {config.block_m}: 1, 2 or 4 rows per program"
     limit = MAX_ONE_TILE_ROWS if one_tile else MAX_KERNEL_ROWS
     assert 0 < rows <= limit, f"{rows} rows: the fused kernel takes 1-{limit} at this width"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)

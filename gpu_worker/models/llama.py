@@ -99,8 +99,8 @@ class LlamaDecoderLayer(nn.Module):
 
     With Triton kernels (`use_triton`) the block goes through `gpu_worker.kernels.small_m_linear`,
     which runs each norm as the prologue of the projection after it, and SiLU-and-multiply as
-    the prologue of down_proj, where that pays (one token, small weights: five kernels per
-    layer); one token of large weights runs the separate norm and SiLU kernels and the same
+    the prologue of down_proj, where that pays (one to four tokens, small weights: five kernels
+    per layer); one token of large weights runs the separate norm and SiLU kernels and the same
     projection kernel without a prologue (a GEMV); more tokens the separate kernels and the
     library GEMM."""
 

@@ -50,15 +50,16 @@ for norm, block_n in ((False, 64), (True, 256)):
     compile_for_sm90(_decode_kernel, decode_types, dict(
         NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HALF=64, BLOCK_H=16, BLOCK_N=block_n,
         NUM_SPLITS=16, MIN_BLOCKS_PER_SPLIT=2, HAS_NORM=norm, DOT_PRECISION="tf32"))
-# The few-row projections: one tile (the weight read before the wait; a program per row) and
-# the loop over K (all rows in each program).
-for prologue, block_k, rows, one_tile in ((2, 1024, 1, True), (3, 2048, 1, True),
-                                          (0, 512, 4, False)):
+# The few-row projections: one tile (the weight read before the wait; one row, and two rows
+# per program as 2-4 rows run) and the loop over K (all rows in each program).
+for prologue, block_k, rows, block_n, one_tile in ((2, 1024, 1, 4, True), (3, 2048, 1, 4, True),
+                                                   (2, 1024, 2, 8, True), (3, 2048, 2, 8, True),
+                                                   (0, 512, 4, 4, False)):
     compile_for_sm90(_small_m_linear_kernel, {
         "x_ptr": "*bf16", "res_ptr": "*bf16", "sum_ptr": "*bf16", "norm_w_ptr": "*bf16",
         "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
         "K": "i32", "x_stride": "i32", "res_stride": "i32", "out_stride": "i32", "eps": "fp32",
-    }, dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=rows, BLOCK_N=4, BLOCK_K=block_k,
+    }, dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k,
             ONE_TILE=one_tile))
 print("compiled")
 """

@@ -36,7 +36,7 @@ def test_off_before_compute_capability_9(monkeypatch):
     assert not pdl.launch_args(CUDA0, 1)["launch_pdl"]
 
 
-def test_it_covers_exactly_the_launches_whose_projections_are_our_kernels():
+def test_it_covers_the_launches_whose_small_projections_are_our_kernels():
     from gpu_worker.kernels import small_m_linear
 
     assert pdl.MAX_ROWS == small_m_linear.MAX_FUSED_ROWS

@@ -26,12 +26,13 @@ def random(gen, device, dtype, *shape, scale=1.0):
 
 # (rows, K, N, config): the chosen launch shape for one row of a narrow and of a wide
 # projection and for three rows (two row blocks, the second partial); forced ones stepping over
-# K at three and four rows, and in one tile at six (a program per row) and five (a partial
-# block of two rows); None for the separate kernels (16 rows).
+# K at three and four rows, and in one tile at six (a program per row), five (a partial block
+# of two rows) and three (partial blocks of rows and of columns); None for the separate
+# kernels (16 rows).
 SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (3, 520, 1040, "chosen"),
           (4, 520, 1040, sml.Config(8, 512, 4)), (3, 200, 136, sml.Config(4, 64, 2)),
           (6, 200, 136, sml.Config(4, 256, 4)), (5, 200, 136, sml.Config(4, 256, 4, block_m=2)),
-          (16, 64, 48, None)]  # fmt: skip
+          (3, 200, 138, sml.Config(8, 256, 4, block_m=2)), (16, 64, 48, None)]  # fmt: skip
 
 
 def config_for(rows, k, n, config):
@@ -101,6 +102,8 @@ def test_the_fused_kernel_runs_only_where_it_pays():
     with pytest.raises(AssertionError, match="rows"):  # stepping over K
         sml.linear(torch.zeros(sml.MAX_KERNEL_ROWS + 1, 80), torch.zeros(4, 80),
                    config=sml.Config(4, 64, 2))  # fmt: skip
+    with pytest.raises(AssertionError, match="block_m"):  # rows per program: a power of two
+        sml.linear(torch.zeros(3, 8), torch.zeros(4, 8), config=sml.Config(4, 64, 2, block_m=3))
     with pytest.raises(AssertionError, match="rows"):  # one tile, row by row
         sml.linear(torch.zeros(sml.MAX_ONE_TILE_ROWS + 1, 8), torch.zeros(4, 8),
                    config=sml.Config(4, 64, 2))  # fmt: skip
