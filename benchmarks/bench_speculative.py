@@ -62,7 +62,7 @@ from benchmarks.iteration_timing import (  # noqa: E402
     time_plan,
 )
 from benchmarks.spec_requests import Engine, RunResult, run, served_config  # noqa: E402
-from gpu_worker.kernels import pdl, small_m_linear  # noqa: E402
+from gpu_worker.kernels import pdl  # noqa: E402
 from gpu_worker.worker import GPUWorker  # noqa: E402
 from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
 
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --profile: print the N most expensive kernels of each row")
     parser.add_argument("--fused-rows", default="",
                         help="--mode iteration: e.g. 1,4: measure every shape once per value of "
-                        "small_m_linear.MAX_FUSED_ROWS (rows up to which the triton backend's "
+                        "pdl.MAX_ROWS (rows up to which the triton backend's "
                         "projections run the fused kernel, and launches take PDL)")
     parser.add_argument("--profile", action="store_true",
                         help="--mode iteration on CUDA: kernels and GPU busy time per step")
@@ -305,16 +305,15 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--mode iteration needs --model-path, and --draft-path or "
                          "--load-format dummy")
         rows = []
-        default_rows = small_m_linear.MAX_FUSED_ROWS, pdl.MAX_ROWS
-        limits = [int(n) for n in args.fused_rows.split(",")] if args.fused_rows else [
-            default_rows[0]]
+        default_rows = pdl.MAX_ROWS
+        limits = [int(n) for n in args.fused_rows.split(",")] if args.fused_rows else [default_rows]
         try:
-            for fused_rows in limits:  # PDL covers exactly the launches of our own projections
-                small_m_linear.MAX_FUSED_ROWS = pdl.MAX_ROWS = fused_rows
+            for fused_rows in limits:  # fused projections and PDL, up to that many rows
+                pdl.MAX_ROWS = fused_rows
                 rows += [{**row, "fused_rows": fused_rows}
                          for row in measure_iterations(args, shapes, draft_dir)]  # fmt: skip
         finally:
-            small_m_linear.MAX_FUSED_ROWS, pdl.MAX_ROWS = default_rows
+            pdl.MAX_ROWS = default_rows
         print_iterations(args, rows)
         if args.output:
             with open(args.output, "w") as f:

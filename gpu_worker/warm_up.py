@@ -17,12 +17,11 @@ cached prefix; one request of FEW_ROWS tokens (the fused projections of a few ro
 with a draft on the triton backend, one request of each chunk length the few-query kernel
 takes (an eager batch takes that kernel only where it splits and takes PDL as one request of
 its chunk length does: `TritonBackend.init_forward_metadata`). Their rows and KV slots are
-free at start-up, and a
-request that later runs on those rows starts afresh (its RequestStart resets the row's
-sampling state, its first extend the row's device state, and it only reads KV slots it
-wrote). After it, `watch_compiles` makes every further compile log a warning naming the
-kernel, so a variant the warm-up missed shows in the server's log instead of as an
-unexplained slow request.
+free at start-up, and a request that later runs on those rows starts afresh (its
+RequestStart resets the row's sampling state, its first extend the row's device state, and it
+only reads KV slots it wrote). After it, `watch_compiles` makes every further compile log a
+warning naming the kernel, so a variant the warm-up missed shows in the server's log instead
+of as an unexplained slow request.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def warm_up_plans(
     """The warm-up's extend plans on request rows 1 (and 2 where num_rows > 1), then one
     single-chunk plan on row 1 of FEW_ROWS tokens and one per other length of `draft_lengths`.
     Each request writes its own page-aligned run of KV slots (position p of a run starting at
-    s in slot s + p), after the
-    reserved page 0."""
+    s in slot s + p), after the reserved page 0."""
     greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
     next_slot = page_size
 

@@ -111,21 +111,20 @@ class TritonBackend(AttentionBackend):
             return DecodeMetadata(choose_num_splits(bs, self.num_kv_heads, self.num_sms))
         lens_cpu = batch.extend_seq_lens_cpu
         if batch.mode != ForwardMode.EXTEND and lens_cpu and len(set(lens_cpu)) == 1:
-            queries = lens_cpu[0]
-            bs = len(lens_cpu)
-            splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
+            queries, bs = lens_cpu[0], len(lens_cpu)
             # The split count and PDL are constexprs of the kernel. A captured launch compiles
             # at capture; the warm-up compiled eager ones (a draft pass over equal prompt
             # chunks) as one request launches them, so an eager batch that splits otherwise,
             # or takes PDL otherwise (PDL covers launches of up to pdl.MAX_ROWS rows), runs the
             # extend kernel rather than compile a variant while serving.
-            device = self.kv_pool.device
-            as_one = (splits == choose_num_splits(1, self.num_kv_heads, self.num_sms)
-                      and pdl.launch_args(device, bs * queries) == pdl.launch_args(device, queries))
-            if fits(queries, self.num_heads, self.num_kv_heads) and (
-                    as_one or self._capturing()):
-                self._scratch(queries, bs)
-                return FewQueryMetadata(queries, splits)
+            if fits(queries, self.num_heads, self.num_kv_heads):
+                splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
+                device = self.kv_pool.device
+                as_one = (splits == choose_num_splits(1, self.num_kv_heads, self.num_sms) and
+                          pdl.launch_args(device, bs * queries) == pdl.launch_args(device, queries))
+                if as_one or self._capturing():
+                    self._scratch(queries, bs)
+                    return FewQueryMetadata(queries, splits)
         lens = batch.extend_seq_lens.to(torch.int64)
         start_loc = torch.cumsum(lens, 0) - lens  # [bs], on the device
         return ExtendMetadata(start_loc, max(batch.extend_seq_lens_cpu, default=0))

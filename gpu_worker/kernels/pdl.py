@@ -17,9 +17,10 @@ The rules for a kernel that takes USE_PDL and calls `wait_for_previous(USE_PDL)`
 A kernel that never waits must not be launched with `launch_pdl`: it could read its inputs
 before they are written. `launch_args(device, rows)` gives both switches together.
 
-Only launches of at most MAX_ROWS rows (tokens) use it, the rows up to which every projection
-of a small model is one of our kernels (`small_m_linear.MAX_FUSED_ROWS`), which lets the next
-launch only once its own wait has returned. With many more rows the projections are library
+Only launches of at most MAX_ROWS rows (tokens) use it: a plain step of up to four requests, a
+chain S = 3's verify, the draft extend of one request. The same limit is where a small weight's
+projection runs our fused kernel (`small_m_linear.choose_config`), which lets the next launch
+only once its own wait has returned. With many more rows the projections are library
 GEMMs, and a kernel launched early after one of those waited on the device for longer than it
 saved (batch 64 below). On the 8B shape, whose projections of 2-4 rows are library GEMMs, PDL
 on the other kernels of those launches still gains about 3% (docs/performance.md).
@@ -42,7 +43,7 @@ import triton.language as tl
 
 ENV = "AERIE_PDL"
 FORCE_OFF = False  # bench_decode's "nopdl" variants
-MAX_ROWS = 4  # = small_m_linear.MAX_FUSED_ROWS (that module imports this one)
+MAX_ROWS = 4  # bench_speculative.py --fused-rows measures other limits
 _capable: dict[int, bool] = {}
 
 

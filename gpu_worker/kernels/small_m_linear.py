@@ -124,7 +124,6 @@ def _small_m_linear_kernel(
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + n[:, None] * K + cols[None, :],
@@ -140,6 +139,7 @@ def _small_m_linear_kernel(
                         pid == 0, PROLOGUE)  # fmt: skip
         acc = _row_dots(a, w)
     else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             k_ok = cols < K
@@ -164,10 +164,6 @@ class Config:
 
 
 MAX_FUSED_WEIGHT = 4 << 20  # elements; 0 never fuses (bench_decode's "unfused" variants)
-# Rows (tokens) up to which a small weight runs the fused kernel: a plain step of up to four
-# requests, a chain S=3's verify and the draft extend of one request. PDL covers exactly these
-# launches (pdl.MAX_ROWS). bench_speculative.py --fused-rows measures other limits.
-MAX_FUSED_ROWS = 4
 # One row of a larger weight: the kernel without the prologue (the norm or SiLU runs as its
 # own kernel first), or the library GEMM where None (bench_decode's "library" variants).
 # Two columns per program and 2048 keys per iteration: the best or within 1% of the best
@@ -184,7 +180,7 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
     norm or SiLU kernel and then `linear` (which asks again without the prologue); without,
     the library GEMM. From benchmarks/bench_small_m_linear.py (figures in
     docs/performance.md, "Projections of a few rows"):
-    - up to MAX_FUSED_ROWS rows of a small weight (every projection of the 135M shape): the
+    - up to pdl.MAX_ROWS rows of a small weight (every projection of the 135M shape): the
       fused kernel, one row per program at one row, two rows per program and eight columns
       at two to four (the fastest uniform launch shape over the 135M projections);
     - one row of a large weight (the 8B shape): the kernel alone reads the weight faster than
@@ -193,7 +189,7 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
     - more rows, or several of a large weight: the library GEMM is as fast or faster.
     A small weight's program covers its input in one tile up to ONE_TILE_K, which with PDL
     lets it read its weight while the kernel before it still runs."""
-    if n * k <= MAX_FUSED_WEIGHT and rows <= MAX_FUSED_ROWS:
+    if n * k <= MAX_FUSED_WEIGHT and rows <= pdl.MAX_ROWS:
         block_k = next_power_of_2(k) if k <= ONE_TILE_K else 512
         if rows > 1 and block_k >= k:
             return Config(block_n=8, block_k=block_k, num_warps=4, block_m=2)

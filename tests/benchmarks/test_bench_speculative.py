@@ -164,9 +164,9 @@ def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, sh
     """--mode iteration: a row per shape and batch size (and value of --fused-rows, restored
     after); the constructed always-agreeing draft is accepted in full (S+1 tokens per request
     per iteration); the byte bound exceeds 1."""
-    from gpu_worker.kernels import pdl, small_m_linear
+    from gpu_worker.kernels import pdl
 
-    default_rows = small_m_linear.MAX_FUSED_ROWS
+    default_rows = pdl.MAX_ROWS
     model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
                                  max_position_embeddings=512)
     out = tmp_path / "result.json"
@@ -180,8 +180,7 @@ def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, sh
     values = [int(n) for n in fused_rows.split(",")] if fused_rows else [default_rows]
     assert [(r["fused_rows"], r["mode"].split()[2], r["batch_size"]) for r in rows] == [
         (n, f"topk={s.split(',')[1]}", bs) for n in values for s in shapes.split() for bs in (1, 3)]
-    assert small_m_linear.MAX_FUSED_ROWS == default_rows
-    assert pdl.MAX_ROWS == default_rows  # PDL covers the fused launches, before and after
+    assert pdl.MAX_ROWS == default_rows  # restored
     for r in rows:
         assert r["agreeing_tokens_per_iteration"] == 3  # S + 1
         assert r["iteration_ms"] > 0 and r["plain_step_ms"] > 0 and r["byte_bound"] > 1

@@ -208,9 +208,9 @@ def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, mon
     """With the triton backend a forward of one token runs each decoder layer as five kernels
     (norm+qkv, attention, o_proj, norm+gate_up, silu+down), with the same logits; weights over
     the fusion limit take the separate norm and SiLU kernels and the kernel without a prologue
-    (the GEMV), or the library GEMM where GEMV_CONFIG is None. Up to MAX_FUSED_ROWS tokens (a
+    (the GEMV), or the library GEMM where GEMV_CONFIG is None. Up to pdl.MAX_ROWS tokens (a
     chain's verify) run the fused kernels too; more tokens the library GEMMs."""
-    from gpu_worker.kernels import small_m_linear
+    from gpu_worker.kernels import pdl, small_m_linear
 
     launches = []
     launch = small_m_linear._launch
@@ -223,7 +223,7 @@ def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, mon
     expected_fused = per_layer + per_layer_later * (runner.config.num_layers - 1)
     gemv = small_m_linear.GEMV_CONFIG
     expected_gemv = [small_m_linear._PLAIN] * 4 * runner.config.num_layers
-    rows = small_m_linear.MAX_FUSED_ROWS
+    rows = pdl.MAX_ROWS
     for length, fuse, gemv_config, expected in ((1, True, gemv, expected_fused),
                                                 (rows, True, gemv, expected_fused),
                                                 (rows + 1, True, gemv, []),

@@ -39,6 +39,5 @@ def test_off_before_compute_capability_9(monkeypatch):
 def test_it_covers_the_launches_whose_small_projections_are_our_kernels():
     from gpu_worker.kernels import small_m_linear
 
-    assert pdl.MAX_ROWS == small_m_linear.MAX_FUSED_ROWS
     assert small_m_linear.choose_config(pdl.MAX_ROWS, 960, 576, prologue=True) is not None
     assert small_m_linear.choose_config(pdl.MAX_ROWS + 1, 960, 576, prologue=True) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker.kernels import pdl
 from gpu_worker.kernels import small_m_linear as sml
 from tests.gpu_worker.kernels.test_layer_kernels import CASES
 
@@ -89,12 +90,12 @@ def test_the_fused_kernel_runs_only_where_it_pays():
     assert sml.choose_config(1, 576, 1536, prologue=True).block_k == 2048  # 135M down
     assert sml.choose_config(1, 960, 576, prologue=True).block_k == 1024  # 135M qkv
     assert sml.choose_config(1, 64, sml.ONE_TILE_K + 1).block_k < sml.ONE_TILE_K + 1
-    # up to MAX_FUSED_ROWS rows of a small weight (a chain S=3's verify): fused, two rows per
+    # up to pdl.MAX_ROWS rows of a small weight (a chain S=3's verify): fused, two rows per
     # program from two rows on; more, the library
-    assert sml.MAX_FUSED_ROWS >= 4
+    assert pdl.MAX_ROWS >= 4
     assert sml.choose_config(1, 960, 576, prologue=True).block_m == 1
-    assert sml.choose_config(sml.MAX_FUSED_ROWS, 960, 576, prologue=True).block_m == 2
-    assert sml.choose_config(sml.MAX_FUSED_ROWS + 1, 960, 576) is None
+    assert sml.choose_config(pdl.MAX_ROWS, 960, 576, prologue=True).block_m == 2
+    assert sml.choose_config(pdl.MAX_ROWS + 1, 960, 576) is None
     assert sml.choose_config(2, 6144, 4096) is None  # several rows of a large weight: the library
     # the 8B shape's qkv: bandwidth-bound; the kernel alone, after a separate norm
     assert sml.choose_config(1, 6144, 4096) == sml.GEMV_CONFIG is not None
