@@ -19,10 +19,12 @@ for max_bs.
 Stages can be chained without copies: `output_buffers` makes named outputs of one stage be
 written (inside its graph) straight into buffers it is given, such as the static inputs of the
 next stage, and a call skips the copy of any input that already is its static buffer's view.
-The producing stage writes every row of the bucket, its padded rows included (they hold what
-the stage computed for the dummy row: valid values of the consumer's pad kind, such as row 0
-or length 0). Consumers that are alternatives to one another (the speculative accept variants)
-share their static inputs through `input_buffers`, so one producer feeds them all.
+A stage may also write such an output itself, into a view of the buffer at its start (no
+copy then). The producing stage writes every row of the bucket, its padded rows included
+(they hold what the stage computed for the dummy row: valid values of the consumer's pad
+kind, such as row 0 or length 0). Consumers that are alternatives to one another (the
+speculative accept variants) share their static inputs through `input_buffers`, so one
+producer feeds them all.
 
 A stage whose inputs come from the host (`host_inputs=True`, e.g. the plain decode step: the
 plan's rows and KV slots) keeps them all in ONE packed int64 device buffer, int32 inputs two
@@ -265,7 +267,9 @@ class StageGraph:
                     self.outputs[key] = torch.empty((rows, *value.shape[1:]), dtype=value.dtype,
                                                     device=value.device)  # fmt: skip
         for key, value in result.items():
-            self.outputs[key][: value.shape[0]].copy_(value)
+            static = self.outputs[key][: value.shape[0]]
+            if value.data_ptr() != static.data_ptr():  # (else the stage wrote it in place)
+                static.copy_(value)
 
     def capture_all(self, pool=None) -> None:
         """Capture every bucket up to capture_max_bs (the larger ones replay eagerly)."""

@@ -30,6 +30,7 @@ import torch
 from aerie.config import SpeculativeConfig
 from gpu_worker import constants
 from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
+from gpu_worker.kernels.row_commit import DraftState
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
@@ -113,10 +114,19 @@ class EagleWorker(SpeculativeWorker):
             topk_index = self.draft.hot_token_id[topk_index]
         return topk_p, topk_index
 
+    def row_draft_state(self) -> DraftState:
+        return DraftState(self.topk_p, self.topk_index, self.hidden)
+
+    def new_draft_state(self, out: LogitsOutput) -> DraftState:
+        """The draft's first-level drafts per request and its pass-back hidden states (all
+        tokens': `last` picks each row's)."""
+        return DraftState(*self.draft_top_k(out.next_token_logits), out.hidden_states)
+
     def store_draft_state(self, rows: torch.Tensor, out: LogitsOutput, last: torch.Tensor) -> None:
         """Keep each row's first-level drafts and pass-back hidden (last: token index per row)."""
-        self.topk_p[rows], self.topk_index[rows] = self.draft_top_k(out.next_token_logits)
-        self.hidden[rows] = out.hidden_states[last]
+        new = self.new_draft_state(out)
+        self.topk_p[rows], self.topk_index[rows] = new.topk_p, new.topk_index
+        self.hidden[rows] = new.hidden[last]
 
     # ------------------------------------------------------------------------------ stages
 
@@ -186,7 +196,9 @@ class EagleWorker(SpeculativeWorker):
         )
         self.target.kv_pool.move_kv(dst, src)
 
-    def draft_extend(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]) -> None:
+    def draft_extend(
+        self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
+    ) -> tuple[DraftState, torch.Tensor]:
         """The draft over positions prefix .. prefix+S: position prefix + k pairs the target
         feature of accepted node k with the token that follows it; the rows' draft state is read
         at position prefix + accept_len - 1 (what runs past it is overwritten next step)."""
@@ -206,5 +218,4 @@ class EagleWorker(SpeculativeWorker):
             spec_info=SpecInput(inputs["features"].flatten(0, -2)), seq_lens=prefix_lens + width,
             extend_seq_lens=constants.full(bs, width, rows.device), logits_indices=last,
         )  # fmt: skip
-        out = self.draft.forward(batch)
-        self.store_draft_state(rows, out, last)
+        return self.new_draft_state(self.draft.forward(batch)), last

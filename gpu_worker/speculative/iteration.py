@@ -40,6 +40,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from gpu_worker.kernels.greedy_accept import greedy_accept, greedy_accept_reference
+from gpu_worker.kernels.row_commit import DraftState, commit_rows, commit_rows_reference
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState, fixed_flags
@@ -55,7 +57,7 @@ from gpu_worker.speculative.target_verify import (
     verify_tree,
 )
 from gpu_worker.speculative.tree import DraftShape, DraftTree
-from gpu_worker.speculative.verify import VerifyResult, accepted_tokens, verify_greedy
+from gpu_worker.speculative.verify import VerifyResult
 from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 
 # The accept stage's variants and the sampling stages each runs (`fixed_flags`). "penalize"
@@ -85,6 +87,10 @@ class SpeculativeWorker:
         self.target, self.sampling, self.state, self.shape = target, sampling, state, shape
         self.num_steps, self.topk = shape.num_steps, shape.topk
         self.num_draft_tokens = shape.num_draft_tokens
+        # Greedy acceptance in one Triton launch on the triton backend (the torch functions
+        # are its reference), writing the extend stage's inputs in place once they exist.
+        self.fused_accept = target.spec.attention_backend == "triton"
+        self.greedy_buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------ subclass API
 
@@ -97,9 +103,17 @@ class SpeculativeWorker:
     ) -> DraftTree:
         raise NotImplementedError
 
-    def draft_extend(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]) -> None:
+    def draft_extend(
+        self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
+    ) -> tuple[DraftState, torch.Tensor] | None:
         """inputs: rows, prefix_lens, accept_lens [bs]; tokens [bs, S+1] (accepted drafts, then the
-        bonus); features [bs*(S+1), H_f] (the target feature of each accepted node)."""
+        bonus); features [bs*(S+1), H_f] (the target feature of each accepted node).
+        -> the rows' new draft state (top-k per request, hidden states read at `last` [bs])
+        for `commit` to store, or None where the draft keeps its own (MTP)."""
+        raise NotImplementedError
+
+    def row_draft_state(self) -> DraftState:
+        """The per-row draft state `draft_extend`'s result is stored into."""
         raise NotImplementedError
 
     def target_features(self, out) -> torch.Tensor:
@@ -148,6 +162,7 @@ class SpeculativeWorker:
         # extend stage those of the rows and lengths; every graphed variant reads them all.
         accept_buffers = {"rows": into["rows"], "prefix_lens": into["prefix_lens"]}
         extend_outputs = {key: into[key] for key in ("accept_lens", "tokens", "features")}
+        self.greedy_buffers = extend_outputs
         self.accept_stages: dict[str, StageGraph | DirectStage] = {}
         for name in GRAPHED_ACCEPT:
             self.accept_stages[name] = StageGraph(
@@ -184,23 +199,45 @@ class SpeculativeWorker:
         features = self.target_features(out)
         # Greedy acceptance without penalties needs nothing from the host: done here, in the
         # graph, and used whenever the whole batch is plain greedy.
-        greedy = verify_greedy(tree, out.next_token_logits.argmax(dim=-1))
+        predict, accept_index, accept_lens, tokens, path_features = self.accept_greedy(
+            tree, out.next_token_logits.argmax(dim=-1), features
+        )
+        greedy = {"greedy_accept_lens": accept_lens, "greedy_tokens": tokens,
+                  "greedy_features": path_features}  # fmt: skip
+        if self.topk > 1:  # the accepted path's KV moves (`compact`); a chain's stays
+            greedy.update(greedy_predict=predict, greedy_accept_index=accept_index)
         return {**tree_tensors(tree), "logits": out.next_token_logits, "features": features,
-                "rows": rows, "prefix_lens": prefix_lens,
-                "greedy_predict": greedy.predict, "greedy_accept_index": greedy.accept_index,
-                "greedy_accept_lens": greedy.accept_lens,
-                "greedy_tokens": accepted_tokens(greedy),
-                "greedy_features": compact_rows(features, greedy)}  # fmt: skip
+                "rows": rows, "prefix_lens": prefix_lens, **greedy}  # fmt: skip
+
+    def accept_greedy(
+        self, tree: DraftTree, target_predict: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """(predict, accept_index, accept_lens, tokens, features along the path), as
+        `greedy_accept` returns them: one launch on the triton backend, writing into the
+        extend stage's input buffers when the batch fits them."""
+        if not self.fused_accept:
+            return greedy_accept_reference(tree, target_predict, features)
+        bs = target_predict.shape[0] // self.num_draft_tokens
+        fits = self.greedy_buffers and bs <= self.greedy_buffers["accept_lens"].shape[0]
+        out = {key: buffer[:bs] for key, buffer in self.greedy_buffers.items()} if fits else None
+        return greedy_accept(tree, target_predict, features, out)
 
     def _extend(
         self, bs: int, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
-        """The draft extend, then each row's committed length and last token advance."""
-        self.draft_extend(inputs, prefix_cpu)
+        """The draft extend, then each row's committed length and last token advance (and its
+        draft state is stored: in one launch on the triton backend)."""
+        new = self.draft_extend(inputs, prefix_cpu)
         rows, accept_lens, tokens = inputs["rows"], inputs["accept_lens"], inputs["tokens"]
+        state = self.state
+        if new is not None:
+            commit = commit_rows if self.fused_accept else commit_rows_reference
+            commit(state.prefix_lens, state.tokens, self.row_draft_state(), rows, accept_lens,
+                   tokens, *new)  # fmt: skip
+            return {}
         last = tokens.gather(1, (accept_lens - 1)[:, None]).squeeze(1)
-        self.state.commit_decode(rows, accept_lens, last)
-        self.state.reset_dummy()  # padded rows committed into row 0
+        state.commit_decode(rows, accept_lens, last)
+        state.reset_dummy()  # padded rows committed into row 0
         return {}
 
     # ------------------------------------------------------------------------ an iteration
@@ -235,9 +272,10 @@ class SpeculativeWorker:
         prefix_lens = proposed["prefix_lens"]
         if variant is None:  # accepted inside the propose stage
             accept_lens = proposed["greedy_accept_lens"]
-            result = VerifyResult(proposed["greedy_predict"], proposed["greedy_accept_index"],
-                                  accept_lens)  # fmt: skip
-            self.compact(result, rows, prefix_lens)
+            if self.topk > 1:
+                result = VerifyResult(proposed["greedy_predict"],
+                                      proposed["greedy_accept_index"], accept_lens)  # fmt: skip
+                self.compact(result, rows, prefix_lens)
             step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
             features = proposed["greedy_features"]  # [bs*(S+1), H_f]
         else:

@@ -61,6 +61,34 @@ for prologue, block_k, rows, block_n, one_tile in ((2, 1024, 1, 4, True), (3, 20
         "K": "i32", "x_stride": "i32", "res_stride": "i32", "out_stride": "i32", "eps": "fp32",
     }, dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k,
             ONE_TILE=one_tile))
+# Greedy acceptance (no PDL: it follows a library argmax): a chain and a tree.
+from gpu_worker.kernels.greedy_accept import _greedy_accept_kernel
+accept_types = {name: "*i64" for name in ("tokens_ptr", "target_ptr", "next_token_ptr",
+                                          "next_sibling_ptr", "predict_ptr", "accept_index_ptr",
+                                          "accept_lens_ptr", "emitted_ptr")}
+accept_types.update(features_ptr="*bf16", out_features_ptr="*bf16", kids_stride="i32",
+                    siblings_stride="i32", feature_stride="i32", feature_width="i32",
+                    out_feature_stride="i32")
+for nd, steps, topk in ((4, 3, 1), (8, 4, 4)):
+    const = dict(ND=nd, ND_P2=nd, STEPS=steps, WIDTH_P2=8, TOPK=topk, BLOCK_F=512)
+    fn = _greedy_accept_kernel
+    triton.compile(ASTSource(fn=fn, signature={**accept_types, **{k: "constexpr" for k in const}},
+                             constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
+                   target=GPUTarget("cuda", 90, 32))
+# The end of an EAGLE iteration: a chain's state and a tree's.
+from gpu_worker.kernels.row_commit import _commit_rows_kernel
+commit_types = {name: "*i64" for name in ("prefix_lens_ptr", "newest_ptr", "rows_ptr",
+                                          "accept_lens_ptr", "tokens_ptr", "topk_index_ptr",
+                                          "new_topk_index_ptr", "last_ptr")}
+commit_types.update(topk_p_ptr="*fp32", new_topk_p_ptr="*fp32", hidden_ptr="*bf16",
+                    new_hidden_ptr="*bf16", tokens_stride="i32", new_topk_p_stride="i32",
+                    new_topk_index_stride="i32", new_hidden_stride="i32", hidden_width="i32")
+for topk in (1, 4):
+    const = dict(TOPK=topk, TOPK_P2=topk, BLOCK_H=1024)
+    fn = _commit_rows_kernel
+    triton.compile(ASTSource(fn=fn, signature={**commit_types, **{k: "constexpr" for k in const}},
+                             constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
+                   target=GPUTarget("cuda", 90, 32))
 print("compiled")
 """
 

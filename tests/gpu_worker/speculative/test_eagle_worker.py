@@ -148,27 +148,35 @@ TRITON_CASES = [("EAGLE", 4, 2, 6), ("EAGLE3", 1, 2, 6), ("EAGLE3", 1, 1, 4)]  #
 def test_triton_backend_gives_the_same_speculative_output(
     models, monkeypatch, algorithm, page_size, topk, num_draft
 ):
-    """Draft decode (branch-local keys), tree verify and draft extend in the Triton kernels
-    (interpreter on CPU): the same tokens and accept lengths as the torch_native reference.
-    The EAGLE-3 draft layer runs its own Triton path (`Eagle3DecoderLayer._forward_triton`)."""
+    """Draft decode (branch-local keys), tree verify, greedy acceptance and draft extend in
+    the Triton kernels (interpreter on CPU): the same tokens and accept lengths as the
+    torch_native reference. The EAGLE-3 draft layer runs its own Triton path
+    (`Eagle3DecoderLayer._forward_triton`); acceptance writes the extend stage's inputs."""
     from gpu_worker.models.llama_eagle3 import Eagle3DecoderLayer
+    from gpu_worker.speculative import iteration
 
     skip_unless_triton_runs_on("cpu")
     calls = []  # one entry per run of the EAGLE-3 layer's Triton path
     forward = Eagle3DecoderLayer._forward_triton
     monkeypatch.setattr(Eagle3DecoderLayer, "_forward_triton",
                         lambda *args: calls.append(1) or forward(*args))  # fmt: skip
+    in_place = []  # per fused acceptance: whether it was given the extend stage's buffers
+    accept = iteration.greedy_accept
+    monkeypatch.setattr(iteration, "greedy_accept",
+                        lambda *a: in_place.append(a[3] is not None) or accept(*a))  # fmt: skip
     prompts = random_prompts(seed=3, n=3)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
     runs = []
     for backend in ("torch_native", "triton"):
+        # Stage buffers for 4 requests (graphs where they can be captured): 3 run, 1 padded.
         config = make_config(models["target"], algorithm, draft, 3, topk, num_draft,
-                             page_size, 8, backend=backend)  # fmt: skip
+                             page_size, 8, backend=backend, graph_max_bs=4)  # fmt: skip
         runs.append(run_engine(config, prompts, 12))
         if backend == "torch_native":
-            assert not calls
+            assert not calls and not in_place
     assert runs[0] == runs[1]
     assert bool(calls) == (algorithm == "EAGLE3")
+    assert in_place and all(in_place)
 
 
 @pytest.mark.parametrize("topk, num_draft", [(1, 4), (3, 7)])
