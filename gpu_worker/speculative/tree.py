@@ -46,7 +46,8 @@ def select_first_level(
     (input_ids [bs*topk], hidden [bs*topk, H], path_scores [bs, topk]).
     """
     bs, topk = topk_p.shape
-    parents = torch.arange(-1, topk, device=topk_p.device, dtype=torch.int64)  # [topk+1]
+    parents = constants.cached(("first_level_parents", topk), topk_p.device,
+                               lambda: torch.arange(-1, topk, device=topk_p.device))  # [topk+1]
     record.scores.append(topk_p.unsqueeze(1))  # [bs, 1, topk]
     record.tokens.append(topk_index)
     record.parents.append(parents.expand(bs, topk + 1))
