@@ -182,9 +182,7 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
     docs/performance.md, "Projections of a few rows"):
     - up to pdl.MAX_ROWS rows of a small weight (every projection of the 135M shape): the
       fused kernel, one row per program at one row, two rows per program and eight columns
-      at two to four (the fastest uniform launch shape over the 135M projections), except
-      that at three or four rows a wide weight (gate_up) runs them all in each program, 16
-      columns: a quarter of the programs, each repeating its norm prologue once;
+      at two to four (the fastest uniform launch shape over the 135M projections);
     - one row of a large weight (the 8B shape): the kernel alone reads the weight faster than
       the library GEMM, and a fused prologue, which every program repeats over the whole
       input row, costs more than the separate kernel it saves (GEMV_CONFIG);
@@ -193,8 +191,6 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
     lets it read its weight while the kernel before it still runs."""
     if n * k <= MAX_FUSED_WEIGHT and rows <= pdl.MAX_ROWS:
         block_k = next_power_of_2(k) if k <= ONE_TILE_K else 512
-        if rows > 2 and block_k >= k and n > 1024:
-            return Config(block_n=16, block_k=block_k, num_warps=4, block_m=4)
         if rows > 1 and block_k >= k:
             return Config(block_n=8, block_k=block_k, num_warps=4, block_m=2)
         return Config(block_n=4 if n <= 1024 else 8, block_k=block_k, num_warps=4)

@@ -26,13 +26,11 @@ def random(gen, device, dtype, *shape, scale=1.0):
 
 
 # (rows, K, N, config): the chosen launch shape for one row of a narrow and of a wide
-# projection, for three rows of the wide one (all in one program, the fourth masked) and for
-# two (one block of two rows); forced ones stepping over
+# projection and for three rows (two row blocks, the second partial); forced ones stepping over
 # K at three and four rows, and in one tile at six (a program per row), five (a partial block
 # of two rows) and three (partial blocks of rows and of columns); None for the separate
 # kernels (16 rows).
 SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (3, 520, 1040, "chosen"),
-          (2, 520, 1040, "chosen"),
           (4, 520, 1040, sml.Config(8, 512, 4)), (3, 200, 136, sml.Config(4, 64, 2)),
           (6, 200, 136, sml.Config(4, 256, 4)), (5, 200, 136, sml.Config(4, 256, 4, block_m=2)),
           (3, 200, 138, sml.Config(8, 256, 4, block_m=2)), (16, 64, 48, None)]  # fmt: skip
@@ -97,8 +95,6 @@ def test_the_fused_kernel_runs_only_where_it_pays():
     assert pdl.MAX_ROWS >= 4
     assert sml.choose_config(1, 960, 576, prologue=True).block_m == 1
     assert sml.choose_config(pdl.MAX_ROWS, 960, 576, prologue=True).block_m == 2
-    assert sml.choose_config(2, 3072, 576, prologue=True).block_m == 2  # gate_up
-    assert sml.choose_config(3, 3072, 576, prologue=True).block_m == 4  # all rows in a program
     assert sml.choose_config(pdl.MAX_ROWS + 1, 960, 576) is None
     assert sml.choose_config(2, 6144, 4096) is None  # several rows of a large weight: the library
     # the 8B shape's qkv: bandwidth-bound; the kernel alone, after a separate norm
