@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -247,6 +248,19 @@ def send_load(url: str, payloads: list[Payload], concurrency: int, clients: int)
 # Runs
 
 
+def describe_machine() -> str:
+    """The GPUs the servers run on, as nvidia-smi names them ("cpu" without one)."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    names = [name.strip() for name in names if name.strip()]
+    if not names:
+        return "cpu"
+    return names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
+
+
 class Bench:
     """The runs of one invocation and their JSON report, rewritten after every run."""
 
@@ -259,6 +273,8 @@ class Bench:
         self.report: dict = {
             "args": dict(vars(args)),
             "model_path": args.model_path,
+            "machine": describe_machine(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "log_dir": self.log_dir,
             "servers": {},
             "rows": [],

@@ -36,6 +36,13 @@ def lines(report: dict) -> dict[tuple[str, float], list[dict]]:
     return {key: sorted(rows, key=lambda r: r["concurrency"]) for key, rows in out.items()}
 
 
+def title(report: dict) -> str:
+    """The model, the machine and the date (where the report has them)."""
+    parts = [os.path.basename(report["model_path"].rstrip("/")), report.get("machine"),
+             report.get("date")]  # fmt: skip
+    return ", ".join(part for part in parts if part)
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
 
@@ -71,7 +78,7 @@ def plot(report: dict, path: str) -> None:
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(os.path.basename(report["model_path"].rstrip("/")), fontsize=9)
+    fig.suptitle(title(report), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -152,7 +152,11 @@ def test_the_plot_draws_ratios_and_acceptance(tmp_path):
     ]
     assert plot_spec_serving.sum_positions([r["accepted_delta"] for r in rows]) == [20, 13, 2]
     path = tmp_path / "results.json"
-    path.write_text(json.dumps({"model_path": "/m/SmolLM2/", "rows": rows}))
+    report = {"model_path": "/m/SmolLM2/", "machine": "NVIDIA H200", "date": "2026-11-28",
+              "rows": rows}  # fmt: skip
+    assert plot_spec_serving.title(report) == "SmolLM2, NVIDIA H200, 2026-11-28"
+    assert plot_spec_serving.title({"model_path": "/m/SmolLM2"}) == "SmolLM2"
+    path.write_text(json.dumps(report))
     out = plot_spec_serving.main([str(path), "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").stat().st_size > 10_000 and out.endswith("plot.png")
 
@@ -203,6 +207,7 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
         ]
     )
     report = json.loads(out.read_text())
+    assert report["machine"] and len(report["date"]) == 10
     assert set(report["servers"]) == {"plain", "spec"}
     for server in report["servers"].values():
         assert "error" not in server
