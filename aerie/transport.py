@@ -6,9 +6,9 @@ frontend (the tokenizer process) only.
 
 `StepLink` is the one exception, the hot path between a scheduler and its GPU worker (rank 0):
 a plan and its result cross it every step, and a ZMQ message passes through an I/O thread on
-each side (about 35 us a hop on the lent H100's host with both ends spinning, where a Unix
-socket read and written by the two processes themselves takes about 5: `bench_ipc_hop.py`).
-Both directions share one Unix stream socket, each message framed by its length. The worker
+each side, several times slower a hop than a Unix socket the two processes read and write
+themselves (`benchmarks/bench_ipc_hop.py` measures both). Both directions share one Unix
+stream socket, each message framed by its length. The worker
 listens (before it reports ready) and the scheduler connects. `Inbox` reads a process's ZMQ
 inbox and its link as one: a spin or a blocking wait over both.
 """

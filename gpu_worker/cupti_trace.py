@@ -1,11 +1,11 @@
 """`GraphTrace`: when the device was busy, from CUPTI, with each CUDA graph launch traced whole.
 
-torch.profiler traces every kernel node of every replayed graph: about 250 us of host time per
-launch of a graph of 300 kernels on the lent H100 (`benchmarks/bench_trace_cost.py`), more than
-half a one-stream step's host chain (about 460 us), so the idle share it reports is mostly its
-own doing. CUPTI can instead report one record per graph launch
-(`CUPTI_ACTIVITY_KIND_GRAPH_TRACE`, made for exactly this): about 60 us per launch there, which
-a served step hides. `GraphTrace` asks CUPTI's activity API for those records, and for kernels
+torch.profiler traces every kernel node of every replayed graph, which costs the host more
+per launch than half a one-stream step's host chain, so the idle share it reports is mostly
+its own doing. CUPTI can instead report one record per graph launch
+(`CUPTI_ACTIVITY_KIND_GRAPH_TRACE`, made for exactly this), cheap enough for a served step to
+hide (`benchmarks/bench_trace_cost.py` measures both). `GraphTrace` asks CUPTI's activity
+API for those records, and for kernels
 launched outside graphs, memory copies and memsets, through ctypes on the libcupti that PyTorch
 itself loads (else one from the CUDA wheels); it returns their [start, end) intervals in
 microseconds and how many records of each kind it saw.

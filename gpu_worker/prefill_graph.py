@@ -1,9 +1,8 @@
 """`PrefillGraphs`: short prefills of the target replayed as CUDA graphs, bucketed by tokens.
 
-An eager forward launches every kernel from Python: about 400 launches for the 135M shape,
-each costing the host 15-40 us, so the prefill of a short prompt takes ~25 ms of host time
-for well under a millisecond of GPU work, and a request's first token waits for it. Decode
-steps are graphs already; this does the same for EXTEND forwards of up to `max_tokens`
+An eager forward launches every kernel from Python, hundreds of them, so the prefill of a
+short prompt costs the host many times its GPU work, and a request's first token waits for
+it. Decode steps are graphs already; this does the same for EXTEND forwards of up to `max_tokens`
 tokens (`--cuda-graph-max-prefill-tokens`).
 
 A bucket is a token count T (16, 32, 64, ... up to max_tokens) with room for R = min(T,

@@ -274,8 +274,8 @@ def cpu_threads(cores: int, workers: int) -> int:
     the scheduler (it polls for every step's result) and the frontends.
 
     NOTE: more threads than the cores free for them is far slower than fewer, not a little:
-    each op ends on a barrier that waits for a descheduled thread. On a busy 2-core machine
-    small ops took 2-7 ms with 2 threads against 30 us with 1 (docs/reliability.md)."""
+    each op ends on a barrier that waits for a descheduled thread (figures in
+    docs/reliability.md)."""
     return max(1, (cores - 1) // workers)
 
 

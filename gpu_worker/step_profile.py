@@ -14,15 +14,15 @@ ratio) is not skewed by that, but busy and span divided by COUNT read up to a fe
 
 `AERIE_PROFILE_TRACER` picks the tracer:
 - `graphs` (the default): CUPTI with one record per CUDA graph launch (`cupti_trace`), plus
-  kernels outside graphs, copies and memsets. It adds about 60 us of host time per graph
-  launch, which a served step hides behind the device, so the idle share is the served one.
+  kernels outside graphs, copies and memsets. Its host cost per graph launch is small enough
+  for a served step to hide behind the device, so the idle share is the served one.
   Gaps inside a graph are not seen, so the idle time is the device waiting for the host
   (between steps, or inside one).
 - `kernels`: torch.profiler, one interval per kernel, graph nodes included. It shows the short
-  gaps (under 4 us) between a graph's kernels too (reported apart from the long ones, where the
-  device waited for the host), but it costs the host about 250 us per launch of a graph of 300
-  kernels (`benchmarks/bench_trace_cost.py`), more than half a one-stream step's host chain
-  (about 460 us), so the served idle share it reads is mostly its own. It also leaves CUPTI
+  gaps between a graph's kernels too (reported apart from the long ones, where the device
+  waited for the host), but per graph launch it costs the host more than half a one-stream
+  step's host chain (`benchmarks/bench_trace_cost.py`), so the served idle share it reads is
+  mostly its own. It also leaves CUPTI
   attached once done (PyTorch does not tear it down with CUDA graphs), so the server serves its
   later requests more slowly.
 """

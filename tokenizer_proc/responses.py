@@ -153,7 +153,7 @@ def json_text(value: Any) -> str:
 
 def number_json(value: float | None) -> str:
     """json_text(value) for None or a float, faster for None and the finite floats (the
-    encoder starts a new iteration, about 2 us, for anything but a string); a non-finite
+    encoder starts a new iteration for anything but a string); a non-finite
     float raises ValueError."""
     if type(value) is float and math.isfinite(value):
         return float.__repr__(value)

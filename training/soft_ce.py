@@ -8,8 +8,8 @@ teacher row at[i]:
 
 The torch form (`soft_cross_entropy_reference`) gathers p[at] into a new [m, V] float32 tensor,
 keeps log_softmax(z) [m, V] float32 for the backward and runs a handful of vocabulary-wide
-passes each way; on the full 49,152-token vocabulary of an MTP layer that was about 40 ms of a
-training step. The Triton kernels read the teacher's rows in place and make one pass forward
+passes each way, a large share of an MTP layer's training step over the full 49,152-token
+vocabulary. The Triton kernels read the teacher's rows in place and make one pass forward
 (an online logsumexp with the dot product) and one backward (the gradient, written in z's
 dtype), keeping only lse and P per row. On the CPU training uses the reference; the kernels run
 there only under TRITON_INTERPRET=1 (the tests).

@@ -80,8 +80,8 @@ class DecodeScratch:
 def active_splits(num_blocks, MIN_BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Splits of a request's num_blocks key blocks that hold keys: each covers at least
     MIN_BLOCKS_PER_SPLIT blocks, at most NUM_SPLITS of them; and one when splitting would save
-    a single loop iteration, which the combine costs more than (H100, 135M shape, one request:
-    260 keys in one split of two 256-key iterations took 5.9 us, in two splits 7.2)."""
+    a single loop iteration, which the combine costs more than (docs/performance.md,
+    "Attention")."""
     active = tl.maximum(tl.minimum(tl.cdiv(num_blocks, MIN_BLOCKS_PER_SPLIT), NUM_SPLITS), 1)
     if num_blocks - tl.cdiv(num_blocks, active) < 2:
         active = 1
@@ -369,13 +369,11 @@ def min_blocks_per_split(block_n: int, min_keys: int | None = None) -> int:
 
 
 def choose_launch(bs: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(keys per loop iteration, warps) for a decode launch. Measured on the H100
-    (benchmarks/bench_decode_attention.py, docs/performance.md): with few programs a wide
-    block is best, because each iteration costs dependent memory round trips (slots, then
-    their keys) rather than bandwidth: 256 keys of head dim 64 took 4.9 us at one request of
-    160 keys where 64 keys per iteration took 6.6 us. With many programs, half that width
-    and, past 256 (request, KV head) pairs, two warps keep more programs resident (8B shape,
-    64 requests: 15.5 us against 21.5 with four warps)."""
+    """(keys per loop iteration, warps) for a decode launch, from
+    benchmarks/bench_decode_attention.py (docs/performance.md, "Attention"): with few programs
+    a wide block is best, because each iteration costs dependent memory round trips (slots,
+    then their keys) rather than bandwidth. With many programs, half that width and, past 256
+    (request, KV head) pairs, two warps, which keep more programs resident."""
     units = bs * num_kv_heads
     elements = 16384 if units <= 64 else 8192
     block_n = max(32, min(256, 1 << (elements // head_dim).bit_length() - 1))  # a power of 2

@@ -70,11 +70,9 @@ class Knobs:
 def choose_launch(block_m: int, head_dim: int) -> Knobs:
     """The launch for a tile of block_m query rows: as many keys per loop iteration as keep
     the key tile at 16K elements and the score tile at 4K (each iteration is a dependent
-    round trip to memory, so fewer, wider ones are faster while registers hold them).
-    Measured on the H100 (`bench_decode_attention.py --queries 4`, docs/performance.md): a
-    verify of 4 tokens over 260 keys, 135M shape (16-row tile, head dim 64), took 7.7 us with
-    64 keys per iteration and 5.9 with 256; the 8B shape (head dim 128) 8.9 with 64 and 7.5
-    with 128. Eight warps were never faster than four."""
+    round trip to memory, so fewer, wider ones are faster while registers hold them), from
+    `bench_decode_attention.py --queries 4` at the 135M and 8B shapes (docs/performance.md,
+    "Attention"); eight warps were never faster than four."""
     block_n = min(16384 // head_dim, 4096 // block_m, 256)
     return Knobs(block_n=max(32, 1 << (block_n.bit_length() - 1)))
 

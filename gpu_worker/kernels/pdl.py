@@ -23,10 +23,8 @@ projection runs our fused kernel (`small_m_linear.choose_config`), which lets th
 only once its own wait has returned. With many more rows the projections are library
 GEMMs, and a kernel launched early after one of those waited on the device for longer than it
 saved (batch 64 below). On the 8B shape, whose projections of 2-4 rows are library GEMMs, PDL
-on the other kernels of those launches still gains about 3% (docs/performance.md).
-H100, bf16, the 135M shape's decode step in a CUDA graph (bench_decode.py, triton+graph against
-nopdl+graph): at batch 1, 0.630 -> 0.503 ms per step; at batch 64 (PDL on every Triton kernel)
-1.025 -> 1.091 ms.
+on the other kernels of those launches still gains (docs/performance.md, "The plain decode
+step" and "The 8B shape": bench_decode.py's triton+graph against nopdl+graph).
 
 Off on CPU (Triton's interpreter has no grid dependency control), before compute capability 9.0,
 and where AERIE_PDL=0 (e.g. to rule it out when a driver misbehaves); `FORCE_OFF` is for

@@ -6,8 +6,8 @@ before them.
     silu_mul_linear(gate_up, w, b)           -> silu_and_mul(gate_up) @ w.T + b
 
 With one to four rows a projection reads its whole weight to produce a few outputs: the work is
-the weight's bytes, and a library GEMM call costs a launch and a tail each time (3-7 us at the
-SmolLM2-135M shapes, where the weight itself takes about 1 us to read). The kernel gives each
+the weight's bytes, and a library GEMM call costs a launch and a tail each time, several times
+what reading a SmolLM2-135M weight takes. The kernel gives each
 program a few output columns of a block of rows, computes their dot products on the CUDA cores,
 and does the step before the projection in its prologue, so a decoder layer runs five kernels:
 norm+qkv, attention, o_proj, norm+gate_up, silu+down. The residual add before a norm is computed
