@@ -1,6 +1,6 @@
 """`StepCosts`: what a decode step costs, plain and speculative, by batch size.
 
-The GPU worker measures them at start-up (`gpu_worker.step_costs`); they travel as JSON (the
+The GPU worker measures them at start-up (`gpu_worker.tooling.step_costs`); they travel as JSON (the
 worker's ready report, then `--speculative-step-costs` of the scheduler's configuration, and
 /server_info), and adaptive speculation (`scheduler_proc.adaptive`) compares them.
 """

@@ -53,12 +53,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
 from benchmarks.bench_models import resolve_model  # noqa: E402
 from gpu_worker.build import DTYPES  # noqa: E402
-from gpu_worker.cuda_graph import CudaGraphRunner  # noqa: E402
-from gpu_worker.forward_batch import ForwardMode  # noqa: E402
-from gpu_worker.host_batch import HostBatch  # noqa: E402
+from gpu_worker.graphs.cuda_graph import CudaGraphRunner  # noqa: E402
 from gpu_worker.kernels import pdl, small_m_linear  # noqa: E402
 from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec  # noqa: E402
 from gpu_worker.models import read_arch_config  # noqa: E402
+from gpu_worker.step.forward_batch import ForwardMode  # noqa: E402
+from gpu_worker.step.host_batch import HostBatch  # noqa: E402
 
 H100_BANDWIDTH_TBPS = 3.0
 FUSED_WEIGHT = small_m_linear.MAX_FUSED_WEIGHT  # the "unfused" variants set it to 0

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie import codec  # noqa: E402
 from aerie.messages import SamplingParams  # noqa: E402
-from gpu_worker.plan_arrays import parse_plan  # noqa: E402
+from gpu_worker.step.plan_arrays import parse_plan  # noqa: E402
 from scheduler_proc.plan import build_decode_plan  # noqa: E402
 from scheduler_proc.request import Request  # noqa: E402
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from gpu_worker.cupti_trace import GRAPH_TRACE, MEMCPY, MEMSET, GraphTrace  # noqa: E402
-from gpu_worker.step_profile import KernelTrace, device_gaps  # noqa: E402
+from gpu_worker.tooling.cupti_trace import GRAPH_TRACE, MEMCPY, MEMSET, GraphTrace  # noqa: E402
+from gpu_worker.tooling.step_profile import KernelTrace, device_gaps  # noqa: E402
 
 TRACERS = ("none", "graphs", "graphs-no-kernels", "kernels")
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from aerie.messages import ForwardPlan
-from gpu_worker.plan_arrays import parse_plan
+from gpu_worker.step.plan_arrays import parse_plan
 from gpu_worker.worker import GPUWorker
 
 

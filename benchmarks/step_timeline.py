@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.step_profile import SHORT_GAP_US, device_gaps
+from gpu_worker.tooling.step_profile import SHORT_GAP_US, device_gaps
 
 
 @dataclass(frozen=True)

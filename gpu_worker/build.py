@@ -23,11 +23,11 @@ from gpu_worker.models import read_arch_config
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
 from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir
 from gpu_worker.parallel import SINGLE, TensorParallel
-from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.eagle_worker import EagleWorker
 from gpu_worker.speculative.iteration import ACCEPT_GRAPH_ROWS, SpeculativeWorker
 from gpu_worker.speculative.mtp_worker import MTPWorker
+from gpu_worker.step.row_state import RowState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # With a draft, the target leaves this share of its memory budget to the draft's weights and

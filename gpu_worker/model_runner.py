@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.attention import create_attention_backend
-from gpu_worker.cuda_graph import CudaGraphRunner
-from gpu_worker.forward_batch import ForwardBatch
-from gpu_worker.host_batch import HostBatch, Staging
+from gpu_worker.graphs.cuda_graph import CudaGraphRunner
+from gpu_worker.graphs.prefill_graph import graph_bytes as prefill_graph_bytes
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.layers.layernorm import set_use_triton
 from gpu_worker.layers.rotary import init_cos_sin_caches
@@ -34,7 +33,8 @@ from gpu_worker.models import ArchConfig, build_model, read_arch_config
 from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
 from gpu_worker.parallel import SINGLE, TensorParallel
-from gpu_worker.prefill_graph import graph_bytes as prefill_graph_bytes
+from gpu_worker.step.forward_batch import ForwardBatch
+from gpu_worker.step.host_batch import HostBatch, Staging
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ plan (the scheduler keeps up to two in flight) is queued behind it before it end
 does not wait for the host between steps. Shutdown ends the loop. Handlers are dispatched by
 message type through a table. On CUDA, before it reports ready, the worker runs a few dummy
 prefills so that Triton compiles the eager paths' kernels at start-up, not during a request
-(`gpu_worker.warm_up`).
+(`gpu_worker.tooling.warm_up`).
 
 What heartbeats report (`aerie.process.Progress`): the step being launched ("on the host"; on
 a CPU that is all of its work), else the oldest launched step ("on the device") until its
@@ -44,9 +44,9 @@ from aerie.process import Progress, run_process
 from aerie.step_trace import StepTrace
 from aerie.transport import Inbox, Receiver, Sender, StepLink
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
-from gpu_worker.step_costs import measure_step_costs
-from gpu_worker.step_profile import StepClock, StepProfiler
-from gpu_worker.warm_up import run_warm_up, watch_compiles
+from gpu_worker.tooling.step_costs import measure_step_costs
+from gpu_worker.tooling.step_profile import StepClock, StepProfiler
+from gpu_worker.tooling.warm_up import run_warm_up, watch_compiles
 from gpu_worker.worker import GPUWorker, Launched
 
 log = logging.getLogger(__name__)

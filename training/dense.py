@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention.base import AttentionLayer, RopeArgs
-from gpu_worker.forward_batch import SpecInput
 from gpu_worker.kernels.norm import rms_norm_reference
 from gpu_worker.kernels.rotary import rotate_reference
+from gpu_worker.step.forward_batch import SpecInput
 
 
 @dataclass

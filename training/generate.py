@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from aerie.model_info import read_model_info
-from gpu_worker.forward_batch import ForwardMode
-from gpu_worker.host_batch import HostBatch
 from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec
+from gpu_worker.step.forward_batch import ForwardMode
+from gpu_worker.step.host_batch import HostBatch
 from training.target import resolve_device
 from training.tokens import TokenFile
 

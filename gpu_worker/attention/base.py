@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
+from gpu_worker.step.forward_batch import ForwardBatch
 
 
 class AttentionLayer(Protocol):

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention.base import AttentionBackend, AttentionLayer, register_backend
-from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels.rotary import rope_and_store_kv_reference
+from gpu_worker.step.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -25,7 +25,6 @@ from gpu_worker.attention.base import (
     RopeArgs,
     register_backend,
 )
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode
 from gpu_worker.kernels import pdl
 from gpu_worker.kernels.decode_attention import (
     DecodeScratch,
@@ -42,6 +41,7 @@ from gpu_worker.kernels.few_query_attention import (
 )
 from gpu_worker.kernels.rotary import rope_and_store_kv
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
+from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode
 
 CPU_NUM_SMS = 8  # no SMs in the interpreter: splits to exercise the combine, few to run idle
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gpu_worker.attention.base import RopeArgs
-from gpu_worker.forward_batch import ForwardBatch
+from gpu_worker.step.forward_batch import ForwardBatch
 
 
 class PagedAttention(nn.Module):

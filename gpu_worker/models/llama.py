@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels import activation, small_m_linear
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.layernorm import RMSNorm
@@ -22,6 +21,7 @@ from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker.models.config import ArchConfig
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.step.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.models.config import ArchConfig
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, run_layers
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.step.forward_batch import ForwardBatch
 
 # Tensors a draft checkpoint may hold that a draft model never loads.
 _ALWAYS_SKIPPED = ("rotary_emb.inv_freq",)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kernels import norm, small_m_linear
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
@@ -34,6 +33,7 @@ from gpu_worker.models.llama_eagle import (
     target_embed_and_head,
 )
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.step.forward_batch import ForwardBatch
 
 NUM_DEFAULT_AUX_LAYERS = 3
 

@@ -33,7 +33,6 @@ import re
 import torch
 from torch import nn
 
-from gpu_worker.forward_batch import ForwardBatch
 from gpu_worker.kv_cache import kv_bytes_per_token
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
@@ -41,6 +40,7 @@ from gpu_worker.models.config import ArchConfig, read_arch_config
 from gpu_worker.models.llama import LlamaDecoderLayer
 from gpu_worker.models.llama_eagle import read_spec_hidden, target_embed_and_head
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.step.forward_batch import ForwardBatch
 from gpu_worker.weights import WeightLoadError, list_tensor_names
 
 MTP_ARCHITECTURE = "MiMoMTPLayer"

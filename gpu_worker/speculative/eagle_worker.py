@@ -29,10 +29,8 @@ import torch
 
 from aerie.config import SpeculativeConfig
 from gpu_worker import constants
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
 from gpu_worker.kernels.row_commit import DraftState
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
-from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.compaction import compaction_moves
 from gpu_worker.speculative.draft_layout import (
@@ -51,6 +49,8 @@ from gpu_worker.speculative.tree import (
     tree_from_draft,
 )
 from gpu_worker.speculative.verify import VerifyResult
+from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
+from gpu_worker.step.row_state import RowState
 
 
 def rotate_prefill_inputs(

@@ -40,10 +40,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from gpu_worker.graphs.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 from gpu_worker.kernels.greedy_accept import greedy_accept, greedy_accept_reference
 from gpu_worker.kernels.row_commit import DraftState, commit_rows, commit_rows_reference
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState, fixed_flags
 from gpu_worker.speculative.compaction import compact_rows
 from gpu_worker.speculative.target_verify import (
@@ -58,7 +58,7 @@ from gpu_worker.speculative.target_verify import (
 )
 from gpu_worker.speculative.tree import DraftShape, DraftTree
 from gpu_worker.speculative.verify import VerifyResult
-from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
+from gpu_worker.step.row_state import RowState
 
 # The accept stage's variants and the sampling stages each runs (`fixed_flags`). "penalize"
 # runs them all, so a penalised greedy batch walks the sampling path too (one-hot probs: the

@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from gpu_worker.forward_batch import ForwardMode, build_forward_batch
 from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec
+from gpu_worker.step.forward_batch import ForwardMode, build_forward_batch
 
 SPEC_FIELDS = {f.name for f in dataclasses.fields(RunnerSpec)}
 

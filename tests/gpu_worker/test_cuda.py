@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.step.forward_batch import ForwardMode
 from tests.gpu_worker.checkpoints import reference_logits
 from tests.gpu_worker.models.test_config import LLAMA_31_8B
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
@@ -74,7 +74,7 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     from aerie.codec import pack_ids
     from aerie.config import AerieConfig
     from aerie.messages import RequestStart, SamplingParams
-    from gpu_worker.plan_builders import decode_plan, extend_plan
+    from gpu_worker.step.plan_builders import decode_plan, extend_plan
     from gpu_worker.worker import GPUWorker
 
     config = AerieConfig().replace(
@@ -124,7 +124,7 @@ def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
     from aerie.codec import pack_ids, unpack_floats, unpack_ids
     from aerie.config import AerieConfig
     from aerie.messages import RequestStart, SamplingParams
-    from gpu_worker.plan_builders import decode_plan, extend_plan
+    from gpu_worker.step.plan_builders import decode_plan, extend_plan
     from gpu_worker.worker import GPUWorker
 
     params = [SamplingParams(max_new_tokens=16, temperature=0.0),
@@ -169,7 +169,7 @@ def test_step_clock_sees_the_device_wait_for_a_late_launch():
     the previous one ended shows a gap of about that; one queued behind it shows none."""
     import time
 
-    from gpu_worker.step_profile import StepClock
+    from gpu_worker.tooling.step_profile import StepClock
 
     clock, x = StepClock(), torch.ones(256, 256, device="cuda")
     for plan_id in (1, 2):
@@ -196,8 +196,8 @@ def test_pdl_graphs_give_the_logits_of_plain_launches_bit_for_bit(tiny_dirs, mon
     dependent launch (`kernels.pdl`: each starts while the one before runs and waits for it
     before reading) give exactly the logits of the same graphs captured with plain launches.
     A kernel that read its input before its wait would race with the kernel writing it."""
-    from gpu_worker.host_batch import HostBatch
     from gpu_worker.kernels import pdl
+    from gpu_worker.step.host_batch import HostBatch
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0")
@@ -231,8 +231,8 @@ def test_graph_trace_records_a_graph_launch_as_one_interval_as_long_as_its_run()
     per replay of a graph of 40 kernels from its window on, not one per kernel, together as
     long as the replays measured by CUDA events; the kernel and copy launched outside the
     graph get a record each, and the warm-up before the window none."""
-    from gpu_worker.cupti_trace import GraphTrace
-    from gpu_worker.step_profile import device_gaps
+    from gpu_worker.tooling.cupti_trace import GraphTrace
+    from gpu_worker.tooling.step_profile import device_gaps
 
     trace = GraphTrace()
     trace.start()

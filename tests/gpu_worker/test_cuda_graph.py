@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.cuda_graph import batch_size_buckets
-from gpu_worker.forward_batch import ForwardMode
-from gpu_worker.host_batch import HostBatch
+from gpu_worker.graphs.cuda_graph import batch_size_buckets
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.step.forward_batch import ForwardMode
+from gpu_worker.step.host_batch import HostBatch
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
 
@@ -94,7 +94,7 @@ def test_capture_buckets_warms_up_then_captures_each_bucket_largest_first(monkey
     import contextlib
     from types import SimpleNamespace
 
-    from gpu_worker import cuda_graph
+    from gpu_worker.graphs import cuda_graph
 
     events = []
 
@@ -132,7 +132,7 @@ def test_captures_run_without_garbage_collection(monkeypatch):
     import gc
     from types import SimpleNamespace
 
-    from gpu_worker import cuda_graph
+    from gpu_worker.graphs import cuda_graph
 
     state = {"capturing": False}
     seen = []
@@ -165,7 +165,7 @@ def test_a_graph_collected_during_a_capture_does_not_break_it():
     to run at almost every allocation: the capture must not see a collection."""
     import gc
 
-    from gpu_worker.cuda_graph import capture_buckets
+    from gpu_worker.graphs.cuda_graph import capture_buckets
 
     x = torch.zeros(64, device="cuda")
     old = capture_buckets([1], lambda b: x.add_(1), x.device, "old")

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from gpu_worker.forward_batch import ForwardMode, SpecInput, build_forward_batch
 from gpu_worker.model_runner import ModelRunner, RunnerSpec
 from gpu_worker.models.llama_eagle3 import eagle3_aux_layer_ids
+from gpu_worker.step.forward_batch import ForwardMode, SpecInput, build_forward_batch
 from gpu_worker.weights import iterate_tensors, list_weight_files
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint
 from tests.gpu_worker.draft_checkpoints import (

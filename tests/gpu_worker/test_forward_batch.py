@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.forward_batch import ForwardMode, build_forward_batch
+from gpu_worker.step.forward_batch import ForwardMode, build_forward_batch
 
 
 def test_build_forward_batch_lays_out_requests_in_order():
@@ -53,7 +53,7 @@ def test_slot_count_must_match_input_count():
 def test_staging_uploads_many_arrays_in_one_copy_and_grows():
     import numpy as np
 
-    from gpu_worker.host_batch import Staging
+    from gpu_worker.step.host_batch import Staging
 
     staging = Staging("cpu", capacity=4)
     arrays = [np.arange(3), np.array([7]), np.arange(10, 16)]  # 10 values > capacity 4
@@ -68,7 +68,7 @@ def test_staging_starts_every_view_16_byte_aligned():
     prefill of another batch shape compile again."""
     import numpy as np
 
-    from gpu_worker.host_batch import Staging
+    from gpu_worker.step.host_batch import Staging
 
     staging = Staging("cpu", capacity=64)
     arrays = [np.arange(3), np.array([7], dtype=np.int32), np.array([], dtype=np.int64),

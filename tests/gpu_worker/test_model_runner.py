@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.step.forward_batch import ForwardMode
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import reference_logits
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots

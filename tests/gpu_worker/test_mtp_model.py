@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from gpu_worker.forward_batch import ForwardMode, SpecInput, build_forward_batch
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.mimo_mtp import mtp_kv_bytes_per_token, mtp_weights_dir, num_mtp_layers
+from gpu_worker.step.forward_batch import ForwardMode, SpecInput, build_forward_batch
 from gpu_worker.weights import WeightLoadError
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint, reference_logits
 from tests.gpu_worker.mtp_checkpoints import (

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.forward_batch import ForwardMode
-from gpu_worker.host_batch import HostBatch
-from gpu_worker.prefill_graph import PrefillGraphs, requests_for, token_buckets
+from gpu_worker.graphs.prefill_graph import PrefillGraphs, requests_for, token_buckets
+from gpu_worker.step.forward_batch import ForwardMode
+from gpu_worker.step.host_batch import HostBatch
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.runner_utils import runner_from_options, shuffled_slots
 

@@ -10,8 +10,14 @@ from collections import Counter
 
 import pytest
 
-from gpu_worker import cupti_trace, step_profile
-from gpu_worker.cupti_trace import CONCURRENT_KERNEL, GRAPH_TRACE, MEMCPY, MEMSET, read_records
+from gpu_worker.tooling import cupti_trace, step_profile
+from gpu_worker.tooling.cupti_trace import (
+    CONCURRENT_KERNEL,
+    GRAPH_TRACE,
+    MEMCPY,
+    MEMSET,
+    read_records,
+)
 
 
 # The leading fields of CUPTI's records (cupti_activity.h), up to their end timestamps.

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from aerie import endpoints
 from aerie.config import config_from_args
 from aerie.resolve import free_port
-from gpu_worker.forward_batch import ForwardMode
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.process import worker_device
+from gpu_worker.step.forward_batch import ForwardMode
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint, reference_logits
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots

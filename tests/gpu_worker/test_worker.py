@@ -20,9 +20,9 @@ from aerie.messages import (
     TokenizedRequest,
 )
 from aerie.transport import Inbox, Sender, StepLink
-from gpu_worker.plan_builders import decode_plan, extend_plan
 from gpu_worker.process import WorkerLoop
-from gpu_worker.warm_up import run_warm_up, warm_up_plans
+from gpu_worker.step.plan_builders import decode_plan, extend_plan
+from gpu_worker.tooling.warm_up import run_warm_up, warm_up_plans
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.policy import NewTokenEstimate
 from scheduler_proc.scheduler import Scheduler
@@ -293,7 +293,7 @@ def test_worker_requires_a_resolved_config(tiny_dirs):
 
 
 def test_device_gaps_merge_overlapping_kernels_and_split_short_from_long():
-    from gpu_worker.step_profile import device_gaps
+    from gpu_worker.tooling.step_profile import device_gaps
 
     empty = device_gaps([])
     assert (empty.busy, empty.span, empty.short_count, empty.long_count) == (0.0, 0.0, 0, 0)
@@ -310,7 +310,7 @@ def test_device_gaps_merge_overlapping_kernels_and_split_short_from_long():
 
 
 def test_malformed_plans_are_refused_with_the_reason():
-    from gpu_worker.plan_arrays import parse_plan
+    from gpu_worker.step.plan_arrays import parse_plan
 
     good = extend_plan(1, [(1, 0, [5, 6], [8, 9], True), (2, 0, [7], [4], True)])
     assert parse_plan(good, 4).chunk_slots.tolist() == [8, 9, 4]
@@ -329,13 +329,13 @@ def test_malformed_plans_are_refused_with_the_reason():
 
 def test_compiles_after_the_warm_up_are_logged(monkeypatch, caplog):
     knobs = pytest.importorskip("triton.knobs")  # Triton before 3.4 has no hook: no warning
-    from gpu_worker.warm_up import watch_compiles
+    from gpu_worker.tooling.warm_up import watch_compiles
 
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
     built = []
     assert watch_compiles(on_build=lambda: built.append(1))
     hook = knobs.runtime.jit_post_compile_hook
-    with caplog.at_level("WARNING", logger="gpu_worker.warm_up"):
+    with caplog.at_level("WARNING", logger="gpu_worker.tooling.warm_up"):
         hook(key="k", repr="_extend_kernel[num_warps=4](q: *bf16)", fn=None, compile={},
              is_manual_warmup=False, already_compiled=False)  # fmt: skip
     assert "_extend_kernel[num_warps=4]" in caplog.text and "warm-up" in caplog.text

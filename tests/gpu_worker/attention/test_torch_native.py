@@ -8,8 +8,8 @@ import torch
 
 from gpu_worker.attention import create_attention_backend
 from gpu_worker.attention.torch_native import build_causal_mask
-from gpu_worker.forward_batch import ForwardMode, build_forward_batch
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
+from gpu_worker.step.forward_batch import ForwardMode, build_forward_batch
 
 HEADS, KV_HEADS, D = 4, 2, 8
 

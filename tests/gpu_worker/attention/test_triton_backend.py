@@ -14,12 +14,12 @@ import torch
 
 from gpu_worker.attention import RopeArgs, create_attention_backend
 from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata, TritonBackend
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from gpu_worker.kernels import decode_attention as decode_attention_module
 from gpu_worker.kernels import few_query_attention as few_query_module
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.speculative.draft_layout import draft_decode_mask
+from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from tests.devices import triton_devices
 
 

@@ -15,7 +15,7 @@ import pytest
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
 from aerie.step_costs import StepCosts
-from gpu_worker.step_costs import measure_step_costs
+from gpu_worker.tooling.step_costs import measure_step_costs
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.adaptive import AdaptiveSpeculation, Decision
 from scheduler_proc.scheduler import Scheduler

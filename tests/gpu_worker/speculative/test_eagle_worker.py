@@ -18,7 +18,7 @@ from aerie.codec import pack_ids, unpack_ids
 from aerie.config import AerieConfig
 from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.speculative.eagle_worker import rotate_prefill_inputs
-from gpu_worker.warm_up import draft_prefill_lengths, run_warm_up
+from gpu_worker.tooling.warm_up import draft_prefill_lengths, run_warm_up
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.devices import skip_unless_triton_runs_on

@@ -11,10 +11,10 @@ import torch
 
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
-from gpu_worker.plan_arrays import parse_plan
+from gpu_worker.graphs.stage_graph import StageGraph, StageInput
 from gpu_worker.speculative import iteration
 from gpu_worker.speculative.target_verify import TREE_TENSORS
-from gpu_worker.stage_graph import StageGraph, StageInput
+from gpu_worker.step.plan_arrays import parse_plan
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.engine_loop import drive

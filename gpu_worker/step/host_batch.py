@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode, make_batch
+from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, make_batch
 
 
 @dataclass(frozen=True)

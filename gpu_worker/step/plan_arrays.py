@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from aerie.messages import ForwardPlan
-from gpu_worker.forward_batch import ForwardMode
-from gpu_worker.host_batch import HostBatch, segment_offsets
+from gpu_worker.step.forward_batch import ForwardMode
+from gpu_worker.step.host_batch import HostBatch, segment_offsets
 
 EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -118,7 +118,7 @@ def build_forward_batch(
 ) -> ForwardBatch:
     """A ForwardBatch from per-request host lists (see `HostBatch.from_requests`), moved to
     the device in one copy. custom_mask: a tree-local `[bs, extend_len, width]` mask."""
-    from gpu_worker.host_batch import HostBatch
+    from gpu_worker.step.host_batch import HostBatch
 
     host = HostBatch.from_requests(
         mode, input_ids, prefix_lens, out_slots, req_pool_indices, positions

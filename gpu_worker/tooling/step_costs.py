@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from aerie.step_costs import StepCosts
-from gpu_worker.plan_arrays import EMPTY
-from gpu_worker.stage_graph import StageGraph
+from gpu_worker.graphs.stage_graph import StageGraph
+from gpu_worker.step.plan_arrays import EMPTY
 
 if TYPE_CHECKING:
     from gpu_worker.worker import GPUWorker

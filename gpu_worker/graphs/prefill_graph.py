@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gpu_worker.cuda_graph import capture_buckets, copy_kept, graph_body
-from gpu_worker.forward_batch import ForwardBatch, ForwardMode, make_batch
-from gpu_worker.host_batch import HostBatch, Staging
+from gpu_worker.graphs.cuda_graph import capture_buckets, copy_kept, graph_body
+from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, make_batch
+from gpu_worker.step.host_batch import HostBatch, Staging
 
 if TYPE_CHECKING:
     from gpu_worker.model_runner import LogitsOutput, ModelRunner

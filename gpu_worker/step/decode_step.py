@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.forward_batch import ForwardMode, make_batch
+from gpu_worker.graphs.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
 from gpu_worker.kv_cache.req_to_token import ReqToTokenPool
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.row_state import RowState
 from gpu_worker.sampling import SamplingState, fixed_flags
-from gpu_worker.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
+from gpu_worker.step.forward_batch import ForwardMode, make_batch
+from gpu_worker.step.row_state import RowState
 
 VARIANTS = ("greedy", "sample", "filter")
 

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.cuda_graph import batch_size_buckets, capture_buckets
-from gpu_worker.host_batch import Staging, int64_entries
+from gpu_worker.graphs.cuda_graph import batch_size_buckets, capture_buckets
+from gpu_worker.step.host_batch import Staging, int64_entries
 
 StageFn = Callable[[int, dict[str, torch.Tensor], list[int]], dict[str, torch.Tensor]]
 

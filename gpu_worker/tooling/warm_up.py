@@ -35,7 +35,7 @@ from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import ForwardPlan, RequestStart, SamplingParams
 from gpu_worker.attention.triton import TritonBackend
 from gpu_worker.kernels.few_query_attention import MAX_ROWS, fits
-from gpu_worker.plan_builders import extend_plan
+from gpu_worker.step.plan_builders import extend_plan
 
 if TYPE_CHECKING:
     from gpu_worker.worker import GPUWorker

@@ -36,7 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpu_worker.cupti_trace import GraphTrace
+from gpu_worker.tooling.cupti_trace import GraphTrace
 
 if TYPE_CHECKING:
     import torch

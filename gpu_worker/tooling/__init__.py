@@ -1,0 +1,4 @@
+"""What the worker runs besides steps: the start-up warm-up (`warm_up`), the start-up cost
+measurement adaptive speculation reads (`step_costs`), and profiling (`step_profile`, with
+`cupti_trace` for graph launches).
+"""
