@@ -151,13 +151,16 @@ class Launcher:
         for names in self.replica_workers:
             replica_info = workers_ready[names[0]].info
             # Adaptive speculation's step costs, measured by the worker unless given.
-            costs = (self.config.speculative.speculative_step_costs
-                     or replica_info.get("speculative_step_costs"))  # fmt: skip
-            configs.append(self.config.replace(
-                cache={"max_total_tokens": int(replica_info["max_total_tokens"])},
-                scheduler={"max_running_requests": int(replica_info["max_running_requests"])},
-                speculative={"speculative_step_costs": costs},
-            ))  # fmt: skip
+            costs = self.config.speculative.speculative_step_costs or replica_info.get(
+                "speculative_step_costs"
+            )
+            configs.append(
+                self.config.replace(
+                    cache={"max_total_tokens": int(replica_info["max_total_tokens"])},
+                    scheduler={"max_running_requests": int(replica_info["max_running_requests"])},
+                    speculative={"speculative_step_costs": costs},
+                )
+            )
         info, config = workers_ready["gpu_worker"].info, configs[0]
         for replica, name in enumerate(self.schedulers):
             self.spawn(name, configs[replica], replica)
@@ -203,8 +206,12 @@ class Launcher:
         is stuck (see `Watchdog`). Under systemd, WATCHDOG=1 goes out only while no child is
         stuck."""
         server = self.config.server
-        watchdog = Watchdog(tuple(self.procs), server.watchdog_timeout_s,
-                            server.watchdog_busy_timeout_s, long_work=self.workers)  # fmt: skip
+        watchdog = Watchdog(
+            tuple(self.procs),
+            server.watchdog_timeout_s,
+            server.watchdog_busy_timeout_s,
+            long_work=self.workers,
+        )
         while self.stop_signal is None:
             now = time.monotonic()
             if watchdog.due(now):
@@ -321,8 +328,14 @@ class Launcher:
 
 # Filesystem paths and internal addresses: /server_info shows them only with
 # --enable-debug-info.
-PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "runtime_dir",
-               "zmq_curve_key_file", "dist_init_addr")  # fmt: skip
+PATH_FIELDS = (
+    "model_path",
+    "tokenizer_path",
+    "speculative_draft_model_path",
+    "runtime_dir",
+    "zmq_curve_key_file",
+    "dist_init_addr",
+)
 
 
 def public_info(config: AerieConfig) -> dict:
@@ -340,26 +353,38 @@ def log_ready(launcher: Launcher, served: AerieConfig) -> None:
     if not launcher.serving:
         log.info(
             "Aerie node %d of %d is ready: tensor-parallel ranks %d..%d, with node 0 at %s",
-            parallel.node_rank, parallel.nnodes, launcher.ranks[0], launcher.ranks[-1],
+            parallel.node_rank,
+            parallel.nnodes,
+            launcher.ranks[0],
+            launcher.ranks[-1],
             parallel.dist_init_addr,
-        )  # fmt: skip
+        )
         return
     log.info(
         "Aerie is ready: %s (ZMQ %s), model %s on %s/%s",
-        launcher.listening["http_url"], launcher.listening["zmq_address"],
-        served.model.model_path, served.model.device, served.model.dtype,
-    )  # fmt: skip
+        launcher.listening["http_url"],
+        launcher.listening["zmq_address"],
+        served.model.model_path,
+        served.model.device,
+        served.model.dtype,
+    )
     if parallel.tp_size * parallel.dp_size > 1:
-        log.info("%d replica(s) of %d tensor-parallel rank(s) over %d machine(s)",
-                 parallel.dp_size, parallel.tp_size, parallel.nnodes)  # fmt: skip
+        log.info(
+            "%d replica(s) of %d tensor-parallel rank(s) over %d machine(s)",
+            parallel.dp_size,
+            parallel.tp_size,
+            parallel.nnodes,
+        )
     spec = served.speculative
     if spec.enabled:
         log.info(
             "speculative decoding: %s, draft %s, S=%s topk=%s ND=%s",
-            spec.speculative_algorithm, spec.speculative_draft_model_path or "in the model",
-            spec.speculative_num_steps, spec.speculative_eagle_topk,
+            spec.speculative_algorithm,
+            spec.speculative_draft_model_path or "in the model",
+            spec.speculative_num_steps,
+            spec.speculative_eagle_topk,
             spec.speculative_num_draft_tokens,
-        )  # fmt: skip
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

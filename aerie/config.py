@@ -313,9 +313,16 @@ class AerieConfig:
 
 
 _SECTIONS = (
-    "model", "cache", "scheduler", "runner", "speculative", "parallel", "server", "security",
+    "model",
+    "cache",
+    "scheduler",
+    "runner",
+    "speculative",
+    "parallel",
+    "server",
+    "security",
     "limits",
-)  # fmt: skip
+)
 
 
 def _section_types() -> dict[str, type]:

@@ -59,8 +59,9 @@ _GLOBAL_NAMES = {
 }
 
 
-SHIPPED_DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts",
-                                  DEFAULT_MODEL_NAME)  # fmt: skip
+SHIPPED_DRAFTS_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "drafts", DEFAULT_MODEL_NAME
+)
 SHIPPED_DRAFT_NAMES = {"EAGLE3": "eagle3", "EAGLE": "eagle", "MTP": "mtp"}
 
 
@@ -204,8 +205,12 @@ def _move_into_place(tmp: str, out_dir: str) -> None:
 
 def read_gguf_metadata(reader: Any) -> dict[str, Any]:
     """Scalar and string GGUF fields by key (the big tokenizer arrays are left out)."""
-    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-            "tokenizer.ggml.merges")
+    skip = (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.scores",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+    )
     meta: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key in skip or key.startswith("GGUF."):

@@ -45,7 +45,7 @@ def node_ranks(config: AerieConfig) -> range:
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """"HOST:PORT" (IPv6 hosts may be bracketed) -> (host without brackets, port); raises
+    """ "HOST:PORT" (IPv6 hosts may be bracketed) -> (host without brackets, port); raises
     ValueError naming the address when it is not that."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -68,8 +68,9 @@ def remote_inbox_address(config: AerieConfig) -> str | None:
     if config.parallel.nnodes == 1:
         return None
     host, _ = split_host_port(config.parallel.dist_init_addr or "")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                       socket.SOCK_DGRAM) as probe:  # fmt: skip
+    with socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM
+    ) as probe:
         probe.connect((host, 9))  # no packet is sent: this only picks the outgoing interface
         local = probe.getsockname()[0]
     return f"tcp://[{local}]:*" if ":" in local else f"tcp://{local}:*"

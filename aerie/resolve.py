@@ -134,8 +134,14 @@ def _validate(config: AerieConfig) -> None:
     if not 0 <= config.scheduler.schedule_conservativeness <= 10:
         raise ConfigError("--schedule-conservativeness must be in [0, 10]")
     limits = config.limits
-    for name in ("max_request_bytes", "max_batch_size", "max_connections", "header_timeout_s",
-                 "body_timeout_s", "max_zmq_requests_per_connection"):  # fmt: skip
+    for name in (
+        "max_request_bytes",
+        "max_batch_size",
+        "max_connections",
+        "header_timeout_s",
+        "body_timeout_s",
+        "max_zmq_requests_per_connection",
+    ):
         _check_positive(name, getattr(limits, name))
     if limits.max_queued_requests < 0:
         raise ConfigError("--max-queued-requests must be >= 0")
@@ -311,8 +317,11 @@ def _resolve_speculative(spec: SpeculativeConfig, model_path: str) -> Speculativ
     """Defaults (S=3, topk=1, ND=S+1) and clear errors for impossible shapes."""
     algorithm = spec.speculative_algorithm
     if algorithm is None:
-        given = [f.name for f in dataclasses.fields(spec)
-                 if getattr(spec, f.name) not in (None, f.default)]  # fmt: skip
+        given = [
+            f.name
+            for f in dataclasses.fields(spec)
+            if getattr(spec, f.name) not in (None, f.default)
+        ]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise ConfigError(f"{flags} need --speculative-algorithm (EAGLE, EAGLE3 or MTP)")

@@ -41,8 +41,13 @@ class StepCosts:
         return self.speculative[variant][i] / self.plain[variant][i]
 
     def to_json(self) -> str:
-        return json.dumps({"buckets": list(self.buckets), "plain_ms": self.plain,
-                           "speculative_ms": self.speculative})  # fmt: skip
+        return json.dumps(
+            {
+                "buckets": list(self.buckets),
+                "plain_ms": self.plain,
+                "speculative_ms": self.speculative,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> StepCosts:

@@ -104,6 +104,12 @@ class StepTrace:
             return
         self.written = True
         with open(self.path, "w") as f:
-            json.dump({"process": self.process, "events": self.events,
-                       "plans": {str(k): v for k, v in self.plans.items()}}, f)  # fmt: skip
+            json.dump(
+                {
+                    "process": self.process,
+                    "events": self.events,
+                    "plans": {str(k): v for k, v in self.plans.items()},
+                },
+                f,
+            )
         log.info("step trace: %d events written to %s", len(self.events), self.path)

@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
 from benchmarks.bench_models import resolve_model  # noqa: E402
+from benchmarks.decode_timing import measure_bandwidth, profile_kernels, sync, time_loop  # noqa: E402
 from gpu_worker.build import DTYPES  # noqa: E402
 from gpu_worker.graphs.cuda_graph import CudaGraphRunner  # noqa: E402
 from gpu_worker.kernels import pdl, small_m_linear  # noqa: E402
@@ -63,8 +64,18 @@ from gpu_worker.step.host_batch import HostBatch  # noqa: E402
 H100_BANDWIDTH_TBPS = 3.0
 FUSED_WEIGHT = small_m_linear.MAX_FUSED_WEIGHT  # the "unfused" variants set it to 0
 GEMV_CONFIG = small_m_linear.GEMV_CONFIG  # "unfused" and "library" set it to None
-VARIANTS = ("torch_native", "triton", "triton+graph", "unfused", "unfused+graph", "nopdl",
-            "nopdl+graph", "library", "library+graph", "compiled")  # fmt: skip
+VARIANTS = (
+    "torch_native",
+    "triton",
+    "triton+graph",
+    "unfused",
+    "unfused+graph",
+    "nopdl",
+    "nopdl+graph",
+    "library",
+    "library+graph",
+    "compiled",
+)
 GROUPS = ("torch_native", "triton", "unfused", "nopdl", "library")  # one runner (and graphs) each
 
 
@@ -76,97 +87,55 @@ def configure_kernels(group: str, gemv: small_m_linear.Config | None = GEMV_CONF
 
 def parse_gemv_configs(text: str) -> list[small_m_linear.Config]:
     """'4,2048,4;8,1024,4' -> Configs (block_n, block_k, num_warps)."""
-    return [small_m_linear.Config(*(int(v) for v in part.split(",")))
-            for part in text.split(";") if part.strip()]  # fmt: skip
+    return [
+        small_m_linear.Config(*(int(v) for v in part.split(",")))
+        for part in text.split(";")
+        if part.strip()
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="smollm2,llama3-8b",
-                   help="comma list of smollm2, llama3-8b or model directories")
-    p.add_argument("--real-weights", action="store_true",
-                   help="smollm2 with its real weights (converted once) instead of random ones")
-    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
-                   help="for model directories")
+    p.add_argument(
+        "--models",
+        default="smollm2,llama3-8b",
+        help="comma list of smollm2, llama3-8b or model directories",
+    )
+    p.add_argument(
+        "--real-weights",
+        action="store_true",
+        help="smollm2 with its real weights (converted once) instead of random ones",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "safetensors", "dummy"),
+        help="for model directories",
+    )
     p.add_argument("--batch-size", default="1", help="comma list of batch sizes")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per run")
     p.add_argument("--warmup-steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant")
-    p.add_argument("--gemv-configs", default="", type=parse_gemv_configs,
-                   help="BN,BK,WARPS;...: triton+graph@<config> variants")  # fmt: skip
+    p.add_argument(
+        "--gemv-configs",
+        default="",
+        type=parse_gemv_configs,
+        help="BN,BK,WARPS;...: triton+graph@<config> variants",
+    )
     p.add_argument("--profile-steps", type=int, default=4, help="steps profiled for kernels")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--bandwidth-mib", type=int, default=None,
-                   help="copy size for the bandwidth probe (default 1024 on GPU, 64 on CPU)")
+    p.add_argument(
+        "--bandwidth-mib",
+        type=int,
+        default=None,
+        help="copy size for the bandwidth probe (default 1024 on GPU, 64 on CPU)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the results as JSON here")
-    return p.parse_args(argv)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------- timing
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_loop(device: torch.device, fn: Callable[[], object], steps: int) -> tuple[float, float]:
-    """(seconds per step over the whole loop, median host seconds to issue one step)."""
-    host_times = []
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    wall = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        host_times.append(time.perf_counter() - t)
-    if device.type == "cuda":
-        end.record()
-        end.synchronize()
-        total = start.elapsed_time(end) / 1e3
-    else:
-        total = time.perf_counter() - wall
-    return total / steps, statistics.median(host_times)
-
-
-def profile_kernels(
-    device: torch.device, fn: Callable[[], object], steps: int
-) -> tuple[float | None, float | None, list]:
-    """(CUDA kernels per step, their summed GPU time per step in ms, the ten costliest kernel
-    names with ms per step) from the profiler's device records; Nones on CPU."""
-    if device.type != "cuda" or steps <= 0:
-        return None, None, []
-    from torch.profiler import ProfilerActivity, profile
-
-    sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        sync(device)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
-               and not e.name.startswith(("Memcpy", "Memset", "cudaMemcpy"))]  # fmt: skip
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / 1e3 / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-    busy = sum(by_name.values())
-    return len(kernels) / steps, busy, [(name[:80], ms) for name, ms in top]
-
-
-def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
-    """Device memory bandwidth in bytes/s from a large copy (read + write both counted)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    seconds = statistics.median(time_loop(device, lambda: dst.copy_(src), 1)[0]
-                                for _ in range(repeats))  # fmt: skip
-    return 2 * num_bytes / seconds
+    return p.parse_args(argv)
 
 
 def weight_bytes_per_token(runner: ModelRunner) -> int:
@@ -188,11 +157,18 @@ def build_runner(path: str, load_format: str, args, backend: str, graph_bs: int)
     device = resolve_device(args.device)
     max_bs = max(parse_sizes(args.batch_size))
     max_len = sequence_len(args)
-    spec = RunnerSpec(path, device=device, dtype=DTYPES[resolve_dtype(args.dtype, device)],
-                      load_format=load_format, seed=args.seed, attention_backend=backend,
-                      cuda_graph_max_bs=graph_bs)  # fmt: skip
-    pools = PoolSpec(max_running_requests=max_bs, context_length=max_len,
-                     max_total_tokens=max_bs * max_len)  # fmt: skip
+    spec = RunnerSpec(
+        path,
+        device=device,
+        dtype=DTYPES[resolve_dtype(args.dtype, device)],
+        load_format=load_format,
+        seed=args.seed,
+        attention_backend=backend,
+        cuda_graph_max_bs=graph_bs,
+    )
+    pools = PoolSpec(
+        max_running_requests=max_bs, context_length=max_len, max_total_tokens=max_bs * max_len
+    )
     return ModelRunner(spec, pools)
 
 
@@ -221,10 +197,12 @@ class Decoder:
         """prompts [bs, prompt_len] (host int64)."""
         bs, n = prompts.shape
         host = HostBatch.from_requests(
-            ForwardMode.EXTEND, prompts.tolist(), [0] * bs,
+            ForwardMode.EXTEND,
+            prompts.tolist(),
+            [0] * bs,
             [[(r - 1) * self.max_len + p + 1 for p in range(n)] for r in self.rows.tolist()],
             self.rows.tolist(),
-        )  # fmt: skip
+        )
         out = self.runner.forward(host.to_device(self.runner.device, self.runner.staging))
         self.first_logits = out.next_token_logits.float().clone()  # [bs, V]
         self.tokens = out.next_token_logits.argmax(-1)
@@ -234,9 +212,14 @@ class Decoder:
     def step(self) -> None:
         slots = (self.rows - 1) * self.max_len + self.pos + 1
         host = HostBatch(
-            ForwardMode.DECODE, np.zeros(self.bs, np.int64), np.full(self.bs, self.pos), slots,
-            self.rows, np.full(self.bs, self.pos + 1), np.ones(self.bs, np.int64),
-        )  # fmt: skip
+            ForwardMode.DECODE,
+            np.zeros(self.bs, np.int64),
+            np.full(self.bs, self.pos),
+            slots,
+            self.rows,
+            np.full(self.bs, self.pos + 1),
+            np.ones(self.bs, np.int64),
+        )
         if self.use_graph:
             out = self.runner.forward_host(host, input_ids=self.tokens)
         else:
@@ -271,12 +254,17 @@ def bench_variant(make_decoder: Callable[[], Decoder], prompts: torch.Tensor, ar
         if repeat == 0:
             tokens = torch.stack(decoder.history, dim=1).cpu()  # [bs, 1 + steps]
             first_logits = decoder.first_logits.cpu()
-    kernels, busy_ms, top = profile_kernels(decoder.runner.device, decoder.step,
-                                            args.profile_steps)  # fmt: skip
+    kernels, busy_ms, top = profile_kernels(decoder.runner.device, decoder.step, args.profile_steps)
     step_s = statistics.median(step_times)
-    return {"step_ms": step_s * 1e3, "host_us": statistics.median(host_times) * 1e6,
-            "kernels_per_step": kernels, "gpu_busy_ms": busy_ms, "top_kernels": top,
-            "tokens": tokens, "first_logits": first_logits}  # fmt: skip
+    return {
+        "step_ms": step_s * 1e3,
+        "host_us": statistics.median(host_times) * 1e6,
+        "kernels_per_step": kernels,
+        "gpu_busy_ms": busy_ms,
+        "top_kernels": top,
+        "tokens": tokens,
+        "first_logits": first_logits,
+    }
 
 
 def bench_compiled(runner: ModelRunner, bs: int, args) -> dict:
@@ -304,10 +292,16 @@ def bench_compiled(runner: ModelRunner, bs: int, args) -> dict:
         pos.fill_(args.prompt_len)
         times.append(time_loop(device, one, args.decode_steps))
     kernels, busy_ms, top = profile_kernels(device, one, args.profile_steps)
-    return {"step_ms": statistics.median(t[0] for t in times) * 1e3,
-            "host_us": statistics.median(t[1] for t in times) * 1e6,
-            "kernels_per_step": kernels, "gpu_busy_ms": busy_ms, "top_kernels": top,
-            "compile_s": compile_s, "tokens": None, "first_logits": None}  # fmt: skip
+    return {
+        "step_ms": statistics.median(t[0] for t in times) * 1e3,
+        "host_us": statistics.median(t[1] for t in times) * 1e6,
+        "kernels_per_step": kernels,
+        "gpu_busy_ms": busy_ms,
+        "top_kernels": top,
+        "compile_s": compile_s,
+        "tokens": None,
+        "first_logits": None,
+    }
 
 
 def compiled_results(path: str, load_format: str, sizes: list[int], args) -> dict[int, dict]:
@@ -335,13 +329,17 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
     max_len = sequence_len(args)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = read_arch_config(path).vocab_size
-    prompts_of = {bs: torch.randint(0, vocab, (bs, args.prompt_len), generator=generator)
-                  for bs in sizes}  # the same prompts for every variant  # fmt: skip
+    prompts_of = {
+        bs: torch.randint(0, vocab, (bs, args.prompt_len), generator=generator) for bs in sizes
+    }  # the same prompts for every variant
     results: dict[tuple[str, int], dict] = {}
     weight_bytes, num_layers = 0, 0
     for group in GROUPS:
-        wanted = [v for v in variants if v.split("+")[0] == group or (
-            group == "triton" and v == "compiled")]  # fmt: skip
+        wanted = [
+            v
+            for v in variants
+            if v.split("+")[0] == group or (group == "triton" and v == "compiled")
+        ]
         gemv_configs = args.gemv_configs if group == "triton" else []
         if not wanted and not gemv_configs:
             continue
@@ -397,41 +395,71 @@ def summarize(name, results, weight_bytes, num_layers, bandwidth) -> list[dict]:
             logits_diff = float((r["first_logits"] - want).norm() / want.norm())
         kernels = r["kernels_per_step"]
         roofline = bandwidth / weight_bytes * bs  # weights read once per step, whole batch
-        rows.append({
-            "model": name, "variant": variant, "batch_size": bs, "step_ms": r["step_ms"],
-            "tokens_per_s": bs / (r["step_ms"] / 1e3), "host_us_per_step": r["host_us"],
-            "kernels_per_step": kernels,
-            "kernels_per_layer": None if kernels is None else kernels / num_layers,
-            "weight_bytes": weight_bytes, "roofline_tokens_per_s": roofline,
-            "fraction_of_roofline": bs / (r["step_ms"] / 1e3) / roofline,
-            "greedy_agreement_with_torch_native": agree,
-            "prefill_logits_rel_diff_vs_torch_native": logits_diff, "compile_s": r.get("compile_s"),
-            "gpu_busy_ms_per_step": r["gpu_busy_ms"], "top_kernels": r["top_kernels"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "variant": variant,
+                "batch_size": bs,
+                "step_ms": r["step_ms"],
+                "tokens_per_s": bs / (r["step_ms"] / 1e3),
+                "host_us_per_step": r["host_us"],
+                "kernels_per_step": kernels,
+                "kernels_per_layer": None if kernels is None else kernels / num_layers,
+                "weight_bytes": weight_bytes,
+                "roofline_tokens_per_s": roofline,
+                "fraction_of_roofline": bs / (r["step_ms"] / 1e3) / roofline,
+                "greedy_agreement_with_torch_native": agree,
+                "prefill_logits_rel_diff_vs_torch_native": logits_diff,
+                "compile_s": r.get("compile_s"),
+                "gpu_busy_ms_per_step": r["gpu_busy_ms"],
+                "top_kernels": r["top_kernels"],
+            }
+        )
     for row in rows:  # ratios against the compiled baseline at the same batch size
-        base = next((x for x in rows if x["variant"] == "compiled"
-                     and x["batch_size"] == row["batch_size"]), None)  # fmt: skip
+        base = next(
+            (
+                x
+                for x in rows
+                if x["variant"] == "compiled" and x["batch_size"] == row["batch_size"]
+            ),
+            None,
+        )
         row["vs_compiled"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
     return rows
 
 
 def print_table(report: dict) -> None:
-    print(f"device {report['device_name']} ({report['dtype']}), prompt {report['prompt_len']}, "
-          f"{report['decode_steps']} steps x {report['repeats']} runs; bandwidth measured "
-          f"{report['bandwidth_gbps']:.0f} GB/s")  # fmt: skip
-    header = ("model", "variant", "bs", "step ms", "busy ms", "tok/s", "host us", "kern/step",
-              "kern/layer", "of roof", "vs comp")  # fmt: skip
+    print(
+        f"device {report['device_name']} ({report['dtype']}), prompt {report['prompt_len']}, "
+        f"{report['decode_steps']} steps x {report['repeats']} runs; bandwidth measured "
+        f"{report['bandwidth_gbps']:.0f} GB/s"
+    )
+    header = (
+        "model",
+        "variant",
+        "bs",
+        "step ms",
+        "busy ms",
+        "tok/s",
+        "host us",
+        "kern/step",
+        "kern/layer",
+        "of roof",
+        "vs comp",
+    )
     print(f"{header[0]:<10}{header[1]:<22}" + "".join(f"{h:>10}" for h in header[2:]))
 
     def fmt(value, spec):
         return f"{value:{spec}}" if value is not None else "-"
 
     for r in report["results"]:
-        print(f"{r['model'][-10:]:<10}{r['variant']:<22}{r['batch_size']:>10}"
-              f"{r['step_ms']:>10.3f}{fmt(r['gpu_busy_ms_per_step'], '.3f'):>10}"
-              f"{r['tokens_per_s']:>10.0f}{r['host_us_per_step']:>10.0f}"
-              f"{fmt(r['kernels_per_step'], '.0f'):>10}{fmt(r['kernels_per_layer'], '.1f'):>10}"
-              f"{r['fraction_of_roofline']:>10.1%}{fmt(r['vs_compiled'], '.2f'):>10}")  # fmt: skip
+        print(
+            f"{r['model'][-10:]:<10}{r['variant']:<22}{r['batch_size']:>10}"
+            f"{r['step_ms']:>10.3f}{fmt(r['gpu_busy_ms_per_step'], '.3f'):>10}"
+            f"{r['tokens_per_s']:>10.0f}{r['host_us_per_step']:>10.0f}"
+            f"{fmt(r['kernels_per_step'], '.0f'):>10}{fmt(r['kernels_per_layer'], '.1f'):>10}"
+            f"{r['fraction_of_roofline']:>10.1%}{fmt(r['vs_compiled'], '.2f'):>10}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:

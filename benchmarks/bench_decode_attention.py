@@ -44,8 +44,9 @@ class Case:
     """A batch of bs requests of seq_len keys each (the last one the new token), their pages
     shuffled over the pool, at one attention shape."""
 
-    def __init__(self, shape: str, bs: int, seq_len: int, num_sms: int, queries: int = 1,
-                 tree: bool = False):  # fmt: skip
+    def __init__(
+        self, shape: str, bs: int, seq_len: int, num_sms: int, queries: int = 1, tree: bool = False
+    ):
         heads, kv_heads, head_dim = SHAPES[shape]
         self.heads, self.queries = heads, queries
         dev, dtype = "cuda", torch.bfloat16
@@ -75,8 +76,9 @@ class Case:
         self.cache = RotaryEmbedding(head_dim, 10000.0).build_cos_sin_cache(seq_len + 1, dev)
         self.scale = head_dim**-0.5
         self.splits = da.choose_num_splits(bs, kv_heads, num_sms)
-        self.scratch = da.DecodeScratch.allocate(bs, heads * queries, kv_heads, head_dim,
-                                                 num_sms, dev)  # fmt: skip
+        self.scratch = da.DecodeScratch.allocate(
+            bs, heads * queries, kv_heads, head_dim, num_sms, dev
+        )
 
     def run(self, min_keys: int | None, block_n: int | None, warps: int | None) -> torch.Tensor:
         if self.queries > 1:
@@ -85,15 +87,39 @@ class Case:
                 knobs = fq.Knobs(block_n, min_keys, warps)
             new = fq.NewTokens(self.positions, self.loc, self.cache)
             return fq.few_query_attend(
-                self.qkv, self.heads, new, self.k, self.v, self.req_to_token, self.rows,
-                self.seq_lens, self.queries, self.scale, self.splits, self.scratch, self.mask,
+                self.qkv,
+                self.heads,
+                new,
+                self.k,
+                self.v,
+                self.req_to_token,
+                self.rows,
+                self.seq_lens,
+                self.queries,
+                self.scale,
+                self.splits,
+                self.scratch,
+                self.mask,
                 knobs,
-            )  # fmt: skip
+            )
         return da.decode_attention(
-            self.qkv, self.positions, self.cache, self.k, self.v, self.loc, self.req_to_token,
-            self.rows, self.seq_lens, self.heads, self.scale, self.splits, self.scratch,
-            min_keys_per_split=min_keys, block_n=block_n, num_warps=warps,
-        )  # fmt: skip
+            self.qkv,
+            self.positions,
+            self.cache,
+            self.k,
+            self.v,
+            self.loc,
+            self.req_to_token,
+            self.rows,
+            self.seq_lens,
+            self.heads,
+            self.scale,
+            self.splits,
+            self.scratch,
+            min_keys_per_split=min_keys,
+            block_n=block_n,
+            num_warps=warps,
+        )
 
 
 def main() -> None:
@@ -104,8 +130,12 @@ def main() -> None:
     parser.add_argument("--min-keys", default="64,256,1024")
     parser.add_argument("--block-n", default="64")
     parser.add_argument("--warps", default="2,4")
-    parser.add_argument("--queries", type=int, default=1,
-                        help="new tokens per request; above 1 the few-query kernel")
+    parser.add_argument(
+        "--queries",
+        type=int,
+        default=1,
+        help="new tokens per request; above 1 the few-query kernel",
+    )
     parser.add_argument("--tree", action="store_true", help="--queries: a tree-local mask")
     parser.add_argument("--output", default="")
     args = parser.parse_args()
@@ -118,30 +148,61 @@ def main() -> None:
         case = Case(shape, bs, seq_len, num_sms, args.queries, args.tree)
         want = case.run(None, None, None).float()  # the defaults
         default_us = time_graph(lambda: case.run(None, None, None))  # noqa: B023
-        rows.append({"shape": shape, "queries": args.queries, "tree": args.tree, "bs": bs,
-                     "seq_len": seq_len, "splits": case.splits, "default": True,
-                     "us": round(default_us, 2)})  # fmt: skip
+        rows.append(
+            {
+                "shape": shape,
+                "queries": args.queries,
+                "tree": args.tree,
+                "bs": bs,
+                "seq_len": seq_len,
+                "splits": case.splits,
+                "default": True,
+                "us": round(default_us, 2),
+            }
+        )
         line = [f"default:{default_us:.1f}"]
         knobs = itertools.product(ints(args.min_keys), ints(args.block_n), ints(args.warps))
         for min_keys, block_n, warps in knobs:
             got = case.run(min_keys, block_n, warps).float()
             err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
             us = time_graph(lambda: case.run(min_keys, block_n, warps))  # noqa: B023 (used in this iteration)
-            rows.append({"shape": shape, "queries": args.queries, "tree": args.tree, "bs": bs,
-                         "seq_len": seq_len, "splits": case.splits,
-                         "min_keys": min_keys, "block_n": block_n, "warps": warps,
-                         "us": round(us, 2), "rel_err": err})  # fmt: skip
+            rows.append(
+                {
+                    "shape": shape,
+                    "queries": args.queries,
+                    "tree": args.tree,
+                    "bs": bs,
+                    "seq_len": seq_len,
+                    "splits": case.splits,
+                    "min_keys": min_keys,
+                    "block_n": block_n,
+                    "warps": warps,
+                    "us": round(us, 2),
+                    "rel_err": err,
+                }
+            )
             if err > 2e-2:
                 raise SystemExit(f"{rows[-1]}: differs from the default configuration")
             line.append(f"{min_keys}/{block_n}/{warps}:{us:.1f}")
-        best = min(rows[-(len(line) - 1):], key=lambda r: r["us"])
-        print(f"{shape} bs={bs} seq={seq_len} splits={case.splits} best (min keys/block n/warps) "
-              f"{best['min_keys']}/{best['block_n']}/{best['warps']} {best['us']} us | "
-              + " ".join(line), flush=True)  # fmt: skip
+        best = min(rows[-(len(line) - 1) :], key=lambda r: r["us"])
+        print(
+            f"{shape} bs={bs} seq={seq_len} splits={case.splits} best (min keys/block n/warps) "
+            f"{best['min_keys']}/{best['block_n']}/{best['warps']} {best['us']} us | "
+            + " ".join(line),
+            flush=True,
+        )
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "calls": CALLS,
-                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(0),
+                    "calls": CALLS,
+                    "command": " ".join(sys.argv),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

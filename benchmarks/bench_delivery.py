@@ -55,9 +55,33 @@ from tokenizer_proc.http_guard import header_timeout_protocol  # noqa: E402
 from tokenizer_proc.process import _Server, bind_http_socket  # noqa: E402
 from tokenizer_proc.validation import Limits  # noqa: E402
 
-PIECES = (" the", " of", " and", ",", " a", " to", " in", ".", " is", " that", "\n", " model",
-          ' "quoted"', " café", " 世界", " 🙂", " back\\slash", "\t", " tokens", " step",
-          " serving", " for", " with", ":", " it")  # fmt: skip
+PIECES = (
+    " the",
+    " of",
+    " and",
+    ",",
+    " a",
+    " to",
+    " in",
+    ".",
+    " is",
+    " that",
+    "\n",
+    " model",
+    ' "quoted"',
+    " café",
+    " 世界",
+    " 🙂",
+    " back\\slash",
+    "\t",
+    " tokens",
+    " step",
+    " serving",
+    " for",
+    " with",
+    ":",
+    " it",
+)
 PROMPT_IDS = [11, 12, 13, 14]
 LOGPROB = -0.25
 
@@ -83,11 +107,14 @@ class FedStream:
         done = self.num_done >= self.max_new_tokens
         token_id = k * 7919 % 49_000 + 100
         return TextDelta(
-            rid=self.rid, text=PIECES[k % len(PIECES)], token_ids=pack_ids([token_id]),
+            rid=self.rid,
+            text=PIECES[k % len(PIECES)],
+            token_ids=pack_ids([token_id]),
             logprobs=pack_floats([LOGPROB]) if self.logprobs else b"",
-            finish=FinishReason("length") if done else None, prompt_tokens=self.prompt_tokens,
+            finish=FinishReason("length") if done else None,
+            prompt_tokens=self.prompt_tokens,
             completion_tokens=self.num_done,
-        )  # fmt: skip
+        )
 
 
 def run_feeder(inbox: str, server_inbox: str, step_s: float, stats: mp.Queue) -> None:
@@ -156,26 +183,44 @@ class FeederBackend:
 def payloads(args: argparse.Namespace) -> list[Payload]:
     sampling = {"max_new_tokens": args.output_len, "ignore_eos": True}
     if args.backend == "native":
-        body = {"input_ids": PROMPT_IDS, "sampling_params": sampling, "stream": True,
-                "return_logprob": args.return_logprob}  # fmt: skip
+        body = {
+            "input_ids": PROMPT_IDS,
+            "sampling_params": sampling,
+            "stream": True,
+            "return_logprob": args.return_logprob,
+        }
         return [Payload("/generate", body, len(PROMPT_IDS))] * (args.streams * args.rounds)
-    body = {"model": "bench", "prompt": "Once upon a time", "max_tokens": args.output_len,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-            "logprobs": 1 if args.return_logprob else None}  # fmt: skip
+    body = {
+        "model": "bench",
+        "prompt": "Once upon a time",
+        "max_tokens": args.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "logprobs": 1 if args.return_logprob else None,
+    }
     return [Payload("/v1/completions", body, len(PROMPT_IDS))] * (args.streams * args.rounds)
 
 
 async def serve_and_load(args: argparse.Namespace, feeder_inbox: str, server_inbox: str) -> dict:
     """Run the server in this loop and the clients in their processes; the figures."""
-    frontend = Frontend(StubTokenizer(), Limits(vocab_size=StubTokenizer.vocab_size,
-                        context_length=args.output_len + 64), FeederBackend(feeder_inbox),
-                        "bench")  # type: ignore[arg-type]  # fmt: skip
+    frontend = Frontend(
+        StubTokenizer(),
+        Limits(vocab_size=StubTokenizer.vocab_size, context_length=args.output_len + 64),
+        FeederBackend(feeder_inbox),
+        "bench",
+    )  # type: ignore[arg-type]
     frontend.mark_ready({"page_size": 1, "max_total_tokens": 1 << 20})
     inbox = AsyncReceiver(server_inbox)
     sock = bind_http_socket("127.0.0.1", 0)
-    config = uvicorn.Config(create_app(frontend), log_config=None, access_log=False,
-                            lifespan="off", http=header_timeout_protocol(10.0),
-                            timeout_graceful_shutdown=1)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(frontend),
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        http=header_timeout_protocol(10.0),
+        timeout_graceful_shutdown=1,
+    )
     server = _Server(config)
     http = asyncio.create_task(server.serve(sockets=[sock]))
 
@@ -189,9 +234,15 @@ async def serve_and_load(args: argparse.Namespace, feeder_inbox: str, server_inb
     base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     before = os.times()
     results, duration, client_cpu = await asyncio.get_running_loop().run_in_executor(
-        None, run_load_processes, base_url, payloads(args), math.inf, args.streams, 0,
+        None,
+        run_load_processes,
+        base_url,
+        payloads(args),
+        math.inf,
+        args.streams,
+        0,
         args.client_processes,
-    )  # fmt: skip
+    )
     after = os.times()
     server.should_exit = True
     await http
@@ -230,19 +281,26 @@ def figures(args, results, duration: float, server_cpu: tuple, client_cpu: float
 
 def print_figures(out: dict) -> None:
     print(f"{'completed / failed':<30}{out['completed']} / {out['failed']}")
-    print(f"{'events/s (offered)':<30}{out['events_per_s']:,.0f} "
-          f"({out['offered_events_per_s']:,.0f})")  # fmt: skip
+    print(
+        f"{'events/s (offered)':<30}{out['events_per_s']:,.0f} ({out['offered_events_per_s']:,.0f})"
+    )
     print(f"{'tokens/s':<30}{out['tokens_per_s']:,.0f}")
     print(f"{'tokens per event':<30}{out['tokens_per_event']:.2f}")
-    print(f"{'ITL per chunk median / p99':<30}{out['itl_ms']['median']:.2f} / "
-          f"{out['itl_ms']['p99']:.2f} ms")  # fmt: skip
+    print(
+        f"{'ITL per chunk median / p99':<30}{out['itl_ms']['median']:.2f} / "
+        f"{out['itl_ms']['p99']:.2f} ms"
+    )
     print(f"{'ITL per token median':<30}{out['token_itl_ms']['median']:.2f} ms")
-    print(f"{'server CPU per event':<30}{out['server_cpu_us_per_event']:.1f} us, "
-          f"{out['server_sys_us_per_event']:.1f} in the kernel "
-          f"({out['server_cpu_share']:.0%} of a core)")  # fmt: skip
+    print(
+        f"{'server CPU per event':<30}{out['server_cpu_us_per_event']:.1f} us, "
+        f"{out['server_sys_us_per_event']:.1f} in the kernel "
+        f"({out['server_cpu_share']:.0%} of a core)"
+    )
     print(f"{'client CPU per event':<30}{out['client_cpu_us_per_event']:.1f} us")
-    print(f"{'feeder step median / p99':<30}{out['step_ms']['median']:.2f} / "
-          f"{out['step_ms']['p99']:.2f} ms")  # fmt: skip
+    print(
+        f"{'feeder step median / p99':<30}{out['step_ms']['median']:.2f} / "
+        f"{out['step_ms']['p99']:.2f} ms"
+    )
     for error in out["errors"]:
         print(f"error: {error}", file=sys.stderr)
 
@@ -274,8 +332,11 @@ def main(argv: list[str] | None = None) -> dict:
     feeder_inbox, server_inbox = f"ipc://{runtime_dir}/feeder", f"ipc://{runtime_dir}/tokenizer"
     ctx = mp.get_context("spawn")
     stats = ctx.Queue()
-    feeder = ctx.Process(target=run_feeder, daemon=True,
-                         args=(feeder_inbox, server_inbox, args.step_ms / 1000, stats))  # fmt: skip
+    feeder = ctx.Process(
+        target=run_feeder,
+        daemon=True,
+        args=(feeder_inbox, server_inbox, args.step_ms / 1000, stats),
+    )
     feeder.start()
     try:
         out = uvloop.run(serve_and_load(args, feeder_inbox, server_inbox))

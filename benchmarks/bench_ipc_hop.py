@@ -133,8 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         for spin in (True, False):
             times = sorted(measure(kind, spin, args.messages, args.size))
             p99 = times[int(0.99 * (len(times) - 1))]
-            print(f"{kind:10s} {'spin' if spin else 'block':8s} {statistics.median(times):10.1f} "
-                  f"{p99:8.1f}", flush=True)
+            print(
+                f"{kind:10s} {'spin' if spin else 'block':8s} {statistics.median(times):10.1f} "
+                f"{p99:8.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

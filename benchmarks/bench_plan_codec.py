@@ -65,18 +65,25 @@ def measure(batch_size: int, new_slots: int, iters: int) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", default="1,64,256", help="comma-separated sizes")
-    parser.add_argument("--new-slots", type=int, default=1,
-                        help="slots newly assigned per row (1: plain decode; the speculative "
-                             "headroom otherwise)")  # fmt: skip
+    parser.add_argument(
+        "--new-slots",
+        type=int,
+        default=1,
+        help="slots newly assigned per row (1: plain decode; the speculative headroom otherwise)",
+    )
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--output", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = [measure(int(bs), args.new_slots, args.iters) for bs in args.batch_size.split(",")]
-    print(f"{'batch':>6} {'bytes':>7} {'build us':>9} {'encode us':>10} {'decode us':>10} "
-          f"{'parse us':>9}")  # fmt: skip
+    print(
+        f"{'batch':>6} {'bytes':>7} {'build us':>9} {'encode us':>10} {'decode us':>10} "
+        f"{'parse us':>9}"
+    )
     for r in rows:
-        print(f"{r['batch_size']:>6} {r['bytes']:>7} {r['build_us']:>9.1f} {r['encode_us']:>10.1f}"
-              f" {r['decode_us']:>10.1f} {r['parse_us']:>9.1f}")  # fmt: skip
+        print(
+            f"{r['batch_size']:>6} {r['bytes']:>7} {r['build_us']:>9.1f} {r['encode_us']:>10.1f}"
+            f" {r['decode_us']:>10.1f} {r['parse_us']:>9.1f}"
+        )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)

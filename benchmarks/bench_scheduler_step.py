@@ -29,8 +29,9 @@ from scheduler_proc.scheduler import Scheduler  # noqa: E402
 def one_token_each(plan: ForwardPlan) -> StepResult:
     """The result a worker would send: one token per sampling request."""
     counts = unpack_ids(plan.sample) if plan.mode == "extend" else [1] * len(unpack_ids(plan.rows))
-    return StepResult(plan_id=plan.plan_id, num_tokens=pack_ids(counts),
-                      token_ids=pack_ids([7] * sum(counts)))  # fmt: skip
+    return StepResult(
+        plan_id=plan.plan_id, num_tokens=pack_ids(counts), token_ids=pack_ids([7] * sum(counts))
+    )
 
 
 def measure(batch_size: int, steps: int, page_size: int) -> dict:
@@ -56,8 +57,12 @@ def measure(batch_size: int, steps: int, page_size: int) -> dict:
     if len(sched.running) != batch_size:
         raise RuntimeError(f"only {len(sched.running)} of {batch_size} requests ran")
     median = statistics.median(times) * 1e6
-    return {"batch_size": batch_size, "page_size": page_size, "step_us": median,
-            "per_request_us": median / batch_size}  # fmt: skip
+    return {
+        "batch_size": batch_size,
+        "page_size": page_size,
+        "step_us": median,
+        "per_request_us": median / batch_size,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

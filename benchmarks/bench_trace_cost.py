@@ -87,15 +87,22 @@ def run(kernels: int, tracer: str, launches: int, burst: int, pause_s: float) ->
     per_launch, events, wall = run_bursts(graph, launches, burst, pause_s)
     busy = sum(s.elapsed_time(e) for s, e in events) * 1e3
     span = events[0][0].elapsed_time(events[-1][1]) * 1e3
-    row = {"tracer": tracer, "host_us_per_launch": statistics.median(per_launch),
-           "wall_s": wall, "event_idle_share": 1 - busy / span,
-           "event_busy_us_per_launch": busy / launches}  # fmt: skip
+    row = {
+        "tracer": tracer,
+        "host_us_per_launch": statistics.median(per_launch),
+        "wall_s": wall,
+        "event_idle_share": 1 - busy / span,
+        "event_busy_us_per_launch": busy / launches,
+    }
     if trace:
         intervals, records = trace.stop()
         gaps = device_gaps(intervals)
-        row.update(records=records, untraced=getattr(trace, "refused", []),
-                   traced_idle_share=1 - gaps.busy / gaps.span if gaps.span else 1.0,
-                   traced_busy_us_per_launch=gaps.busy / launches)  # fmt: skip
+        row.update(
+            records=records,
+            untraced=getattr(trace, "refused", []),
+            traced_idle_share=1 - gaps.busy / gaps.span if gaps.span else 1.0,
+            traced_busy_us_per_launch=gaps.busy / launches,
+        )
     return row
 
 
@@ -108,18 +115,27 @@ def main() -> None:
     parser.add_argument("--tracers", default=",".join(TRACERS))
     parser.add_argument("--output", help="write the rows as JSON here")
     args = parser.parse_args()
-    rows = [run(args.kernels, tracer, args.launches, args.burst, args.pause_ms / 1e3)
-            for tracer in args.tracers.split(",")]  # fmt: skip
-    print(f"graph of {args.kernels} kernels, {args.launches} launches in bursts of {args.burst}, "
-          f"{args.pause_ms} ms pauses")  # fmt: skip
+    rows = [
+        run(args.kernels, tracer, args.launches, args.burst, args.pause_ms / 1e3)
+        for tracer in args.tracers.split(",")
+    ]
+    print(
+        f"graph of {args.kernels} kernels, {args.launches} launches in bursts of {args.burst}, "
+        f"{args.pause_ms} ms pauses"
+    )
     for r in rows:
-        traced = (f"traced idle {100 * r['traced_idle_share']:5.1f}%, busy "
-                  f"{r['traced_busy_us_per_launch']:7.1f} us/launch, records {r['records']}, "
-                  f"untraced {r['untraced']}"
-                  if "records" in r else "")  # fmt: skip
-        print(f"{r['tracer']:18s} host {r['host_us_per_launch']:7.1f} us/launch, wall "
-              f"{r['wall_s']:6.3f} s; events: idle {100 * r['event_idle_share']:5.1f}%, busy "
-              f"{r['event_busy_us_per_launch']:7.1f} us/launch; {traced}")  # fmt: skip
+        traced = (
+            f"traced idle {100 * r['traced_idle_share']:5.1f}%, busy "
+            f"{r['traced_busy_us_per_launch']:7.1f} us/launch, records {r['records']}, "
+            f"untraced {r['untraced']}"
+            if "records" in r
+            else ""
+        )
+        print(
+            f"{r['tracer']:18s} host {r['host_us_per_launch']:7.1f} us/launch, wall "
+            f"{r['wall_s']:6.3f} s; events: idle {100 * r['event_idle_share']:5.1f}%, busy "
+            f"{r['event_busy_us_per_launch']:7.1f} us/launch; {traced}"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))
 

@@ -58,18 +58,27 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
     with open(Path(args.model) / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     synthetic_data(data, n_rows, length, args.prompt_frac, args.prompt_spread, vocab)
-    cfg = TrainConfig(algorithm=algorithm, model=args.model, data=data,
-                      out=f"{work}/{algorithm}_{shape}", lr=0.0, total_steps=10**6,
-                      tokens_per_batch=n_rows * length, max_len=length,
-                      load_format=args.load_format, device=args.device)  # fmt: skip
+    cfg = TrainConfig(
+        algorithm=algorithm,
+        model=args.model,
+        data=data,
+        out=f"{work}/{algorithm}_{shape}",
+        lr=0.0,
+        total_steps=10**6,
+        tokens_per_batch=n_rows * length,
+        max_len=length,
+        load_format=args.load_format,
+        device=args.device,
+    )
     trainer = Trainer(cfg)
     rows = make_rows(trainer.data, trainer.train_idx, length)
     check = None
     if args.check_target and trainer.device.type == "cuda":  # the CPU runs the references only
         check = check_target(trainer, rows)
     results = []
-    variants = [(loss, window) for loss in args.losses.split(",")
-                for window in args.windows.split(",")]  # fmt: skip
+    variants = [
+        (loss, window) for loss in args.losses.split(",") for window in args.windows.split(",")
+    ]
     for loss, window in variants:
         set_fused_on_gpu(loss == "fused")
         trainer.window = window == "on"
@@ -80,12 +89,17 @@ def measure(args, algorithm: str, shape: str, work: str) -> dict:
         steps = [trainer.train_step(rows) for _ in range(args.steps)]
         step_ms = statistics.median(1e3 * m["step_s"] for m in steps)
         result = {
-            "algorithm": algorithm, "shape": shape, "loss": loss, "window": window,
+            "algorithm": algorithm,
+            "shape": shape,
+            "loss": loss,
+            "window": window,
             "step_ms": step_ms,
             "target_ms": statistics.median(1e3 * m["target_s"] for m in steps),
             "learned_tokens_per_s": steps[0]["tokens"] / (step_ms / 1e3),
-            "total_loss": steps[-1]["total"], "acc": steps[-1]["acc"], "target_check": check,
-        }  # fmt: skip
+            "total_loss": steps[-1]["total"],
+            "acc": steps[-1]["acc"],
+            "target_check": check,
+        }
         if trainer.device.type == "cuda":
             result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if args.profile_steps:
@@ -108,9 +122,11 @@ def check_target(trainer: Trainer, rows) -> dict:
         out[use_triton] = trainer.target.run(rows.ids, aux, rows.teaches())
     set_use_triton(trainer.target.model, trainer.device.type == "cuda")
     fast, ref = out[True], out[False]
-    return {"choice_agreement": float((fast.choice == ref.choice).float().mean()),
-            "max_logit_diff": float((fast.logits - ref.logits).abs().max()),
-            "max_hidden_diff": float((fast.hidden - ref.hidden).abs().max())}  # fmt: skip
+    return {
+        "choice_agreement": float((fast.choice == ref.choice).float().mean()),
+        "max_logit_diff": float((fast.logits - ref.logits).abs().max()),
+        "max_hidden_diff": float((fast.hidden - ref.hidden).abs().max()),
+    }
 
 
 def profile(trainer: Trainer, rows, steps: int, top: int) -> dict:
@@ -134,9 +150,11 @@ def profile(trainer: Trainer, rows, steps: int, top: int) -> dict:
     return {
         "kernels_per_step": sum(len(v) for v in kernels.values()) / steps,
         "device_us_per_step": total / steps,
-        "top": [{"name": name[:90], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
-                for name, v in heaviest],
-    }  # fmt: skip
+        "top": [
+            {"name": name[:90], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
+            for name, v in heaviest
+        ],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,21 +170,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=0)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--check-target", action="store_true",
-                        help="compare the target's Triton path with its torch references first")
-    parser.add_argument("--losses", default="fused",
-                        help="soft cross-entropy variants to time on the same rows, comma-"
-                        "separated: fused (Triton kernels on a GPU), reference (torch)")
-    parser.add_argument("--windows", default="on",
-                        help="later unrolled steps over the response window (on) or every "
-                        "position (off), comma-separated")
+    parser.add_argument(
+        "--check-target",
+        action="store_true",
+        help="compare the target's Triton path with its torch references first",
+    )
+    parser.add_argument(
+        "--losses",
+        default="fused",
+        help="soft cross-entropy variants to time on the same rows, comma-"
+        "separated: fused (Triton kernels on a GPU), reference (torch)",
+    )
+    parser.add_argument(
+        "--windows",
+        default="on",
+        help="later unrolled steps over the response window (on) or every "
+        "position (off), comma-separated",
+    )
     parser.add_argument("--output", default="")
     args = parser.parse_args(argv)
     for option, known in (("losses", {"fused", "reference"}), ("windows", {"on", "off"})):
         unknown = set(getattr(args, option).split(",")) - known
         if unknown:
-            parser.error(f"--{option}: unknown {', '.join(sorted(unknown))} "
-                         f"({', '.join(sorted(known))})")  # fmt: skip
+            parser.error(
+                f"--{option}: unknown {', '.join(sorted(unknown))} ({', '.join(sorted(known))})"
+            )
     if not 0 <= args.prompt_spread <= min(args.prompt_frac, 1 - args.prompt_frac):
         parser.error("--prompt-spread must keep every prompt fraction within [0, 1]")
     results = []
@@ -183,25 +211,30 @@ def main(argv: list[str] | None = None) -> int:
                 if variants[0]["target_check"]:
                     print(f"  target, Triton against references: {variants[0]['target_check']}")
                 for r in variants:
-                    print(f"{algorithm:7s} {shape:>8s} {r['loss']:9s} window {r['window']:3s}"
-                          f"  step {r['step_ms']:7.1f} ms"
-                          f"  target {r['target_ms']:6.1f} ms  "
-                          f"{r['learned_tokens_per_s'] / 1e3:7.1f}k learned tok/s  loss "
-                          f"{r['total_loss']:.5f}  ({time.perf_counter() - began:.0f} s)",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{algorithm:7s} {shape:>8s} {r['loss']:9s} window {r['window']:3s}"
+                        f"  step {r['step_ms']:7.1f} ms"
+                        f"  target {r['target_ms']:6.1f} ms  "
+                        f"{r['learned_tokens_per_s'] / 1e3:7.1f}k learned tok/s  loss "
+                        f"{r['total_loss']:.5f}  ({time.perf_counter() - began:.0f} s)",
+                        flush=True,
+                    )
                     if "profile" in r:
                         p = r["profile"]
-                        print(f"  {p['kernels_per_step']:.0f} kernels per step, "
-                              f"{p['device_us_per_step'] / 1e3:.1f} ms of kernels per step")
+                        print(
+                            f"  {p['kernels_per_step']:.0f} kernels per step, "
+                            f"{p['device_us_per_step'] / 1e3:.1f} ms of kernels per step"
+                        )
                         for k in p["top"]:
-                            print(f"  {k['us_per_step'] / 1e3:8.2f} ms "
-                                  f"{k['calls_per_step']:6.1f}x  {k['name']}")  # fmt: skip
+                            print(
+                                f"  {k['us_per_step'] / 1e3:8.2f} ms "
+                                f"{k['calls_per_step']:6.1f}x  {k['name']}"
+                            )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)
     if disagree:
-        print("the variants gave different losses on the same rows:", *disagree,
-              sep="\n  ")  # fmt: skip
+        print("the variants gave different losses on the same rows:", *disagree, sep="\n  ")
         return 1
     return 0
 

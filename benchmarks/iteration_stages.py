@@ -46,8 +46,9 @@ class _Timed:
 
 
 @torch.inference_mode()
-def stage_split(worker: GPUWorker, plan: ForwardPlan, restore: Callable[[], None],
-                iters: int = 20) -> dict[str, float]:  # fmt: skip
+def stage_split(
+    worker: GPUWorker, plan: ForwardPlan, restore: Callable[[], None], iters: int = 20
+) -> dict[str, float]:
     """Milliseconds of each stage of `plan`'s iteration (a decode plan the worker has run, so
     its slots are recorded), over `iters` iterations (`SpeculativeWorker.iterate`), each from
     the state `restore` puts back: propose_ms, accept_ms (0 where the batch accepts inside
@@ -63,8 +64,9 @@ def stage_split(worker: GPUWorker, plan: ForwardPlan, restore: Callable[[], None
     stages = spec.propose_stage, spec.extend_stage, dict(spec.accept_stages)
     spec.propose_stage = _Timed(stages[0], "propose_ms", totals, worker.device)
     spec.extend_stage = _Timed(stages[1], "extend_ms", totals, worker.device)
-    spec.accept_stages = {name: _Timed(stage, "accept_ms", totals, worker.device)
-                          for name, stage in stages[2].items()}  # fmt: skip
+    spec.accept_stages = {
+        name: _Timed(stage, "accept_ms", totals, worker.device) for name, stage in stages[2].items()
+    }
     try:
         for _ in range(iters):
             restore()

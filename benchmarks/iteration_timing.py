@@ -28,15 +28,22 @@ class Replayer:
     the same per-row state: the worker's committed lengths and last tokens are put back
     before every run (two small copies), so the state never advances."""
 
-    def __init__(self, worker: GPUWorker, config: AerieConfig, num: int, context_len: int,
-                 temperature: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        worker: GPUWorker,
+        config: AerieConfig,
+        num: int,
+        context_len: int,
+        temperature: float = 0.0,
+    ) -> None:
         self.worker = worker
         sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
         gen = torch.Generator().manual_seed(0)
         for i in range(num):
             prompt = torch.randint(3, worker.runner.vocab_size, (context_len,), generator=gen)
-            params = SamplingParams(max_new_tokens=1024, temperature=temperature, seed=i,
-                                    ignore_eos=True)  # fmt: skip
+            params = SamplingParams(
+                max_new_tokens=1024, temperature=temperature, seed=i, ignore_eos=True
+            )
             sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt.tolist()), params))
         while True:
             plan = sched.next_plan()
@@ -75,8 +82,14 @@ def run_steps(replay: Replayer, bs: int | None, steps: int, in_flight: int):
     return result
 
 
-def time_plan(replay: Replayer, bs: int | None, device: str, iters: int,
-              in_flight: int = IN_FLIGHT, repeats: int = 5) -> tuple[float, int]:
+def time_plan(
+    replay: Replayer,
+    bs: int | None,
+    device: str,
+    iters: int,
+    in_flight: int = IN_FLIGHT,
+    repeats: int = 5,
+) -> tuple[float, int]:
     """Seconds per step of the plan for bs requests, and the tokens the last step emitted.
 
     in_flight=2 is the served step: the worker process launches a step before it finishes the
@@ -143,8 +156,10 @@ def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
         entry = by_name.setdefault(e.name[:90], [0, 0.0])
         entry[0] += 1
         entry[1] += e.device_time
-    table = [{"kernel": name, "count": n / iters, "us": us / iters}
-             for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]  # fmt: skip
+    table = [
+        {"kernel": name, "count": n / iters, "us": us / iters}
+        for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    ]
     busy_us = sum(e.device_time for e in kernels)
     timeline = {}
     if len(groups) == iters:
@@ -153,13 +168,21 @@ def profile_plan(replay: Replayer, bs: int, iters: int = 5) -> dict:
         timeline["wall_us"] = sum(walls) / iters
         timeline["host_us"] = timeline["wall_us"] - timeline["span_us"]
         first = groups[0]
-        timeline["trace"] = [[round(i.start - first[0].start, 2), round(i.end - i.start, 2),
-                              i.name[:60]] for i in first]  # fmt: skip
+        timeline["trace"] = [
+            [round(i.start - first[0].start, 2), round(i.end - i.start, 2), i.name[:60]]
+            for i in first
+        ]
     else:  # for a look at why the markers did not pair up
-        timeline["unpaired_trace"] = [[round(i.start, 2), round(i.end - i.start, 2), i.name[:60]]
-                                      for i in sorted(intervals, key=lambda i: i.start)[:600]]
-    return {"kernels": len(kernels) / iters, "gpu_ms": busy_us / iters / 1e3, "table": table,
-            "timeline": timeline}  # fmt: skip
+        timeline["unpaired_trace"] = [
+            [round(i.start, 2), round(i.end - i.start, 2), i.name[:60]]
+            for i in sorted(intervals, key=lambda i: i.start)[:600]
+        ]
+    return {
+        "kernels": len(kernels) / iters,
+        "gpu_ms": busy_us / iters / 1e3,
+        "table": table,
+        "timeline": timeline,
+    }
 
 
 def host_split(replay: Replayer, bs: int, iters: int = 20) -> dict:
@@ -196,8 +219,9 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     table only where it is also the LM head (a lookup reads a few rows)."""
     params = {p.data_ptr(): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
-    embed = getattr(model, "embed_tokens", None) or getattr(getattr(model, "model", None),
-                                                            "embed_tokens", None)
+    embed = getattr(model, "embed_tokens", None) or getattr(
+        getattr(model, "model", None), "embed_tokens", None
+    )
     head = getattr(model, "lm_head", None)
     if embed is not None and (head is None or head.weight.data_ptr() != embed.weight.data_ptr()):
         if embed.weight.data_ptr() in params:
@@ -227,8 +251,10 @@ def make_agreeing(worker: GPUWorker, max_bs: int) -> None:
             runner.model.final_layernorm.weight.data.zero_()
         else:
             vocab = runner.model.compute_logits(
-                torch.zeros(1, runner.config.hidden_size, device=worker.device,
-                            dtype=worker.runner.dtype)).shape[-1]  # fmt: skip
+                torch.zeros(
+                    1, runner.config.hidden_size, device=worker.device, dtype=worker.runner.dtype
+                )
+            ).shape[-1]
             runner.model.hot_token_id = torch.zeros(vocab, dtype=torch.int64, device=worker.device)
     worker.spec.build_stages(worker.runners, max_bs)
 
@@ -237,8 +263,9 @@ def sub_plan(plan: ForwardPlan, bs: int) -> ForwardPlan:
     """The same decode plan for its first bs requests."""
     slot_lens = unpack_ids(plan.slot_lens)[:bs]
     return dataclasses.replace(
-        plan, rows=plan.rows[: 4 * bs], slot_starts=plan.slot_starts[: 4 * bs],
-        slot_lens=plan.slot_lens[: 4 * bs], slots=plan.slots[: 4 * sum(slot_lens)],
-    )  # fmt: skip
-
-
+        plan,
+        rows=plan.rows[: 4 * bs],
+        slot_starts=plan.slot_starts[: 4 * bs],
+        slot_lens=plan.slot_lens[: 4 * bs],
+        slots=plan.slots[: 4 * sum(slot_lens)],
+    )

@@ -59,8 +59,13 @@ def plot(summary: dict, key: str, ylabel: str, path: str, reference: float | Non
     for name, (xs, ys) in series(summary["rows"], key).items():
         ax.plot(xs, ys, marker="o", linestyle="-" if "overlap on" in name else "--", label=name)
     if reference is not None:
-        ax.axhline(reference, color="grey", linewidth=1, linestyle=":",
-                   label="compiled static-KV loop, batch 64")  # fmt: skip
+        ax.axhline(
+            reference,
+            color="grey",
+            linewidth=1,
+            linestyle=":",
+            label="compiled static-KV loop, batch 64",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel(ylabel)
@@ -80,11 +85,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     with open(args.summary) as f:
         summary = json.load(f)
     reference = summary.get("baseline_compiled_tok_s", {}).get("64")
-    paths = [os.path.join(args.out, "serving_throughput.png"),
-             os.path.join(args.out, "serving_itl.png")]  # fmt: skip
+    paths = [
+        os.path.join(args.out, "serving_throughput.png"),
+        os.path.join(args.out, "serving_itl.png"),
+    ]
     plot(summary, "output_tok_s", "output tokens/s (all streams)", paths[0], reference)
-    plot(summary, "tpot_median_ms", "inter-token latency per stream (median TPOT, ms)",
-         paths[1])
+    plot(summary, "tpot_median_ms", "inter-token latency per stream (median TPOT, ms)", paths[1])
     return paths
 
 

@@ -38,8 +38,11 @@ def lines(report: dict) -> dict[tuple[str, float], list[dict]]:
 
 def title(report: dict) -> str:
     """The model, the machine and the date (where the report has them)."""
-    parts = [os.path.basename(report["model_path"].rstrip("/")), report.get("machine"),
-             report.get("date")]  # fmt: skip
+    parts = [
+        os.path.basename(report["model_path"].rstrip("/")),
+        report.get("machine"),
+        report.get("date"),
+    ]
     return ", ".join(part for part in parts if part)
 
 

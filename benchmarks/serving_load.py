@@ -193,10 +193,19 @@ def run_load_processes(
     barrier, results_queue = ctx.Barrier(num), ctx.Queue()
     procs = [
         ctx.Process(
-            target=_client_process, daemon=True,
-            args=(i, base_url, payloads[i::num], rate / num, limit // num + (i < limit % num),
-                  seed + i, barrier, results_queue),
-        )  # fmt: skip
+            target=_client_process,
+            daemon=True,
+            args=(
+                i,
+                base_url,
+                payloads[i::num],
+                rate / num,
+                limit // num + (i < limit % num),
+                seed + i,
+                barrier,
+                results_queue,
+            ),
+        )
         for i in range(num)
     ]
     for proc in procs:

@@ -21,6 +21,9 @@ token was accepted.
 
 from __future__ import annotations
 
+import gc
+import json
+import sys
 import time
 from dataclasses import dataclass
 
@@ -51,16 +54,19 @@ class RunResult:
     def summary(self, depth: int) -> dict:
         accepts = np.asarray(self.accepts, dtype=np.int64)
         counts = np.bincount(accepts, minlength=depth + 2) if len(accepts) else np.zeros(1)
-        per_position = [float(counts[k + 1 :].sum() / max(len(accepts), 1))
-                        for k in range(1, depth + 1)]  # fmt: skip
+        per_position = [
+            float(counts[k + 1 :].sum() / max(len(accepts), 1)) for k in range(1, depth + 1)
+        ]
         return {
-            "mode": self.mode, "temperature": self.temperature,
-            "requests": self.requests, "decode_tokens": self.decode_tokens,
+            "mode": self.mode,
+            "temperature": self.temperature,
+            "requests": self.requests,
+            "decode_tokens": self.decode_tokens,
             "seconds": self.decode_seconds,
             "tokens_per_s": self.decode_tokens / max(self.decode_seconds, 1e-9),
             "accept_length": self.decode_tokens / self.verify if self.verify else None,
             "accept_per_position": per_position if self.verify else None,
-        }  # fmt: skip
+        }
 
     def add(self, other: RunResult) -> None:
         self.decode_tokens += other.decode_tokens
@@ -119,13 +125,27 @@ class Engine:
         sync(self.device)
         first_at = counts["first_at"] or time.perf_counter()
         seconds = time.perf_counter() - first_at
-        result = RunResult("one request", params.temperature, counts["tokens"], seconds,
-                           counts["verify"], accepts, requests=1)  # fmt: skip
+        result = RunResult(
+            "one request",
+            params.temperature,
+            counts["tokens"],
+            seconds,
+            counts["verify"],
+            accepts,
+            requests=1,
+        )
         return result, emitted_ids
 
 
-def run(engine: Engine, tokenizer: Tokenizer, questions: list[list[str]], name: str,
-        temperature: float, max_new_tokens: int, seed: int = 0) -> list[RunResult]:  # fmt: skip
+def run(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    questions: list[list[str]],
+    name: str,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int = 0,
+) -> list[RunResult]:
     """Every question's turns in order, each after the conversation so far (a short warm-up
     request first) -> one total per turn index (a question with fewer turns counts in fewer)."""
     first = tokenizer.encode_chat([{"role": "user", "content": questions[0][0]}])
@@ -136,9 +156,109 @@ def run(engine: Engine, tokenizer: Tokenizer, questions: list[list[str]], name: 
         messages: list[dict[str, str]] = []
         for turn, text in enumerate(question):
             messages.append({"role": "user", "content": text})
-            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                    seed=seed + i * turns + turn if temperature > 0 else None)
+            params = SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed + i * turns + turn if temperature > 0 else None,
+            )
             result, answer = engine.serve(tokenizer.encode_chat(messages), params)
             totals[turn].add(result)
             messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
     return totals
+
+
+def run_requests(
+    args,
+    questions: list[list[str]],
+    shapes: list[tuple[str, tuple[int, int, int]]],
+    drafts: dict[str, str | None],
+) -> None:
+    """--mode requests: each configuration once, every temperature on its engine."""
+
+    base = AerieConfig().replace(
+        model={
+            "model_path": args.model_path,
+            "device": args.device,
+            "dtype": args.dtype,
+            "load_format": args.load_format,
+        },
+        cache={"max_total_tokens": 65536},
+        runner={"attention_backend": args.attention_backend},
+    )
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    results, plain_tps, used, tokenizer = [], {}, {}, None
+    for algorithm, shape in [(None, None), *shapes]:
+        spec = {}
+        if shape is not None:
+            spec = {
+                "speculative_algorithm": algorithm,
+                "speculative_draft_model_path": drafts.get(algorithm),
+                "speculative_num_steps": shape[0],
+                "speculative_eagle_topk": shape[1],
+                "speculative_num_draft_tokens": shape[2],
+            }
+        engine = Engine(served_config(base, spec, args.max_running_requests))
+        tokenizer = tokenizer or Tokenizer(engine.config.model.tokenizer_path)  # the same model
+        name = "plain"
+        if shape is not None:
+            name = f"{algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"
+        for temperature in temperatures:
+            if temperature > 0 and name in args.greedy_only.split(","):
+                continue
+            depth = 0 if shape is None else shape[0]
+            per_turn = run(engine, tokenizer, questions, name, temperature, args.max_new_tokens)
+            total = RunResult(name, temperature, 0, 0.0, 0, [])
+            for result in per_turn:
+                total.add(result)
+            summary = total.summary(depth)
+            summary["per_turn"] = []
+            for turn in per_turn:
+                figures = turn.summary(depth)
+                summary["per_turn"].append(
+                    {
+                        key: figures[key]
+                        for key in ("requests", "decode_tokens", "tokens_per_s", "accept_length")
+                    }
+                )
+            if shape is None:
+                plain_tps[temperature] = summary["tokens_per_s"]
+            summary["speedup"] = summary["tokens_per_s"] / max(plain_tps[temperature], 1e-9)
+            results.append(summary)
+            print(json.dumps(summary), flush=True)
+            if algorithm is not None:
+                used[algorithm] = engine.config.speculative.speculative_draft_model_path
+            write_results(args.output, used, results)  # every row, in case a time limit hits
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print_requests(args, results, len(questions), used)
+
+
+def write_results(path: str | None, drafts: dict, results: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(
+                {"command": " ".join(sys.argv), "drafts": drafts, "results": results}, f, indent=1
+            )
+
+
+def print_requests(args, results: list[dict], num_questions: int, drafts: dict) -> None:
+    print(
+        f"{num_questions} MT-bench questions, up to {args.turns} turns each, batch 1, up to "
+        f"{args.max_new_tokens} new tokens per turn, {args.device} {args.dtype}, drafts {drafts}"
+    )
+    print(
+        f"{'mode':32s} {'temp':>4s} {'tok/s':>8s} {'accept':>7s} {'speedup':>8s}  "
+        f"{'per turn':>11s}  P(accept >= k+1), k = 1..S"
+    )
+    for r in results:
+        accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+        turns = " ".join(
+            f"{t['accept_length']:.2f}" if t["accept_length"] else "-" for t in r["per_turn"]
+        )
+        per = " ".join(f"{p:.2f}" for p in r["accept_per_position"] or [])
+        print(
+            f"{r['mode']:32s} {r['temperature']:4.1f} {r['tokens_per_s']:8.1f} {accept:>7s} "
+            f"{r['speedup']:7.2f}x  {turns:>11s}  {per}"
+        )

@@ -67,8 +67,13 @@ class SSEConnection(asyncio.Protocol):
     ) -> tuple[int, bytes]:
         """POST body (JSON) and stream the response: (status, body of a non-200 response)."""
         assert self.transport is not None and self._state == DONE
-        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
-                 f"Content-Length: {len(body)}", "Accept: text/event-stream"]  # fmt: skip
+        lines = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            "Accept: text/event-stream",
+        ]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         self._on_event, self._state, self._got_bytes = on_event, HEAD, False
         self._sse, self._body, self.reusable = b"", bytearray(), False

@@ -53,8 +53,9 @@ class StaticKVDecoder(nn.Module):
         mask = self.causal[pos][None, None]  # [1, 1, 1, max_seq_len]
         for i, layer in enumerate(self.model.model.layers):
             attn = layer.self_attn
-            qkv = F.linear(self.rms_norm(x, layer.input_layernorm), attn.qkv_proj.weight,
-                           attn.qkv_proj.bias)  # fmt: skip
+            qkv = F.linear(
+                self.rms_norm(x, layer.input_layernorm), attn.qkv_proj.weight, attn.qkv_proj.bias
+            )
             q, k, v = qkv.split([h * d, kh * d, kh * d], dim=-1)
             q = self.rope(q.view(bs, h, 1, d), pos)
             k = self.rope(k.view(bs, kh, 1, d), pos)

@@ -44,8 +44,12 @@ def between_markers(intervals: list[Interval], marker: str) -> list[list[Interva
     return steps
 
 
-def step_timeline(intervals: list[Interval], short_us: float = SHORT_GAP_US,
-                  longest: int = 3, start: float | None = None) -> dict:  # fmt: skip
+def step_timeline(
+    intervals: list[Interval],
+    short_us: float = SHORT_GAP_US,
+    longest: int = 3,
+    start: float | None = None,
+) -> dict:
     """One step's GPU span, busy time (the union of its intervals), and its gaps: short ones
     (count, total) and long ones (count, total, and the `longest` with the intervals around
     them), all in microseconds. start: when the device could have begun the step (the end of
@@ -58,10 +62,15 @@ def step_timeline(intervals: list[Interval], short_us: float = SHORT_GAP_US,
         named.append({"us": gap, "after": before.name[:60], "before": ordered[after].name[:60]})
     lead = 0.0 if start is None or not ordered else ordered[0].start - start
     return {
-        "span_us": gaps.span, "busy_us": gaps.busy, "lead_us": lead,
-        "short_gaps": gaps.short_count, "short_gap_us": gaps.short_total,
-        "long_gaps": gaps.long_count, "long_gap_us": gaps.long_total, "longest_gaps": named,
-    }  # fmt: skip
+        "span_us": gaps.span,
+        "busy_us": gaps.busy,
+        "lead_us": lead,
+        "short_gaps": gaps.short_count,
+        "short_gap_us": gaps.short_total,
+        "long_gaps": gaps.long_count,
+        "long_gap_us": gaps.long_total,
+        "longest_gaps": named,
+    }
 
 
 def mean_timeline(steps: list[dict]) -> dict:

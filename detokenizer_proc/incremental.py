@@ -54,8 +54,12 @@ class IncrementalDetokenizer:
     the output length.
     """
 
-    def __init__(self, tokenizer, start: DetokenizeStart,
-                 decoder: Callable[[list[int], bool], str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        start: DetokenizeStart,
+        decoder: Callable[[list[int], bool], str] | None = None,
+    ) -> None:
         """decoder: `make_decoder(tokenizer)`, when the caller has it already."""
         self.tokenizer = tokenizer
         self._decoder = decoder or make_decoder(tokenizer)
@@ -130,8 +134,11 @@ def make_decoder(tokenizer) -> Callable[[list[int], bool], str]:
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     cls = type(tokenizer)
-    if (backend is not None and cls.decode is PreTrainedTokenizerFast.decode
-            and cls._decode is PreTrainedTokenizerFast._decode):  # fmt: skip
+    if (
+        backend is not None
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    ):
 
         def decode_directly(ids: list[int], skip_special_tokens: bool) -> str:
             return backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -139,8 +146,9 @@ def make_decoder(tokenizer) -> Callable[[list[int], bool], str]:
         return decode_directly
 
     def decode(ids: list[int], skip_special_tokens: bool) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                clean_up_tokenization_spaces=False)  # fmt: skip
+        return tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     return decode
 

@@ -107,10 +107,13 @@ def target_spec(config: AerieConfig, tp: TensorParallel = SINGLE) -> RunnerSpec:
         # its accept graphs, one row per tree node, up to ACCEPT_GRAPH_ROWS of them, and with
         # adaptive speculation in the plain decode step's graphs too (one memory pool, but
         # the graphs keep their own temporaries).
-        graph_sampled_rows=(min(graph_tokens, ACCEPT_GRAPH_ROWS) + graph_bs * spec.adaptive
-                            if spec.enabled else graph_bs),  # fmt: skip
+        graph_sampled_rows=(
+            min(graph_tokens, ACCEPT_GRAPH_ROWS) + graph_bs * spec.adaptive
+            if spec.enabled
+            else graph_bs
+        ),
         tp=tp,
-    )  # fmt: skip
+    )
 
 
 def target_pools(config: AerieConfig) -> PoolSpec:

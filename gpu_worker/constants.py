@@ -36,11 +36,15 @@ def arange(n: int, device: torch.device | str) -> torch.Tensor:
 
 def full(n: int, value: int, device: torch.device | str) -> torch.Tensor:
     """[n] int64 filled with value on device."""
-    return cached(("full", n, value), device,
-                  lambda: torch.full((n,), value, dtype=torch.int64, device=device))  # fmt: skip
+    return cached(
+        ("full", n, value),
+        device,
+        lambda: torch.full((n,), value, dtype=torch.int64, device=device),
+    )
 
 
 def ones_float(n: int, device: torch.device | str) -> torch.Tensor:
     """[n] float32 ones on device."""
-    return cached(("ones_float", n), device,
-                  lambda: torch.ones(n, dtype=torch.float32, device=device))  # fmt: skip
+    return cached(
+        ("ones_float", n), device, lambda: torch.ones(n, dtype=torch.float32, device=device)
+    )

@@ -157,8 +157,9 @@ class ModelRunner:
             estimate_graph_bytes(self.config, graph_tokens, self.dtype)
             + prefill_graph_bytes(self.config, spec.prefill_graph_tokens, self.dtype)
             + spec.graph_sampled_rows * self.config.vocab_size * SAMPLING_BYTES_PER_LOGIT
-            if self.device.type == "cuda" else 0
-        )  # fmt: skip
+            if self.device.type == "cuda"
+            else 0
+        )
         self.max_total_tokens = self._size_kv_pool(
             pools.max_total_tokens, pools.mem_fraction_static, pools.shared_kv_bytes_per_token
         )
@@ -168,9 +169,14 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, row_width, self.device)
         config = self.config
         self.kv_pool = KVPool(
-            self.max_total_tokens, self.page_size, config.num_layers, self.num_kv_heads,
-            config.head_dim, self.dtype, self.device,
-        )  # fmt: skip
+            self.max_total_tokens,
+            self.page_size,
+            config.num_layers,
+            self.num_kv_heads,
+            config.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.staging = Staging(self.device)
         self.attn_backend = create_attention_backend(
             spec.attention_backend, self.req_to_token_pool, self.kv_pool, self.num_heads
@@ -179,11 +185,18 @@ class ModelRunner:
         if spec.cuda_graph_max_bs > 0:
             capture = self.device.type == "cuda" and self.attn_backend.supports_cuda_graph
             if self.device.type == "cuda" and not capture:
-                log.warning("%s attention cannot be captured in CUDA graphs: decode runs "
-                            "eagerly", spec.attention_backend)  # fmt: skip
+                log.warning(
+                    "%s attention cannot be captured in CUDA graphs: decode runs eagerly",
+                    spec.attention_backend,
+                )
             self.graph_runner = CudaGraphRunner(self, spec.cuda_graph_max_bs, capture=capture)
-        log.info("%s on %s (%s): KV pool of %d tokens", config.architecture, self.device,
-                 self.dtype, self.max_total_tokens)  # fmt: skip
+        log.info(
+            "%s on %s (%s): KV pool of %d tokens",
+            config.architecture,
+            self.device,
+            self.dtype,
+            self.max_total_tokens,
+        )
 
     @property
     def vocab_size(self) -> int:

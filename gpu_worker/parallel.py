@@ -143,9 +143,13 @@ def init_tensor_parallel(
     # the KV pool is sized from the free memory.
     device_id = device if device.type == "cuda" else None
     dist.init_process_group(
-        backend, init_method=f"tcp://{init_address}", rank=rank, world_size=size,
-        timeout=startup_timeout, device_id=device_id,
-    )  # fmt: skip
+        backend,
+        init_method=f"tcp://{init_address}",
+        rank=rank,
+        world_size=size,
+        timeout=startup_timeout,
+        device_id=device_id,
+    )
     ranks = list(range(size))
     cpu_group = dist.new_group(ranks, backend="gloo") if backend == "nccl" else dist.group.WORLD
     log.info("TP rank %d of %d joined (%s) at %s", rank, size, backend, init_address)

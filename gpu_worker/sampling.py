@@ -296,8 +296,10 @@ class SamplingState:
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
         flags = _row_flags(params, top_k, self.vocab_size)
         if params.seed is None and flags[_FLAG_COLUMNS.index("use_sampling")]:
-            raise ValueError(f"sampled request on row {req_pool_idx} has no seed; requests "
-                             "must get their seed before they reach the worker")  # fmt: skip
+            raise ValueError(
+                f"sampled request on row {req_pool_idx} has no seed; requests "
+                "must get their seed before they reach the worker"
+            )
         seed = params.seed if params.seed is not None else 0
         floats = [float(getattr(params, name)) for name in _FLOAT_PARAMS]
         self._float_params[req_pool_idx] = self._upload(floats, torch.float32)
@@ -347,15 +349,20 @@ class SamplingState:
         if lengths is not None:
             width = ids.shape[1]
             weights = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
-            rows, ids, weights = rows[:, None].expand(-1, width).flatten(), ids.flatten(), \
-                weights.flatten()
+            rows, ids, weights = (
+                rows[:, None].expand(-1, width).flatten(),
+                ids.flatten(),
+                weights.flatten(),
+            )
         counts = torch.ones_like(ids, dtype=torch.int32) if weights is None else weights.int()
         self.counts.index_put_((rows, ids), counts, accumulate=True)
 
     def gather(
-        self, req_pool_indices: Tensor, rows_cpu: np.ndarray | Tensor | None = None,
+        self,
+        req_pool_indices: Tensor,
+        rows_cpu: np.ndarray | Tensor | None = None,
         flags: Sequence[bool] | None = None,
-    ) -> SamplingRows:  # fmt: skip
+    ) -> SamplingRows:
         """Parameters of a batch's rows. flags (`_FLAG_COLUMNS` order) fix the stages that
         run; else a host copy of the rows (rows_cpu, or the indices themselves when on the
         CPU) gives exact per-batch stage flags, and without one they cover every started row.

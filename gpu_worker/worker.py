@@ -74,19 +74,29 @@ class GPUWorker:
         self.decode_step: DecodeStep | None = None
         if self.spec is None or config.speculative.adaptive:
             self.decode_step = DecodeStep(
-                self.runner, self.rows, self.sampling, graph_max_bs(config),
+                self.runner,
+                self.rows,
+                self.sampling,
+                graph_max_bs(config),
                 [runner.req_to_token_pool for runner in self.runners],
                 config.speculative.decode_alloc_len,
                 graph_pool=self.spec.graph_pool if self.spec is not None else None,
-            )  # fmt: skip
+            )
         # Short prefills replay graphs where they can be captured (the speculative draft's
         # prefill reads the target's hidden states, so they are kept with a draft).
         self.prefill_graphs: PrefillGraphs | None = None
         backend = self.runner.attn_backend
-        if (prefill_graph_tokens(config) > 0 and self.device.type == "cuda"
-                and backend.supports_cuda_graph):  # fmt: skip
-            self.prefill_graphs = PrefillGraphs(self.runner, prefill_graph_tokens(config),
-                                                capture=True, keep_hidden=self.spec is not None)
+        if (
+            prefill_graph_tokens(config) > 0
+            and self.device.type == "cuda"
+            and backend.supports_cuda_graph
+        ):
+            self.prefill_graphs = PrefillGraphs(
+                self.runner,
+                prefill_graph_tokens(config),
+                capture=True,
+                keep_hidden=self.spec is not None,
+            )
         # Per request row: whether its request asked for logprobs (host side).
         self.return_logprob = np.zeros(self.max_running_requests + 1, dtype=bool)
         self.staging = Staging(self.device)  # the step's inputs go over in one copy
@@ -96,8 +106,9 @@ class GPUWorker:
 
     def info(self) -> dict[str, int | float | str]:
         """What the launcher and scheduler need to know (sent in ProcessReady)."""
-        costs = {} if self.step_costs is None else {
-            "speculative_step_costs": self.step_costs.to_json()}  # fmt: skip
+        costs = (
+            {} if self.step_costs is None else {"speculative_step_costs": self.step_costs.to_json()}
+        )
         return {
             **costs,
             "max_total_tokens": self.runner.max_total_tokens,
@@ -131,8 +142,10 @@ class GPUWorker:
         self._mark("parsed", plan.plan_id)
         if plan.mode == "decode" and (self.spec is None or not plan.speculate):
             if self.decode_step is None:
-                raise ValueError("a plain decode plan for a speculative worker built without "
-                                 "--speculative-adaptive on")  # fmt: skip
+                raise ValueError(
+                    "a plain decode plan for a speculative worker built without "
+                    "--speculative-adaptive on"
+                )
             return self._launch_decode(plan.plan_id, arrays)  # (its stage records the slots)
         rows = self._write_slots(arrays)
         self._mark("slots_written", plan.plan_id)
@@ -149,8 +162,9 @@ class GPUWorker:
         else:
             batch = host.to_device(self.device, self.runner.staging)
             out = self.runner.forward(batch)
-        sampled_ids, next_ids = self.staging.upload([arrays.sample.astype(np.int64),
-                                                     arrays.next_input_ids])  # fmt: skip
+        sampled_ids, next_ids = self.staging.upload(
+            [arrays.sample.astype(np.int64), arrays.next_input_ids]
+        )
         sampled = sampled_ids.bool()
         positions = batch.seq_lens  # the position of each request's next token
         want = bool(self.return_logprob[arrays.rows[arrays.sample]].any())
@@ -265,8 +279,9 @@ class GPUWorker:
         (`ReqToTokenPool.flat_index`), when the caller has them."""
         if flat is None:
             flat = self.runner.req_to_token_pool.flat_index(*arrays.slot_positions())
-        rows, index, packed = self.staging.upload([arrays.rows, flat,
-                                                    int64_entries(arrays.slots, 4)])
+        rows, index, packed = self.staging.upload(
+            [arrays.rows, flat, int64_entries(arrays.slots, 4)]
+        )
         if len(flat):
             slots = packed.view(torch.int32)[: len(flat)]
             for runner in self.runners:

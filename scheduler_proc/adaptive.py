@@ -64,8 +64,13 @@ def kind(params: SamplingParams) -> tuple:
     from what requests of its own kind accepted. The first element says whether it samples."""
     if not samples(params):
         return (False,)
-    return (True, round(params.temperature, 2), round(params.top_p, 2), params.top_k,
-            round(params.min_p, 2))  # fmt: skip
+    return (
+        True,
+        round(params.temperature, 2),
+        round(params.top_p, 2),
+        params.top_k,
+        round(params.min_p, 2),
+    )
 
 
 @dataclass
@@ -98,8 +103,9 @@ class AdaptiveSpeculation:
         """Speculate for this batch of requests (True) or decode plainly (False); kinds: per
         request, its `kind`."""
         break_even = self.costs.break_even(len(rids), any(k[0] for k in kinds))
-        estimates = [self.estimates.get(rid, self.overall.get(k))
-                     for rid, k in zip(rids, kinds, strict=True)]  # fmt: skip
+        estimates = [
+            self.estimates.get(rid, self.overall.get(k)) for rid, k in zip(rids, kinds, strict=True)
+        ]
         if None in estimates:  # a request of a kind never observed: speculate to learn
             decision = Decision(True, None, break_even)
         else:

@@ -102,8 +102,9 @@ class SchedulerLoop:
         self.inbox = Receiver(endpoints.inbox(config, self.name))
         # The worker listens on its link before it reports ready, and the launcher starts the
         # schedulers after the workers are ready.
-        self.to_worker = StepLink.connect(endpoints.step_link(config, replica),
-                                          timeout_s=config.server.startup_timeout_s)  # fmt: skip
+        self.to_worker = StepLink.connect(
+            endpoints.step_link(config, replica), timeout_s=config.server.startup_timeout_s
+        )
         self.messages = Inbox(self.to_worker, self.inbox)  # results first
         self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
         self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))

@@ -249,15 +249,22 @@ class Scheduler:
         if self.adaptive is None:
             return True
         before = self.adaptive.last
-        choice = self.adaptive.choose([req.rid for req in batch],
-                                      [req.accept_kind for req in batch])  # fmt: skip
+        choice = self.adaptive.choose(
+            [req.rid for req in batch], [req.accept_kind for req in batch]
+        )
         if before is None or before.speculate != choice.speculate or choice.probe:
-            logger.debug("adaptive speculation: %s for a batch of %d (expected %s tokens per "
-                         "iteration, break-even %.2f)",
-                         "a probing iteration" if choice.probe else
-                         "speculate" if choice.speculate else "plain decoding", len(batch),
-                         "unknown" if choice.expected is None else f"{choice.expected:.2f}",
-                         choice.break_even)  # fmt: skip
+            logger.debug(
+                "adaptive speculation: %s for a batch of %d (expected %s tokens per "
+                "iteration, break-even %.2f)",
+                "a probing iteration"
+                if choice.probe
+                else "speculate"
+                if choice.speculate
+                else "plain decoding",
+                len(batch),
+                "unknown" if choice.expected is None else f"{choice.expected:.2f}",
+                choice.break_even,
+            )
         return choice.speculate
 
     def _retract(self, req: Request) -> None:
@@ -317,8 +324,9 @@ class Scheduler:
             self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
         return self.take_deltas()
 
-    def _observe_accept(self, req: Request, decode: bool, num_verify: int, n: int,
-                        fresh: bool) -> None:  # fmt: skip
+    def _observe_accept(
+        self, req: Request, decode: bool, num_verify: int, n: int, fresh: bool
+    ) -> None:
         """Acceptance stats of an entry from a speculative iteration (num_verify > 0); fresh:
         the draft drafted from its up-to-date state (adaptive speculation learns from it)."""
         if not decode or num_verify == 0:
@@ -483,6 +491,8 @@ class Scheduler:
         last = self.adaptive.last if self.adaptive is not None else None
         if last is None:
             return {}
-        return {"speculating": int(last.speculate),
-                "expected_accept_length": last.expected or 0.0,
-                "break_even_accept_length": last.break_even}  # fmt: skip
+        return {
+            "speculating": int(last.speculate),
+            "expected_accept_length": last.expected or 0.0,
+            "break_even_accept_length": last.break_even,
+        }

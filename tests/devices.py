@@ -33,8 +33,14 @@ def compile_outside_the_interpreter(script: str) -> None:
     type-check kernels, the CUDA compiler does, with no GPU needed. Skips where Triton has no
     CUDA toolchain; fails on a compilation error."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if "compiled" not in result.stdout and "CompilationError" not in result.stderr:
         pytest.skip(f"no Triton CUDA toolchain here: {result.stderr.strip()[-300:]}")
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-2000:]

@@ -141,8 +141,10 @@ def _scan_map(payload: bytes) -> dict[Any, Any]:
         if unpacker.tell() != len(payload):
             raise msgpack.ExtraData(None, None)
     except _TooManyFields as e:
-        raise ProtocolError(f"a message has at most {len(_ENVELOPE_KEYS)} fields "
-                            f"({', '.join(sorted(_ENVELOPE_KEYS))}), not {e.args[0]}") from None
+        raise ProtocolError(
+            f"a message has at most {len(_ENVELOPE_KEYS)} fields "
+            f"({', '.join(sorted(_ENVELOPE_KEYS))}), not {e.args[0]}"
+        ) from None
     except Exception as e:  # noqa: BLE001 - msgpack raises many types for corrupt input
         raise ProtocolError(f"not a msgpack message ({type(e).__name__})") from None
     if fields is None:

@@ -140,8 +140,10 @@ class Frontend:
         if limit is not None and self.tracker.num_in_flight + num_new > limit:
             raise ValidationError(
                 f"the server is overloaded ({self.tracker.num_in_flight} requests running or "
-                "queued); retry shortly", status=503, retry_after=1,
-            )  # fmt: skip
+                "queued); retry shortly",
+                status=503,
+                retry_after=1,
+            )
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -149,23 +151,28 @@ class Frontend:
         """Token ids of a text prompt, computed off the event loop (a long prompt would stall
         every other request and /health). A text too long for the context in any
         tokenization is refused without tokenizing."""
-        return await self._encode(self.tokenizer.encode, text, len(text.encode("utf-8")),
-                                  f"{param} is", param)  # fmt: skip
+        return await self._encode(
+            self.tokenizer.encode, text, len(text.encode("utf-8")), f"{param} is", param
+        )
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the chat template applied to messages, off the event loop, once
         `check_chat_size` has bounded what rendering and tokenizing them costs. Errors name
         the served model, never a filesystem path."""
         if not self.tokenizer.has_chat_template:
-            raise ValidationError(f"the model {self.model_name!r} has no chat template; send "
-                                  "the prompt as text to /v1/completions", "messages")  # fmt: skip
+            raise ValidationError(
+                f"the model {self.model_name!r} has no chat template; send "
+                "the prompt as text to /v1/completions",
+                "messages",
+            )
         check_chat_size(messages, self.tokenizer.chat_tokens_per_message, self.limits)
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.executor, self.tokenizer.encode_chat, messages)
         except TemplateError as e:  # the template refuses these messages (roles, their order)
-            raise ValidationError(f"the chat template of {self.model_name!r} refuses these "
-                                  f"messages: {e}", "messages") from None  # fmt: skip
+            raise ValidationError(
+                f"the chat template of {self.model_name!r} refuses these messages: {e}", "messages"
+            ) from None
 
     async def _encode(self, encode, value, num_bytes: int, what: str, param: str) -> list[int]:
         """encode(value) in the tokenizer thread pool, after the byte pre-check (what: the
@@ -173,8 +180,9 @@ class Frontend:
         if num_bytes > self.limits.max_prompt_bytes:
             raise ValidationError(
                 f"{what} {num_bytes} bytes: more than fits in the context of "
-                f"{self.limits.context_length} tokens", param,
-            )  # fmt: skip
+                f"{self.limits.context_length} tokens",
+                param,
+            )
         return await asyncio.get_running_loop().run_in_executor(self.executor, encode, value)
 
     async def prepare(

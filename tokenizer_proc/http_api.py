@@ -133,11 +133,17 @@ class JsonErrors:
         try:
             await self.app(scope, receive, tracked_send)
         except ClientDisconnect:  # nobody to answer; one line, no traceback
-            log.info("client went away before sending the whole request (%s %s)",
-                     scope.get("method"), scope.get("path"))  # fmt: skip
+            log.info(
+                "client went away before sending the whole request (%s %s)",
+                scope.get("method"),
+                scope.get("path"),
+            )
         except asyncio.CancelledError:  # answer, then let the cancellation go on
-            log.info("answered %s %s with 503: the server stopped before it finished",
-                     scope.get("method"), scope.get("path"))  # fmt: skip
+            log.info(
+                "answered %s %s with 503: the server stopped before it finished",
+                scope.get("method"),
+                scope.get("path"),
+            )
             await send_final_error(send, state, 503, SERVER_STOPPING.message)
             raise
         except Exception:  # noqa: BLE001 - the one place every unhandled error ends up
@@ -152,8 +158,10 @@ async def send_final_error(send: Any, state: dict[str, bool], status: int, messa
     error = error_body(message, None, status)
     if not state["started"]:
         body = json.dumps(error).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
     elif not state["done"]:
@@ -187,8 +195,9 @@ def create_app(frontend: Frontend, policy: GuardPolicy | None = None) -> FastAPI
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
-        response = error_response(ValidationError(http_error_message(app, request, e),
-                                                  status=e.status_code))  # fmt: skip
+        response = error_response(
+            ValidationError(http_error_message(app, request, e), status=e.status_code)
+        )
         response.headers.update(e.headers or {})  # 405's Allow
         return response
 
@@ -271,8 +280,11 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.get("/get_model_info")
     async def model_info() -> JSONResponse:
         return JSONResponse(
-            {"model_path": frontend.model_name, "tokenizer_path": frontend.model_name,
-             "is_generation": True}  # fmt: skip
+            {
+                "model_path": frontend.model_name,
+                "tokenizer_path": frontend.model_name,
+                "is_generation": True,
+            }
         )
 
     @app.get("/metrics")
@@ -286,8 +298,10 @@ async def stream_generate(
     """SSE events for /generate; aborts unfinished requests if the client goes away. Requests
     the server stops end the stream with an error event (`SSE_STOPPING`) instead of their
     finishing event."""
-    events = [GenerateEvents(state, return_logprob, index if is_batch else None)
-              for index, state in enumerate(states)]  # fmt: skip
+    events = [
+        GenerateEvents(state, return_logprob, index if is_batch else None)
+        for index, state in enumerate(states)
+    ]
     try:
         async for index, chunk in interleave(states):
             if chunk.finish == SERVER_STOPPING:

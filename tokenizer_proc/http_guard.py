@@ -61,21 +61,35 @@ class Guard:
         """(status, message, extra headers) for a request that may not pass, else None."""
         host = host_without_port(headers.get("host", ""))
         if self.allowed is not None and host not in self.allowed:
-            return 403, (f"the Host header {host[:100]!r} is not allowed; start the server "
-                         "with --allowed-hosts to accept it"), []  # fmt: skip
+            return (
+                403,
+                (
+                    f"the Host header {host[:100]!r} is not allowed; start the server "
+                    "with --allowed-hosts to accept it"
+                ),
+                [],
+            )
         if scope["path"] not in OPEN_PATHS and self.policy.api_key is not None:
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             given = token.strip() if scheme.lower() == "bearer" else None
             if not check_api_key(self.policy.api_key, given):
-                message = ("missing or invalid API key: send 'Authorization: Bearer <key>' "
-                           "with the key the server was started with")  # fmt: skip
+                message = (
+                    "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                    "with the key the server was started with"
+                )
                 return 401, message, [(b"www-authenticate", b"Bearer")]
         if scope["method"] == "POST":
             content_type = headers.get("content-type", "").split(";")[0].strip().lower()
             if content_type != "application/json":
-                return 415, ("send the body as JSON with 'Content-Type: application/json' "
-                             f"(got {content_type[:60] or 'none'!r})"), []  # fmt: skip
+                return (
+                    415,
+                    (
+                        "send the body as JSON with 'Content-Type: application/json' "
+                        f"(got {content_type[:60] or 'none'!r})"
+                    ),
+                    [],
+                )
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.limit:
                 return 413, self.too_large(), []
@@ -86,8 +100,10 @@ class Guard:
         return self.policy.max_request_bytes
 
     def too_large(self) -> str:
-        return (f"the request body exceeds {self.limit} bytes (--max-request-bytes); "
-                "send a shorter prompt")  # fmt: skip
+        return (
+            f"the request body exceeds {self.limit} bytes (--max-request-bytes); "
+            "send a shorter prompt"
+        )
 
     def limited(self, receive: Any) -> Any:
         """receive, with the body counted against the size limit and the read deadline. Once
@@ -120,8 +136,11 @@ class Guard:
 
 async def send_error(send: Any, status: int, message: str, extra: list | None = None) -> None:
     body = json.dumps(error_body(message, None, status)).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode()), *(extra or [])]  # fmt: skip
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *(extra or []),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -141,8 +160,10 @@ def header_timeout_protocol(
     served: set[DirectBodyProtocol] = set()  # this server's connections within the cap
 
     async def refuse(scope: dict, receive: Any, send: Any) -> None:
-        message = (f"the server is serving its maximum of {max_connections} connections "
-                   "(--max-connections); retry shortly")  # fmt: skip
+        message = (
+            f"the server is serving its maximum of {max_connections} connections "
+            "(--max-connections); retry shortly"
+        )
         await send_error(send, 503, message, [(b"retry-after", b"1"), (b"connection", b"close")])
 
     class HeaderTimeoutProtocol(DirectBodyProtocol):
@@ -190,10 +211,16 @@ def header_timeout_protocol(
             """uvicorn's answer to a request h11 cannot parse, in JSON; then close."""
             message = "the request is not valid HTTP/1.1; send a well-formed request"
             body = json.dumps(error_body(message, None, 400)).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(body)).encode())]  # fmt: skip
-            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body),
-                          h11.EndOfMessage()):  # fmt: skip
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"connection", b"close"),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            for event in (
+                h11.Response(status_code=400, headers=headers),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event))
             self.transport.close()
 

@@ -53,8 +53,14 @@ class DirectBody:
 
     def write(self, data: bytes) -> bool:
         cycle = self.cycle
-        if (not cycle.response_started or cycle.response_complete or cycle.disconnected
-                or cycle.flow.write_paused or self.is_head or not data):  # fmt: skip
+        if (
+            not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+            or cycle.flow.write_paused
+            or self.is_head
+            or not data
+        ):
             return False
         if self.chunked:
             cycle.transport.write(chunk_frame(data))
@@ -94,8 +100,11 @@ class EventStream(StreamingResponse):
         await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Any) -> None:
-        head = {"type": "http.response.start", "status": self.status_code,
-                "headers": self.raw_headers}  # fmt: skip
+        head = {
+            "type": "http.response.start",
+            "status": self.status_code,
+            "headers": self.raw_headers,
+        }
         await send(head)
         direct = self.direct
         async for event in self.body_iterator:

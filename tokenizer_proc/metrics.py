@@ -104,9 +104,12 @@ class Metrics:
             labels,
             registry=r,
         )
-        self.replica_kv_usage = Gauge("aerie_replica_kv_cache_usage",
-                                      "Fraction of KV slots in use, per replica.", labels,
-                                      registry=r)  # fmt: skip
+        self.replica_kv_usage = Gauge(
+            "aerie_replica_kv_cache_usage",
+            "Fraction of KV slots in use, per replica.",
+            labels,
+            registry=r,
+        )
         self.replica_stats: dict[int, SchedulerStats] = {}  # each replica's last report
         self.last_stats: SchedulerStats | None = None  # their sum
         r.register(SchedulerTotals(self))
@@ -184,8 +187,10 @@ def combine_stats(reports: list[SchedulerStats]) -> SchedulerStats:
     if len(reports) == 1:
         return reports[0]
     positions = max(len(r.accepted_per_position) for r in reports)
-    accepted = [sum(r.accepted_per_position[k] for r in reports
-                    if k < len(r.accepted_per_position)) for k in range(positions)]  # fmt: skip
+    accepted = [
+        sum(r.accepted_per_position[k] for r in reports if k < len(r.accepted_per_position))
+        for k in range(positions)
+    ]
     return SchedulerStats(
         num_running=sum(r.num_running for r in reports),
         num_waiting=sum(r.num_waiting for r in reports),

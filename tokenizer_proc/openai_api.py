@@ -46,8 +46,11 @@ def finish_reason(state: RequestState) -> str | None:
 
 def usage(state: RequestState) -> dict[str, int]:
     prompt, completion = state.prompt_tokens, state.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def logprobs_body(
@@ -75,8 +78,13 @@ def logprobs_body(
 def envelope(req: OpenAIRequest, state: RequestState, choices: list, chunk: bool) -> dict:
     prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
     obj = req.object_prefix + (".chunk" if chunk and req.kind == "chat" else "")
-    return {"id": prefix + state.rid, "object": obj, "created": int(time.time()),
-            "model": req.model, "choices": choices}  # fmt: skip
+    return {
+        "id": prefix + state.rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+    }
 
 
 def full_response(frontend: Frontend, req: OpenAIRequest, state: RequestState) -> dict:
@@ -127,7 +135,7 @@ def add_openai_routes(app: FastAPI, frontend: Frontend) -> None:
             "root": frontend.model_name,
             "max_model_len": frontend.limits.context_length,
         }
-        return JSONResponse({"object": "list", "data": [card]})  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -18,8 +18,10 @@ from tokenizer_proc.openai_request import OpenAIRequest
 from tokenizer_proc.request_tracker import Chunk, RequestState
 from tokenizer_proc.responses import json_text, number_json
 
-CHAT_ROLE_CHOICE = (b'{"index": 0, "delta": {"role": "assistant", "content": ""}, '
-                    b'"logprobs": null, "finish_reason": null}')  # fmt: skip
+CHAT_ROLE_CHOICE = (
+    b'{"index": 0, "delta": {"role": "assistant", "content": ""}, '
+    b'"logprobs": null, "finish_reason": null}'
+)
 
 
 class OpenAIEvents:
@@ -70,8 +72,15 @@ class OpenAIEvents:
         text = encode_basestring(chunk.text)[1:-1].encode()
         logprobs = self._logprobs(chunk) if self.req.logprobs else b"null"
         self.text_offset += len(chunk.text)
-        parts = (self.head(), b'{"index": 0, "logprobs": ', logprobs, self._text_open, text,
-                 self._text_close, self._tail)  # fmt: skip
+        parts = (
+            self.head(),
+            b'{"index": 0, "logprobs": ',
+            logprobs,
+            self._text_open,
+            text,
+            self._text_close,
+            self._tail,
+        )
         return b"".join(parts)
 
     def finish(self) -> bytes:
@@ -85,8 +94,11 @@ class OpenAIEvents:
     def usage(self) -> bytes:
         """The include_usage event: no choices, the request's token counts."""
         prompt, completion = self.state.prompt_tokens, self.state.completion_tokens
-        usage = (b'{"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d}'
-                 % (prompt, completion, prompt + completion))  # fmt: skip
+        usage = b'{"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d}' % (
+            prompt,
+            completion,
+            prompt + completion,
+        )
         return b'%b], "usage": %b}\n\n' % (self.head(), usage)
 
     def _logprobs(self, chunk: Chunk) -> bytes:
@@ -103,10 +115,15 @@ def chat_logprobs(tokens: list[str], logprobs: list[float], top: bool) -> bytes:
     `top_logprobs` repeats it (the sampled token only) when top is set, else is empty."""
     entries = []
     for token, logprob in zip(tokens, logprobs, strict=False):
-        entry = (f'"token": {encode_basestring(token)}, "logprob": {number_json(logprob)}, '
-                 f'"bytes": [{", ".join(map(str, token.encode()))}]')  # fmt: skip
-        entries.append(f'{{{entry}, "top_logprobs": [{{{entry}}}]}}' if top
-                       else f'{{{entry}, "top_logprobs": []}}')  # fmt: skip
+        entry = (
+            f'"token": {encode_basestring(token)}, "logprob": {number_json(logprob)}, '
+            f'"bytes": [{", ".join(map(str, token.encode()))}]'
+        )
+        entries.append(
+            f'{{{entry}, "top_logprobs": [{{{entry}}}]}}'
+            if top
+            else f'{{{entry}, "top_logprobs": []}}'
+        )
     return f'{{"content": [{", ".join(entries)}]}}'.encode()
 
 

@@ -29,24 +29,54 @@ from tokenizer_proc.validation import (
 )
 
 _PASSTHROUGH = (
-    "temperature", "top_p", "top_k", "min_p", "stop", "seed", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "ignore_eos", "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
     "skip_special_tokens",
-)  # fmt: skip
+)
 _ROLES = ("system", "user", "assistant", "developer")
 _COMMON_FIELDS = (
-    "model", "max_tokens", "n", "stream", "stream_options", "logprobs", "user", *_PASSTHROUGH,
-)  # fmt: skip
+    "model",
+    "max_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "user",
+    *_PASSTHROUGH,
+)
 FIELDS = {
     "completion": frozenset((*_COMMON_FIELDS, "prompt", "echo")),
     "chat": frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs")),
 }
 # OpenAI parameters Aerie does not implement: refused by name unless empty or off.
 UNSUPPORTED = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "response_format", "logit_bias", "best_of", "suffix", "audio", "modalities", "prediction",
-    "reasoning_effort", "web_search_options", "store", "metadata", "service_tier",
-)  # fmt: skip
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "logit_bias",
+    "best_of",
+    "suffix",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "store",
+    "metadata",
+    "service_tier",
+)
 
 _KNOWN = {kind: fields | frozenset(UNSUPPORTED) for kind, fields in FIELDS.items()}
 
@@ -57,6 +87,8 @@ def check_fields(body: dict[str, Any], kind: str) -> None:
         if body.get(name) not in (None, False, [], {}):
             raise ValidationError(f"{name} is not supported by this server", name)
     reject_unknown_fields(body, _KNOWN[kind])
+
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
@@ -156,8 +188,9 @@ def read_messages(body: dict[str, Any], max_messages: int) -> list[dict[str, str
     if len(messages) > max_messages:
         raise ValidationError(
             f"{len(messages)} messages cannot fit the context: at most {max_messages} can "
-            "(each takes tokens of the chat template)", "messages",
-        )  # fmt: skip
+            "(each takes tokens of the chat template)",
+            "messages",
+        )
     out = []
     for i, m in enumerate(messages):
         param = f"messages[{i}]"

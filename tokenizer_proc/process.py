@@ -156,8 +156,11 @@ def zmq_access(config: AerieConfig) -> ZmqAccess:
     if security.zmq_curve and security.zmq_curve_key_file:
         public, secret = load_curve_keypair(security.zmq_curve_key_file)
         curve = (public, secret)
-        log.info("ZMQ port encrypted with CURVE; server public key %s (from %s)",
-                 public.decode(), security.zmq_curve_key_file)  # fmt: skip
+        log.info(
+            "ZMQ port encrypted with CURVE; server public key %s (from %s)",
+            public.decode(),
+            security.zmq_curve_key_file,
+        )
     limits = config.limits
     return ZmqAccess(
         security.api_key, curve, limits.max_request_bytes, limits.max_zmq_requests_per_connection
@@ -170,8 +173,12 @@ class TokenizerProcess:
     def __init__(self, config: AerieConfig) -> None:
         self.config = config
         model = config.model
-        if not (model.model_path and model.tokenizer_path and model.context_length
-                and config.server.served_model_name):
+        if not (
+            model.model_path
+            and model.tokenizer_path
+            and model.context_length
+            and config.server.served_model_name
+        ):
             raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
         tokenizer = Tokenizer.from_config(config)
         self.schedulers = [
@@ -181,18 +188,24 @@ class TokenizerProcess:
         self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
         self.backend = SchedulerBackend(self.schedulers)
         self.frontend = Frontend(
-            tokenizer, frontend_limits(config, tokenizer), self.backend,
+            tokenizer,
+            frontend_limits(config, tokenizer),
+            self.backend,
             config.server.served_model_name,  # resolved: the model directory's name by default
             config.model.random_seed,
-        )  # fmt: skip
+        )
         self.http_socket = bind_http_socket(config.server.host, config.server.port)
         self.zmq = ZmqFrontend(
             self.frontend, endpoints.client_bind_address(config), access=zmq_access(config)
         )
         self.inbox = AsyncReceiver(endpoints.inbox(config, "tokenizer"))
         security, limits = config.security, config.limits
-        policy = GuardPolicy(security.api_key, security.allowed_hosts, limits.max_request_bytes,
-                             limits.body_timeout_s)  # fmt: skip
+        policy = GuardPolicy(
+            security.api_key,
+            security.allowed_hosts,
+            limits.max_request_bytes,
+            limits.body_timeout_s,
+        )
         uv_config = uvicorn.Config(
             create_app(self.frontend, policy),
             log_config=None,
@@ -222,8 +235,11 @@ class TokenizerProcess:
 
     async def run(self) -> None:
         http = asyncio.create_task(self.server.serve(sockets=[self.http_socket]))
-        others = [asyncio.create_task(self.zmq.serve()), asyncio.create_task(self.read_inbox()),
-                  asyncio.create_task(self.tick())]  # fmt: skip
+        others = [
+            asyncio.create_task(self.zmq.serve()),
+            asyncio.create_task(self.read_inbox()),
+            asyncio.create_task(self.tick()),
+        ]
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([http, stop, *others], return_when=asyncio.FIRST_COMPLETED)
         self.server.should_exit = True

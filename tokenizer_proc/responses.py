@@ -114,8 +114,16 @@ class GenerateEvents:
         meta = self._meta(chunk)
         if self.return_logprob:
             meta += b', "output_token_logprobs": [%b]' % self._logprobs(chunk)
-        parts = (b'{"text": "', self._text, b'", "output_ids": [', self._ids, b'], "meta_info": ',
-                 meta, b"}", self.tail)  # fmt: skip
+        parts = (
+            b'{"text": "',
+            self._text,
+            b'", "output_ids": [',
+            self._ids,
+            b'], "meta_info": ',
+            meta,
+            b"}",
+            self.tail,
+        )
         return b"".join(parts)
 
     def _meta(self, chunk: Chunk) -> bytes:
@@ -123,17 +131,24 @@ class GenerateEvents:
         finish = "null" if chunk.finish is None else json_text(finish_dict(chunk.finish))
         accept = number_json(accept_length(chunk.completion_tokens, chunk.spec_verify_ct))
         latency = number_json(e2e_latency(self.state, chunk))
-        return (f'{{"id": {self.id_json}, "prompt_tokens": {chunk.prompt_tokens}, '
-                f'"completion_tokens": {chunk.completion_tokens}, "finish_reason": {finish}, '
-                f'"spec_verify_ct": {chunk.spec_verify_ct}, "spec_accept_length": {accept}, '
-                f'"e2e_latency": {latency}, "seed": {self.seed_json}').encode()  # fmt: skip
+        return (
+            f'{{"id": {self.id_json}, "prompt_tokens": {chunk.prompt_tokens}, '
+            f'"completion_tokens": {chunk.completion_tokens}, "finish_reason": {finish}, '
+            f'"spec_verify_ct": {chunk.spec_verify_ct}, "spec_accept_length": {accept}, '
+            f'"e2e_latency": {latency}, "seed": {self.seed_json}'
+        ).encode()
 
     def _logprobs(self, chunk: Chunk) -> bytes:
         """The JSON of `logprob_triples` over state's first chunk.ids_end tokens."""
         state, start = self.state, self._num_triples
-        triples = [f"[{number_json(lp)}, {tid}, null]" for lp, tid in zip(
-            state.logprobs[start : chunk.ids_end], state.output_ids[start : chunk.ids_end],
-            strict=False)]  # fmt: skip
+        triples = [
+            f"[{number_json(lp)}, {tid}, null]"
+            for lp, tid in zip(
+                state.logprobs[start : chunk.ids_end],
+                state.output_ids[start : chunk.ids_end],
+                strict=False,
+            )
+        ]
         if triples:
             new = ", ".join(triples).encode()
             self._triples = self._triples + b", " + new if self._triples else new

@@ -34,8 +34,9 @@ class Tokenizer:
         self._tok = load_hf_tokenizer(path)
         self.vocab_size = max(len(self._tok), model_vocab_size)
         self.max_token_bytes = self._longest_token_bytes()
-        self._special = {token.content: i for i, token in self._tok.added_tokens_decoder.items()
-                         if token.special}  # fmt: skip
+        self._special = {
+            token.content: i for i, token in self._tok.added_tokens_decoder.items() if token.special
+        }
         longest_first = sorted(self._special, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
         self._to_escape = re.compile("|".join([*map(re.escape, longest_first), ESCAPE]))

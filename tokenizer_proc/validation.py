@@ -257,8 +257,9 @@ def check_chat_size(
         raise ValidationError(
             f"the {len(messages)} messages ({num_bytes} bytes of content) take at least "
             f"{min_tokens} tokens with the chat template; the context length is "
-            f"{limits.context_length}: send fewer or shorter messages", "messages",
-        )  # fmt: skip
+            f"{limits.context_length}: send fewer or shorter messages",
+            "messages",
+        )
 
 
 def build_sampling_params(
@@ -320,16 +321,22 @@ def _check_ranges(s: SamplingParams, raw: dict, prefix: str) -> None:
 
     checks = [
         ("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
-        ("temperature", within("temperature", 0.0, FLOAT32_MAX),
-         f"must be in [0, {FLOAT32_MAX:g}]"),
+        (
+            "temperature",
+            within("temperature", 0.0, FLOAT32_MAX),
+            f"must be in [0, {FLOAT32_MAX:g}]",
+        ),
         ("top_p", within("top_p", MIN_TOP_P, 1.0), f"must be in [{MIN_TOP_P:g}, 1]"),
         ("top_k", s.top_k == -1 or s.top_k >= 1, "must be -1 (disabled) or >= 1"),
         ("min_p", within("min_p", 0.0, 1.0), "must be in [0, 1]"),
         ("frequency_penalty", within("frequency_penalty", -2.0, 2.0), "must be in [-2, 2]"),
         ("presence_penalty", within("presence_penalty", -2.0, 2.0), "must be in [-2, 2]"),
-        ("repetition_penalty", within("repetition_penalty", MIN_REPETITION_PENALTY, 2.0),
-         f"must be in [{MIN_REPETITION_PENALTY:g}, 2]"),
-    ]  # fmt: skip
+        (
+            "repetition_penalty",
+            within("repetition_penalty", MIN_REPETITION_PENALTY, 2.0),
+            f"must be in [{MIN_REPETITION_PENALTY:g}, 2]",
+        ),
+    ]
     for key, ok, rule in checks:
         if not ok:
             sent = raw.get(key, getattr(s, key))
@@ -395,8 +402,9 @@ def parse_generate_body(body: dict[str, Any], max_batch_size: int = 64) -> Gener
         param = "text" if text is not None else "input_ids"
         raise ValidationError(
             f"a batch holds at most {max_batch_size} prompts (--max-batch-size), "
-            f"got {len(prompts)}", param,
-        )  # fmt: skip
+            f"got {len(prompts)}",
+            param,
+        )
     sampling = body.get("sampling_params")
     samplings = _per_item(sampling, len(prompts), is_batch, "sampling_params", dict)
     rids = _per_item(body.get("rid"), len(prompts), is_batch, "rid", str)

@@ -133,8 +133,10 @@ class ZmqFrontend:
             self._socket.bind(address)
         except zmq.ZMQError as e:
             self._socket.close()
-            raise RuntimeError(f"cannot bind the ZMQ frontend on {address}: {e} "
-                               "(is another server using --zmq-port?)") from e  # fmt: skip
+            raise RuntimeError(
+                f"cannot bind the ZMQ frontend on {address}: {e} "
+                "(is another server using --zmq-port?)"
+            ) from e
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._tasks: dict[bytes, dict[int | str, asyncio.Task]] = {}
         self._error_budget = ErrorReplyBudget()

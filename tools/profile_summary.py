@@ -20,8 +20,16 @@ import os
 # pool threads, and `run` (an event loop's or a C helper thread's own loop: for uvloop this
 # also holds the C-level transport work, so an asyncio process's "waiting" is an upper bound).
 WAIT_NAMES = {
-    "poll", "select", "_run_once", "synchronize", "sleep", "wait", "recv", "_worker", "run",
-}  # fmt: skip
+    "poll",
+    "select",
+    "_run_once",
+    "synchronize",
+    "sleep",
+    "wait",
+    "recv",
+    "_worker",
+    "run",
+}
 
 
 def read_threads(path: str) -> dict[str, list[tuple[list[str], int]]]:
@@ -51,8 +59,10 @@ def summarise(path: str, wall_samples: float, top: int) -> list[str]:
         total = sum(n for _, n in stacks)
         waiting = sum(n for frames, n in stacks if frames and is_wait(frames[-1]))
         busy = total - waiting
-        lines.append(f" {label}: sampled {total / wall_samples:.0%} of wall, waiting "
-                     f"{waiting / wall_samples:.0%}, busy {busy / wall_samples:.0%}")  # fmt: skip
+        lines.append(
+            f" {label}: sampled {total / wall_samples:.0%} of wall, waiting "
+            f"{waiting / wall_samples:.0%}, busy {busy / wall_samples:.0%}"
+        )
         own: collections.Counter[str] = collections.Counter()
         incl: collections.Counter[str] = collections.Counter()
         for frames, n in stacks:

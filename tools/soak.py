@@ -42,24 +42,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie.client import AerieClientError, AerieTimeoutError, AsyncClient  # noqa: E402
 from tools import soak_watch  # noqa: E402
+from tools.soak_plan import (  # noqa: E402
+    GREEDY_KINDS,
+    MAX_NEW,
+    NUM_PROMPTS,
+    Planned,
+    expected_stop,
+    plan_requests,
+    random_prompts,
+)
+from tools.soak_server import rss_mib, server_pids, soak_server_args  # noqa: E402
 from tools.soak_watch import StuckWatch, client_rid, describe_stuck, stuck_problems  # noqa: E402
-
-MAX_NEW = 40  # the reference outputs' length; every request asks for 1..MAX_NEW tokens
-NUM_PROMPTS = 48
-KIND_WEIGHTS = {
-    "http": 3, "http_stream": 2, "openai": 1, "zmq": 2, "zmq_stream": 2, "stop": 2,
-    "sampled": 1, "http_disconnect": 1, "http_timeout": 1, "zmq_abort": 1, "zmq_timeout": 1,
-}  # fmt: skip
-GREEDY_KINDS = ("http", "http_stream", "openai", "zmq", "zmq_stream", "stop")
-
-
-@dataclass(frozen=True)
-class Planned:
-    index: int
-    kind: str
-    prompt: int  # index into the prompt pool
-    max_new: int
-    stop: str | None = None
 
 
 @dataclass
@@ -89,42 +82,16 @@ class Report:
     problems: list[str] = field(default_factory=list)
 
 
-def random_prompts(rng: random.Random, vocab: int, count: int) -> list[list[int]]:
-    """count prompts of 1..60 ids from the non-special range [3, vocab)."""
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(count)]
-
-
-def plan_requests(
-    rng: random.Random, count: int, references: list[list[int]], decode
-) -> list[Planned]:
-    """The seeded mix. A stop request's string is the text of one reference token (one that
-    decodes to clean text), so that it certainly completes within the request's length."""
-    kinds, weights = zip(*KIND_WEIGHTS.items(), strict=True)
-    planned = []
-    for index in range(count):
-        kind = rng.choices(kinds, weights)[0]
-        prompt, max_new = rng.randrange(len(references)), rng.randint(1, MAX_NEW)
-        stop = None
-        if kind == "stop":
-            position = rng.randrange(max_new)
-            stop = decode(references[prompt][position : position + 1])
-            if not stop.strip() or "\ufffd" in stop:
-                kind, stop = "http", None
-        planned.append(Planned(index, kind, prompt, max_new, stop))
-    return planned
-
-
-def expected_stop(reference: list[int], stop: str, decode) -> int:
-    """How many tokens a greedy request keeps: up to the first that completes `stop`."""
-    for n in range(1, len(reference) + 1):
-        if stop in decode(reference[:n]):
-            return n
-    raise AssertionError(f"{stop!r} never completes in the reference")
-
-
 class Soak:
-    def __init__(self, url: str, zmq_address: str, prompts: list[list[int]], decode_raw,
-                 concurrency: int, deadline: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        zmq_address: str,
+        prompts: list[list[int]],
+        decode_raw,
+        concurrency: int,
+        deadline: float | None = None,
+    ) -> None:
         """deadline: time.monotonic() past which `run` stops and reports what is in flight."""
         self.url, self.zmq_address = url, zmq_address
         self.prompts = prompts
@@ -226,8 +193,12 @@ class Soak:
         return self.check_greedy(req, output_ids, finish)
 
     async def _sampled(self, req, ids, params, http, zmq):
-        params = {"max_new_tokens": req.max_new, "temperature": 0.8, "top_p": 0.9,
-                  "ignore_eos": True}  # fmt: skip
+        params = {
+            "max_new_tokens": req.max_new,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "ignore_eos": True,
+        }
         response = await http.post(self.url + "/generate", json=self.body(req, ids, params))
         assert response.status_code == 200, response.text
         got = len(response.json()["output_ids"])
@@ -327,16 +298,6 @@ async def sse_events(response: httpx.Response):
             yield json.loads(line[len("data: ") :])
 
 
-def rss_mib(pids: dict[str, int]) -> dict[str, float]:
-    """Resident memory of each named process (Linux /proc), in MiB."""
-    sizes = {}
-    for name, pid in pids.items():
-        with open(f"/proc/{pid}/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        sizes[name] = kib / 1024
-    return sizes
-
-
 async def wait_idle(url: str, timeout_s: float) -> dict:
     """/server_info once nothing runs or waits and no KV is in use (or the last seen)."""
     deadline = time.monotonic() + timeout_s
@@ -349,10 +310,20 @@ async def wait_idle(url: str, timeout_s: float) -> dict:
             await asyncio.sleep(0.1)
 
 
-def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, vocab: int,
-         requests: int, concurrency: int, seed: int, warmup_fraction: float,
-         max_rss_growth: float, log=print,
-         time_limit_s: float | None = None) -> Report:  # fmt: skip
+def soak(
+    url: str,
+    zmq_address: str,
+    pids: dict[str, int],
+    tokenizer_dir: str,
+    vocab: int,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    warmup_fraction: float,
+    max_rss_growth: float,
+    log=print,
+    time_limit_s: float | None = None,
+) -> Report:
     """Run the soak against a live server and return the report (problems listed in it).
     time_limit_s: from now; past it the soak stops and reports the requests in flight."""
     from tokenizers import Tokenizer
@@ -361,9 +332,13 @@ def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, v
     rng = random.Random(seed)
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     runner = Soak(
-        url, zmq_address, random_prompts(rng, vocab, NUM_PROMPTS),
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=False), concurrency, deadline,
-    )  # fmt: skip
+        url,
+        zmq_address,
+        random_prompts(rng, vocab, NUM_PROMPTS),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        concurrency,
+        deadline,
+    )
     report = Report(requests, concurrency)
 
     async def main() -> list[Outcome]:
@@ -395,8 +370,9 @@ def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, v
     report.max_overtaken = runner.watch.max_overtaken
     report.stuck = runner.stuck
     report.problems += stuck_problems(runner.stuck)
-    report.problems += [f"request {o.index} ({o.kind}): {o.detail}" for o in outcomes
-                        if o.status == "failed"][:20]  # fmt: skip
+    report.problems += [
+        f"request {o.index} ({o.kind}): {o.detail}" for o in outcomes if o.status == "failed"
+    ][:20]
     busy = {k: report.idle.get(k) for k in ("num_running", "num_waiting", "kv_used_tokens")}
     if any(busy.values()):
         report.problems.append(f"not idle at the end: {busy}")
@@ -411,43 +387,6 @@ def soak(url: str, zmq_address: str, pids: dict[str, int], tokenizer_dir: str, v
     return report
 
 
-PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
-
-
-def server_pids(server) -> dict[str, int]:
-    """The launcher and each engine process, by name. Children name themselves aerie-<name>,
-    which the kernel cuts to 15 bytes ("aerie-gpu_worke"); other children (multiprocessing's
-    resource tracker) are not engine processes and are left out."""
-    pids = {"launcher": server.proc.pid}
-    for pid in server.children:
-        with open(f"/proc/{pid}/comm") as f:
-            comm = f.read().strip()
-        for name in PROCESS_NAMES:
-            if comm.startswith("aerie-") and name.startswith(comm.removeprefix("aerie-")):
-                pids[name] = pid
-    return pids
-
-
-def soak_server_args(
-    model_path: str, concurrency: int, draft_path: str | None = None, overlap: bool = True
-) -> list[str]:
-    """A KV cache for about a third of the in-flight requests' full lengths, admitted without
-    reserve: retraction happens throughout. draft_path: an EAGLE draft (chains of 3, trees of
-    6 nodes: 6 positions of headroom per step); overlap False: --disable-overlap-schedule.
-    --enable-debug-info: /debug/requests tells where a stuck request is."""
-    args = ["--model-path", model_path, "--max-running-requests", str(concurrency),
-            "--max-total-tokens", str(max(256, concurrency * (60 + MAX_NEW) // 3)),
-            "--page-size", "4", "--chunked-prefill-size", "64",
-            "--schedule-conservativeness", "0", "--enable-debug-info"]  # fmt: skip
-    if draft_path is not None:
-        args += ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", draft_path,
-                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
-                 "--speculative-num-draft-tokens", "6"]  # fmt: skip
-    if not overlap:
-        args.append("--disable-overlap-schedule")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
@@ -456,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-fraction", type=float, default=0.2)
     parser.add_argument("--max-rss-growth", type=float, default=0.10)
     parser.add_argument("--model-path", help="default: a tiny random Llama built for the run")
-    parser.add_argument("--speculative", action="store_true",
-                        help="serve with a tiny random EAGLE draft of the tiny model")
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="serve with a tiny random EAGLE draft of the tiny model",
+    )
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--time-limit-s", type=float, help="stop and report what is in flight")
     parser.add_argument("--output", help="write the report here as JSON")
@@ -479,15 +421,24 @@ def main(argv: list[str] | None = None) -> int:
             from tests.gpu_worker.draft_checkpoints import make_tiny_eagle_draft
 
             draft_path = make_tiny_eagle_draft(os.path.join(tmp, "draft"), model_path)
-        server_args = soak_server_args(model_path, args.concurrency, draft_path,
-                                       overlap=not args.disable_overlap_schedule)  # fmt: skip
+        server_args = soak_server_args(
+            model_path, args.concurrency, draft_path, overlap=not args.disable_overlap_schedule
+        )
         with Server(*server_args) as server:
             print(f"soak: server at {server.url}, log {server.log.name}", flush=True)
-            report = soak(server.url, server.zmq_address, server_pids(server), model_path,
-                          vocab=320, requests=args.requests, concurrency=args.concurrency,
-                          seed=args.seed, warmup_fraction=args.warmup_fraction,
-                          max_rss_growth=args.max_rss_growth,
-                          time_limit_s=args.time_limit_s)  # fmt: skip
+            report = soak(
+                server.url,
+                server.zmq_address,
+                server_pids(server),
+                model_path,
+                vocab=320,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                seed=args.seed,
+                warmup_fraction=args.warmup_fraction,
+                max_rss_growth=args.max_rss_growth,
+                time_limit_s=args.time_limit_s,
+            )
     text = json.dumps(asdict(report), indent=2)
     print(text)
     if args.output:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
-    from tools.soak import Planned
+    from tools.soak_plan import Planned
 
 # Stuck: no reply for STUCK_MIN_S while STUCK_OVERTAKEN x concurrency other requests finished
 # (the engine moves and the request does not: on a slow or loaded machine fewer others finish

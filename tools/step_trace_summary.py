@@ -48,8 +48,11 @@ import json
 import os
 import statistics
 
-LINKS = [("pack", "ready", "result_out"), ("to_sched", "result_out", "result_in"),
-         ("apply", "result_in", "applied")]  # fmt: skip
+LINKS = [
+    ("pack", "ready", "result_out"),
+    ("to_sched", "result_out", "result_in"),
+    ("apply", "result_in", "applied"),
+]
 NEXT_LINKS = [("to_worker", "plan_out", "plan_in"), ("launch", "plan_in", "launched")]
 LAUNCH_PARTS = [
     ("parse", "plan_in", "parsed"),
@@ -57,8 +60,22 @@ LAUNCH_PARTS = [
     ("step", "slots_written", "stepped"),
     ("results", "stepped", "launched"),
 ]
-COLUMNS = ["pack", "to_sched", "apply", "plan", "to_worker", "launch", "parse", "slots", "step",
-           "results", "chain", "wait", "period", "busy"]  # fmt: skip
+COLUMNS = [
+    "pack",
+    "to_sched",
+    "apply",
+    "plan",
+    "to_worker",
+    "launch",
+    "parse",
+    "slots",
+    "step",
+    "results",
+    "chain",
+    "wait",
+    "period",
+    "busy",
+]
 
 
 def load(directory: str) -> tuple[dict[int, dict[str, int]], dict[int, tuple[str, int]]]:
@@ -102,8 +119,9 @@ def step_chains(
         row = {name: (ev[b] - ev[a]) / 1e3 for name, a, b in LINKS}
         row["plan"] = (nev["plan_out"] - ev["applied"]) / 1e3
         row.update({name: (nev[b] - nev[a]) / 1e3 for name, a, b in NEXT_LINKS})
-        row.update({name: (nev[b] - nev[a]) / 1e3 for name, a, b in LAUNCH_PARTS
-                    if a in nev and b in nev})  # fmt: skip
+        row.update(
+            {name: (nev[b] - nev[a]) / 1e3 for name, a, b in LAUNCH_PARTS if a in nev and b in nev}
+        )
         row["chain"] = (nev["launched"] - ev["ready"]) / 1e3
         row["wait"] = max(0.0, (nev["launched"] - prev["ready"]) / 1e3)
         if "ready" in nev:
@@ -120,9 +138,11 @@ def step_chains(
 
 
 def device_idle(
-    events: dict[int, dict[str, float]], plans: dict[int, tuple[str, int]], mode: str | None,
+    events: dict[int, dict[str, float]],
+    plans: dict[int, tuple[str, int]],
+    mode: str | None,
     batch: tuple[int, int],
-) -> dict | None:  # fmt: skip
+) -> dict | None:
     """From the CUDA events around each launch (gpu_gap_us, gpu_span_us), over the steps of
     `mode` whose batch size is in [low, high]: the share of device time spent idle between
     steps, and the median span of a step. None without those values (not on CUDA)."""
@@ -162,20 +182,26 @@ def summarise(rows: list[dict[str, float]]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory")
-    parser.add_argument("--mode", default="decode", help="'decode' (plain steps), 'speculate' "
-                        "(speculative iterations), 'extend' or 'all'")  # fmt: skip
+    parser.add_argument(
+        "--mode",
+        default="decode",
+        help="'decode' (plain steps), 'speculate' (speculative iterations), 'extend' or 'all'",
+    )
     parser.add_argument("--batch-size", default="1-100000", help="next plan's rows: N or LO-HI")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args(argv)
     events, plans = load(args.directory)
     low, _, high = args.batch_size.partition("-")
     batch, mode = (int(low), int(high or low)), None if args.mode == "all" else args.mode
-    rows = [row for row in step_chains(events, plans, mode)
-            if batch[0] <= row["batch_size"] <= batch[1]]  # fmt: skip
+    rows = [
+        row for row in step_chains(events, plans, mode) if batch[0] <= row["batch_size"] <= batch[1]
+    ]
     summary = summarise(rows)
     summary["device"] = device_idle(events, plans, mode, batch)
-    print(f"{summary['steps']} {args.mode} steps, median batch "
-          f"{summary.get('batch_size_median', 0):g}; microseconds:")  # fmt: skip
+    print(
+        f"{summary['steps']} {args.mode} steps, median batch "
+        f"{summary.get('batch_size_median', 0):g}; microseconds:"
+    )
     print(f"{'link':>10} {'median':>9} {'mean':>9}")
     for name in COLUMNS:
         if name in summary:
@@ -184,9 +210,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"device waiting for the host: {100 * summary['idle_estimate']:.1f}% of the steps")
     device = summary["device"]
     if device is not None:
-        print(f"CUDA events over {device['steps']} steps: device idle between steps "
-              f"{100 * device['idle_between_steps']:.1f}%, median gap {device['gap_median_us']:.1f}"
-              f" us, median step span {device['span_median_us']:.1f} us")  # fmt: skip
+        print(
+            f"CUDA events over {device['steps']} steps: device idle between steps "
+            f"{100 * device['idle_between_steps']:.1f}%, median gap {device['gap_median_us']:.1f}"
+            f" us, median step span {device['span_median_us']:.1f} us"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -8,8 +8,9 @@ import json
 import sys
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls, positional: dict[str, tuple],
-                choices: dict[str, tuple]) -> None:  # fmt: skip
+def _add_fields(
+    parser: argparse.ArgumentParser, cls, positional: dict[str, tuple], choices: dict[str, tuple]
+) -> None:
     """One option per dataclass field (booleans as flags), named like the field; a field in
     `positional` is positional, with those choices; one in `choices` takes only those."""
     for f in dataclasses.fields(cls):
@@ -22,8 +23,13 @@ def _add_fields(parser: argparse.ArgumentParser, cls, positional: dict[str, tupl
         elif isinstance(f.default, bool):
             parser.add_argument(flag, action="store_true", dest=f.name)
         else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, dest=f.name,
-                                choices=choices.get(f.name))  # fmt: skip
+            parser.add_argument(
+                flag,
+                type=type(f.default),
+                default=f.default,
+                dest=f.name,
+                choices=choices.get(f.name),
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         "estimate": (EstimateConfig, "a draft's offline accept estimate on greedy data"),
     }
     for name, (cls, help_text) in commands.items():
-        _add_fields(sub.add_parser(name, help=help_text), cls, positional={"algorithm": ALGORITHMS},
-                    choices={"answers": ANSWERS})
+        _add_fields(
+            sub.add_parser(name, help=help_text),
+            cls,
+            positional={"algorithm": ALGORITHMS},
+            choices={"answers": ANSWERS},
+        )
     args = parser.parse_args(argv)
     cls = commands[args.command][0]
     cfg = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

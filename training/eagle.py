@@ -29,9 +29,7 @@ class EagleRecipe(Recipe):
     name = "eagle"
     architecture = ARCHITECTURE
 
-    def __init__(
-        self, target: Target, depth: int, seed: int, init_from: str | None = None
-    ) -> None:
+    def __init__(self, target: Target, depth: int, seed: int, init_from: str | None = None) -> None:
         super().__init__(target, depth, seed, init_from)
         if init_from is not None:
             self.config = self._init_config()
@@ -49,8 +47,13 @@ class EagleRecipe(Recipe):
         return unroll_chain(self.draft, rows, hidden, depth or self.depth, window)
 
     def step_loss(
-        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor,
-        probs: torch.Tensor, at: torch.Tensor,
+        self,
+        out: StepOutput,
+        teacher: TargetOutputs,
+        where: torch.Tensor,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        at: torch.Tensor,
     ) -> torch.Tensor:
         """SmoothL1 to the target's hidden state at the position the step predicts from, plus
         TOKEN_LOSS_WEIGHT x soft cross-entropy against the target's distribution there."""

@@ -47,11 +47,13 @@ class Eagle3Recipe(Recipe):
             assert hot_ids is not None, "a new EAGLE-3 draft needs its vocabulary"
             self.aux_layers = eagle3_aux_layer_ids({}, tc.num_layers)  # inputs of [2, L/2, L-3]
             self.config = draft_config(
-                tc.raw, ARCHITECTURE, draft_vocab_size=len(hot_ids),
+                tc.raw,
+                ARCHITECTURE,
+                draft_vocab_size=len(hot_ids),
                 target_hidden_size=tc.hidden_size,
                 # config ids name layer OUTPUTS: the input of layer i is the output of layer i - 1
                 eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]},
-            )  # fmt: skip
+            )
         names = {"fc.weight", "lm_head.weight", "d2t"}  # own head and map; target embedding
         draft = self._build(arch_config_from_dict(self.config), tensor_names=names)
         if init_from is None:

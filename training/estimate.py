@@ -89,8 +89,7 @@ def estimate_accept_length(
         for batch in length_batches(data, indices, tokens_per_batch, max_len):
             rows = make_rows(data, batch, max_len).to(target.device)
             teacher = target.run(rows.ids, recipe.aux_layers, rows.teaches())
-            with torch.autocast(target.device.type, torch.bfloat16,
-                                target.device.type == "cuda"):  # fmt: skip
+            with torch.autocast(target.device.type, torch.bfloat16, target.device.type == "cuda"):
                 agree = recipe.chain_agreement(rows, teacher, depth)
             run = chain_runs(agree, depth).reshape(rows.shape).cpu().numpy()
             accepts += walk_rows(rows, run, depth)
@@ -99,8 +98,12 @@ def estimate_accept_length(
     counts = np.bincount(np.asarray(accepts, dtype=np.int64), minlength=depth + 2)
     total = max(len(accepts), 1)
     at_least = [float(counts[k + 1 :].sum() / total) for k in range(1, depth + 1)]
-    return {"accept_length": float(np.mean(accepts)) if accepts else 0.0, "per_step": at_least,
-            "iterations": len(accepts), "depth": depth}  # fmt: skip
+    return {
+        "accept_length": float(np.mean(accepts)) if accepts else 0.0,
+        "per_step": at_least,
+        "iterations": len(accepts),
+        "depth": depth,
+    }
 
 
 def walk_rows(rows: Rows, run: np.ndarray, depth: int) -> list[int]:
@@ -130,12 +133,16 @@ def repeated_share(data: TokenFile, indices: np.ndarray, n: int = REPEAT_NGRAM) 
 
 def describe_estimate(result: dict) -> str:
     at_least = " ".join(f"{p:.2f}" for p in result["per_step"])
-    text = (f"estimated chain accept length {result['accept_length']:.3f} (S={result['depth']}, "
-            f"P(accept >= k+1) for k=1..S: {at_least}; {result['iterations']} iterations)")
+    text = (
+        f"estimated chain accept length {result['accept_length']:.3f} (S={result['depth']}, "
+        f"P(accept >= k+1) for k=1..S: {at_least}; {result['iterations']} iterations)"
+    )
     if "repeated_share" in result:
-        text += (f"; {result['sequences']} answers ({result['answers']}), "
-                 f"{100 * result['repeated_share']:.1f}% of their tokens repeat an earlier "
-                 f"{REPEAT_NGRAM}-gram of the same answer")
+        text += (
+            f"; {result['sequences']} answers ({result['answers']}), "
+            f"{100 * result['repeated_share']:.1f}% of their tokens repeat an earlier "
+            f"{REPEAT_NGRAM}-gram of the same answer"
+        )
     return text
 
 
@@ -146,13 +153,17 @@ def select_answers(data: TokenFile, indices: np.ndarray, answers: str) -> np.nda
     if answers == "all":
         return indices
     if "finished" not in data.extra:
-        raise ValueError(f"--answers {answers} needs a data file written by `generate` (it "
-                         "marks each answer ended by a stop token or cut at the token limit)")
+        raise ValueError(
+            f"--answers {answers} needs a data file written by `generate` (it "
+            "marks each answer ended by a stop token or cut at the token limit)"
+        )
     ended = data.extra["finished"].astype(bool)[indices]
     chosen = indices[ended if answers == "ended" else ~ended]
     if len(chosen) == 0:
-        raise ValueError(f"--answers {answers}: none of the {len(indices)} answers to walk was "
-                         + ("ended by a stop token" if answers == "ended" else "cut"))
+        raise ValueError(
+            f"--answers {answers}: none of the {len(indices)} answers to walk was "
+            + ("ended by a stop token" if answers == "ended" else "cut")
+        )
     return chosen
 
 
@@ -172,7 +183,12 @@ def estimate(cfg: EstimateConfig) -> dict:
             depth = int(json.load(f).get("num_nextn_predict_layers") or 0)
     depth = depth or DEFAULT_ESTIMATE_DEPTH
     recipe = build_recipe(cfg.algorithm, target, data, depth, init_from=cfg.draft)
-    result = estimate_accept_length(recipe, target, data, indices, depth, cfg.tokens_per_batch,
-                                    cfg.max_len)  # fmt: skip
-    return {**result, "answers": cfg.answers, "sequences": len(indices),
-            "repeated_share": repeated_share(data, indices)}
+    result = estimate_accept_length(
+        recipe, target, data, indices, depth, cfg.tokens_per_batch, cfg.max_len
+    )
+    return {
+        **result,
+        "answers": cfg.answers,
+        "sequences": len(indices),
+        "repeated_share": repeated_share(data, indices),
+    }

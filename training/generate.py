@@ -62,13 +62,19 @@ class Generator:
         cuda = device.type == "cuda"
         # a row may run up to check_every steps past its cap before the check drops them
         self.row_len = int(prompts.lengths.max()) + cfg.max_new_tokens + cfg.check_every + 1
-        spec = RunnerSpec(cfg.model, device=str(device),
-                          dtype=torch.bfloat16 if cuda else torch.float32,
-                          load_format=cfg.load_format,
-                          attention_backend="triton" if cuda else "torch_native",
-                          cuda_graph_max_bs=cfg.batch_size if cuda else 0)  # fmt: skip
-        pools = PoolSpec(max_running_requests=cfg.batch_size + 1, context_length=self.row_len,
-                         max_total_tokens=(cfg.batch_size + 1) * self.row_len)  # fmt: skip
+        spec = RunnerSpec(
+            cfg.model,
+            device=str(device),
+            dtype=torch.bfloat16 if cuda else torch.float32,
+            load_format=cfg.load_format,
+            attention_backend="triton" if cuda else "torch_native",
+            cuda_graph_max_bs=cfg.batch_size if cuda else 0,
+        )
+        pools = PoolSpec(
+            max_running_requests=cfg.batch_size + 1,
+            context_length=self.row_len,
+            max_total_tokens=(cfg.batch_size + 1) * self.row_len,
+        )
         self.runner = ModelRunner(spec, pools)
         self.device = device
         self.prompts = prompts
@@ -102,20 +108,26 @@ class Generator:
         least one prompt) and append their first tokens."""
         started: list[int] = []
         budget = self.cfg.prefill_tokens
-        while free and queue and (
-            not started or budget >= self.prompts.lengths[self.jobs[queue[0]][0]]
+        while (
+            free
+            and queue
+            and (not started or budget >= self.prompts.lengths[self.jobs[queue[0]][0]])
         ):
             r, p = free.pop(0), queue.pop(0)
             rows[r] = Row(p, int(self.prompts.lengths[self.jobs[p][0]]), [])
             budget -= rows[r].length
             started.append(r)
-        ids = [self.prompts.sequence(self.jobs[rows[r].job][0]).astype(np.int64).tolist()
-               for r in started]  # fmt: skip
+        ids = [
+            self.prompts.sequence(self.jobs[rows[r].job][0]).astype(np.int64).tolist()
+            for r in started
+        ]
         host = HostBatch.from_requests(
-            ForwardMode.EXTEND, ids, [0] * len(started),
+            ForwardMode.EXTEND,
+            ids,
+            [0] * len(started),
             [[self.slot(r, p) for p in range(len(i))] for r, i in zip(started, ids, strict=True)],
             started,
-        )  # fmt: skip
+        )
         out = self.runner.forward(host.to_device(self.device, self.runner.staging))
         first = self.sample(out.next_token_logits, self.is_greedy(rows, started))
         for r, t in zip(started, first.tolist(), strict=True):
@@ -124,8 +136,9 @@ class Generator:
     def decode(self, rows: dict[int, Row], active: list[int]) -> np.ndarray:
         """Up to check_every decode steps of the active rows -> their tokens [steps, n] (host;
         the one synchronisation of the window)."""
-        steps = min(self.cfg.check_every,
-                    max(self.cfg.max_new_tokens - len(rows[r].tokens) for r in active))  # fmt: skip
+        steps = min(
+            self.cfg.check_every, max(self.cfg.max_new_tokens - len(rows[r].tokens) for r in active)
+        )
         steps = max(steps, 1)
         bs = len(active)
         rows_np = np.array(active, dtype=np.int64)
@@ -135,9 +148,15 @@ class Generator:
         out_tokens = []
         for _ in range(steps):
             # the newest token sits at position `lengths` (its KV is written by this step)
-            host = HostBatch(ForwardMode.DECODE, np.zeros(bs, np.int64), lengths.copy(),
-                             rows_np * self.row_len + lengths, rows_np, lengths + 1,
-                             np.ones(bs, np.int64))  # fmt: skip
+            host = HostBatch(
+                ForwardMode.DECODE,
+                np.zeros(bs, np.int64),
+                lengths.copy(),
+                rows_np * self.row_len + lengths,
+                rows_np,
+                lengths + 1,
+                np.ones(bs, np.int64),
+            )
             logits = self.runner.forward_host(host, input_ids=tokens).next_token_logits
             tokens = self.sample(logits[:bs], greedy)
             out_tokens.append(tokens)
@@ -194,23 +213,33 @@ class Generator:
             if time.monotonic() - last_report > 15 or not (queue or rows):
                 last_report = time.monotonic()
                 elapsed = last_report - start
-                print(f"generated {len(done)}/{len(self.jobs)} responses, {generated / 1e6:.2f}M "
-                      f"tokens, {generated / elapsed / 1e3:.1f}k tok/s", flush=True)  # fmt: skip
+                print(
+                    f"generated {len(done)}/{len(self.jobs)} responses, {generated / 1e6:.2f}M "
+                    f"tokens, {generated / elapsed / 1e3:.1f}k tok/s",
+                    flush=True,
+                )
         order = sorted(done)
         idx = np.array([self.jobs[j][0] for j in order], dtype=np.int64)
-        seqs = [np.concatenate([prompts.sequence(p), np.array(done[j][0], dtype=np.uint32)])
-                for j, p in zip(order, idx, strict=True)]  # fmt: skip
+        seqs = [
+            np.concatenate([prompts.sequence(p), np.array(done[j][0], dtype=np.uint32)])
+            for j, p in zip(order, idx, strict=True)
+        ]
         return TokenFile.from_sequences(
-            seqs, prompts.lengths[idx], dev=dev[idx], prompt=idx,
+            seqs,
+            prompts.lengths[idx],
+            dev=dev[idx],
+            prompt=idx,
             greedy=np.array([self.jobs[j][1] for j in order], dtype=bool),
             finished=np.array([done[j][1] for j in order], dtype=bool),
-        )  # fmt: skip
+        )
 
 
 def generate(cfg: GenerateConfig) -> TokenFile:
     prompts = TokenFile.load(cfg.prompts)
     data = Generator(cfg, prompts).run()
     data.save(cfg.out)
-    print(f"wrote {cfg.out}: {len(data)} sequences, {data.num_response_tokens() / 1e6:.2f}M "
-          f"response tokens ({int(data.extra['finished'].sum())} ended by a stop token)")
+    print(
+        f"wrote {cfg.out}: {len(data)} sequences, {data.num_response_tokens() / 1e6:.2f}M "
+        f"response tokens ({int(data.extra['finished'].sum())} ended by a stop token)"
+    )
     return data

@@ -28,9 +28,7 @@ THREE_LAYER_WEIGHTS = (0.51, 0.31, 0.18)
 class MTPRecipe(Recipe):
     name = "mtp"
 
-    def __init__(
-        self, target: Target, depth: int, seed: int, init_from: str | None = None
-    ) -> None:
+    def __init__(self, target: Target, depth: int, seed: int, init_from: str | None = None) -> None:
         """depth: the number of MTP layers (init_from: MTP layers to start from, at least as
         many). Each layer starts from its own random weights."""
         self.architecture = target.config.architecture  # MTP layers ship in the target's format
@@ -38,14 +36,19 @@ class MTPRecipe(Recipe):
         if init_from is not None:
             have = int(self._init_config().get("num_nextn_predict_layers") or 0)
             if depth > have:
-                raise ValueError(f"{init_from} holds {have} MTP layers: use a depth of at most "
-                                 f"{have}")  # fmt: skip
-        self.config = {**target.config.raw, "num_nextn_predict_layers": depth,
-                       "torch_dtype": "bfloat16"}  # fmt: skip
+                raise ValueError(
+                    f"{init_from} holds {have} MTP layers: use a depth of at most {have}"
+                )
+        self.config = {
+            **target.config.raw,
+            "num_nextn_predict_layers": depth,
+            "torch_dtype": "bfloat16",
+        }
         arch = arch_config_from_dict(self.config)
         self.layers = [
-            self._attach(self._build(mtp_arch_config(arch, k), f"MTP layer {k}", seed_offset=k,
-                                     mtp_layer=k))  # fmt: skip
+            self._attach(
+                self._build(mtp_arch_config(arch, k), f"MTP layer {k}", seed_offset=k, mtp_layer=k)
+            )
             for k in range(depth)
         ]
         self.modules = self.layers
@@ -66,20 +69,29 @@ class MTPRecipe(Recipe):
         outs = []
         for k, layer in enumerate(self.layers[: depth or self.depth]):
             shift = k + 1
-            batch = dense_batch(rows.shifted_ids(shift), rows.positions(),
-                                UnrolledAttention(b, t), teacher.hidden)  # fmt: skip
+            batch = dense_batch(
+                rows.shifted_ids(shift), rows.positions(), UnrolledAttention(b, t), teacher.hidden
+            )
             out = layer(batch)  # [B * T, H]
-            outs.append(StepOutput(out, layer.compute_logits, rows.learns(shift).reshape(-1),
-                                   teacher_index(rows, shift)))  # fmt: skip
+            outs.append(
+                StepOutput(
+                    out,
+                    layer.compute_logits,
+                    rows.learns(shift).reshape(-1),
+                    teacher_index(rows, shift),
+                )
+            )
         return outs
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {}
         for k, layer in enumerate(self.layers):
             prefix = f"model.mtp_layers.{k}."
-            tensors.update(checkpoint_tensors(
-                layer, self.target.model, lambda n, p=prefix: p + n.removeprefix("block.")
-            ))  # fmt: skip
+            tensors.update(
+                checkpoint_tensors(
+                    layer, self.target.model, lambda n, p=prefix: p + n.removeprefix("block.")
+                )
+            )
         return tensors
 
     def export_config(self) -> dict:

@@ -61,9 +61,7 @@ def to_messages(turns: list[dict]) -> Messages:
     return messages
 
 
-def conversation_prompts(
-    turns: list[dict], max_turns: int, first_turn: int = 1
-) -> list[Messages]:
+def conversation_prompts(turns: list[dict], max_turns: int, first_turn: int = 1) -> list[Messages]:
     """One prompt per user turn (`max_turns` of them from user turn `first_turn` on, 1-based;
     max_turns 0: every one), each carrying all earlier turns."""
     messages = to_messages(turns)
@@ -155,12 +153,14 @@ def build_prompt_file(cfg: PromptsConfig) -> dict:
     start = time.perf_counter()
     conversations = load_sharegpt(cfg.sharegpt or None)
     if cfg.first_turn < 1 or cfg.max_turns_per_conversation < 0:
-        raise SystemExit("--first-turn counts from 1 and --max-turns-per-conversation from 0 "
-                         "(0: every turn)")  # fmt: skip
+        raise SystemExit(
+            "--first-turn counts from 1 and --max-turns-per-conversation from 0 (0: every turn)"
+        )
     candidates = [
-        p for turns in conversations
+        p
+        for turns in conversations
         for p in conversation_prompts(turns, cfg.max_turns_per_conversation, cfg.first_turn)
-    ]  # fmt: skip
+    ]
     decontaminator = Decontaminator(benchmark_texts(cfg.mt_bench))
     clean = [p for p in candidates if not decontaminator.is_contaminated_prompt(p)]
     random.Random(cfg.seed).shuffle(clean)
@@ -210,5 +210,8 @@ def benchmark_prompt_file(cfg: PromptsConfig) -> dict:
     sequences = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     lengths = [len(s) for s in sequences]
     TokenFile.from_sequences(sequences, lengths, dev=np.ones(len(sequences), bool)).save(cfg.out)
-    return {"num_prompts": len(sequences), "num_dev": len(sequences),
-            "num_prompt_tokens": int(sum(lengths))}  # fmt: skip
+    return {
+        "num_prompts": len(sequences),
+        "num_dev": len(sequences),
+        "num_prompt_tokens": int(sum(lengths)),
+    }

@@ -45,10 +45,19 @@ from training.target import MAX_POSITIONS, Target, TargetOutputs
 
 # Target config keys a one-layer Llama draft copies (its shapes, vocabulary and rotary settings).
 _DRAFT_CONFIG_KEYS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-    "max_position_embeddings", "vocab_size", "attention_bias",
-)  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "vocab_size",
+    "attention_bias",
+)
 EXPORT_DTYPE = torch.bfloat16
 MAX_SHARD_BYTES = 15 * 2**20  # each exported file stays under 16 MiB
 
@@ -75,8 +84,14 @@ def draft_config(target_config: dict, architecture: str, **extra) -> dict:
     config = {k: target_config[k] for k in _DRAFT_CONFIG_KEYS if target_config.get(k) is not None}
     heads = target_config["num_attention_heads"]
     config.setdefault("head_dim", target_config["hidden_size"] // heads)
-    config.update(architectures=[architecture], model_type="llama", num_hidden_layers=1,
-                  hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
+    config.update(
+        architectures=[architecture],
+        model_type="llama",
+        num_hidden_layers=1,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
     return {**config, **extra}
 
 
@@ -113,8 +128,14 @@ def unroll_chain(
             hidden = hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[-1]))
         batch = dense_batch(rows.shifted_ids(shift, at), at + i, backend, hidden)
         h = draft(batch)  # [B * W, H]
-        outs.append(StepOutput(h, draft.compute_logits, rows.learns(shift, at).reshape(-1),
-                               teacher_index(rows, shift, at)))  # fmt: skip
+        outs.append(
+            StepOutput(
+                h,
+                draft.compute_logits,
+                rows.learns(shift, at).reshape(-1),
+                teacher_index(rows, shift, at),
+            )
+        )
         hidden = h.reshape(b, at.shape[1], -1)
         backend.next_step()
     return outs
@@ -136,8 +157,10 @@ class Recipe:
         if init_from is not None:
             found = (self._init_config().get("architectures") or ["?"])[0]
             if found != self.architecture:
-                raise ValueError(f"{init_from} holds a {found} draft; the {self.name} recipe "
-                                 f"needs a {self.architecture} one")  # fmt: skip
+                raise ValueError(
+                    f"{init_from} holds a {found} draft; the {self.name} recipe "
+                    f"needs a {self.architecture} one"
+                )
 
     # ------------------------------------------------------------------ subclasses provide
     modules: list[nn.Module]
@@ -159,8 +182,13 @@ class Recipe:
         return F.softmax(teacher.logits, -1), None
 
     def step_loss(
-        self, out: StepOutput, teacher: TargetOutputs, where: torch.Tensor, logits: torch.Tensor,
-        probs: torch.Tensor, at: torch.Tensor,
+        self,
+        out: StepOutput,
+        teacher: TargetOutputs,
+        where: torch.Tensor,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        at: torch.Tensor,
     ) -> torch.Tensor:
         """[m] loss at the learning positions `where` [m] of one step, whose draft logits
         are `logits` [m, V_draft]; the teacher's distribution there is `probs[at]` (probs
@@ -245,8 +273,10 @@ class Recipe:
         d = self.depth
         values = torch.cat([per_step.reshape(-1), missing.float().reshape(1)]).tolist()  # one sync
         if values[-1]:
-            raise RuntimeError("a learning position has no teacher logits: the target must "
-                               "compute them at every Rows.teaches() position")  # fmt: skip
+            raise RuntimeError(
+                "a learning position has no teacher logits: the target must "
+                "compute them at every Rows.teaches() position"
+            )
         return total, {"loss": values[:d], "acc": values[d : 2 * d]}
 
     @torch.no_grad()
@@ -314,9 +344,9 @@ def checkpoint_tensors(module: nn.Module, target: nn.Module, rename=lambda n: n)
         if parent in merged:
             grand = parent.rpartition(".")[0]
             for shard, (start, rows) in merged[parent].shard_rows.items():
-                out[rename(f"{grand}.{shard}.{kind}" if grand else f"{shard}.{kind}")] = (
-                    param[start : start + rows]
-                )
+                out[rename(f"{grand}.{shard}.{kind}" if grand else f"{shard}.{kind}")] = param[
+                    start : start + rows
+                ]
             continue
         out[rename(name)] = param
     return out

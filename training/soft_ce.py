@@ -36,8 +36,18 @@ def soft_cross_entropy_reference(
 
 
 @triton.jit
-def _forward_kernel(z_ptr, p_ptr, at_ptr, loss_ptr, lse_ptr, mass_ptr, z_stride, p_stride, vocab,
-                    BLOCK: tl.constexpr):  # fmt: skip
+def _forward_kernel(
+    z_ptr,
+    p_ptr,
+    at_ptr,
+    loss_ptr,
+    lse_ptr,
+    mass_ptr,
+    z_stride,
+    p_stride,
+    vocab,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     teacher = tl.load(at_ptr + row).to(tl.int64)
     # per lane: an online logsumexp (max and the sum of exp below it), the dot product with the
@@ -53,7 +63,8 @@ def _forward_kernel(z_ptr, p_ptr, at_ptr, loss_ptr, lse_ptr, mass_ptr, z_stride,
         p = tl.load(p_ptr + teacher * p_stride + cols, mask=mask, other=0.0).to(tl.float32)
         new_max = tl.maximum(running_max, z)
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.where(
-            mask, tl.exp(z - new_max), 0.0)  # fmt: skip
+            mask, tl.exp(z - new_max), 0.0
+        )
         running_max = new_max
         dot += p * z  # p is 0 where masked
         mass += p
@@ -66,8 +77,19 @@ def _forward_kernel(z_ptr, p_ptr, at_ptr, loss_ptr, lse_ptr, mass_ptr, z_stride,
 
 
 @triton.jit
-def _backward_kernel(grad_ptr, z_ptr, p_ptr, at_ptr, lse_ptr, mass_ptr, dz_ptr, z_stride,
-                     p_stride, vocab, BLOCK: tl.constexpr):  # fmt: skip
+def _backward_kernel(
+    grad_ptr,
+    z_ptr,
+    p_ptr,
+    at_ptr,
+    lse_ptr,
+    mass_ptr,
+    dz_ptr,
+    z_stride,
+    p_stride,
+    vocab,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
@@ -89,8 +111,18 @@ class _SoftCrossEntropy(torch.autograd.Function):
         loss = torch.empty(m, dtype=torch.float32, device=logits.device)
         lse, mass = torch.empty_like(loss), torch.empty_like(loss)
         if m:
-            _forward_kernel[(m,)](logits, probs, at, loss, lse, mass, logits.stride(0),
-                                  probs.stride(0), vocab, BLOCK=BLOCK)  # fmt: skip
+            _forward_kernel[(m,)](
+                logits,
+                probs,
+                at,
+                loss,
+                lse,
+                mass,
+                logits.stride(0),
+                probs.stride(0),
+                vocab,
+                BLOCK=BLOCK,
+            )
         ctx.save_for_backward(logits, probs, at, lse, mass)
         return loss
 
@@ -102,9 +134,19 @@ class _SoftCrossEntropy(torch.autograd.Function):
         dz = torch.empty_like(logits)
         if m:
             grid = (m, triton.cdiv(vocab, BLOCK))
-            _backward_kernel[grid](grad.float().contiguous(), logits, probs, at, lse, mass, dz,
-                                   logits.stride(0), probs.stride(0), vocab,
-                                   BLOCK=BLOCK)  # fmt: skip
+            _backward_kernel[grid](
+                grad.float().contiguous(),
+                logits,
+                probs,
+                at,
+                lse,
+                mass,
+                dz,
+                logits.stride(0),
+                probs.stride(0),
+                vocab,
+                BLOCK=BLOCK,
+            )
         return dz, None, None
 
 

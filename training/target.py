@@ -29,7 +29,7 @@ MAX_POSITIONS = 8192
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto": the GPU when there is one, else the CPU."""
+    """ "auto": the GPU when there is one, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)

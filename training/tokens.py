@@ -72,8 +72,9 @@ class TokenFile:
         if tokens.size == 0 or int(tokens.max()) < 2**16:
             tokens = tokens.astype(np.uint16)
         tmp = f"{path}.tmp.npz"
-        np.savez_compressed(tmp, tokens=tokens, offsets=self.offsets,
-                            prompt_lens=self.prompt_lens, **self.extra)  # fmt: skip
+        np.savez_compressed(
+            tmp, tokens=tokens, offsets=self.offsets, prompt_lens=self.prompt_lens, **self.extra
+        )
         os.replace(tmp, path)
 
     @classmethod

@@ -55,16 +55,31 @@ class TrainConfig:
     resume: bool = False
 
     # What a resumed run must share with the run it continues (its data is checked too).
-    RESUMED = ("algorithm", "model", "depth", "epochs", "total_steps", "lr", "warmup", "clip",
-               "tokens_per_batch", "max_len", "draft_vocab", "init_from", "seed")  # fmt: skip
+    RESUMED = (
+        "algorithm",
+        "model",
+        "depth",
+        "epochs",
+        "total_steps",
+        "lr",
+        "warmup",
+        "clip",
+        "tokens_per_batch",
+        "max_len",
+        "draft_vocab",
+        "init_from",
+        "seed",
+    )
 
     def check(self) -> None:
         for name in ("log_every", "eval_every", "tokens_per_batch", "max_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.max_len + self.depth + 1 > MAX_POSITIONS:
-            raise ValueError(f"--max-len {self.max_len} is too long: rows and their draft steps "
-                             f"must fit {MAX_POSITIONS} positions")  # fmt: skip
+            raise ValueError(
+                f"--max-len {self.max_len} is too long: rows and their draft steps "
+                f"must fit {MAX_POSITIONS} positions"
+            )
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
@@ -120,28 +135,43 @@ class Trainer:
         self.target = Target(cfg.model, self.device, dtype, cfg.load_format)
         self.data = TokenFile.load(cfg.data)
         if self.data.num_response_tokens() == 0:
-            raise ValueError(f"{cfg.data} holds no responses (a prompt file? `python3 -m "
-                             "training generate` answers it)")  # fmt: skip
+            raise ValueError(
+                f"{cfg.data} holds no responses (a prompt file? `python3 -m "
+                "training generate` answers it)"
+            )
         self.train_idx, self.eval_idx = split_indices(self.data)
         if len(self.train_idx) == 0:
             raise ValueError(f"{cfg.data} has no training sequences (all are dev)")
-        self.recipe = build_recipe(cfg.algorithm, self.target, self.data, cfg.depth, cfg.seed,
-                                   cfg.init_from or None, cfg.draft_vocab)  # fmt: skip
+        self.recipe = build_recipe(
+            cfg.algorithm,
+            self.target,
+            self.data,
+            cfg.depth,
+            cfg.seed,
+            cfg.init_from or None,
+            cfg.draft_vocab,
+        )
         self.batches = length_batches(self.data, self.train_idx, cfg.tokens_per_batch, cfg.max_len)
         self.total_steps = cfg.total_steps or max(1, int(cfg.epochs * len(self.batches)))
         self.optimizer = torch.optim.AdamW(  # fused: one kernel per step on a GPU
-            self.recipe.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
+            self.recipe.parameters(),
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
             fused=self.device.type == "cuda",
         )
         self.step = 0
         self._order: tuple[int, list[np.ndarray]] = (-1, [])  # (epoch, its batches in order)
         self._open_run()
         n_params = sum(p.numel() for p in self.recipe.parameters())
-        print(f"{cfg.algorithm}: {n_params / 1e6:.2f}M trainable parameters, "
-              f"{len(self.train_idx)} training sequences "
-              f"({self.data.num_response_tokens() / 1e6:.2f}M response tokens in the file), "
-              f"{len(self.batches)} batches per epoch, {self.total_steps} steps, "
-              f"starting at step {self.step}", flush=True)  # fmt: skip
+        print(
+            f"{cfg.algorithm}: {n_params / 1e6:.2f}M trainable parameters, "
+            f"{len(self.train_idx)} training sequences "
+            f"({self.data.num_response_tokens() / 1e6:.2f}M response tokens in the file), "
+            f"{len(self.batches)} batches per epoch, {self.total_steps} steps, "
+            f"starting at step {self.step}",
+            flush=True,
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -152,8 +182,10 @@ class Trainer:
         self.log_path = os.path.join(self.cfg.out, "train_log.jsonl")
         if os.path.isfile(self.state_path):
             if not self.cfg.resume:
-                raise ValueError(f"{self.cfg.out} holds a training run: pass --resume to continue "
-                                 "it, or another --out to start a new one")  # fmt: skip
+                raise ValueError(
+                    f"{self.cfg.out} holds a training run: pass --resume to continue "
+                    "it, or another --out to start a new one"
+                )
             self._load_state()
             return
         if self.cfg.resume:
@@ -179,8 +211,10 @@ class Trainer:
         for module, weights in zip(self.recipe.modules, state["modules"], strict=True):
             missing, unexpected = module.load_state_dict(weights, strict=False)
             if unexpected or set(missing) - shared_tensors(module, self.target):
-                raise ValueError(f"{self.state_path} does not match the draft: missing "
-                                 f"{missing}, unexpected {unexpected}")  # fmt: skip
+                raise ValueError(
+                    f"{self.state_path} does not match the draft: missing "
+                    f"{missing}, unexpected {unexpected}"
+                )
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.step, self.total_steps = state["step"], state["total_steps"]
         torch.set_rng_state(state["rng"]["cpu"])
@@ -195,12 +229,19 @@ class Trainer:
         for m in self.recipe.modules:
             shared = shared_tensors(m, self.target)
             modules.append({k: v.detach() for k, v in m.state_dict().items() if k not in shared})
-        rng = {"cpu": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda"
-               else None}  # fmt: skip
-        state = {"config": asdict(self.cfg), "step": self.step, "total_steps": self.total_steps,
-                 "data": self._data_fingerprint(), "optimizer": self.optimizer.state_dict(),
-                 "modules": modules, "rng": rng}  # fmt: skip
+        rng = {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        }
+        state = {
+            "config": asdict(self.cfg),
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "data": self._data_fingerprint(),
+            "optimizer": self.optimizer.state_dict(),
+            "modules": modules,
+            "rng": rng,
+        }
         torch.save(state, self.state_path + ".tmp")
         os.replace(self.state_path + ".tmp", self.state_path)
 
@@ -218,9 +259,15 @@ class Trainer:
         if len(self.eval_idx) == 0:
             return {}
         cfg = self.cfg
-        result = estimate_accept_length(self.recipe, self.target, self.data, self.eval_idx,
-                                        DEFAULT_ESTIMATE_DEPTH, cfg.tokens_per_batch,
-                                        cfg.max_len)  # fmt: skip
+        result = estimate_accept_length(
+            self.recipe,
+            self.target,
+            self.data,
+            self.eval_idx,
+            DEFAULT_ESTIMATE_DEPTH,
+            cfg.tokens_per_batch,
+            cfg.max_len,
+        )
         print(f"  step {self.step}: {describe_estimate(result)}", flush=True)
         self._log({"step": self.step, "eval": result})
         return result
@@ -252,12 +299,14 @@ class Trainer:
                 self.checkpoint()
         finished = self.step == self.total_steps
         if not finished:
-            print(f"limit reached: stopping at step {self.step} of {self.total_steps}; "
-                  "continue with --resume", flush=True)  # fmt: skip
+            print(
+                f"limit reached: stopping at step {self.step} of {self.total_steps}; "
+                "continue with --resume",
+                flush=True,
+            )
         result = self.evaluate()
         self.checkpoint()
-        return {"step": self.step, "total_steps": self.total_steps, "finished": finished,
-                **result}  # fmt: skip
+        return {"step": self.step, "total_steps": self.total_steps, "finished": finished, **result}
 
     def _batches(self, epoch: int) -> list[np.ndarray]:
         """The batches of `epoch`, in that epoch's fixed shuffled order."""
@@ -289,9 +338,15 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         learned = int(rows.learns(1).sum())  # synchronises
-        return {**metrics, "total": float(loss.detach()), "grad_norm": float(grad_norm),
-                "lr": lr, "tokens": learned, "target_s": target_s,
-                "step_s": time.perf_counter() - start}  # fmt: skip
+        return {
+            **metrics,
+            "total": float(loss.detach()),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": learned,
+            "target_s": target_s,
+            "step_s": time.perf_counter() - start,
+        }
 
     def _report(self, window: list[dict], seconds: float) -> None:
         def mean(key: str) -> float:
@@ -301,17 +356,26 @@ class Trainer:
             return np.mean([m[key] for m in window], axis=0).tolist()
 
         tokens_per_s = sum(m["tokens"] for m in window) / max(seconds, 1e-9)
-        record = {"step": self.step, "loss": mean("total"), "loss_per_step": per_step("loss"),
-                  "acc": per_step("acc"), "lr": window[-1]["lr"], "grad_norm": mean("grad_norm"),
-                  "tokens_per_s": tokens_per_s, "step_ms": 1e3 * mean("step_s"),
-                  "target_ms": 1e3 * mean("target_s")}  # fmt: skip
+        record = {
+            "step": self.step,
+            "loss": mean("total"),
+            "loss_per_step": per_step("loss"),
+            "acc": per_step("acc"),
+            "lr": window[-1]["lr"],
+            "grad_norm": mean("grad_norm"),
+            "tokens_per_s": tokens_per_s,
+            "step_ms": 1e3 * mean("step_s"),
+            "target_ms": 1e3 * mean("target_s"),
+        }
         memory = ""
         if self.device.type == "cuda":
             record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             memory = f"  {record['max_memory_gib']:.1f} GiB"
         self._log(record)
         accs = " ".join(f"{a:.2f}" for a in record["acc"])
-        print(f"step {self.step}/{self.total_steps}  loss {record['loss']:.4f}  acc/step {accs}  "
-              f"lr {record['lr']:.2e}  {tokens_per_s / 1e3:.1f}k tok/s  "
-              f"step {record['step_ms']:.0f} ms (target {record['target_ms']:.0f}){memory}",
-              flush=True)  # fmt: skip
+        print(
+            f"step {self.step}/{self.total_steps}  loss {record['loss']:.4f}  acc/step {accs}  "
+            f"lr {record['lr']:.2e}  {tokens_per_s / 1e3:.1f}k tok/s  "
+            f"step {record['step_ms']:.0f} ms (target {record['target_ms']:.0f}){memory}",
+            flush=True,
+        )

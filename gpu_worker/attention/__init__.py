@@ -13,6 +13,9 @@ from gpu_worker.attention.base import (
 )
 
 __all__ = [
-    "ATTENTION_BACKENDS", "AttentionBackend", "AttentionLayer", "RopeArgs",
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionLayer",
+    "RopeArgs",
     "create_attention_backend",
-]  # fmt: skip
+]

@@ -82,9 +82,18 @@ class AttentionBackend:
         `[num_tokens, num_heads * head_dim]` in qkv's dtype. Writes the new K/V to the pool."""
         k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
         q = self.rope_and_store(
-            qkv, batch.positions, rope.cos_sin_cache, k_buffer, v_buffer, batch.out_cache_loc,
-            layer.num_heads, layer.num_kv_heads, rope.q_norm, rope.k_norm, rope.eps,
-        )  # fmt: skip
+            qkv,
+            batch.positions,
+            rope.cos_sin_cache,
+            k_buffer,
+            v_buffer,
+            batch.out_cache_loc,
+            layer.num_heads,
+            layer.num_kv_heads,
+            rope.q_norm,
+            rope.k_norm,
+            rope.eps,
+        )
         return self.forward(q, layer, batch)
 
     # rope_and_store(qkv, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc,

@@ -70,9 +70,7 @@ class TritonBackend(AttentionBackend):
     reads_host_lengths = False  # only the extend lengths, which every plan knows
     rope_and_store = staticmethod(rope_and_store_kv)
 
-    def __init__(
-        self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int
-    ) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool, num_heads: int) -> None:
         super().__init__(req_to_token_pool, kv_pool, num_heads)
         device = kv_pool.device
         self.num_sms = (
@@ -95,9 +93,14 @@ class TritonBackend(AttentionBackend):
             if scratch is not None:
                 self.retired_scratch.append(scratch)
             scratch = self.scratch[queries] = scratch_for(
-                max(bs, self.req_to_token_pool.num_rows), queries, self.num_heads,
-                self.num_kv_heads, self.head_dim, self.num_sms, self.kv_pool.device,
-            )  # fmt: skip
+                max(bs, self.req_to_token_pool.num_rows),
+                queries,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.num_sms,
+                self.kv_pool.device,
+            )
         return scratch
 
     # ------------------------------------------------------------------------- metadata
@@ -120,8 +123,9 @@ class TritonBackend(AttentionBackend):
             if fits(queries, self.num_heads, self.num_kv_heads):
                 splits = choose_num_splits(bs, self.num_kv_heads, self.num_sms)
                 device = self.kv_pool.device
-                as_one = (splits == choose_num_splits(1, self.num_kv_heads, self.num_sms) and
-                          pdl.launch_args(device, bs * queries) == pdl.launch_args(device, queries))
+                as_one = splits == choose_num_splits(
+                    1, self.num_kv_heads, self.num_sms
+                ) and pdl.launch_args(device, bs * queries) == pdl.launch_args(device, queries)
                 if as_one or self._capturing():
                     self._scratch(queries, bs)
                     return FewQueryMetadata(queries, splits)
@@ -157,34 +161,77 @@ class TritonBackend(AttentionBackend):
         if isinstance(meta, FewQueryMetadata) and (
             mask is None or mask.shape[-1] == meta.num_queries
         ):  # the new tokens are the last keys: RoPE and the K/V store in the same kernel
-            new = NewTokens(batch.positions, batch.out_cache_loc, rope.cos_sin_cache,
-                            rope.q_norm, rope.k_norm, rope.eps)  # fmt: skip
+            new = NewTokens(
+                batch.positions,
+                batch.out_cache_loc,
+                rope.cos_sin_cache,
+                rope.q_norm,
+                rope.k_norm,
+                rope.eps,
+            )
             return few_query_attend(
-                qkv, layer.num_heads, new, k_buffer, v_buffer,
-                self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                meta.num_queries, layer.scaling, meta.num_splits,
-                self.scratch[meta.num_queries], mask,
-            )  # fmt: skip
+                qkv,
+                layer.num_heads,
+                new,
+                k_buffer,
+                v_buffer,
+                self.req_to_token_pool.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                meta.num_queries,
+                layer.scaling,
+                meta.num_splits,
+                self.scratch[meta.num_queries],
+                mask,
+            )
         if not isinstance(meta, DecodeMetadata):
             return super().attend(qkv, layer, batch, rope)
         return decode_attention(
-            qkv, batch.positions, rope.cos_sin_cache, k_buffer, v_buffer, batch.out_cache_loc,
-            self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-            layer.num_heads, layer.scaling, meta.num_splits, self.scratch[1], rope.q_norm,
-            rope.k_norm, rope.eps,
-        )  # fmt: skip
+            qkv,
+            batch.positions,
+            rope.cos_sin_cache,
+            k_buffer,
+            v_buffer,
+            batch.out_cache_loc,
+            self.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            layer.num_heads,
+            layer.scaling,
+            meta.num_splits,
+            self.scratch[1],
+            rope.q_norm,
+            rope.k_norm,
+            rope.eps,
+        )
 
     def forward(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         k_buffer, v_buffer = self.kv_pool.get_kv(layer.layer_id)
         meta = batch.attn_metadata
         if isinstance(meta, FewQueryMetadata):
             return few_query_attention(
-                q, k_buffer, v_buffer, self.req_to_token_pool.req_to_token,
-                batch.req_pool_indices, batch.seq_lens, meta.num_queries, layer.scaling,
-                meta.num_splits, self.scratch[meta.num_queries], batch.custom_mask,
-            )  # fmt: skip
+                q,
+                k_buffer,
+                v_buffer,
+                self.req_to_token_pool.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                meta.num_queries,
+                layer.scaling,
+                meta.num_splits,
+                self.scratch[meta.num_queries],
+                batch.custom_mask,
+            )
         return extend_attention(
-            q, k_buffer, v_buffer, self.req_to_token_pool.req_to_token, batch.req_pool_indices,
-            batch.seq_lens, batch.extend_seq_lens, meta.extend_start_loc, meta.max_extend_len,
-            layer.scaling, batch.custom_mask,
-        )  # fmt: skip
+            q,
+            k_buffer,
+            v_buffer,
+            self.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.extend_seq_lens,
+            meta.extend_start_loc,
+            meta.max_extend_len,
+            layer.scaling,
+            batch.custom_mask,
+        )

@@ -62,8 +62,9 @@ def no_collection() -> Iterator[None]:
             gc.enable()
 
 
-def capture_buckets(buckets: list[int], run: Callable[[int], None], device: torch.device,
-                    what: str, pool=None) -> dict[int, torch.cuda.CUDAGraph]:  # fmt: skip
+def capture_buckets(
+    buckets: list[int], run: Callable[[int], None], device: torch.device, what: str, pool=None
+) -> dict[int, torch.cuda.CUDAGraph]:
     """A CUDA graph of run(bucket) for every bucket: largest first (it allocates the static
     outputs; the smaller ones reuse its memory), each after NUM_WARMUP_RUNS eager runs on the
     capture stream (Triton compiles, cuBLAS picks its kernels), all in one memory pool (`pool`,
@@ -84,9 +85,15 @@ def capture_buckets(buckets: list[int], run: Callable[[int], None], device: torc
             run(bucket)
         graphs[bucket] = graph
     torch.cuda.synchronize(device)
-    log.info("captured %d CUDA graphs (%s %d..%d) in %.1f s, %.0f MiB", len(graphs), what,
-             buckets[0], buckets[-1], time.perf_counter() - start,
-             (torch.cuda.memory_reserved(device) - reserved) / 2**20)  # fmt: skip
+    log.info(
+        "captured %d CUDA graphs (%s %d..%d) in %.1f s, %.0f MiB",
+        len(graphs),
+        what,
+        buckets[0],
+        buckets[-1],
+        time.perf_counter() - start,
+        (torch.cuda.memory_reserved(device) - reserved) / 2**20,
+    )
     return graphs
 
 
@@ -146,10 +153,12 @@ class CudaGraphRunner:
         self.req_pool_indices = self.packed[3 * n : 3 * n + rows]
         self.seq_lens = self.packed[3 * n + rows :]
         self.seq_lens.fill_(fill)
-        self.extend_seq_lens = torch.full((rows,), tokens_per_req, dtype=torch.int64,
-                                          device=device)  # fmt: skip
-        self._pad = {"ids": np.zeros(n, np.int64), "rows": np.zeros(rows, np.int64),
-                     "seq_lens": np.full(rows, fill, np.int64)}  # fmt: skip
+        self.extend_seq_lens = torch.full((rows,), tokens_per_req, dtype=torch.int64, device=device)
+        self._pad = {
+            "ids": np.zeros(n, np.int64),
+            "rows": np.zeros(rows, np.int64),
+            "seq_lens": np.full(rows, fill, np.int64),
+        }
         self.staging = Staging(device, capacity=self.packed.numel())
         self.outputs: LogitsOutput | None = None  # static, allocated by the first forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -197,19 +206,27 @@ class CudaGraphRunner:
         assert n == bs * self.tokens_per_req
         ids, rows = self._pad["ids"], self._pad["rows"]
         seq_lens = padded(host.seq_lens, self._pad["seq_lens"])
-        self.staging.upload_into(self.packed, [
-            padded(host.input_ids, ids), padded(host.positions, ids),
-            padded(host.out_cache_loc, ids), padded(host.req_pool_indices, rows), seq_lens,
-        ])  # fmt: skip
+        self.staging.upload_into(
+            self.packed,
+            [
+                padded(host.input_ids, ids),
+                padded(host.positions, ids),
+                padded(host.out_cache_loc, ids),
+                padded(host.req_pool_indices, rows),
+                seq_lens,
+            ],
+        )
         return seq_lens
 
     # ------------------------------------------------------------------------------ capture
 
     def capture_all(self) -> None:
         self.graphs = capture_buckets(
-            self.buckets, lambda bs: self._forward(self._batches[bs]), self.runner.device,
+            self.buckets,
+            lambda bs: self._forward(self._batches[bs]),
+            self.runner.device,
             f"{self.mode.name}, batch sizes",
-        )  # fmt: skip
+        )
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int] | None = None) -> ForwardBatch:
         """The static buffers of bucket bs as a ForwardBatch. Host lengths: seq_lens_cpu, or
@@ -217,10 +234,16 @@ class CudaGraphRunner:
         n = bs * self.tokens_per_req
         fill = self.runner.attn_backend.cuda_graph_seq_len_fill_value
         return make_batch(
-            self.mode, self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
-            self.req_pool_indices[:bs], seq_lens_cpu or [fill] * bs, [self.tokens_per_req] * bs,
-            seq_lens=self.seq_lens[:bs], extend_seq_lens=self.extend_seq_lens[:bs],
-        )  # fmt: skip
+            self.mode,
+            self.input_ids[:n],
+            self.positions[:n],
+            self.out_cache_loc[:n],
+            self.req_pool_indices[:bs],
+            seq_lens_cpu or [fill] * bs,
+            [self.tokens_per_req] * bs,
+            seq_lens=self.seq_lens[:bs],
+            extend_seq_lens=self.extend_seq_lens[:bs],
+        )
 
     def _forward(self, batch: ForwardBatch) -> None:
         """The captured work: metadata, the model, and copies into the static outputs."""
@@ -240,20 +263,24 @@ class CudaGraphRunner:
             return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
         return dataclasses.replace(
-            out, next_token_logits=like(out.next_token_logits),
-            hidden_states=like(out.hidden_states), aux_hidden_states=like(out.aux_hidden_states),
-        )  # fmt: skip
+            out,
+            next_token_logits=like(out.next_token_logits),
+            hidden_states=like(out.hidden_states),
+            aux_hidden_states=like(out.aux_hidden_states),
+        )
 
     def _output_views(self, bs: int) -> LogitsOutput:
         assert self.outputs is not None
         n = bs * self.tokens_per_req
         rows = n if self.mode.samples_every_token() else bs
+
         def head(t: torch.Tensor | None, count: int) -> torch.Tensor | None:
             return None if t is None else t[:count]
 
         out = self.outputs
         return dataclasses.replace(
-            out, next_token_logits=out.next_token_logits[:rows],
+            out,
+            next_token_logits=out.next_token_logits[:rows],
             hidden_states=head(out.hidden_states, n),
             aux_hidden_states=head(out.aux_hidden_states, n),
-        )  # fmt: skip
+        )

@@ -81,8 +81,9 @@ def graph_bytes(config: ArchConfig, max_tokens: int, dtype: torch.dtype) -> int:
 
 
 class PrefillGraphs:
-    def __init__(self, runner: ModelRunner, max_tokens: int, capture: bool,
-                 keep_hidden: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, runner: ModelRunner, max_tokens: int, capture: bool, keep_hidden: bool = False
+    ) -> None:
         """capture: record graphs (CUDA, a backend that can be captured); else run the same
         padded path eagerly. keep_hidden: keep every token's hidden (and aux) states too."""
         self.runner = runner
@@ -99,9 +100,7 @@ class PrefillGraphs:
         device = runner.device
         self.packed = torch.zeros(3 * n + 3 * r, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.out_cache_loc = self.packed[: 3 * n].view(3, n)
-        self.req_pool_indices, self.seq_lens, self.extend_seq_lens = (
-            self.packed[3 * n :].view(3, r)
-        )  # fmt: skip
+        self.req_pool_indices, self.seq_lens, self.extend_seq_lens = self.packed[3 * n :].view(3, r)
         self.staging = Staging(device, capacity=self.packed.numel())
         self.outputs: LogitsOutput | None = None  # static, allocated by the first forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -112,12 +111,16 @@ class PrefillGraphs:
 
     def bucket_for(self, num_tokens: int, batch_size: int) -> int | None:
         """The smallest bucket that holds the batch, or None."""
-        return next((t for t in self.buckets
-                     if t >= num_tokens and requests_for(t) >= batch_size), None)  # fmt: skip
+        return next(
+            (t for t in self.buckets if t >= num_tokens and requests_for(t) >= batch_size), None
+        )
 
     def can_run(self, host: HostBatch) -> bool:
-        return (host.mode == ForwardMode.EXTEND and host.batch_size > 0
-                and self.bucket_for(len(host.input_ids), host.batch_size) is not None)  # fmt: skip
+        return (
+            host.mode == ForwardMode.EXTEND
+            and host.batch_size > 0
+            and self.bucket_for(len(host.input_ids), host.batch_size) is not None
+        )
 
     def run(self, host: HostBatch) -> tuple[ForwardBatch, LogitsOutput]:
         """Forward `host` (can_run must hold) in its bucket: (the real batch, output views)."""
@@ -135,10 +138,16 @@ class PrefillGraphs:
         else:  # eagerly, exactly as captured: the host lengths only size the grid
             self._forward(self._static_batch(bucket, [bucket] * r, [bucket] * r))
         real = make_batch(
-            ForwardMode.EXTEND, self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
-            self.req_pool_indices[:bs], host.seq_lens.tolist(), host.extend_seq_lens.tolist(),
-            seq_lens=self.seq_lens[:bs], extend_seq_lens=self.extend_seq_lens[:bs],
-        )  # fmt: skip
+            ForwardMode.EXTEND,
+            self.input_ids[:n],
+            self.positions[:n],
+            self.out_cache_loc[:n],
+            self.req_pool_indices[:bs],
+            host.seq_lens.tolist(),
+            host.extend_seq_lens.tolist(),
+            seq_lens=self.seq_lens[:bs],
+            extend_seq_lens=self.extend_seq_lens[:bs],
+        )
         return real, self._output_views(n, bs)
 
     def _fill(self, host: HostBatch) -> None:
@@ -148,11 +157,17 @@ class PrefillGraphs:
         def padded(values: np.ndarray, size: int) -> np.ndarray:
             return np.concatenate((values, np.zeros(size - len(values), np.int64)))
 
-        self.staging.upload_into(self.packed, [
-            padded(host.input_ids, n), padded(host.positions, n), padded(host.out_cache_loc, n),
-            padded(host.req_pool_indices, r), padded(host.seq_lens, r),
-            padded(host.extend_seq_lens, r),
-        ])  # fmt: skip
+        self.staging.upload_into(
+            self.packed,
+            [
+                padded(host.input_ids, n),
+                padded(host.positions, n),
+                padded(host.out_cache_loc, n),
+                padded(host.req_pool_indices, r),
+                padded(host.seq_lens, r),
+                padded(host.extend_seq_lens, r),
+            ],
+        )
 
     # ------------------------------------------------------------------------------ capture
 
@@ -165,14 +180,21 @@ class PrefillGraphs:
 
         self.graphs = capture_buckets(self.buckets, run, self.runner.device, "prefill, tokens")
 
-    def _static_batch(self, tokens: int, seq_lens_cpu: list[int],
-                      extend_cpu: list[int]) -> ForwardBatch:  # fmt: skip
+    def _static_batch(
+        self, tokens: int, seq_lens_cpu: list[int], extend_cpu: list[int]
+    ) -> ForwardBatch:
         r = requests_for(tokens)
         return make_batch(
-            ForwardMode.EXTEND, self.input_ids[:tokens], self.positions[:tokens],
-            self.out_cache_loc[:tokens], self.req_pool_indices[:r], seq_lens_cpu, extend_cpu,
-            seq_lens=self.seq_lens[:r], extend_seq_lens=self.extend_seq_lens[:r],
-        )  # fmt: skip
+            ForwardMode.EXTEND,
+            self.input_ids[:tokens],
+            self.positions[:tokens],
+            self.out_cache_loc[:tokens],
+            self.req_pool_indices[:r],
+            seq_lens_cpu,
+            extend_cpu,
+            seq_lens=self.seq_lens[:r],
+            extend_seq_lens=self.extend_seq_lens[:r],
+        )
 
     def _forward(self, batch: ForwardBatch) -> None:
         """The captured work: metadata, the model, and copies into the static outputs."""
@@ -191,10 +213,11 @@ class PrefillGraphs:
             return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
         return dataclasses.replace(
-            out, next_token_logits=like("next_token_logits", self.max_requests),
+            out,
+            next_token_logits=like("next_token_logits", self.max_requests),
             hidden_states=like("hidden_states", self.max_tokens),
             aux_hidden_states=like("aux_hidden_states", self.max_tokens),
-        )  # fmt: skip
+        )
 
     def _output_views(self, num_tokens: int, batch_size: int) -> LogitsOutput:
         assert self.outputs is not None
@@ -204,7 +227,8 @@ class PrefillGraphs:
             return None if t is None else t[:count]
 
         return dataclasses.replace(
-            out, next_token_logits=out.next_token_logits[:batch_size],
+            out,
+            next_token_logits=out.next_token_logits[:batch_size],
             hidden_states=head(out.hidden_states, num_tokens),
             aux_hidden_states=head(out.aux_hidden_states, num_tokens),
-        )  # fmt: skip
+        )

@@ -68,8 +68,12 @@ PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pad
 class DirectStage:
     """A stage run as plain calls on the real batch (no padding, no graphs)."""
 
-    def __init__(self, fn: StageFn, device: torch.device | None = None,
-                 host_inputs: dict[str, StageInput] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fn: StageFn,
+        device: torch.device | None = None,
+        host_inputs: dict[str, StageInput] | None = None,
+    ) -> None:
         """host_inputs: the inputs `call_host` takes (device: where they go)."""
         self.fn = fn
         self.host_inputs = host_inputs or {}
@@ -88,14 +92,17 @@ class DirectStage:
         return self.fn(bs, upload_flat(self.staging, self.host_inputs, arrays), [0] * bs)
 
 
-def upload_flat(staging: Staging, specs: dict[str, StageInput],
-                arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:  # fmt: skip
+def upload_flat(
+    staging: Staging, specs: dict[str, StageInput], arrays: dict[str, np.ndarray]
+) -> dict[str, torch.Tensor]:
     """arrays (flat, of the specs' dtypes) on the device in one copy, unpadded: int32 ones
     two to an int64 entry and viewed back."""
     keys = list(specs)
     views = staging.upload([int64_entries(arrays[key], specs[key].dtype.itemsize) for key in keys])
-    return {key: view.view(torch.int32)[: len(arrays[key])] if specs[key].dtype == torch.int32
-            else view for key, view in zip(keys, views, strict=True)}  # fmt: skip
+    return {
+        key: view.view(torch.int32)[: len(arrays[key])] if specs[key].dtype == torch.int32 else view
+        for key, view in zip(keys, views, strict=True)
+    }
 
 
 class StageGraph:
@@ -146,9 +153,11 @@ class StageGraph:
                 shape = (self.max_bs, *spec.shape)
                 if key in given:
                     if tuple(given[key].shape) != shape or given[key].dtype != spec.dtype:
-                        raise ValueError(f"{name}: input {key} is bound to a {given[key].dtype} "
-                                         f"tensor of {tuple(given[key].shape)}, not "
-                                         f"{spec.dtype} {shape}")  # fmt: skip
+                        raise ValueError(
+                            f"{name}: input {key} is bound to a {given[key].dtype} "
+                            f"tensor of {tuple(given[key].shape)}, not "
+                            f"{spec.dtype} {shape}"
+                        )
                     self.inputs[key] = given[key]
                 else:
                     self.inputs[key] = torch.full(shape, spec.pad, dtype=spec.dtype, device=device)
@@ -167,9 +176,12 @@ class StageGraph:
         """One int64 device buffer holding every input at max_bs (`inputs`: flat views of
         it), the host-side pads of each, and the staging that fills it."""
         self.widths = {key: math.prod(spec.shape) for key, spec in self.specs.items()}
-        self._pads = {key: int64_entries(np.zeros(0), spec.dtype.itemsize,
-                                         self.max_bs * self.widths[key], int(spec.pad))
-                      for key, spec in self.specs.items()}  # fmt: skip
+        self._pads = {
+            key: int64_entries(
+                np.zeros(0), spec.dtype.itemsize, self.max_bs * self.widths[key], int(spec.pad)
+            )
+            for key, spec in self.specs.items()
+        }
         self.packed = torch.from_numpy(np.concatenate(list(self._pads.values()))).to(self.device)
         self.inputs, start = {}, 0
         for (key, spec), pad in zip(self.specs.items(), self._pads.values(), strict=True):
@@ -206,8 +218,10 @@ class StageGraph:
         bucket = self.bucket_for(bs)
         for key, values in arrays.items():
             if len(values) > bucket * self.widths[key]:
-                raise ValueError(f"{self.name}: {len(values)} values of {key} for a batch of "
-                                 f"{bs} (at most {bucket * self.widths[key]})")  # fmt: skip
+                raise ValueError(
+                    f"{self.name}: {len(values)} values of {key} for a batch of "
+                    f"{bs} (at most {bucket * self.widths[key]})"
+                )
         self.staging.upload_into(self.packed, self._host_regions(arrays))
         return self._replay(bs, bucket, [0] * bs)
 
@@ -228,8 +242,10 @@ class StageGraph:
                 # the same batch (its bucket's rows, padded ones included).
                 continue
             if key in self.bound:  # its padding is another stage's to keep: never copied into
-                raise ValueError(f"{self.name}: input {key} is bound to another stage's "
-                                 "buffer and must arrive in it, written by its producer")
+                raise ValueError(
+                    f"{self.name}: input {key} is bound to another stage's "
+                    "buffer and must arrive in it, written by its producer"
+                )
             static[:bs].copy_(value.reshape(bs, *static.shape[1:]))
             if self.filled > bs:  # rows of an earlier, larger batch: back to the dummies
                 static[bs : self.filled].fill_(self.pads[key])
@@ -248,8 +264,9 @@ class StageGraph:
     def _run(self, bucket: int, prefix_cpu: list[int]) -> None:
         """The stage on the bucket's static inputs, its results copied to the static outputs."""
         if self.host_inputs:  # flat: up to width values per request of the bucket
-            views = {key: buffer[: bucket * self.widths[key]]
-                     for key, buffer in self.inputs.items()}  # fmt: skip
+            views = {
+                key: buffer[: bucket * self.widths[key]] for key, buffer in self.inputs.items()
+            }
         else:
             views = {key: buffer[:bucket] for key, buffer in self.inputs.items()}
         result = self.fn(bucket, views, prefix_cpu)
@@ -257,15 +274,18 @@ class StageGraph:
             self.outputs = {}
             for key, value in result.items():
                 if value.shape[0] % bucket:
-                    raise ValueError(f"{self.name}: output {key} has {value.shape[0]} rows, "
-                                     f"not a multiple of the batch size {bucket}")  # fmt: skip
+                    raise ValueError(
+                        f"{self.name}: output {key} has {value.shape[0]} rows, "
+                        f"not a multiple of the batch size {bucket}"
+                    )
                 self.rows_per_req[key] = value.shape[0] // bucket
                 rows = self.max_bs * self.rows_per_req[key]
                 if key in self.output_buffers:
                     self.outputs[key] = self.output_buffers[key].view(rows, *value.shape[1:])
                 else:
-                    self.outputs[key] = torch.empty((rows, *value.shape[1:]), dtype=value.dtype,
-                                                    device=value.device)  # fmt: skip
+                    self.outputs[key] = torch.empty(
+                        (rows, *value.shape[1:]), dtype=value.dtype, device=value.device
+                    )
         for key, value in result.items():
             static = self.outputs[key][: value.shape[0]]
             if value.data_ptr() != static.data_ptr():  # (else the stage wrote it in place)
@@ -278,6 +298,9 @@ class StageGraph:
         if not buckets:
             return
         self.graphs = capture_buckets(
-            buckets, lambda bs: self._run(bs, [0] * bs), self.device,
-            f"{self.name}, batch sizes", pool,
-        )  # fmt: skip
+            buckets,
+            lambda bs: self._run(bs, [0] * bs),
+            self.device,
+            f"{self.name}, batch sizes",
+            pool,
+        )

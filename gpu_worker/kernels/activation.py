@@ -19,8 +19,9 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, in_stride, inter, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):  # fmt: skip
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, in_stride, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     pdl.wait_for_previous(USE_PDL)  # everything it reads may come from the kernel before
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -37,6 +38,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         grid = (rows, triton.cdiv(inter, BLOCK))
-        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), inter, BLOCK=BLOCK,
-                                   **pdl.launch_args(gate_up.device, rows))  # fmt: skip
+        _silu_and_mul_kernel[grid](
+            gate_up,
+            out,
+            gate_up.stride(0),
+            inter,
+            BLOCK=BLOCK,
+            **pdl.launch_args(gate_up.device, rows),
+        )
     return out

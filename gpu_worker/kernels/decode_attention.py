@@ -63,11 +63,17 @@ class DecodeScratch:
 
     @classmethod
     def allocate(
-        cls, max_bs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int,
+        cls,
+        max_bs: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_sms: int,
         device: torch.device,
-    ) -> DecodeScratch:  # fmt: skip
-        units = max(bs * choose_num_splits(bs, num_kv_heads, num_sms)
-                    for bs in range(1, max_bs + 1))  # fmt: skip
+    ) -> DecodeScratch:
+        units = max(
+            bs * choose_num_splits(bs, num_kv_heads, num_sms) for bs in range(1, max_bs + 1)
+        )
         return cls(
             max_bs,
             torch.empty(units * num_heads * head_dim, device=device),
@@ -89,9 +95,23 @@ def active_splits(num_blocks, MIN_BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl
 
 
 @triton.jit
-def load_key_block(q1, q2, k_ptr, v_ptr, req_to_token_ptr, row, req_to_token_stride, pos,
-                   pos_mask, kv_head, c, c_mask, NUM_KV_HEADS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def load_key_block(
+    q1,
+    q2,
+    k_ptr,
+    v_ptr,
+    req_to_token_ptr,
+    row,
+    req_to_token_stride,
+    pos,
+    pos_mask,
+    kv_head,
+    c,
+    c_mask,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Keys at positions pos [N] of a request's req_to_token row (pos_mask: which exist) for
     the query rows q1 / q2 [R, BLOCK_HALF] (head-dim halves): -> (q.k [R, N] float32, the
     value halves [N, BLOCK_HALF])."""
@@ -131,15 +151,32 @@ def store_output(out1, out2, total, unit, rc_mask, c, o_ptr, HEAD_DIM: tl.conste
     o_offsets = unit[:, None] * HEAD_DIM + c[None, :]
     o_type = o_ptr.dtype.element_ty
     tl.store(o_ptr + o_offsets, (out1 * inv_total[:, None]).to(o_type), mask=rc_mask)
-    tl.store(o_ptr + o_offsets + HEAD_DIM // 2, (out2 * inv_total[:, None]).to(o_type),
-             mask=rc_mask)  # fmt: skip
+    tl.store(
+        o_ptr + o_offsets + HEAD_DIM // 2, (out2 * inv_total[:, None]).to(o_type), mask=rc_mask
+    )
 
 
 @triton.jit
-def finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active, counter,
-                 partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):  # fmt: skip
+def finish_split(
+    acc1,
+    acc2,
+    m_i,
+    l_i,
+    unit,
+    row_mask,
+    c,
+    c_mask,
+    split,
+    active,
+    counter,
+    partial_o_ptr,
+    partial_lse_ptr,
+    o_ptr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Write this split's partial output and log-sum-exp for its rows (unit [R]: the
     (token, head) index of each row; o rows are unit * HEAD_DIM), count the split in; the last
     split of the counter to arrive combines them all into o and resets the counter, so the
@@ -159,8 +196,12 @@ def finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active,
     if arrived == active - 1:
         m_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for s in range(0, active):
-            lse_s = tl.load(partial_lse_ptr + unit * NUM_SPLITS + s, mask=row_mask,
-                            other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+            lse_s = tl.load(
+                partial_lse_ptr + unit * NUM_SPLITS + s,
+                mask=row_mask,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
             m_max = tl.maximum(m_max, lse_s)
         # padded rows and rows with no keys: no -inf minus -inf
         m_max = tl.where(row_mask & (m_max > float("-inf")), m_max, 0.0)
@@ -169,14 +210,17 @@ def finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active,
         out2 = tl.zeros([BLOCK_R, BLOCK_HALF], tl.float32)
         for s in range(0, active):
             index = unit * NUM_SPLITS + s
-            lse_s = tl.load(partial_lse_ptr + index, mask=row_mask, other=float("-inf"),
-                            cache_modifier=".cg")  # fmt: skip
+            lse_s = tl.load(
+                partial_lse_ptr + index, mask=row_mask, other=float("-inf"), cache_modifier=".cg"
+            )
             w = tl.exp2(lse_s - m_max)  # empty splits weigh 0
             offsets = index[:, None] * HEAD_DIM + c[None, :]
-            out1 += w[:, None] * tl.load(partial_o_ptr + offsets, mask=rc_mask, other=0.0,
-                                         cache_modifier=".cg")  # fmt: skip
-            out2 += w[:, None] * tl.load(partial_o_ptr + offsets + half, mask=rc_mask,
-                                         other=0.0, cache_modifier=".cg")  # fmt: skip
+            out1 += w[:, None] * tl.load(
+                partial_o_ptr + offsets, mask=rc_mask, other=0.0, cache_modifier=".cg"
+            )
+            out2 += w[:, None] * tl.load(
+                partial_o_ptr + offsets + half, mask=rc_mask, other=0.0, cache_modifier=".cg"
+            )
             total += w
         store_output(out1, out2, total, unit, rc_mask, c, o_ptr, HEAD_DIM)
         tl.atomic_xchg(counter, 0)  # ready for the next launch
@@ -246,14 +290,12 @@ def _decode_kernel(
     q1 = tl.load(base + q_offsets, mask=qh_mask, other=0.0)
     q2 = tl.load(base + q_offsets + half, mask=qh_mask, other=0.0)
     dtype = q1.dtype
-    q1, q2 = rotate_halves(q1, q2, cos[None, :], sin[None, :], w_q1, w_q2, eps, HEAD_DIM,
-                           HAS_NORM)  # fmt: skip
+    q1, q2 = rotate_halves(q1, q2, cos[None, :], sin[None, :], w_q1, w_q2, eps, HEAD_DIM, HAS_NORM)
     q1, q2 = q1.to(dtype), q2.to(dtype)  # rounded like q stored by the unfused path
     k_offsets = ((NUM_HEADS + kv_head) * HEAD_DIM + c)[None, :]
     k1 = tl.load(base + k_offsets, mask=c_mask[None, :], other=0.0)
     k2 = tl.load(base + k_offsets + half, mask=c_mask[None, :], other=0.0)
-    k1, k2 = rotate_halves(k1, k2, cos[None, :], sin[None, :], w_k1, w_k2, eps, HEAD_DIM,
-                           HAS_NORM)  # fmt: skip
+    k1, k2 = rotate_halves(k1, k2, cos[None, :], sin[None, :], w_k1, w_k2, eps, HEAD_DIM, HAS_NORM)
     k1, k2 = k1.to(dtype).to(tl.float32), k2.to(dtype).to(tl.float32)  # [1, BLOCK_HALF]
     v_offsets = (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + c
     v1 = tl.load(base + v_offsets, mask=c_mask, other=0.0).to(tl.float32)
@@ -274,9 +316,23 @@ def _decode_kernel(
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_mask = (pos < end) & (pos != new_pos)
-        qk, pv1, pv2 = load_key_block(q1, q2, k_ptr, v_ptr, req_to_token_ptr, row,
-                                      req_to_token_stride, pos, pos_mask, kv_head, c, c_mask,
-                                      NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)  # fmt: skip
+        qk, pv1, pv2 = load_key_block(
+            q1,
+            q2,
+            k_ptr,
+            v_ptr,
+            req_to_token_ptr,
+            row,
+            req_to_token_stride,
+            pos,
+            pos_mask,
+            kv_head,
+            c,
+            c_mask,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            DOT_PRECISION,
+        )
         qk = tl.where(pos_mask[None, :], qk * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_i, l_i, acc1, acc2 = online_update(qk, pv1, pv2, m_i, l_i, acc1, acc2, DOT_PRECISION)
 
@@ -310,9 +366,26 @@ def _decode_kernel(
         store_output(acc1, acc2, l_i, unit, rc_mask, c, o_ptr, HEAD_DIM)
     else:
         counter = counter_ptr + req * NUM_KV_HEADS + kv_head
-        finish_split(acc1, acc2, m_i, l_i, unit, head_mask, c, c_mask, split, active, counter,
-                     partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM, NUM_SPLITS, BLOCK_H,
-                     BLOCK_HALF)  # fmt: skip
+        finish_split(
+            acc1,
+            acc2,
+            m_i,
+            l_i,
+            unit,
+            head_mask,
+            c,
+            c_mask,
+            split,
+            active,
+            counter,
+            partial_o_ptr,
+            partial_lse_ptr,
+            o_ptr,
+            HEAD_DIM,
+            NUM_SPLITS,
+            BLOCK_H,
+            BLOCK_HALF,
+        )
 
 
 def decode_attention(
@@ -349,17 +422,38 @@ def decode_attention(
     block_n, num_warps = block_n or chosen_block_n, num_warps or chosen_warps
     min_blocks = min_blocks_per_split(block_n, min_keys_per_split)
     _decode_kernel[(bs, num_kv_heads, num_splits)](
-        qkv, positions, cos_sin_cache, q_norm if has_norm else qkv, k_norm if has_norm else qkv,
-        k_buffer, v_buffer, out_cache_loc, req_to_token, req_pool_indices, seq_lens, o,
-        scratch.partial_o, scratch.partial_lse, scratch.counters, qkv.stride(0),
-        req_to_token.stride(0), scaling * LOG2E, eps,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        qkv,
+        positions,
+        cos_sin_cache,
+        q_norm if has_norm else qkv,
+        k_norm if has_norm else qkv,
+        k_buffer,
+        v_buffer,
+        out_cache_loc,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        o,
+        scratch.partial_o,
+        scratch.partial_lse,
+        scratch.counters,
+        qkv.stride(0),
+        req_to_token.stride(0),
+        scaling * LOG2E,
+        eps,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
         BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)),
-        BLOCK_H=max(16, next_power_of_2(num_heads // num_kv_heads)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, MIN_BLOCKS_PER_SPLIT=min_blocks, HAS_NORM=has_norm,
-        DOT_PRECISION=dot_precision(qkv.dtype), num_warps=num_warps,
+        BLOCK_H=max(16, next_power_of_2(num_heads // num_kv_heads)),
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        MIN_BLOCKS_PER_SPLIT=min_blocks,
+        HAS_NORM=has_norm,
+        DOT_PRECISION=dot_precision(qkv.dtype),
+        num_warps=num_warps,
         **pdl.launch_args(qkv.device, bs),
-    )  # fmt: skip
+    )
     return o
 
 

@@ -99,8 +99,9 @@ def _extend_kernel(
             col = pos - mask_start
             in_tree = (col >= 0) & pos_mask
             tree_offsets = req * mask_batch_stride + m[:, None] * mask_width + col[None, :]
-            tree = tl.load(mask_ptr + tree_offsets, mask=m_mask[:, None] & in_tree[None, :],
-                           other=0)  # fmt: skip
+            tree = tl.load(
+                mask_ptr + tree_offsets, mask=m_mask[:, None] & in_tree[None, :], other=0
+            )
             visible = ((col < 0)[None, :] | (tree != 0)) & pos_mask[None, :]
         else:
             visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
@@ -117,8 +118,9 @@ def _extend_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
-    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
+    tl.store(
+        o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
+    )
 
 
 def kernel_mask(custom_mask: torch.Tensor | None, dummy: torch.Tensor):
@@ -160,11 +162,28 @@ def extend_attention(
     mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_seq_lens,
-        extend_start_loc, mask, req_to_token.stride(0), scaling * LOG2E, mask_batch_stride,
+        q,
+        k_buffer,
+        v_buffer,
+        o,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_seq_lens,
+        extend_start_loc,
+        mask,
+        req_to_token.stride(0),
+        scaling * LOG2E,
+        mask_batch_stride,
         mask_width,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=64, HAS_MASK=has_mask,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
-    )  # fmt: skip
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        HAS_MASK=has_mask,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+    )
     return o

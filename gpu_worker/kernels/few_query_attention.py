@@ -13,8 +13,7 @@ rows of one tile), reads a contiguous run of whole key blocks once, and writes a
 output and log-sum-exp; the last program of (request, KV head) to arrive combines the splits
 and resets its counter, so the launch replays in a CUDA graph. As in decode, a split covers
 at least `Knobs.min_keys` keys (decode's MIN_KEYS_PER_SPLIT by default; `active_splits`),
-and a request served by one split writes o directly. Keys per loop iteration and warps come
-from `choose_launch`.
+and a request served by one split writes o directly (launch shape: `choose_launch`).
 
 q [bs * num_queries, H * D] (rotated, request b's queries at rows b*num_queries ..); the new
 tokens' K/V are already in the pool (`rotary.rope_and_store_kv`); request b attends the keys at
@@ -82,16 +81,36 @@ def fits(num_queries: int, num_heads: int, num_kv_heads: int) -> bool:
     return 0 < num_queries * (num_heads // num_kv_heads) <= MAX_ROWS
 
 
-def scratch_for(max_bs: int, num_queries: int, num_heads: int, num_kv_heads: int,
-                head_dim: int, num_sms: int, device: torch.device) -> DecodeScratch:  # fmt: skip
+def scratch_for(
+    max_bs: int,
+    num_queries: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_sms: int,
+    device: torch.device,
+) -> DecodeScratch:
     """Decode's partials and counters, with a row per (query, head) of each request."""
-    return DecodeScratch.allocate(max_bs, num_queries * num_heads, num_kv_heads, head_dim,
-                                  num_sms, device)  # fmt: skip
+    return DecodeScratch.allocate(
+        max_bs, num_queries * num_heads, num_kv_heads, head_dim, num_sms, device
+    )
 
 
 @triton.jit
-def _load_rotated(ptr, offsets, rows, rows_mask, positions_ptr, cache_ptr, norm_ptr, eps, c,
-                  c_mask, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
+def _load_rotated(
+    ptr,
+    offsets,
+    rows,
+    rows_mask,
+    positions_ptr,
+    cache_ptr,
+    norm_ptr,
+    eps,
+    c,
+    c_mask,
+    HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     """Head rows [R, D] at ptr + offsets (offsets of the first half) as halves, RMS-normalised
     with norm_ptr's weights (HAS_NORM) and rotated by the position of token rows[r]; rounded
     to the input dtype like `rotary.rope_and_store_kv`'s output."""
@@ -101,8 +120,9 @@ def _load_rotated(ptr, offsets, rows, rows_mask, positions_ptr, cache_ptr, norm_
     x2 = tl.load(ptr + offsets + half, mask=mask, other=0.0)
     position = tl.load(positions_ptr + rows, mask=rows_mask, other=0).to(tl.int64)
     cos = tl.load(cache_ptr + position[:, None] * HEAD_DIM + c[None, :], mask=mask, other=0.0)
-    sin = tl.load(cache_ptr + position[:, None] * HEAD_DIM + half + c[None, :], mask=mask,
-                  other=0.0)  # fmt: skip
+    sin = tl.load(
+        cache_ptr + position[:, None] * HEAD_DIM + half + c[None, :], mask=mask, other=0.0
+    )
     w1, w2 = c.to(tl.float32), c.to(tl.float32)  # unused without norms
     if HAS_NORM:
         w1 = tl.load(norm_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
@@ -169,8 +189,20 @@ def _few_query_kernel(
     token = req * NUM_QUERIES + query  # [BLOCK_M] row of q / o
     q_offsets = token[:, None] * q_stride + heads[:, None] * HEAD_DIM + c[None, :]
     if FUSED:  # q_ptr is qkv: q rotated here
-        q1, q2 = _load_rotated(q_ptr, q_offsets, token, row_mask, positions_ptr, cache_ptr,
-                               q_norm_ptr, eps, c, c_mask, HEAD_DIM, HAS_NORM)  # fmt: skip
+        q1, q2 = _load_rotated(
+            q_ptr,
+            q_offsets,
+            token,
+            row_mask,
+            positions_ptr,
+            cache_ptr,
+            q_norm_ptr,
+            eps,
+            c,
+            c_mask,
+            HEAD_DIM,
+            HAS_NORM,
+        )
     else:
         qc_mask = row_mask[:, None] & c_mask[None, :]
         q1 = tl.load(q_ptr + q_offsets, mask=qc_mask, other=0.0)
@@ -198,16 +230,31 @@ def _few_query_kernel(
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_mask = pos < end
-        qk, v1, v2 = load_key_block(q1, q2, k_ptr, v_ptr, req_to_token_ptr, row,
-                                    req_to_token_stride, pos, pos_mask, kv_head, c, c_mask,
-                                    NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)  # fmt: skip
+        qk, v1, v2 = load_key_block(
+            q1,
+            q2,
+            k_ptr,
+            v_ptr,
+            req_to_token_ptr,
+            row,
+            req_to_token_stride,
+            pos,
+            pos_mask,
+            kv_head,
+            c,
+            c_mask,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            DOT_PRECISION,
+        )
         in_window = pos >= window
         if MASK_WIDTH > 0:
             local = tl.where(in_window, pos - window, 0)
             bits = tl.load(
                 mask_ptr + req * mask_batch_stride + query[:, None] * MASK_WIDTH + local[None, :],
-                mask=row_mask[:, None] & (in_window & pos_mask)[None, :], other=0,
-            )  # fmt: skip
+                mask=row_mask[:, None] & (in_window & pos_mask)[None, :],
+                other=0,
+            )
             visible = (~in_window)[None, :] | (bits != 0)
         else:
             visible = pos[None, :] <= query_pos[:, None]
@@ -222,11 +269,23 @@ def _few_query_kernel(
             j_mask = j < NUM_QUERIES
             jc_mask = j_mask[:, None] & c_mask[None, :]
             new_token = req * NUM_QUERIES + j
-            nk_offsets = (new_token[:, None] * q_stride + (NUM_HEADS + kv_head) * HEAD_DIM
-                          + c[None, :])  # fmt: skip
-            nk1, nk2 = _load_rotated(q_ptr, nk_offsets, new_token, j_mask, positions_ptr,
-                                     cache_ptr, k_norm_ptr, eps, c, c_mask, HEAD_DIM,
-                                     HAS_NORM)  # fmt: skip
+            nk_offsets = (
+                new_token[:, None] * q_stride + (NUM_HEADS + kv_head) * HEAD_DIM + c[None, :]
+            )
+            nk1, nk2 = _load_rotated(
+                q_ptr,
+                nk_offsets,
+                new_token,
+                j_mask,
+                positions_ptr,
+                cache_ptr,
+                k_norm_ptr,
+                eps,
+                c,
+                c_mask,
+                HEAD_DIM,
+                HAS_NORM,
+            )
             v_head = NUM_HEADS + NUM_KV_HEADS + kv_head
             nv_offsets = new_token[:, None] * q_stride + v_head * HEAD_DIM
             nv1 = tl.load(q_ptr + nv_offsets + c[None, :], mask=jc_mask, other=0.0)
@@ -236,15 +295,17 @@ def _few_query_kernel(
             if MASK_WIDTH > 0:
                 new_bits = tl.load(
                     mask_ptr + req * mask_batch_stride + query[:, None] * MASK_WIDTH + j[None, :],
-                    mask=row_mask[:, None] & j_mask[None, :], other=0,
-                )  # fmt: skip
+                    mask=row_mask[:, None] & j_mask[None, :],
+                    other=0,
+                )
                 sees = new_bits != 0
             else:
                 sees = j[None, :] <= query[:, None]
             sees = sees & j_mask[None, :] & row_mask[:, None]
             s_new = tl.where(sees, s_new * scale_log2, float("-inf"))
-            m_i, l_i, acc1, acc2 = online_update(s_new, nv1, nv2, m_i, l_i, acc1, acc2,
-                                                 DOT_PRECISION)  # fmt: skip
+            m_i, l_i, acc1, acc2 = online_update(
+                s_new, nv1, nv2, m_i, l_i, acc1, acc2, DOT_PRECISION
+            )
             slot = tl.load(loc_ptr + new_token, mask=j_mask, other=0).to(tl.int64)
             dst = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + c[None, :]
             tl.store(k_ptr + dst, nk1.to(k_ptr.dtype.element_ty), mask=jc_mask)
@@ -256,13 +317,29 @@ def _few_query_kernel(
     # KV head) combines all splits.
     unit = token * NUM_HEADS + heads
     if active == 1:
-        store_output(acc1, acc2, l_i, unit, row_mask[:, None] & c_mask[None, :], c, o_ptr,
-                     HEAD_DIM)  # fmt: skip
+        store_output(acc1, acc2, l_i, unit, row_mask[:, None] & c_mask[None, :], c, o_ptr, HEAD_DIM)
     else:
         counter = counter_ptr + req * NUM_KV_HEADS + kv_head
-        finish_split(acc1, acc2, m_i, l_i, unit, row_mask, c, c_mask, split, active, counter,
-                     partial_o_ptr, partial_lse_ptr, o_ptr, HEAD_DIM, NUM_SPLITS, BLOCK_M,
-                     BLOCK_HALF)  # fmt: skip
+        finish_split(
+            acc1,
+            acc2,
+            m_i,
+            l_i,
+            unit,
+            row_mask,
+            c,
+            c_mask,
+            split,
+            active,
+            counter,
+            partial_o_ptr,
+            partial_lse_ptr,
+            o_ptr,
+            HEAD_DIM,
+            NUM_SPLITS,
+            BLOCK_M,
+            BLOCK_HALF,
+        )
 
 
 def few_query_attention(
@@ -281,9 +358,22 @@ def few_query_attention(
 ) -> torch.Tensor:
     """See the module docstring; q is rotated and the new K/V stored. Returns o
     [bs * num_queries, H * D] in q's dtype. knobs: `choose_launch`'s unless given."""
-    return _launch(q, q.shape[1] // k_buffer.shape[2], None, k_buffer, v_buffer, req_to_token,
-                   req_pool_indices, seq_lens, num_queries, scaling, num_splits, scratch,
-                   custom_mask, knobs)  # fmt: skip
+    return _launch(
+        q,
+        q.shape[1] // k_buffer.shape[2],
+        None,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        num_queries,
+        scaling,
+        num_splits,
+        scratch,
+        custom_mask,
+        knobs,
+    )
 
 
 @dataclass(frozen=True)
@@ -321,14 +411,40 @@ def few_query_attend(
     new.out_cache_loc by the split that attends them from registers (numerics of
     `rotary.rope_and_store_kv` followed by `few_query_attention`). Returns o as above."""
     assert custom_mask is None or custom_mask.shape[-1] == num_queries
-    return _launch(qkv, num_heads, new, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                   seq_lens, num_queries, scaling, num_splits, scratch, custom_mask,
-                   knobs)  # fmt: skip
+    return _launch(
+        qkv,
+        num_heads,
+        new,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        num_queries,
+        scaling,
+        num_splits,
+        scratch,
+        custom_mask,
+        knobs,
+    )
 
 
-def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_token,
-            req_pool_indices, seq_lens, num_queries, scaling, num_splits, scratch,
-            custom_mask, knobs: Knobs | None = None):  # fmt: skip
+def _launch(
+    q,
+    num_heads,
+    new: NewTokens | None,
+    k_buffer,
+    v_buffer,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    num_queries,
+    scaling,
+    num_splits,
+    scratch,
+    custom_mask,
+    knobs: Knobs | None = None,
+):
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     bs = req_pool_indices.shape[0]
     assert q.shape[0] == bs * num_queries and fits(num_queries, num_heads, num_kv_heads)
@@ -343,19 +459,42 @@ def _launch(q, num_heads, new: NewTokens | None, k_buffer, v_buffer, req_to_toke
     block_m = max(16, next_power_of_2(num_queries * group))
     knobs = knobs or choose_launch(block_m, head_dim)
     _few_query_kernel[(bs, num_kv_heads, num_splits)](
-        q, new.positions if fused else q, new.cos_sin_cache if fused else q,
-        new.q_norm if has_norm else q, new.k_norm if has_norm else q,
-        new.out_cache_loc if fused else q, k_buffer, v_buffer, o, req_to_token,
-        req_pool_indices, seq_lens, mask, scratch.partial_o, scratch.partial_lse,
-        scratch.counters, q.stride(0), req_to_token.stride(0), mask_batch_stride,
-        scaling * LOG2E, new.eps if fused else 0.0,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)), NUM_QUERIES=num_queries,
-        BLOCK_M=block_m, BLOCK_Q=max(16, next_power_of_2(num_queries)), BLOCK_N=knobs.block_n,
+        q,
+        new.positions if fused else q,
+        new.cos_sin_cache if fused else q,
+        new.q_norm if has_norm else q,
+        new.k_norm if has_norm else q,
+        new.out_cache_loc if fused else q,
+        k_buffer,
+        v_buffer,
+        o,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mask,
+        scratch.partial_o,
+        scratch.partial_lse,
+        scratch.counters,
+        q.stride(0),
+        req_to_token.stride(0),
+        mask_batch_stride,
+        scaling * LOG2E,
+        new.eps if fused else 0.0,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_HALF=max(16, next_power_of_2(head_dim // 2)),
+        NUM_QUERIES=num_queries,
+        BLOCK_M=block_m,
+        BLOCK_Q=max(16, next_power_of_2(num_queries)),
+        BLOCK_N=knobs.block_n,
         NUM_SPLITS=num_splits,
         MIN_BLOCKS_PER_SPLIT=min_blocks_per_split(knobs.block_n, knobs.min_keys),
-        MASK_WIDTH=mask_width, FUSED=fused, HAS_NORM=has_norm,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=knobs.num_warps,
+        MASK_WIDTH=mask_width,
+        FUSED=fused,
+        HAS_NORM=has_norm,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=knobs.num_warps,
         **pdl.launch_args(q.device, q.shape[0]),
-    )  # fmt: skip
+    )
     return o

@@ -30,19 +30,39 @@ def greedy_accept_reference(
     from gpu_worker.speculative.verify import accepted_tokens, verify_greedy
 
     result = verify_greedy(tree, target_predict)
-    return (result.predict, result.accept_index, result.accept_lens, accepted_tokens(result),
-            compact_rows(features, result))  # fmt: skip
+    return (
+        result.predict,
+        result.accept_index,
+        result.accept_lens,
+        accepted_tokens(result),
+        compact_rows(features, result),
+    )
 
 
 @triton.jit
 def _greedy_accept_kernel(
-    tokens_ptr, target_ptr, next_token_ptr, next_sibling_ptr, kids_stride, siblings_stride,
-    features_ptr, feature_stride,
-    feature_width, predict_ptr, accept_index_ptr, accept_lens_ptr, emitted_ptr,
-    out_features_ptr, out_feature_stride,
-    ND: tl.constexpr, ND_P2: tl.constexpr, STEPS: tl.constexpr, WIDTH_P2: tl.constexpr,
-    TOPK: tl.constexpr, BLOCK_F: tl.constexpr,
-):  # fmt: skip
+    tokens_ptr,
+    target_ptr,
+    next_token_ptr,
+    next_sibling_ptr,
+    kids_stride,
+    siblings_stride,
+    features_ptr,
+    feature_stride,
+    feature_width,
+    predict_ptr,
+    accept_index_ptr,
+    accept_lens_ptr,
+    emitted_ptr,
+    out_features_ptr,
+    out_feature_stride,
+    ND: tl.constexpr,
+    ND_P2: tl.constexpr,
+    STEPS: tl.constexpr,
+    WIDTH_P2: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     base = b * ND  # the request's first node, global id
     width = STEPS + 1
@@ -80,8 +100,9 @@ def _greedy_accept_kernel(
         row = out_row + (level + 1) * out_feature_stride
         for f in range(0, feature_width, BLOCK_F):  # the accepted child's features, or zeros
             mask = f + feats < feature_width
-            value = tl.load(features_ptr + source * feature_stride + f + feats,
-                            mask=mask & accepted, other=0.0)  # fmt: skip
+            value = tl.load(
+                features_ptr + source * feature_stride + f + feats, mask=mask & accepted, other=0.0
+            )
             tl.store(row + f + feats, value, mask=mask)
         last = tl.where(accepted, chosen, last)
         count += accepted.to(tl.int64)
@@ -119,10 +140,26 @@ def greedy_accept(
     kids, siblings = tree.next_token, tree.next_sibling
     assert kids.stride(1) == 1 and siblings.stride(1) == 1 and tree.tokens.is_contiguous()
     _greedy_accept_kernel[(bs,)](
-        tree.tokens, target_predict, kids, siblings, kids.stride(0), siblings.stride(0), features,
-        features.stride(0), feature_width, predict, accept_index, accept_lens, emitted,
-        path_features, path_features.stride(1),
-        ND=nd, ND_P2=next_power_of_2(nd), STEPS=tree.num_steps,
-        WIDTH_P2=next_power_of_2(width), TOPK=tree.topk, BLOCK_F=BLOCK_F,
-    )  # fmt: skip
+        tree.tokens,
+        target_predict,
+        kids,
+        siblings,
+        kids.stride(0),
+        siblings.stride(0),
+        features,
+        features.stride(0),
+        feature_width,
+        predict,
+        accept_index,
+        accept_lens,
+        emitted,
+        path_features,
+        path_features.stride(1),
+        ND=nd,
+        ND_P2=next_power_of_2(nd),
+        STEPS=tree.num_steps,
+        WIDTH_P2=next_power_of_2(width),
+        TOPK=tree.topk,
+        BLOCK_F=BLOCK_F,
+    )
     return predict, accept_index, accept_lens, emitted, path_features.view(bs * width, -1)

@@ -75,11 +75,21 @@ def _launch(x, residual, weight, eps, out=None):
     block = next_power_of_2(hidden)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, res, weight, out, residual_out,
-            rows.stride(0), res.stride(0), out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 8), **pdl.launch_args(x.device, rows.shape[0]),
-        )  # fmt: skip
+            rows,
+            res,
+            weight,
+            out,
+            residual_out,
+            rows.stride(0),
+            res.stride(0),
+            out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+            **pdl.launch_args(x.device, rows.shape[0]),
+        )
     return out.view(x.shape) if out.is_contiguous() else out, residual_out.view(x.shape)
 
 

@@ -117,8 +117,7 @@ def _rope_store_kernel(
             tl.load(q_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32),
             tl.load(k_norm_ptr + half + c, mask=c_mask, other=0.0).to(tl.float32),
         )
-    out1, out2 = rotate_halves(x1, x2, cos[None, :], sin[None, :], w1, w2, eps, HEAD_DIM,
-                               HAS_NORM)  # fmt: skip
+    out1, out2 = rotate_halves(x1, x2, cos[None, :], sin[None, :], w1, w2, eps, HEAD_DIM, HAS_NORM)
     if is_q:
         q_base = q_out_ptr + token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
         tl.store(q_base + cols, out1.to(q_out_ptr.dtype.element_ty), mask=mask)
@@ -156,10 +155,23 @@ def rope_and_store_kv(
     if n:
         has_norm = q_norm is not None
         _rope_store_kernel[(n, num_heads + num_kv_heads)](
-            qkv, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc, q,
-            q_norm if has_norm else q, k_norm if has_norm else q, qkv.stride(0), eps,
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HALF_BLOCK=next_power_of_2(head_dim // 2), HAS_NORM=has_norm, num_warps=1,
+            qkv,
+            positions,
+            cos_sin_cache,
+            k_buffer,
+            v_buffer,
+            out_cache_loc,
+            q,
+            q_norm if has_norm else q,
+            k_norm if has_norm else q,
+            qkv.stride(0),
+            eps,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            HALF_BLOCK=next_power_of_2(head_dim // 2),
+            HAS_NORM=has_norm,
+            num_warps=1,
             **pdl.launch_args(qkv.device, n),
-        )  # fmt: skip
+        )
     return q

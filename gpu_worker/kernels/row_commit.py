@@ -32,9 +32,15 @@ class DraftState:
 
 
 def commit_rows_reference(
-    prefix_lens: torch.Tensor, newest: torch.Tensor, draft: DraftState, rows: torch.Tensor,
-    accept_lens: torch.Tensor, tokens: torch.Tensor, new: DraftState, last: torch.Tensor,
-) -> None:  # fmt: skip
+    prefix_lens: torch.Tensor,
+    newest: torch.Tensor,
+    draft: DraftState,
+    rows: torch.Tensor,
+    accept_lens: torch.Tensor,
+    tokens: torch.Tensor,
+    new: DraftState,
+    last: torch.Tensor,
+) -> None:
     """prefix_lens, newest [rows]: each row's committed length and newest token (`RowState`);
     draft: the rows' draft state, written at rows [bs]; accept_lens [bs], tokens [bs, S+1]:
     the iteration's; new: the draft's top-k per request ([bs, topk]) and its hidden states,
@@ -49,12 +55,27 @@ def commit_rows_reference(
 
 @triton.jit
 def _commit_rows_kernel(
-    prefix_lens_ptr, newest_ptr, rows_ptr, accept_lens_ptr, tokens_ptr, tokens_stride,
-    topk_p_ptr, topk_index_ptr, hidden_ptr, new_topk_p_ptr, new_topk_p_stride,
-    new_topk_index_ptr, new_topk_index_stride, new_hidden_ptr, new_hidden_stride, last_ptr,
+    prefix_lens_ptr,
+    newest_ptr,
+    rows_ptr,
+    accept_lens_ptr,
+    tokens_ptr,
+    tokens_stride,
+    topk_p_ptr,
+    topk_index_ptr,
+    hidden_ptr,
+    new_topk_p_ptr,
+    new_topk_p_stride,
+    new_topk_index_ptr,
+    new_topk_index_stride,
+    new_hidden_ptr,
+    new_hidden_stride,
+    last_ptr,
     hidden_width,
-    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + b)
     if row != 0:  # a padded row of the batch writes nothing
@@ -77,9 +98,15 @@ def _commit_rows_kernel(
 
 
 def commit_rows(
-    prefix_lens: torch.Tensor, newest: torch.Tensor, draft: DraftState, rows: torch.Tensor,
-    accept_lens: torch.Tensor, tokens: torch.Tensor, new: DraftState, last: torch.Tensor,
-) -> None:  # fmt: skip
+    prefix_lens: torch.Tensor,
+    newest: torch.Tensor,
+    draft: DraftState,
+    rows: torch.Tensor,
+    accept_lens: torch.Tensor,
+    tokens: torch.Tensor,
+    new: DraftState,
+    last: torch.Tensor,
+) -> None:
     """`commit_rows_reference` in one launch (rows unique but for row 0, the padded ones)."""
     bs, topk = rows.shape[0], draft.topk_p.shape[1]
     for name in ("topk_p", "topk_index", "hidden"):
@@ -88,8 +115,24 @@ def commit_rows(
     assert new.topk_index.stride(1) == 1 or topk == 1
     assert new.hidden.stride(1) == 1 and tokens.stride(1) == 1
     _commit_rows_kernel[(bs,)](
-        prefix_lens, newest, rows, accept_lens, tokens, tokens.stride(0), draft.topk_p,
-        draft.topk_index, draft.hidden, new.topk_p, new.topk_p.stride(0), new.topk_index,
-        new.topk_index.stride(0), new.hidden, new.hidden.stride(0), last, draft.hidden.shape[1],
-        TOPK=topk, TOPK_P2=next_power_of_2(topk), BLOCK_H=BLOCK_H,
-    )  # fmt: skip
+        prefix_lens,
+        newest,
+        rows,
+        accept_lens,
+        tokens,
+        tokens.stride(0),
+        draft.topk_p,
+        draft.topk_index,
+        draft.hidden,
+        new.topk_p,
+        new.topk_p.stride(0),
+        new.topk_index,
+        new.topk_index.stride(0),
+        new.hidden,
+        new.hidden.stride(0),
+        last,
+        draft.hidden.shape[1],
+        TOPK=topk,
+        TOPK_P2=next_power_of_2(topk),
+        BLOCK_H=BLOCK_H,
+    )

@@ -57,13 +57,25 @@ def silu_mul_linear_reference(gate_up, weight, bias=None):
 
 
 @triton.jit
-def _input_tile(x_ptr, res_ptr, sum_ptr, norm_w_ptr, rows, cols, mask, x_stride, res_stride,
-                inter, rstd, store_sum, PROLOGUE: tl.constexpr):  # fmt: skip
+def _input_tile(
+    x_ptr,
+    res_ptr,
+    sum_ptr,
+    norm_w_ptr,
+    rows,
+    cols,
+    mask,
+    x_stride,
+    res_stride,
+    inter,
+    rstd,
+    store_sum,
+    PROLOGUE: tl.constexpr,
+):
     """The [rows, cols] tile of the projection's input, in the input dtype."""
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
     if PROLOGUE == 3:  # silu(gate) * up, gate and up side by side in x
-        up = tl.load(x_ptr + rows[:, None] * x_stride + inter + cols[None, :], mask=mask,
-                     other=0.0)  # fmt: skip
+        up = tl.load(x_ptr + rows[:, None] * x_stride + inter + cols[None, :], mask=mask, other=0.0)
         gate = x.to(tl.float32)
         return (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x.dtype)
     if PROLOGUE == 2:
@@ -79,9 +91,19 @@ def _input_tile(x_ptr, res_ptr, sum_ptr, norm_w_ptr, rows, cols, mask, x_stride,
 
 
 @triton.jit
-def _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps,
-                      PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_K: tl.constexpr):  # fmt: skip
+def _mean_square_rstd(
+    x_ptr,
+    res_ptr,
+    rows,
+    row_ok,
+    x_stride,
+    res_stride,
+    K,
+    eps,
+    PROLOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """1 / rms of each row of the norm's input (x, or x + residual rounded like the sum)."""
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -89,8 +111,7 @@ def _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps
         mask = row_ok[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
         if PROLOGUE == 2:
-            r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask,
-                        other=0.0)  # fmt: skip
+            r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         xf = x.to(tl.float32)
         squares += tl.sum(xf * xf, axis=1)
@@ -106,12 +127,28 @@ def _row_dots(a, w):
 
 @triton.jit
 def _small_m_linear_kernel(
-    x_ptr, res_ptr, sum_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, K, x_stride, res_stride, out_stride, eps,
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    res_ptr,
+    sum_ptr,
+    norm_w_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    res_stride,
+    out_stride,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """Program (i, j) projects rows [j * BLOCK_M, (j + 1) * BLOCK_M) onto columns
     [i * BLOCK_N, (i + 1) * BLOCK_N). ONE_TILE (BLOCK_K covers K): it reads its weight tile
     before it waits for the kernel before it (`pdl`); the programs of the other row blocks read
@@ -126,33 +163,67 @@ def _small_m_linear_kernel(
         bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     if ONE_TILE:
         cols = tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + n[:, None] * K + cols[None, :],
-                    mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+        w = tl.load(
+            w_ptr + n[:, None] * K + cols[None, :],
+            mask=n_ok[:, None] & (cols < K)[None, :],
+            other=0.0,
+        )
     pdl.wait_for_previous(USE_PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:  # a first pass: each row's mean square
-        rstd = _mean_square_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps,
-                                 PROLOGUE, BLOCK_M, BLOCK_K)  # fmt: skip
+        rstd = _mean_square_rstd(
+            x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps, PROLOGUE, BLOCK_M, BLOCK_K
+        )
     if ONE_TILE:
-        a = _input_tile(x_ptr, res_ptr, sum_ptr, norm_w_ptr, rows, cols,
-                        row_ok[:, None] & (cols < K)[None, :], x_stride, res_stride, K, rstd,
-                        pid == 0, PROLOGUE)  # fmt: skip
+        a = _input_tile(
+            x_ptr,
+            res_ptr,
+            sum_ptr,
+            norm_w_ptr,
+            rows,
+            cols,
+            row_ok[:, None] & (cols < K)[None, :],
+            x_stride,
+            res_stride,
+            K,
+            rstd,
+            pid == 0,
+            PROLOGUE,
+        )
         acc = _row_dots(a, w)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             k_ok = cols < K
-            a = _input_tile(x_ptr, res_ptr, sum_ptr, norm_w_ptr, rows, cols,
-                            row_ok[:, None] & k_ok[None, :], x_stride, res_stride, K, rstd,
-                            pid == 0, PROLOGUE)  # fmt: skip
-            w = tl.load(w_ptr + n[:, None] * K + cols[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            a = _input_tile(
+                x_ptr,
+                res_ptr,
+                sum_ptr,
+                norm_w_ptr,
+                rows,
+                cols,
+                row_ok[:, None] & k_ok[None, :],
+                x_stride,
+                res_stride,
+                K,
+                rstd,
+                pid == 0,
+                PROLOGUE,
+            )
+            w = tl.load(
+                w_ptr + n[:, None] * K + cols[None, :],
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
             acc += _row_dots(a, w)
     acc += bias[None, :]
     out_mask = row_ok[:, None] & n_ok[None, :]
-    tl.store(out_ptr + rows[:, None] * out_stride + n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=out_mask)  # fmt: skip
+    tl.store(
+        out_ptr + rows[:, None] * out_stride + n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=out_mask,
+    )
 
 
 @dataclass(frozen=True)
@@ -212,14 +283,29 @@ def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Confi
     res = residual if residual is not None else x
     block_m = config.block_m if one_tile else next_power_of_2(rows)
     _small_m_linear_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(rows, block_m))](
-        x, res, summed, norm_weight if norm_weight is not None else weight,
-        weight, bias if bias is not None else weight, out,
-        rows, n, k, x.stride(0), res.stride(0), out.stride(0), eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, ONE_TILE=one_tile,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        x,
+        res,
+        summed,
+        norm_weight if norm_weight is not None else weight,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        ONE_TILE=one_tile,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
         **pdl.launch_args(x.device, rows),
-    )  # fmt: skip
+    )
     return out, summed
 
 

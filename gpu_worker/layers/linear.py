@@ -67,8 +67,9 @@ class MergedLinear(nn.Linear):
         param = getattr(self, param_name)
         expected = (source.full_rows, *param.shape[1:])
         if tuple(tensor.shape) != expected:
-            raise ValueError(f"{shard}.{param_name} has shape {tuple(tensor.shape)}, "
-                             f"expected {expected}")  # fmt: skip
+            raise ValueError(
+                f"{shard}.{param_name} has shape {tuple(tensor.shape)}, expected {expected}"
+            )
         param[start : start + rows].copy_(tensor[source.source_start : source.source_start + rows])
 
     def checkpoint_loaders(self, path: str) -> dict[str, Loader]:
@@ -113,8 +114,9 @@ class RowParallelLinear(nn.Linear):
     @torch.no_grad()
     def load_bias(self, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != (self.out_features,):
-            raise ValueError(f"bias has shape {tuple(tensor.shape)}, "
-                             f"expected ({self.out_features},)")  # fmt: skip
+            raise ValueError(
+                f"bias has shape {tuple(tensor.shape)}, expected ({self.out_features},)"
+            )
         self.bias.copy_(tensor if self.tp.rank == 0 else torch.zeros_like(tensor))
 
     def checkpoint_loaders(self, path: str) -> dict[str, Loader]:

@@ -20,8 +20,9 @@ def _load_block(weight: torch.Tensor, tensor: torch.Tensor, start: int, vocab_si
     """Copy rows [start, start + len(weight)) of a [vocab_size, H] checkpoint tensor (zeros
     past vocab_size)."""
     if tensor.shape[0] != vocab_size or tensor.shape[1:] != weight.shape[1:]:
-        raise ValueError(f"weight has shape {tuple(tensor.shape)}, "
-                         f"expected ({vocab_size}, {weight.shape[1]})")  # fmt: skip
+        raise ValueError(
+            f"weight has shape {tuple(tensor.shape)}, expected ({vocab_size}, {weight.shape[1]})"
+        )
     rows = max(0, min(weight.shape[0], vocab_size - start))
     weight[:rows].copy_(tensor[start : start + rows])
     weight[rows:].zero_()

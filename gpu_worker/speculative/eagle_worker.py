@@ -78,8 +78,9 @@ class EagleWorker(SpeculativeWorker):
         graph_max_bs: int = 0,
     ) -> None:
         steps = spec.speculative_num_steps or 1
-        shape = DraftShape(spec.speculative_eagle_topk or 1, steps,
-                           spec.speculative_num_draft_tokens or steps + 1)  # fmt: skip
+        shape = DraftShape(
+            spec.speculative_eagle_topk or 1, steps, spec.speculative_num_draft_tokens or steps + 1
+        )
         super().__init__(target, sampling, state, shape)
         self.draft = draft
         self.use_aux = bool(target.aux_hidden_layers)
@@ -169,12 +170,18 @@ class EagleWorker(SpeculativeWorker):
         seq_lens_cpu = [s + topk * steps for s in prefix_cpu]
         for step in range(steps - 1):
             batch = make_batch(
-                ForwardMode.DRAFT_DECODE, input_ids, draft_run_positions(prefix_lens, topk, step),
-                cache_locs[step], rows, seq_lens_cpu, [topk] * bs,
+                ForwardMode.DRAFT_DECODE,
+                input_ids,
+                draft_run_positions(prefix_lens, topk, step),
+                cache_locs[step],
+                rows,
+                seq_lens_cpu,
+                [topk] * bs,
                 custom_mask=draft_decode_mask(bs, topk, steps, step, rows.device),
-                spec_info=SpecInput(hidden), seq_lens=seq_lens,
+                spec_info=SpecInput(hidden),
+                seq_lens=seq_lens,
                 extend_seq_lens=constants.full(bs, topk, rows.device),
-            )  # fmt: skip
+            )
             out = self.draft.forward(batch)
             topk_p, topk_index = self.draft_top_k(out.next_token_logits)  # [bs*topk, topk]
             input_ids, hidden, scores = select_next_level(
@@ -213,9 +220,16 @@ class EagleWorker(SpeculativeWorker):
         slots = self.draft.req_to_token_pool.req_to_token[rows[:, None], positions]
         last = constants.arange(bs, rows.device) * width + accept_lens - 1  # [bs]
         batch = make_batch(
-            ForwardMode.DRAFT_EXTEND, inputs["tokens"].flatten(), positions.flatten(),
-            slots.flatten(), rows, [s + width for s in prefix_cpu], [width] * bs,
-            spec_info=SpecInput(inputs["features"].flatten(0, -2)), seq_lens=prefix_lens + width,
-            extend_seq_lens=constants.full(bs, width, rows.device), logits_indices=last,
-        )  # fmt: skip
+            ForwardMode.DRAFT_EXTEND,
+            inputs["tokens"].flatten(),
+            positions.flatten(),
+            slots.flatten(),
+            rows,
+            [s + width for s in prefix_cpu],
+            [width] * bs,
+            spec_info=SpecInput(inputs["features"].flatten(0, -2)),
+            seq_lens=prefix_lens + width,
+            extend_seq_lens=constants.full(bs, width, rows.device),
+            logits_indices=last,
+        )
         return self.new_draft_state(self.draft.forward(batch)), last

@@ -82,8 +82,9 @@ class SpeculativeWorker:
     """Subclasses implement `draft_tree` (the proposal), `draft_extend` (after acceptance),
     `target_features` and `draft_prefill`, then call `build_stages`."""
 
-    def __init__(self, target: ModelRunner, sampling: SamplingState, state: RowState,
-                 shape: DraftShape) -> None:  # fmt: skip
+    def __init__(
+        self, target: ModelRunner, sampling: SamplingState, state: RowState, shape: DraftShape
+    ) -> None:
         self.target, self.sampling, self.state, self.shape = target, sampling, state, shape
         self.num_steps, self.topk = shape.num_steps, shape.topk
         self.num_draft_tokens = shape.num_draft_tokens
@@ -130,8 +131,9 @@ class SpeculativeWorker:
         0. The propose stage writes a greedy batch's extend inputs into the extend stage's
         buffers and the tree, logits and features into the accept stages' (shared) buffers;
         an accept stage writes its extend inputs over the greedy ones."""
-        accept = {name: functools.partial(self._accept, flags)
-                  for name, flags in ACCEPT_FLAGS.items()}  # fmt: skip
+        accept = {
+            name: functools.partial(self._accept, flags) for name, flags in ACCEPT_FLAGS.items()
+        }
         self.graph_pool = None
         if graph_max_bs <= 0:
             self.propose_stage = DirectStage(self.propose)
@@ -140,24 +142,28 @@ class SpeculativeWorker:
             return
         width, nd = self.num_steps + 1, self.num_draft_tokens
         extend_inputs = {
-            "rows": PER_REQUEST, "prefix_lens": PER_REQUEST, "accept_lens": StageInput(pad=1),
+            "rows": PER_REQUEST,
+            "prefix_lens": PER_REQUEST,
+            "accept_lens": StageInput(pad=1),
             "tokens": StageInput((width,)),
             "features": StageInput((width, self.feature_width()), self.target.dtype),
-        }  # fmt: skip
+        }
         device = self.target.device
         capture = device.type == "cuda" and all(r.attn_backend.supports_cuda_graph for r in runners)
         pool = torch.cuda.graph_pool_handle() if capture else None
         self.graph_pool = pool  # (adaptive speculation's plain decode step captures into it)
-        self.extend_stage = StageGraph("draft extend", self._extend, extend_inputs,
-                                       graph_max_bs, device, capture=False)  # fmt: skip
+        self.extend_stage = StageGraph(
+            "draft extend", self._extend, extend_inputs, graph_max_bs, device, capture=False
+        )
         into = self.extend_stage.inputs
         accept_inputs = {
-            "rows": PER_REQUEST, "prefix_lens": PER_REQUEST,
+            "rows": PER_REQUEST,
+            "prefix_lens": PER_REQUEST,
             **{name: StageInput((nd,)) for name in TREE_NODE_TENSORS},
             **{name: StageInput((nd, nd), torch.bool) for name in TREE_MASK_TENSORS},
             "logits": StageInput((nd, self.target.vocab_size), torch.float32),
             "features": StageInput((nd, self.feature_width()), self.target.dtype),
-        }  # fmt: skip
+        }
         # The first graphed variant owns the buffers of the tree, logits and features, the
         # extend stage those of the rows and lengths; every graphed variant reads them all.
         accept_buffers = {"rows": into["rows"], "prefix_lens": into["prefix_lens"]}
@@ -166,18 +172,34 @@ class SpeculativeWorker:
         self.accept_stages: dict[str, StageGraph | DirectStage] = {}
         for name in GRAPHED_ACCEPT:
             self.accept_stages[name] = StageGraph(
-                f"accept, {name}", accept[name], accept_inputs, graph_max_bs, device,
-                capture=False, output_buffers=extend_outputs, input_buffers=accept_buffers,
+                f"accept, {name}",
+                accept[name],
+                accept_inputs,
+                graph_max_bs,
+                device,
+                capture=False,
+                output_buffers=extend_outputs,
+                input_buffers=accept_buffers,
                 capture_max_bs=ACCEPT_GRAPH_ROWS // nd,
-            )  # fmt: skip
+            )
             accept_buffers = self.accept_stages[name].inputs
         self.accept_stages["penalize"] = DirectStage(accept["penalize"])
-        chained = {"greedy_accept_lens": into["accept_lens"], "greedy_tokens": into["tokens"],
-                   "greedy_features": into["features"],
-                   **{key: accept_buffers[key] for key in ACCEPT_INPUTS}}  # fmt: skip
-        self.propose_stage = StageGraph("draft and verify", self.propose, {"rows": PER_REQUEST},
-                                        graph_max_bs, device, capture, pool,
-                                        output_buffers=chained)  # fmt: skip
+        chained = {
+            "greedy_accept_lens": into["accept_lens"],
+            "greedy_tokens": into["tokens"],
+            "greedy_features": into["features"],
+            **{key: accept_buffers[key] for key in ACCEPT_INPUTS},
+        }
+        self.propose_stage = StageGraph(
+            "draft and verify",
+            self.propose,
+            {"rows": PER_REQUEST},
+            graph_max_bs,
+            device,
+            capture,
+            pool,
+            output_buffers=chained,
+        )
         if capture:
             self.extend_stage.capture_all(pool)
             for name in GRAPHED_ACCEPT:
@@ -202,12 +224,21 @@ class SpeculativeWorker:
         predict, accept_index, accept_lens, tokens, path_features = self.accept_greedy(
             tree, out.next_token_logits.argmax(dim=-1), features
         )
-        greedy = {"greedy_accept_lens": accept_lens, "greedy_tokens": tokens,
-                  "greedy_features": path_features}  # fmt: skip
+        greedy = {
+            "greedy_accept_lens": accept_lens,
+            "greedy_tokens": tokens,
+            "greedy_features": path_features,
+        }
         if self.topk > 1:  # the accepted path's KV moves (`compact`); a chain's stays
             greedy.update(greedy_predict=predict, greedy_accept_index=accept_index)
-        return {**tree_tensors(tree), "logits": out.next_token_logits, "features": features,
-                "rows": rows, "prefix_lens": prefix_lens, **greedy}  # fmt: skip
+        return {
+            **tree_tensors(tree),
+            "logits": out.next_token_logits,
+            "features": features,
+            "rows": rows,
+            "prefix_lens": prefix_lens,
+            **greedy,
+        }
 
     def accept_greedy(
         self, tree: DraftTree, target_predict: torch.Tensor, features: torch.Tensor
@@ -232,8 +263,15 @@ class SpeculativeWorker:
         state = self.state
         if new is not None:
             commit = commit_rows if self.fused_accept else commit_rows_reference
-            commit(state.prefix_lens, state.tokens, self.row_draft_state(), rows, accept_lens,
-                   tokens, *new)  # fmt: skip
+            commit(
+                state.prefix_lens,
+                state.tokens,
+                self.row_draft_state(),
+                rows,
+                accept_lens,
+                tokens,
+                *new,
+            )
             return {}
         last = tokens.gather(1, (accept_lens - 1)[:, None]).squeeze(1)
         state.commit_decode(rows, accept_lens, last)
@@ -273,23 +311,31 @@ class SpeculativeWorker:
         if variant is None:  # accepted inside the propose stage
             accept_lens = proposed["greedy_accept_lens"]
             if self.topk > 1:
-                result = VerifyResult(proposed["greedy_predict"],
-                                      proposed["greedy_accept_index"], accept_lens)  # fmt: skip
+                result = VerifyResult(
+                    proposed["greedy_predict"], proposed["greedy_accept_index"], accept_lens
+                )
                 self.compact(result, rows, prefix_lens)
             step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
             features = proposed["greedy_features"]  # [bs*(S+1), H_f]
         else:
-            accepted = self.accept_stages[variant]({k: proposed[k] for k in ACCEPT_INPUTS},
-                                                   prefix_cpu)  # fmt: skip
+            accepted = self.accept_stages[variant](
+                {k: proposed[k] for k in ACCEPT_INPUTS}, prefix_cpu
+            )
             logprobs = accepted["logprobs"] if want_logprobs else None
             step = SpecStepOutput(accepted["tokens"], accepted["accept_lens"], logprobs)
             features = accepted["features"]
         if on_accepted is not None:
             on_accepted(step)
-        self.extend_stage({
-            "rows": proposed["rows"], "prefix_lens": prefix_lens,
-            "accept_lens": step.accept_lens, "tokens": step.tokens, "features": features,
-        }, prefix_cpu)  # fmt: skip
+        self.extend_stage(
+            {
+                "rows": proposed["rows"],
+                "prefix_lens": prefix_lens,
+                "accept_lens": step.accept_lens,
+                "tokens": step.tokens,
+                "features": features,
+            },
+            prefix_cpu,
+        )
         return step
 
     def accept_variant(self, rows_cpu: np.ndarray, want_logprobs: bool) -> str | None:
@@ -304,7 +350,10 @@ class SpeculativeWorker:
         return "filter" if top_k or top_p else "sample"
 
     def _accept(
-        self, flags: tuple[bool, ...], bs: int, inputs: dict[str, torch.Tensor],
+        self,
+        flags: tuple[bool, ...],
+        bs: int,
+        inputs: dict[str, torch.Tensor],
         prefix_cpu: list[int],
     ) -> dict[str, torch.Tensor]:
         """An accept stage: acceptance with the sampling stages `flags`, the accepted path's
@@ -312,14 +361,20 @@ class SpeculativeWorker:
         # A graph's static inputs come per request ([bs, ND, ...]), a direct call's as the
         # propose stage made them: node rows flat ([bs*ND, ...]) where the tree keeps them so.
         nodes = bs * self.num_draft_tokens
-        flat = {"tokens": inputs["tokens"].reshape(nodes),
-                "positions": inputs["positions"].reshape(nodes),
-                "logits": inputs["logits"].reshape(nodes, -1),
-                "features": inputs["features"].reshape(nodes, -1)}  # fmt: skip
+        flat = {
+            "tokens": inputs["tokens"].reshape(nodes),
+            "positions": inputs["positions"].reshape(nodes),
+            "logits": inputs["logits"].reshape(nodes, -1),
+            "features": inputs["features"].reshape(nodes, -1),
+        }
         tree = tree_from_tensors({**inputs, **flat}, self.shape)
         rows = inputs["rows"]
         result, step = accept_and_read(self.sampling, tree, flat["logits"], rows, flags)
         self.compact(result, rows, inputs["prefix_lens"])
         assert step.logprobs is not None
-        return {"accept_lens": step.accept_lens, "tokens": step.tokens,
-                "logprobs": step.logprobs, "features": compact_rows(flat["features"], result)}
+        return {
+            "accept_lens": step.accept_lens,
+            "tokens": step.tokens,
+            "logprobs": step.logprobs,
+            "features": compact_rows(flat["features"], result),
+        }

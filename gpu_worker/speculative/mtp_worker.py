@@ -95,8 +95,9 @@ def ragged_windows(starts: np.ndarray, ends: np.ndarray, steps: int) -> list[lis
         first = np.maximum(starts - layer, 0)
         lens = ends - first
         positions = np.concatenate([np.arange(f, e) for f, e in zip(first, ends, strict=True)])
-        windows.append([np.repeat(np.arange(len(lens)), lens), positions, np.cumsum(lens) - 1,
-                        ends, lens])  # fmt: skip
+        windows.append(
+            [np.repeat(np.arange(len(lens)), lens), positions, np.cumsum(lens) - 1, ends, lens]
+        )
     return windows
 
 
@@ -163,18 +164,23 @@ class MTPWorker(SpeculativeWorker):
             new = (bs * sw + hidden_offsets[req] + rel).clamp(max=table.shape[0] - 1)
             return torch.where(rel >= 0, new, req * sw + (rel + sw).clamp(min=0))
 
-        for layer, (runner, window) in enumerate(zip(self.draft_runner_list, windows,
-                                                     strict=True)):  # fmt: skip
+        for layer, (runner, window) in enumerate(zip(self.draft_runner_list, windows, strict=True)):
             req, positions = window.token_req, window.positions
             column = (positions + layer - starts[req]).clamp(0, width - 1)
             slots = runner.req_to_token_pool.req_to_token[rows[req], positions]
             batch = make_batch(
-                ForwardMode.DRAFT_EXTEND, line[req, column], positions, slots, rows,
-                window.seq_cpu, window.extend_cpu,
+                ForwardMode.DRAFT_EXTEND,
+                line[req, column],
+                positions,
+                slots,
+                rows,
+                window.seq_cpu,
+                window.extend_cpu,
                 spec_info=SpecInput(table[hidden_rows(req, positions)]),
-                seq_lens=window.seq_lens, extend_seq_lens=window.extend_lens,
+                seq_lens=window.seq_lens,
+                extend_seq_lens=window.extend_lens,
                 logits_indices=window.last,
-            )  # fmt: skip
+            )
             prediction = runner.forward(batch).next_token_logits.argmax(dim=-1)  # [bs]
             self.chain[rows, layer] = prediction
             column = (known_lens + layer).clamp(max=width - 1)[:, None]
@@ -198,19 +204,28 @@ class MTPWorker(SpeculativeWorker):
         req = np.repeat(np.arange(bs), lens - 1)
         within = np.concatenate([np.arange(n - 1) for n in lens])
         windows = ragged_windows(starts, starts + lens, self.num_steps)
-        uploaded = self.staging.upload([req, within, offsets, starts, lens,
-                                        *[a for w in windows for a in w]])  # fmt: skip
+        uploaded = self.staging.upload(
+            [req, within, offsets, starts, lens, *[a for w in windows for a in w]]
+        )
         dev_req, dev_within, dev_offsets, dev_starts, dev_lens = uploaded[:5]
         line = torch.zeros(bs, width, dtype=torch.int64, device=tails.device)
         line[dev_req, dev_within] = batch.input_ids[dev_offsets[dev_req] + dev_within + 1]
         line[torch.arange(bs, device=tails.device), dev_lens - 1] = tails.long()
         stack_windows = [
-            StackWindow(*uploaded[5 + 5 * k : 10 + 5 * k], seq_cpu=w[3].tolist(),
-                        extend_cpu=w[4].tolist())
+            StackWindow(
+                *uploaded[5 + 5 * k : 10 + 5 * k], seq_cpu=w[3].tolist(), extend_cpu=w[4].tolist()
+            )
             for k, w in enumerate(windows)
-        ]  # fmt: skip
-        self.run_stack(batch.req_pool_indices, dev_starts, line, dev_lens,
-                       target_out.hidden_states, dev_offsets, stack_windows)  # fmt: skip
+        ]
+        self.run_stack(
+            batch.req_pool_indices,
+            dev_starts,
+            line,
+            dev_lens,
+            target_out.hidden_states,
+            dev_offsets,
+            stack_windows,
+        )
 
     def draft_tree(
         self,
@@ -236,5 +251,12 @@ class MTPWorker(SpeculativeWorker):
             fixed_window(prefix_lens, accept_lens, prefix_cpu, k, steps) for k in range(steps)
         ]
         offsets = constants.arange(bs, rows.device) * (steps + 1)
-        self.run_stack(rows, prefix_lens, line, accept_lens, inputs["features"].flatten(0, -2),
-                       offsets, windows)  # fmt: skip
+        self.run_stack(
+            rows,
+            prefix_lens,
+            line,
+            accept_lens,
+            inputs["features"].flatten(0, -2),
+            offsets,
+            windows,
+        )

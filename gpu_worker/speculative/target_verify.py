@@ -50,16 +50,22 @@ def verify_tree(
     positions = prefix_lens.long()[:, None] + offsets  # [bs, ND]
     slots = target.req_to_token_pool.req_to_token[rows.long()[:, None], positions]  # [bs, ND]
     batch = make_batch(
-        ForwardMode.TARGET_VERIFY, tree.tokens, tree.positions, slots.flatten(), rows,
-        [s + nd for s in prefix_cpu], [nd] * bs, custom_mask=tree.custom_mask,
-        seq_lens=prefix_lens + nd, extend_seq_lens=constants.full(bs, nd, prefix_lens.device),
-    )  # fmt: skip
+        ForwardMode.TARGET_VERIFY,
+        tree.tokens,
+        tree.positions,
+        slots.flatten(),
+        rows,
+        [s + nd for s in prefix_cpu],
+        [nd] * bs,
+        custom_mask=tree.custom_mask,
+        seq_lens=prefix_lens + nd,
+        extend_seq_lens=constants.full(bs, nd, prefix_lens.device),
+    )
     return target.forward(batch)
 
 
 # The tree's tensors by shape per request: [ND] int64 and [ND, ND] bool.
-TREE_NODE_TENSORS = ("tokens", "positions", "retrieve_index", "next_token", "next_sibling",
-                     "depth")  # fmt: skip
+TREE_NODE_TENSORS = ("tokens", "positions", "retrieve_index", "next_token", "next_sibling", "depth")
 TREE_MASK_TENSORS = ("custom_mask", "ancestors")
 TREE_TENSORS = TREE_NODE_TENSORS + TREE_MASK_TENSORS
 

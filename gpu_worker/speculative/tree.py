@@ -46,8 +46,11 @@ def select_first_level(
     (input_ids [bs*topk], hidden [bs*topk, H], path_scores [bs, topk]).
     """
     bs, topk = topk_p.shape
-    parents = constants.cached(("first_level_parents", topk), topk_p.device,
-                               lambda: torch.arange(-1, topk, device=topk_p.device))  # [topk+1]
+    parents = constants.cached(
+        ("first_level_parents", topk),
+        topk_p.device,
+        lambda: torch.arange(-1, topk, device=topk_p.device),
+    )  # [topk+1]
     record.scores.append(topk_p.unsqueeze(1))  # [bs, 1, topk]
     record.tokens.append(topk_index)
     record.parents.append(parents.expand(bs, topk + 1))
@@ -216,9 +219,7 @@ def build_tree(
     next_token, next_sibling = link_children(parents)
     tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
     node = constants.arange(nd, device)
-    retrieve_index = (
-        node[None, :] + constants.arange(bs, device)[:, None] * nd
-    )
+    retrieve_index = node[None, :] + constants.arange(bs, device)[:, None] * nd
     return DraftTree(
         tokens=tokens.flatten(),
         positions=(prefix_lens.to(torch.int64)[:, None] + depth).flatten(),
@@ -259,8 +260,9 @@ def tree_from_draft(
     if topk == 1 and nd == steps + 1:
         return chain_tree(bonus_tokens, torch.cat(record.tokens, dim=1), prefix_lens, steps)
     top_scores_index, draft_tokens, parent_list = organize_draft(record, nd, topk, steps)
-    return build_tree(bonus_tokens, parent_list, top_scores_index, draft_tokens, prefix_lens, topk,
-                      steps, nd)  # fmt: skip
+    return build_tree(
+        bonus_tokens, parent_list, top_scores_index, draft_tokens, prefix_lens, topk, steps, nd
+    )
 
 
 def chain_tree(

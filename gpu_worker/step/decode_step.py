@@ -50,9 +50,16 @@ class DecodeOutput:
 
 
 class DecodeStep:
-    def __init__(self, runner: ModelRunner, state: RowState, sampling: SamplingState,
-                 graph_max_bs: int, pools: list[ReqToTokenPool] | None = None,
-                 slots_per_row: int = 1, graph_pool=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: ModelRunner,
+        state: RowState,
+        sampling: SamplingState,
+        graph_max_bs: int,
+        pools: list[ReqToTokenPool] | None = None,
+        slots_per_row: int = 1,
+        graph_pool=None,
+    ) -> None:
         """graph_max_bs: the largest batch replayed as a graph (captured on CUDA when the
         attention backend can be); 0 runs every step directly. pools: the req_to_token tables
         a step records its new slots in (default: the runner's), all of one width.
@@ -69,8 +76,11 @@ class DecodeStep:
         pool = None
         if capture and graph_max_bs > 0:
             pool = graph_pool if graph_pool is not None else torch.cuda.graph_pool_handle()
-        inputs = {"rows": PER_REQUEST, "slot_index": StageInput((slots_per_row,)),
-                  "slot_value": StageInput((slots_per_row,), torch.int32)}  # fmt: skip
+        inputs = {
+            "rows": PER_REQUEST,
+            "slot_index": StageInput((slots_per_row,)),
+            "slot_value": StageInput((slots_per_row,), torch.int32),
+        }
         for variant in VARIANTS:
 
             def step(bs, inputs, prefix_cpu, variant=variant):  # noqa: ANN001
@@ -79,9 +89,16 @@ class DecodeStep:
             if graph_max_bs <= 0:
                 self.stages[variant] = DirectStage(step, device, inputs)
             else:
-                self.stages[variant] = StageGraph(f"decode step, {variant}", step, inputs,
-                                                  graph_max_bs, device, capture, pool,
-                                                  host_inputs=True)  # fmt: skip
+                self.stages[variant] = StageGraph(
+                    f"decode step, {variant}",
+                    step,
+                    inputs,
+                    graph_max_bs,
+                    device,
+                    capture,
+                    pool,
+                    host_inputs=True,
+                )
 
     def slot_capacity(self, bs: int) -> int | None:
         """The most new slots a step of bs rows can record itself (None: no bound); a step with
@@ -96,8 +113,13 @@ class DecodeStep:
             return "greedy"
         return "filter" if sort else "sample"
 
-    def __call__(self, rows: np.ndarray, slot_index: np.ndarray, slot_value: np.ndarray,
-                 variant: str = "greedy") -> DecodeOutput:  # fmt: skip
+    def __call__(
+        self,
+        rows: np.ndarray,
+        slot_index: np.ndarray,
+        slot_value: np.ndarray,
+        variant: str = "greedy",
+    ) -> DecodeOutput:
         """One step for request rows [bs] (host int64) that first records slot_value[i] (int32)
         at flat index slot_index[i] (`ReqToTokenPool.flat_index`) of every pool, at most
         `slot_capacity(bs)` of them."""
@@ -121,9 +143,17 @@ class DecodeStep:
         else:
             lens_cpu = [backend.cuda_graph_seq_len_fill_value] * bs
         # Every length on the device already: a copy from the host cannot be captured.
-        batch = make_batch(ForwardMode.DECODE, input_ids, positions, out_cache_loc, rows,
-                           lens_cpu, [1] * bs, seq_lens=seq_lens,
-                           extend_seq_lens=torch.ones_like(seq_lens))  # fmt: skip
+        batch = make_batch(
+            ForwardMode.DECODE,
+            input_ids,
+            positions,
+            out_cache_loc,
+            rows,
+            lens_cpu,
+            [1] * bs,
+            seq_lens=seq_lens,
+            extend_seq_lens=torch.ones_like(seq_lens),
+        )
         logits = self.runner.forward(batch).next_token_logits.float()
         if variant == "greedy":
             tokens, result = logits.argmax(dim=-1), {}

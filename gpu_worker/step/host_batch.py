@@ -57,9 +57,14 @@ class HostBatch:
         else:
             flat_positions = _flat(positions)
         return cls(
-            mode, _flat(input_ids), flat_positions, _flat(out_slots),
-            np.asarray(req_pool_indices, dtype=np.int64), prefix + extend, extend,
-        )  # fmt: skip
+            mode,
+            _flat(input_ids),
+            flat_positions,
+            _flat(out_slots),
+            np.asarray(req_pool_indices, dtype=np.int64),
+            prefix + extend,
+            extend,
+        )
 
     def to_device(
         self,
@@ -71,13 +76,28 @@ class HostBatch:
         """The ForwardBatch of these inputs: one copy through staging (a fresh one if None)."""
         staging = staging or Staging(device)
         ids, positions, loc, rows, seq_lens, extend = staging.upload(
-            [self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices,
-             self.seq_lens, self.extend_seq_lens]
-        )  # fmt: skip
+            [
+                self.input_ids,
+                self.positions,
+                self.out_cache_loc,
+                self.req_pool_indices,
+                self.seq_lens,
+                self.extend_seq_lens,
+            ]
+        )
         return make_batch(
-            self.mode, ids, positions, loc, rows, self.seq_lens.tolist(),
-            self.extend_seq_lens.tolist(), custom_mask, spec_info, seq_lens, extend,
-        )  # fmt: skip
+            self.mode,
+            ids,
+            positions,
+            loc,
+            rows,
+            self.seq_lens.tolist(),
+            self.extend_seq_lens.tolist(),
+            custom_mask,
+            spec_info,
+            seq_lens,
+            extend,
+        )
 
 
 def _flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
@@ -105,10 +125,13 @@ class Staging:
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
-        self._host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned)
-                      for _ in range(self.RING)]  # fmt: skip
-        self._device = [torch.empty(capacity, dtype=torch.int64, device=self.device)
-                        for _ in range(self.RING)]  # fmt: skip
+        self._host = [
+            torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned)
+            for _ in range(self.RING)
+        ]
+        self._device = [
+            torch.empty(capacity, dtype=torch.int64, device=self.device) for _ in range(self.RING)
+        ]
         # One event per buffer, recorded again each time (a new one per copy costs the host
         # an event creation per step); waiting on one never recorded returns at once.
         self._events = [torch.cuda.Event() if self.pinned else None for _ in range(self.RING)]
@@ -129,9 +152,12 @@ class Staging:
         self._copy(arrays, dst, None, sum(len(a) for a in arrays))
 
     def _copy(
-        self, arrays: Sequence[np.ndarray], dst: torch.Tensor | None, starts: list[int] | None,
+        self,
+        arrays: Sequence[np.ndarray],
+        dst: torch.Tensor | None,
+        starts: list[int] | None,
         total: int,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """starts: where each array goes (None: back to back) in the first total entries."""
         if total > self._host[0].numel():
             for event in self._events:
@@ -211,8 +237,9 @@ class PendingCopy:
         return [view.numpy().copy() for view in self._staged]
 
 
-def int64_entries(values: np.ndarray, itemsize: int = 8, entries: int | None = None,
-                  pad: int = 0) -> np.ndarray:
+def int64_entries(
+    values: np.ndarray, itemsize: int = 8, entries: int | None = None, pad: int = 0
+) -> np.ndarray:
     """values as int64 entries for `Staging`'s int64 buffers, to be viewed on the device as
     itemsize-byte ints: int32 values (itemsize 4) go two to an entry, so they need no
     conversion there. Padded with pad to `entries` entries when given (else to a whole

@@ -50,15 +50,23 @@ class PlanArrays:
         within = segment_offsets(self.extend_lens)
         positions = np.repeat(self.prefix_lens, self.extend_lens) + within
         return HostBatch(
-            ForwardMode.EXTEND, self.input_ids, positions, self.chunk_slots, self.rows,
-            self.prefix_lens + self.extend_lens, self.extend_lens,
-        )  # fmt: skip
+            ForwardMode.EXTEND,
+            self.input_ids,
+            positions,
+            self.chunk_slots,
+            self.rows,
+            self.prefix_lens + self.extend_lens,
+            self.extend_lens,
+        )
 
 
 def _chunk_slots(
-    prefix_lens: np.ndarray, extend_lens: np.ndarray, slot_starts: np.ndarray,
-    slot_lens: np.ndarray, slots: np.ndarray,
-) -> np.ndarray | None:  # fmt: skip
+    prefix_lens: np.ndarray,
+    extend_lens: np.ndarray,
+    slot_starts: np.ndarray,
+    slot_lens: np.ndarray,
+    slots: np.ndarray,
+) -> np.ndarray | None:
     """The slot of each chunk token, when the plan assigns every one of them (an extend plan
     must); None otherwise."""
     first = prefix_lens - slot_starts  # [bs] chunk start inside each row's assignment
@@ -76,8 +84,9 @@ def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
 
     extend = plan.mode == "extend"
     rows = column(plan.rows)
-    slot_starts, slot_lens, slots = (column(c) for c in (plan.slot_starts, plan.slot_lens,
-                                                         plan.slots))  # fmt: skip
+    slot_starts, slot_lens, slots = (
+        column(c) for c in (plan.slot_starts, plan.slot_lens, plan.slots)
+    )
     bs = len(rows)
     if len(slot_starts) != bs or len(slot_lens) != bs:
         raise ValueError(f"plan {plan.plan_id}: slot columns for {len(slot_lens)} of {bs} rows")
@@ -86,8 +95,10 @@ def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
     prefix_lens = extend_lens = input_ids = next_ids = chunk_slots = EMPTY
     sample = np.ones(bs, dtype=bool)
     if extend:
-        prefix_lens, extend_lens, input_ids, next_ids = (column(c) for c in (
-            plan.prefix_lens, plan.extend_lens, plan.input_ids, plan.next_input_ids))  # fmt: skip
+        prefix_lens, extend_lens, input_ids, next_ids = (
+            column(c)
+            for c in (plan.prefix_lens, plan.extend_lens, plan.input_ids, plan.next_input_ids)
+        )
         sample = column(plan.sample).astype(bool)
         if any(len(c) != bs for c in (prefix_lens, extend_lens, sample, next_ids)):
             raise ValueError(f"plan {plan.plan_id}: extend columns do not cover {bs} rows")
@@ -95,10 +106,21 @@ def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
             raise ValueError(f"plan {plan.plan_id}: extend_lens do not match {len(input_ids)} ids")
         chunk_slots = _chunk_slots(prefix_lens, extend_lens, slot_starts, slot_lens, slots)
         if chunk_slots is None:
-            raise ValueError(f"plan {plan.plan_id}: an extend chunk runs at positions without "
-                             "slots")  # fmt: skip
-    arrays = PlanArrays(rows, slot_starts, slot_lens, slots, prefix_lens, extend_lens, input_ids,
-                        sample, next_ids, chunk_slots)  # fmt: skip
+            raise ValueError(
+                f"plan {plan.plan_id}: an extend chunk runs at positions without slots"
+            )
+    arrays = PlanArrays(
+        rows,
+        slot_starts,
+        slot_lens,
+        slots,
+        prefix_lens,
+        extend_lens,
+        input_ids,
+        sample,
+        next_ids,
+        chunk_slots,
+    )
     _check_rows(plan, rows, max_rows)
     return arrays
 

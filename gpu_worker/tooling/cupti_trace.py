@@ -36,14 +36,22 @@ FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
 
 _size_p = ctypes.POINTER(ctypes.c_size_t)
 BufferRequested = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), _size_p, _size_p)
-BufferCompleted = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p,
-                                   ctypes.c_size_t, ctypes.c_size_t)  # fmt: skip
-LIBRARY_PATTERNS = ("nvidia/*/lib/libcupti.so*", "lib/libcupti.so*",
-                    "extras/CUPTI/lib64/libcupti.so*")  # fmt: skip
+BufferCompleted = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t
+)
+LIBRARY_PATTERNS = (
+    "nvidia/*/lib/libcupti.so*",
+    "lib/libcupti.so*",
+    "extras/CUPTI/lib64/libcupti.so*",
+)
 
 
-def read_records(next_record: Callable[[ctypes.c_void_p], bool], counts: Counter,
-                 intervals: list[tuple[float, float]], since: int = 0) -> None:  # fmt: skip
+def read_records(
+    next_record: Callable[[ctypes.c_void_p], bool],
+    counts: Counter,
+    intervals: list[tuple[float, float]],
+    since: int = 0,
+) -> None:
     """Walk one buffer: `next_record(pointer)` moves `pointer` to the next record and says
     whether there was one. Appends the interval (us) of each known record that starts at or
     after `since` (ns) and counts it by kind; records without timestamps (start and end 0) are
@@ -84,9 +92,11 @@ def find_libcupti(maps: str = "/proc/self/maps", roots: list[str] | None = None)
             found = sorted(glob.glob(os.path.join(root, pattern)))
             if found:
                 return next((f for f in found if f.endswith(f".so.{major}")), found[-1])
-    raise RuntimeError(f"CUPTI (libcupti.so) was not found for CUDA {torch.version.cuda}: "
-                       "install the nvidia cupti wheel of that CUDA version, or set "
-                       "AERIE_PROFILE_TRACER=kernels to use torch.profiler instead")  # fmt: skip
+    raise RuntimeError(
+        f"CUPTI (libcupti.so) was not found for CUDA {torch.version.cuda}: "
+        "install the nvidia cupti wheel of that CUDA version, or set "
+        "AERIE_PROFILE_TRACER=kernels to use torch.profiler instead"
+    )
 
 
 TRACED_KINDS = (GRAPH_TRACE, CONCURRENT_KERNEL, MEMCPY, MEMSET)
@@ -112,7 +122,10 @@ class GraphTrace:
         self.wanted = kinds
         self.lib = ctypes.CDLL(find_libcupti())
         self.lib.cuptiActivityGetNextRecord.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
         self.buffers: dict[int, ctypes.Array] = {}  # address -> buffer, alive until completed
         self.counts: Counter = Counter()
         self.intervals: list[tuple[float, float]] = []
@@ -150,8 +163,10 @@ class GraphTrace:
     def start(self) -> None:
         """Graph records are required; a kind CUPTI refuses beside them is left out and named
         in `refused` (the trace then misses that activity, so it reads more idle, not less)."""
-        self._check(self.lib.cuptiActivityRegisterCallbacks(self._requested, self._completed),
-                    "registering activity buffers")  # fmt: skip
+        self._check(
+            self.lib.cuptiActivityRegisterCallbacks(self._requested, self._completed),
+            "registering activity buffers",
+        )
         self.refused = []
         try:
             for kind in self.wanted:

@@ -58,13 +58,21 @@ def measure_step_costs(worker: GPUWorker, repeats: int = 10, warmup: int = 3) ->
             iteration = functools.partial(spec.iterate, rows, [0] * bs, ACCEPT_VARIANT[name])
             plain[name].append(_time(worker.device, repeats, warmup, plain_step))
             speculative[name].append(_time(worker.device, repeats, warmup, iteration))
-    costs = StepCosts(tuple(buckets), {k: tuple(v) for k, v in plain.items()},
-                      {k: tuple(v) for k, v in speculative.items()})  # fmt: skip
-    log.info("adaptive speculation: step costs measured in %.1f s; break-even accept length "
-             "%.2f greedy, %.2f sampled at batch 1, %.2f / %.2f at %d",
-             time.perf_counter() - began, costs.break_even(1, False), costs.break_even(1, True),
-             costs.break_even(buckets[-1], False), costs.break_even(buckets[-1], True),
-             buckets[-1])  # fmt: skip
+    costs = StepCosts(
+        tuple(buckets),
+        {k: tuple(v) for k, v in plain.items()},
+        {k: tuple(v) for k, v in speculative.items()},
+    )
+    log.info(
+        "adaptive speculation: step costs measured in %.1f s; break-even accept length "
+        "%.2f greedy, %.2f sampled at batch 1, %.2f / %.2f at %d",
+        time.perf_counter() - began,
+        costs.break_even(1, False),
+        costs.break_even(1, True),
+        costs.break_even(buckets[-1], False),
+        costs.break_even(buckets[-1], True),
+        buckets[-1],
+    )
     return costs
 
 

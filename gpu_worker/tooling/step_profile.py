@@ -82,9 +82,15 @@ def device_gaps(intervals: list[tuple[float, float]], short: float = SHORT_GAP_U
             run_start = start
         reach = max(reach, end)
     busy += reach - run_start
-    return DeviceGaps(busy, reach - intervals[order[0]][0], len(shorts),
-                      sum(g for g, _ in shorts), len(longs), sum(g for g, _ in longs),
-                      sorted(longs, reverse=True))  # fmt: skip
+    return DeviceGaps(
+        busy,
+        reach - intervals[order[0]][0],
+        len(shorts),
+        sum(g for g, _ in shorts),
+        len(longs),
+        sum(g for g, _ in longs),
+        sorted(longs, reverse=True),
+    )
 
 
 class KernelTrace:
@@ -107,16 +113,25 @@ class KernelTrace:
         return [(e.time_range.start, e.time_range.end) for e in kernels], {"kernel": len(kernels)}
 
 
-def profile_summary(steps: int, tracer: str, intervals: list[tuple[float, float]],
-                    records: dict[str, int]) -> dict:  # fmt: skip
+def profile_summary(
+    steps: int, tracer: str, intervals: list[tuple[float, float]], records: dict[str, int]
+) -> dict:
     """The JSON a profiled window writes: see the module docstring."""
     gaps = device_gaps(intervals)
     busy, span = gaps.busy, gaps.span
-    return {"steps": steps, "tracer": tracer, "records": records, "gpu_busy_us": busy,
-            "span_us": span, "idle_share": 1 - busy / span if span else 0.0,
-            "short_gaps": gaps.short_count, "short_gap_us": gaps.short_total,
-            "long_gaps": gaps.long_count, "long_gap_us": gaps.long_total,
-            "host_wait_share": gaps.long_total / span if span else 0.0}  # fmt: skip
+    return {
+        "steps": steps,
+        "tracer": tracer,
+        "records": records,
+        "gpu_busy_us": busy,
+        "span_us": span,
+        "idle_share": 1 - busy / span if span else 0.0,
+        "short_gaps": gaps.short_count,
+        "short_gap_us": gaps.short_total,
+        "long_gaps": gaps.long_count,
+        "long_gap_us": gaps.long_total,
+        "host_wait_share": gaps.long_total / span if span else 0.0,
+    }
 
 
 class StepProfiler:
@@ -177,12 +192,20 @@ class StepProfiler:
                 with open(self.path, "w") as f:
                     json.dump(summary, f, indent=2)
             except Exception:
-                log.exception("the profiled window of steps %d..%d was lost", self.first,
-                              self.first + self.count - 1)  # fmt: skip
+                log.exception(
+                    "the profiled window of steps %d..%d was lost",
+                    self.first,
+                    self.first + self.count - 1,
+                )
                 return
-            log.info("profiled %d steps (%s): GPU idle %.1f%% of %.1f ms (waiting for the host "
-                     "%.1f%%)", self.count, self.tracer, 100 * summary["idle_share"],
-                     summary["span_us"] / 1e3, 100 * summary["host_wait_share"])  # fmt: skip
+            log.info(
+                "profiled %d steps (%s): GPU idle %.1f%% of %.1f ms (waiting for the host %.1f%%)",
+                self.count,
+                self.tracer,
+                100 * summary["idle_share"],
+                summary["span_us"] / 1e3,
+                100 * summary["host_wait_share"],
+            )
 
 
 class StepClock:

@@ -88,8 +88,11 @@ def draft_prefill_lengths(worker: GPUWorker) -> list[int]:
     for runner in worker.draft_runner_list:
         backend = runner.attn_backend
         if isinstance(backend, TritonBackend):
-            lengths |= {n for n in range(1, MAX_ROWS + 1)
-                        if fits(n, backend.num_heads, backend.num_kv_heads)}  # fmt: skip
+            lengths |= {
+                n
+                for n in range(1, MAX_ROWS + 1)
+                if fits(n, backend.num_heads, backend.num_kv_heads)
+            }
     return sorted(lengths)
 
 
@@ -99,8 +102,7 @@ def run_warm_up(worker: GPUWorker) -> float | None:
     they took, or None where the pool or the context length is too small for them."""
     runner = worker.runner
     if runner.context_length <= LONG + PREFIX_EXTEND + 1:
-        log.info("start-up warm-up skipped: the context length is %d tokens",
-                 runner.context_length)  # fmt: skip
+        log.info("start-up warm-up skipped: the context length is %d tokens", runner.context_length)
         return None
     lengths = draft_prefill_lengths(worker)
     for rows in sorted({min(2, worker.max_running_requests), 1}, reverse=True):
@@ -108,8 +110,7 @@ def run_warm_up(worker: GPUWorker) -> float | None:
         if max(max(unpack_ids(p.slots)) for p in plans) < runner.max_total_tokens:
             break
     else:
-        log.info("start-up warm-up skipped: the KV pool holds %d tokens",
-                 runner.max_total_tokens)  # fmt: skip
+        log.info("start-up warm-up skipped: the KV pool holds %d tokens", runner.max_total_tokens)
         return None
     began = time.perf_counter()
     # The prefill graphs compiled their kernels when captured: the plans take the eager path.
@@ -135,9 +136,11 @@ def watch_compiles(on_build: Callable[[], None] | None = None) -> bool:
         return False
 
     def warn(**kwargs) -> None:
-        log.warning("Triton built a kernel while serving, so this step waited for it: %s (a "
-                    "specialization the start-up warm-up did not meet)",
-                    str(kwargs.get("repr", kwargs.get("key", "?")))[:300])  # fmt: skip
+        log.warning(
+            "Triton built a kernel while serving, so this step waited for it: %s (a "
+            "specialization the start-up warm-up did not meet)",
+            str(kwargs.get("repr", kwargs.get("key", "?")))[:300],
+        )
         if on_build is not None:
             on_build()
 

@@ -63,13 +63,12 @@ def test_token_arrays_are_little_endian_int32():
     assert codec.unpack_floats(codec.pack_floats([0.5, -1.0])) == [0.5, -1.0]
 
 
-
 @pytest.mark.parametrize("length", [0, 1, 3, 64, 65, 1000])
 def test_short_and_long_arrays_unpack_as_numpy_reads_them(length):
     """Short arrays take the memoryview path, long ones numpy's: the same values either way,
     negative ids and float specials included, and a cut buffer is refused the same way."""
     ids = [(-1) ** k * (k * 7919 % 2**31) for k in range(length)]
-    floats = [float("nan"), float("-inf"), -0.1, 1e-45, 3.4e38][: length] + [-0.5] * (length - 5)
+    floats = [float("nan"), float("-inf"), -0.1, 1e-45, 3.4e38][:length] + [-0.5] * (length - 5)
     packed_ids, packed_floats = codec.pack_ids(ids), codec.pack_floats(floats)
     assert codec.unpack_ids(packed_ids) == np.frombuffer(packed_ids, dtype="<i4").tolist() == ids
     as_numpy = np.frombuffer(packed_floats, dtype="<f4").tolist()
@@ -79,6 +78,7 @@ def test_short_and_long_arrays_unpack_as_numpy_reads_them(length):
             codec.unpack_ids(packed_ids[:-1])
         with pytest.raises(ValueError):
             codec.unpack_floats(packed_floats[:-1])
+
 
 def test_unregistered_objects_are_refused():
     with pytest.raises(codec.CodecError):

@@ -59,9 +59,14 @@ def test_bad_choice_is_refused(capsys):
 
 def _model_dir(tmp_path, with_weights=True):
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100,
-        "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "max_position_embeddings": 64, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 64,
+        "eos_token_id": 2,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     if with_weights:
@@ -128,8 +133,11 @@ def test_tensor_parallel_ranks_meet_at_a_local_port(tmp_path):
     path = _model_dir(tmp_path)
     single = resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
     assert single.parallel.dist_init_addr is None
-    cfg = resolve_config(config_from_args(["--model-path", path, "--device", "cpu",
-                                           "--tp-size", "2", "--dp-size", "3"]))  # fmt: skip
+    cfg = resolve_config(
+        config_from_args(
+            ["--model-path", path, "--device", "cpu", "--tp-size", "2", "--dp-size", "3"]
+        )
+    )
     host, port = split_host_port(cfg.parallel.dist_init_addr)
     assert host == "127.0.0.1" and 0 < port <= 65536 - 3
     for replica in range(3):  # replica d meets at port + d: each one free
@@ -153,25 +161,57 @@ def test_missing_weights_suggest_dummy(tmp_path):
 def _draft_dir(tmp_path, architecture="LlamaForCausalLMEagle"):
     draft = tmp_path / "draft"
     draft.mkdir()
-    cfg = {"architectures": [architecture], "vocab_size": 100, "hidden_size": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 2}
+    cfg = {
+        "architectures": [architecture],
+        "vocab_size": 100,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     (draft / "config.json").write_text(json.dumps(cfg))
     return str(draft)
 
 
 def test_speculative_defaults_are_a_chain(tmp_path):
     path, draft = _model_dir(tmp_path), _draft_dir(tmp_path)
-    cfg = resolve_config(config_from_args([
-        "--model-path", path, "--device", "cpu", "--speculative-algorithm", "EAGLE",
-        "--speculative-draft-model-path", draft]))
+    cfg = resolve_config(
+        config_from_args(
+            [
+                "--model-path",
+                path,
+                "--device",
+                "cpu",
+                "--speculative-algorithm",
+                "EAGLE",
+                "--speculative-draft-model-path",
+                draft,
+            ]
+        )
+    )
     spec = cfg.speculative
     assert (spec.speculative_num_steps, spec.speculative_eagle_topk) == (3, 1)
     assert spec.speculative_num_draft_tokens == 4
     assert spec.decode_alloc_len == 4
-    tree = resolve_config(config_from_args([
-        "--model-path", path, "--device", "cpu", "--speculative-algorithm", "EAGLE",
-        "--speculative-draft-model-path", draft, "--speculative-eagle-topk", "4",
-        "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"]))
+    tree = resolve_config(
+        config_from_args(
+            [
+                "--model-path",
+                path,
+                "--device",
+                "cpu",
+                "--speculative-algorithm",
+                "EAGLE",
+                "--speculative-draft-model-path",
+                draft,
+                "--speculative-eagle-topk",
+                "4",
+                "--speculative-num-steps",
+                "3",
+                "--speculative-num-draft-tokens",
+                "8",
+            ]
+        )
+    )
     assert tree.speculative.decode_alloc_len == 12  # topk * S draft scratch > ND verify nodes
     assert config_from_args([]).speculative.decode_alloc_len == 1
     plain = resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
@@ -185,16 +225,33 @@ def test_speculative_defaults_are_a_chain(tmp_path):
         (["--speculative-num-steps", "3"], "need --speculative-algorithm"),
         (["--speculative-adaptive", "off"], "--speculative-adaptive need --speculative-alg"),
         (["--speculative-algorithm", "MTP"], "has no MTP layers"),
-        (["--speculative-algorithm", "MTP", "MTPDIR", "--speculative-num-steps", "3"],
-         "needs 3 MTP layers, but there are 2"),
-        (["--speculative-algorithm", "MTP", "MTPDIR", "--speculative-eagle-topk", "2"],
-         "topk must be 1"),
+        (
+            ["--speculative-algorithm", "MTP", "MTPDIR", "--speculative-num-steps", "3"],
+            "needs 3 MTP layers, but there are 2",
+        ),
+        (
+            ["--speculative-algorithm", "MTP", "MTPDIR", "--speculative-eagle-topk", "2"],
+            "topk must be 1",
+        ),
         (["--speculative-algorithm", "EAGLE"], "needs --speculative-draft-model-path"),
-        (["--speculative-algorithm", "EAGLE", "--speculative-num-draft-tokens", "3", "DRAFT"],
-         "must be S\\+1=4"),
-        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "2",
-          "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "8", "DRAFT"],
-         "at most 1 \\+ topk \\+ \\(S-1\\)\\*topk\\^2 = 7 nodes"),
+        (
+            ["--speculative-algorithm", "EAGLE", "--speculative-num-draft-tokens", "3", "DRAFT"],
+            "must be S\\+1=4",
+        ),
+        (
+            [
+                "--speculative-algorithm",
+                "EAGLE",
+                "--speculative-eagle-topk",
+                "2",
+                "--speculative-num-steps",
+                "2",
+                "--speculative-num-draft-tokens",
+                "8",
+                "DRAFT",
+            ],
+            "at most 1 \\+ topk \\+ \\(S-1\\)\\*topk\\^2 = 7 nodes",
+        ),
         (["--speculative-algorithm", "EAGLE3", "DRAFT"], "needs a LlamaForCausalLMEagle3"),
     ],
 )
@@ -203,8 +260,10 @@ def test_impossible_speculative_shapes_are_refused(tmp_path, argv, message):
     mtp = tmp_path / "mtp"
     mtp.mkdir()
     (mtp / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 2}))
-    extra = {"DRAFT": ["--speculative-draft-model-path", draft],
-             "MTPDIR": ["--speculative-draft-model-path", str(mtp)]}
+    extra = {
+        "DRAFT": ["--speculative-draft-model-path", draft],
+        "MTPDIR": ["--speculative-draft-model-path", str(mtp)],
+    }
     argv = [a for a in argv if a not in extra] + [x for a in argv if a in extra for x in extra[a]]
     with pytest.raises(ConfigError, match=message):
         resolve_config(config_from_args(["--model-path", path, "--device", "cpu", *argv]))
@@ -214,8 +273,11 @@ def test_mtp_defaults_to_a_chain_over_the_available_layers(tmp_path):
     path = _model_dir(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
-    spec = resolve_config(config_from_args(
-        ["--model-path", path, "--device", "cpu", "--speculative-algorithm", "MTP"])).speculative
+    spec = resolve_config(
+        config_from_args(
+            ["--model-path", path, "--device", "cpu", "--speculative-algorithm", "MTP"]
+        )
+    ).speculative
     assert (spec.speculative_num_steps, spec.speculative_eagle_topk) == (2, 1)
     assert spec.speculative_num_draft_tokens == 3 and spec.speculative_draft_model_path is None
 
@@ -247,11 +309,13 @@ def test_loopback_defaults_allowed_hosts_and_the_served_model_name(tmp_path, mon
     cfg = resolve_config(config_from_args(["--model-path", path, "--device", "cpu"]))
     assert set(cfg.security.allowed_hosts.split(",")) >= {"localhost", "127.0.0.1"}
     assert cfg.server.served_model_name == os.path.basename(path)
-    named = resolve_config(config_from_args(["--model-path", path, "--device", "cpu",
-                                             "--served-model-name", "mine"]))  # fmt: skip
+    named = resolve_config(
+        config_from_args(["--model-path", path, "--device", "cpu", "--served-model-name", "mine"])
+    )
     assert named.server.served_model_name == "mine"
-    curve = resolve_config(config_from_args(["--model-path", path, "--device", "cpu",
-                                             "--zmq-curve"]))  # fmt: skip
+    curve = resolve_config(
+        config_from_args(["--model-path", path, "--device", "cpu", "--zmq-curve"])
+    )
     assert curve.security.zmq_curve_key_file.endswith("zmq_curve_secret.key")
     for cfg in (named, curve):
         os.rmdir(cfg.runtime_dir)

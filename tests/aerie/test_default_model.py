@@ -80,9 +80,16 @@ def test_config_matches_transformers_gguf_parse(model_dir: str, gguf_reference: 
         ours = json.load(f)
     ref = gguf_reference["config"]
     assert ours["architectures"] == ["LlamaForCausalLM"]
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "vocab_size",
-                "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert ours[key] == ref[key], key
     assert ours["rope_theta"] == pytest.approx(ref["rope_theta"])
     assert ours["rms_norm_eps"] == pytest.approx(ref["rms_norm_eps"])
@@ -116,7 +123,7 @@ def test_logits_match_and_greedy_continuation_is_sensible(
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref.eval()(ids).logits, atol=1e-4, rtol=1e-4)
         out = ours.generate(ids, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
 
 
 @pytest.mark.slow

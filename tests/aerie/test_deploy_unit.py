@@ -47,8 +47,12 @@ def test_the_unit_uses_notify_and_a_watchdog_longer_than_the_launchers():
 
 def test_the_unit_is_hardened():
     service = dict(_unit()["Service"])
-    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict",
-                       "ProtectHome": "yes", "PrivateTmp": "yes"}.items():  # fmt: skip
+    for key, value in {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+    }.items():
         assert service[key] == value, key
     # The GPU and Triton's generated code need these to stay off.
     assert "PrivateDevices" not in service and "MemoryDenyWriteExecute" not in service
@@ -65,9 +69,14 @@ def test_every_cache_a_server_writes_is_in_its_writable_cache_directory():
         assert environment[name].startswith(writable), name
 
 
-@pytest.mark.parametrize("env_host, key, refused", [
-    (None, None, False), ("0.0.0.0", "secret", False), ("0.0.0.0", None, True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "env_host, key, refused",
+    [
+        (None, None, False),
+        ("0.0.0.0", "secret", False),
+        ("0.0.0.0", None, True),
+    ],
+)
 def test_the_unit_binds_loopback_unless_a_key_is_set(tmp_path, monkeypatch, env_host, key, refused):
     service = _unit()["Service"]
     environment = dict(v.split("=", 1) for v in _values(service, "Environment"))

@@ -15,16 +15,29 @@ from aerie.hf_tokenizer import load_hf_tokenizer, loads_directly, tokenizer_clas
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEXTS = ["Hello, world!", "  two  spaces\nand a newline", "héllo ünïcode ✓", "<|im_start|>x",
-         "cafe\u0301"]
+TEXTS = [
+    "Hello, world!",
+    "  two  spaces\nand a newline",
+    "héllo ünïcode ✓",
+    "<|im_start|>x",
+    "cafe\u0301",
+]
 
 
 def test_the_process_modules_import_no_torch():
-    code = ("import sys, tokenizer_proc.process, detokenizer_proc.process; "
-            "heavy = ('torch', 'transformers.models.auto'); "
-            "print(sorted(m for m in heavy if m in sys.modules))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                         text=True, check=True, timeout=120)  # fmt: skip
+    code = (
+        "import sys, tokenizer_proc.process, detokenizer_proc.process; "
+        "heavy = ('torch', 'transformers.models.auto'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -40,10 +53,18 @@ def test_the_generic_fast_tokenizer_loads_as_autotokenizer_would(tmp_path, model
     write_model_type(path, model_type)
     assert tokenizer_class_name(path) in ("PreTrainedTokenizerFast", "TokenizersBackend")
     assert loads_directly(path)
-    code = ("import sys; from aerie.hf_tokenizer import load_hf_tokenizer; "
-            f"load_hf_tokenizer({path!r}); print('torch' in sys.modules)")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                         text=True, check=True, timeout=120)  # fmt: skip
+    code = (
+        "import sys; from aerie.hf_tokenizer import load_hf_tokenizer; "
+        f"load_hf_tokenizer({path!r}); print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == "False"
     got, want = load_hf_tokenizer(path), AutoTokenizer.from_pretrained(path)
     assert type(got) is type(want) and len(got) == len(want)

@@ -21,10 +21,18 @@ def default_dir(tmp_path, monkeypatch) -> str:
     """A stand-in for the converted default model (its real config, no weights needed)."""
     path = tmp_path / "SmolLM2-135M-Instruct"
     path.mkdir()
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-              "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-              "num_attention_heads": 9, "num_key_value_heads": 3,
-              "max_position_embeddings": 8192, "eos_token_id": 2}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "max_position_embeddings": 8192,
+        "eos_token_id": 2,
+    }
     (path / "config.json").write_text(json.dumps(config))
     (path / "model.safetensors").write_bytes(b"")
     monkeypatch.setattr(default_model, "ensure_default_model", lambda cache_dir=None: str(path))
@@ -36,8 +44,9 @@ def resolve(*argv: str):
     return resolve_config(config_from_args(["--device", "cpu", *argv])).speculative
 
 
-@pytest.mark.parametrize("algorithm, name, steps", [("EAGLE3", "eagle3", 3), ("EAGLE", "eagle", 3),
-                                                    ("MTP", "mtp", 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "algorithm, name, steps", [("EAGLE3", "eagle3", 3), ("EAGLE", "eagle", 3), ("MTP", "mtp", 3)]
+)
 def test_the_default_model_gets_its_shipped_draft(default_dir, algorithm, name, steps):
     spec = resolve("--speculative-algorithm", algorithm)
     assert spec.speculative_draft_model_path == os.path.join(default_model.SHIPPED_DRAFTS_DIR, name)
@@ -49,9 +58,18 @@ def test_the_default_model_gets_its_shipped_draft(default_dir, algorithm, name, 
 
 def test_an_explicit_draft_path_wins(default_dir):
     other = os.path.join(default_model.SHIPPED_DRAFTS_DIR, "eagle3")
-    spec = resolve("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", other,
-                   "--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
-                   "--speculative-num-draft-tokens", "8")  # fmt: skip
+    spec = resolve(
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        other,
+        "--speculative-num-steps",
+        "5",
+        "--speculative-eagle-topk",
+        "4",
+        "--speculative-num-draft-tokens",
+        "8",
+    )
     assert spec.speculative_draft_model_path == other and spec.speculative_num_steps == 5
     with pytest.raises(ConfigError, match="LlamaForCausalLMEagle3"):
         resolve("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", other)
@@ -73,8 +91,11 @@ def test_a_missing_shipped_draft_says_how_to_get_one(default_dir, tmp_path, monk
 
 
 def test_the_shipped_drafts_are_what_their_algorithms_load():
-    expected = {"eagle3": "LlamaForCausalLMEagle3", "eagle": "LlamaForCausalLMEagle",
-                "mtp": "LlamaForCausalLM"}  # fmt: skip
+    expected = {
+        "eagle3": "LlamaForCausalLMEagle3",
+        "eagle": "LlamaForCausalLMEagle",
+        "mtp": "LlamaForCausalLM",
+    }
     for name, architecture in expected.items():
         path = os.path.join(default_model.SHIPPED_DRAFTS_DIR, name)
         assert read_model_info(path).architecture == architecture

@@ -48,8 +48,11 @@ def overlapped_timeline(num_steps: int, gpu_us: int, host_us: dict[str, int]) ->
         ready[k] = max(launched[k], ready.get(k - 1, 0)) + gpu_us
         t = ready[k]
         ev[k].update(ready=t, launched=launched[k])
-        for name, event in (("pack", "result_out"), ("to_sched", "result_in"),
-                            ("apply", "applied")):  # fmt: skip
+        for name, event in (
+            ("pack", "result_out"),
+            ("to_sched", "result_in"),
+            ("apply", "applied"),
+        ):
             t += host_us[name]
             ev[k][event] = t
         if k + 2 <= num_steps:
@@ -95,16 +98,21 @@ def test_the_chain_finds_each_link_and_the_devices_wait():
 
 
 def test_mode_filter_and_the_files_merge(tmp_path):
-    events = overlapped_timeline(8, 1000, {"pack": 1, "to_sched": 1, "apply": 1, "plan": 1,
-                                           "to_worker": 1, "launch": 1})  # fmt: skip
+    events = overlapped_timeline(
+        8, 1000, {"pack": 1, "to_sched": 1, "apply": 1, "plan": 1, "to_worker": 1, "launch": 1}
+    )
     plans = {k: ("decode" if k != 5 else "extend", 8) for k in events}
     kept = {row["plan_id"] for row in step_chains(events, plans, "decode")}
     assert kept == {1, 2, 6}  # the chains of 3, 4 and 5 touch plan 5
     assert len(step_chains(events, plans, None)) == 6
     worker = {"ready", "launched", "result_out", "plan_in"}
     for process, names in (("gpu_worker", worker), ("scheduler", None)):
-        rows = [[e, k, t] for k, d in events.items() for e, t in d.items()
-                if (e in worker) == (names is not None)]  # fmt: skip
+        rows = [
+            [e, k, t]
+            for k, d in events.items()
+            for e, t in d.items()
+            if (e in worker) == (names is not None)
+        ]
         sent = {} if names else {str(k): list(v) for k, v in plans.items()}
         (tmp_path / f"{process}.json").write_text(json.dumps({"events": rows, "plans": sent}))
     assert load(str(tmp_path)) == (events, plans)

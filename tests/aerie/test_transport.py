@@ -70,10 +70,12 @@ def test_step_link_carries_both_ways_in_order_and_whole(tmp_path):
     worker = StepLink.listen(path)
     scheduler = StepLink.connect(path, timeout_s=2)
     assert worker.try_recv() is None and worker.connected  # the accept
-    big = ForwardPlan(plan_id=1, mode="extend", rows=pack_ids([1]),
-                      input_ids=pack_ids(list(range(700_000))))
-    sender = threading.Thread(target=lambda: [scheduler.send(m) for m in
-                                              (big, AbortRequest("x"), Shutdown("s"))])
+    big = ForwardPlan(
+        plan_id=1, mode="extend", rows=pack_ids([1]), input_ids=pack_ids(list(range(700_000)))
+    )
+    sender = threading.Thread(
+        target=lambda: [scheduler.send(m) for m in (big, AbortRequest("x"), Shutdown("s"))]
+    )
     sender.start()
     received = []
     deadline = time.monotonic() + 10

@@ -87,8 +87,11 @@ def test_long_units_of_work_are_logged_once_past_the_timeout_then_rate_limited(m
         watchdog.answered(HeartbeatAck("gpu_worker", t, STEP, float(t), 1), float(t))
         watchdog.answered(HeartbeatAck("scheduler", t), float(t))
         lines += [(t, line) for line in watchdog.reports(float(t))]
-    assert lines == [(2, f"gpu_worker: {STEP} for 2 s"), (12, f"gpu_worker: {STEP} for 12 s"),
-                     (22, f"gpu_worker: {STEP} for 22 s")]  # fmt: skip
+    assert lines == [
+        (2, f"gpu_worker: {STEP} for 2 s"),
+        (12, f"gpu_worker: {STEP} for 12 s"),
+        (22, f"gpu_worker: {STEP} for 22 s"),
+    ]
     # The next step is reported as soon as it passes the timeout.
     step = "step 18 (decode, 1 request) on the device"
     watchdog.answered(HeartbeatAck("gpu_worker", 26, step, 3.0, 2), 26.0)

@@ -19,8 +19,10 @@ CLOSE = "CLOSE"
 def chunked_sse(payloads: list[str], split: int = 0, status: str = "200 OK") -> list:
     """Script of a chunked SSE response with one chunk per `data:` event, then [DONE].
     split > 0 cuts the written bytes into pieces of that many characters."""
-    head = (f"HTTP/1.1 {status}\r\ncontent-type: text/event-stream\r\n"
-            "transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: text/event-stream\r\n"
+        "transfer-encoding: chunked\r\n\r\n"
+    )
     body = ""
     for payload in [*payloads, "[DONE]"]:
         event = f"data: {payload}\n\n"
@@ -64,8 +66,11 @@ class ScriptedServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))  # fmt: skip
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 script = json.loads(await reader.readexactly(length))["script"]
                 for delay, text in script:
                     await asyncio.sleep(delay)

@@ -38,17 +38,38 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_cli_writes_table_json_and_roofline(bench, tiny_dir: str, tmp_path, capsys) -> None:
     skip_unless_triton_runs_on("cpu")
     output = tmp_path / "decode.json"
-    argv = ["--models", tiny_dir, "--device", "cpu", "--dtype", "float32", "--prompt-len", "8",
-            "--decode-steps", "2", "--warmup-steps", "1", "--repeats", "2", "--batch-size",
-            "1,3", "--variants", "torch_native,triton,triton+graph,compiled",
-            "--bandwidth-mib", "4", "--output", str(output)]  # fmt: skip
+    argv = [
+        "--models",
+        tiny_dir,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--prompt-len",
+        "8",
+        "--decode-steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--repeats",
+        "2",
+        "--batch-size",
+        "1,3",
+        "--variants",
+        "torch_native,triton,triton+graph,compiled",
+        "--bandwidth-mib",
+        "4",
+        "--output",
+        str(output),
+    ]
     bench.main(argv)
     report = json.loads(output.read_text())
     assert "tok/s" in capsys.readouterr().out
     rows = {(r["variant"], r["batch_size"]): r for r in report["results"]}
     # compiled needs CUDA; every other variant ran at both batch sizes
-    assert set(rows) == {(v, bs) for v in ("torch_native", "triton", "triton+graph")
-                         for bs in (1, 3)}  # fmt: skip
+    assert set(rows) == {
+        (v, bs) for v in ("torch_native", "triton", "triton+graph") for bs in (1, 3)
+    }
     tensors = load_file(os.path.join(tiny_dir, "model.safetensors"))
     embed = tensors["model.embed_tokens.weight"]
     expected = sum(t.numel() for t in tensors.values()) - embed.numel() + embed.shape[1]
@@ -75,13 +96,39 @@ def test_gemv_variants_decode_the_reference_tokens(bench, tiny_dir, tmp_path, mo
     launch = sml._launch
     monkeypatch.setattr(sml, "_launch", lambda p, *a: launched.append(a[-1]) or launch(p, *a))
     output = tmp_path / "decode.json"
-    bench.main(["--models", tiny_dir, "--device", "cpu", "--dtype", "float32", "--prompt-len",
-                "6", "--decode-steps", "2", "--warmup-steps", "0", "--repeats", "1",
-                "--variants", "torch_native,library+graph", "--gemv-configs", "2,64,2;4,32,2",
-                "--bandwidth-mib", "4", "--output", str(output)])  # fmt: skip
+    bench.main(
+        [
+            "--models",
+            tiny_dir,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--prompt-len",
+            "6",
+            "--decode-steps",
+            "2",
+            "--warmup-steps",
+            "0",
+            "--repeats",
+            "1",
+            "--variants",
+            "torch_native,library+graph",
+            "--gemv-configs",
+            "2,64,2;4,32,2",
+            "--bandwidth-mib",
+            "4",
+            "--output",
+            str(output),
+        ]
+    )
     rows = {r["variant"]: r for r in json.loads(output.read_text())["results"]}
-    assert set(rows) == {"torch_native", "library+graph", "triton+graph@2,64,2",
-                         "triton+graph@4,32,2"}  # fmt: skip
+    assert set(rows) == {
+        "torch_native",
+        "library+graph",
+        "triton+graph@2,64,2",
+        "triton+graph@4,32,2",
+    }
     for r in rows.values():
         assert r["greedy_agreement_with_torch_native"] == 1.0
     assert {sml.Config(2, 64, 2), sml.Config(4, 32, 2)} <= set(launched)
@@ -90,8 +137,22 @@ def test_gemv_variants_decode_the_reference_tokens(bench, tiny_dir, tmp_path, mo
 
 @pytest.mark.parametrize("variant", ["torch_native", "triton", "triton+graph"])
 def test_decode_loop_produces_greedy_tokens(bench, tiny_dir: str, variant: str) -> None:
-    args = bench.parse_args(["--device", "cpu", "--dtype", "float32", "--prompt-len", "6",
-                             "--decode-steps", "4", "--warmup-steps", "0", "--batch-size", "2"])
+    args = bench.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--prompt-len",
+            "6",
+            "--decode-steps",
+            "4",
+            "--warmup-steps",
+            "0",
+            "--batch-size",
+            "2",
+        ]
+    )
     backend = variant.split("+")[0]
     if backend == "triton":
         skip_unless_triton_runs_on("cpu")
@@ -104,8 +165,9 @@ def test_decode_loop_produces_greedy_tokens(bench, tiny_dir: str, variant: str) 
     tokens = torch.stack(decoder.history, dim=1)
     reference = load_reference(tiny_dir)
     with torch.no_grad():
-        expected = reference.generate(prompts, max_new_tokens=5, do_sample=False,
-                                      min_new_tokens=5)[:, 6:]  # fmt: skip
+        expected = reference.generate(prompts, max_new_tokens=5, do_sample=False, min_new_tokens=5)[
+            :, 6:
+        ]
     assert tokens.tolist() == expected.tolist()
 
 
@@ -137,11 +199,37 @@ def test_two_models_with_graphs_and_the_compiled_baseline_in_one_run(tmp_path) -
         pytest.skip("needs CUDA")
     tiny = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
     out = tmp_path / "report.json"
-    subprocess.run([sys.executable, _PATH, "--models", f"{tiny},llama3-8b", "--load-format",
-                    "dummy", "--device", "cuda", "--dtype", "bfloat16", "--batch-size", "1,64",
-                    "--variants", "triton+graph,compiled", "--decode-steps", "8",
-                    "--warmup-steps", "2", "--repeats", "1", "--profile-steps", "1",
-                    "--output", str(out)], check=True, timeout=900)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            _PATH,
+            "--models",
+            f"{tiny},llama3-8b",
+            "--load-format",
+            "dummy",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--batch-size",
+            "1,64",
+            "--variants",
+            "triton+graph,compiled",
+            "--decode-steps",
+            "8",
+            "--warmup-steps",
+            "2",
+            "--repeats",
+            "1",
+            "--profile-steps",
+            "1",
+            "--output",
+            str(out),
+        ],
+        check=True,
+        timeout=900,
+    )
     report = json.loads(out.read_text())
     assert {(r["variant"], r["batch_size"]) for r in report["results"]} == {
-        (v, bs) for v in ("triton+graph", "compiled") for bs in (1, 64)}
+        (v, bs) for v in ("triton+graph", "compiled") for bs in (1, 64)
+    }

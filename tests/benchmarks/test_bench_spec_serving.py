@@ -152,8 +152,12 @@ def test_the_plot_draws_ratios_and_acceptance(tmp_path):
     ]
     assert plot_spec_serving.sum_positions([r["accepted_delta"] for r in rows]) == [20, 13, 2]
     path = tmp_path / "results.json"
-    report = {"model_path": "/m/SmolLM2/", "machine": "NVIDIA H200", "date": "2026-11-28",
-              "rows": rows}  # fmt: skip
+    report = {
+        "model_path": "/m/SmolLM2/",
+        "machine": "NVIDIA H200",
+        "date": "2026-11-28",
+        "rows": rows,
+    }
     assert plot_spec_serving.title(report) == "SmolLM2, NVIDIA H200, 2026-11-28"
     assert plot_spec_serving.title({"model_path": "/m/SmolLM2"}) == "SmolLM2"
     path.write_text(json.dumps(report))

@@ -17,23 +17,42 @@ from tests.tokenizer_fixture import make_tiny_tokenizer
 def write_questions(tmp_path, *questions: str | list[str]):
     """An MT-bench-style questions file: each question one turn (a string) or several."""
     path = tmp_path / "questions.jsonl"
-    path.write_text("\n".join(json.dumps({"turns": [q] if isinstance(q, str) else q})
-                              for q in questions))  # fmt: skip
+    path.write_text(
+        "\n".join(json.dumps({"turns": [q] if isinstance(q, str) else q}) for q in questions)
+    )
     return path
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "MTP"])
 def test_bench_speculative_reports_plain_and_speculative_rows(tmp_path, algorithm):
-    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
-                                 max_position_embeddings=512)
+    model = make_tiny_checkpoint(
+        str(tmp_path / "model"), "llama", vocab_size=384, max_position_embeddings=512
+    )
     make_tiny_tokenizer(model)
     prompts = write_questions(tmp_path, "Hello?", "Why?")
     out = tmp_path / "result.json"
-    bench_speculative.main([
-        "--model-path", model, "--load-format", "dummy", "--algorithm", algorithm,
-        "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "6",
-        "--shapes", "2,1,3", "--device", "cpu", "--output", str(out),
-    ])
+    bench_speculative.main(
+        [
+            "--model-path",
+            model,
+            "--load-format",
+            "dummy",
+            "--algorithm",
+            algorithm,
+            "--prompts",
+            str(prompts),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--shapes",
+            "2,1,3",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
+    )
     results = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in results] == ["plain", f"{algorithm} S=2 topk=1 ND=3"]
     # the same greedy tokens after each first one (which comes from prefill), at most 5 each
@@ -50,11 +69,30 @@ def test_a_draft_that_always_agrees_is_accepted_at_every_position(tmp_path):
     draft = make_agreeing_eagle_draft(str(tmp_path / "agreeing"), target)
     prompts = write_questions(tmp_path, "Hello?", "Why not?")
     out = tmp_path / "result.json"
-    bench_speculative.main([
-        "--model-path", target, "--algorithm", "EAGLE", "--draft-path", draft,
-        "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "13",
-        "--shapes", "3,1,4", "--temperatures", "0", "--device", "cpu", "--output", str(out),
-    ])  # fmt: skip
+    bench_speculative.main(
+        [
+            "--model-path",
+            target,
+            "--algorithm",
+            "EAGLE",
+            "--draft-path",
+            draft,
+            "--prompts",
+            str(prompts),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "13",
+            "--shapes",
+            "3,1,4",
+            "--temperatures",
+            "0",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
+    )
     plain, spec = json.loads(out.read_text())["results"]
     assert spec["decode_tokens"] == plain["decode_tokens"] == 2 * 12
     assert spec["accept_length"] == 4.0 and spec["accept_per_position"] == [1.0, 1.0, 1.0]
@@ -83,12 +121,32 @@ def test_later_turns_follow_the_runs_own_earlier_answers(tmp_path, monkeypatch, 
     draft = make_agreeing_eagle_draft(str(tmp_path / "agreeing"), target)
     questions = [["Hello?", "And then?"], ["Why not?"]]
     out = tmp_path / "result.json"
-    bench_speculative.main([
-        "--model-path", target, "--algorithm", "EAGLE", "--draft-path", draft,
-        "--prompts", str(write_questions(tmp_path, *questions)), "--num-prompts", "2",
-        "--max-new-tokens", "9", "--shapes", "3,1,4", "--temperatures", "0,0.5",
-        "--device", "cpu", "--turns", str(turns), "--output", str(out),
-    ])  # fmt: skip
+    bench_speculative.main(
+        [
+            "--model-path",
+            target,
+            "--algorithm",
+            "EAGLE",
+            "--draft-path",
+            draft,
+            "--prompts",
+            str(write_questions(tmp_path, *questions)),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "9",
+            "--shapes",
+            "3,1,4",
+            "--temperatures",
+            "0,0.5",
+            "--device",
+            "cpu",
+            "--turns",
+            str(turns),
+            "--output",
+            str(out),
+        ]
+    )
     tokenizer = Tokenizer(target)
     asked = [q[:turns] for q in questions]
     per_run = 1 + sum(len(q) for q in asked)  # a warm-up, then every turn
@@ -129,37 +187,68 @@ def test_rows_are_written_as_they_finish(tmp_path, monkeypatch):
             raise RuntimeError("cut short")
         return engine(config)
 
-    monkeypatch.setattr(bench_speculative, "Engine", plain_only)
-    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
-                                 max_position_embeddings=512)
+    monkeypatch.setattr(spec_requests, "Engine", plain_only)
+    model = make_tiny_checkpoint(
+        str(tmp_path / "model"), "llama", vocab_size=384, max_position_embeddings=512
+    )
     make_tiny_tokenizer(model)
     out = tmp_path / "result.json"
     with pytest.raises(RuntimeError, match="cut short"):
-        bench_speculative.main([
-            "--model-path", model, "--load-format", "dummy", "--algorithm", "EAGLE",
-            "--prompts", str(write_questions(tmp_path, "Hello?")), "--num-prompts", "1",
-            "--max-new-tokens", "4", "--shapes", "2,1,3", "--temperatures", "0,0.5",
-            "--device", "cpu", "--output", str(out),
-        ])  # fmt: skip
+        bench_speculative.main(
+            [
+                "--model-path",
+                model,
+                "--load-format",
+                "dummy",
+                "--algorithm",
+                "EAGLE",
+                "--prompts",
+                str(write_questions(tmp_path, "Hello?")),
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--shapes",
+                "2,1,3",
+                "--temperatures",
+                "0,0.5",
+                "--device",
+                "cpu",
+                "--output",
+                str(out),
+            ]
+        )
     rows = json.loads(out.read_text())["results"]
     assert [(r["mode"], r["temperature"]) for r in rows] == [("plain", 0.0), ("plain", 0.5)]
 
 
-@pytest.mark.parametrize("turns, questions, message", [
-    (0, ["Hello?"], "--turns must be at least 1"),
-    (2, [["Hello?"], []], "every question needs at least one turn"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "turns, questions, message",
+    [
+        (0, ["Hello?"], "--turns must be at least 1"),
+        (2, [["Hello?"], []], "every question needs at least one turn"),
+    ],
+)
 def test_bad_turns_are_refused_with_a_message(tmp_path, capsys, turns, questions, message):
     with pytest.raises(SystemExit):
-        bench_speculative.main([
-            "--model-path", str(tmp_path), "--prompts", str(write_questions(tmp_path, *questions)),
-            "--turns", str(turns), "--device", "cpu",
-        ])  # fmt: skip
+        bench_speculative.main(
+            [
+                "--model-path",
+                str(tmp_path),
+                "--prompts",
+                str(write_questions(tmp_path, *questions)),
+                "--turns",
+                str(turns),
+                "--device",
+                "cpu",
+            ]
+        )
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("algorithm, shapes, fused_rows",
-                         [("EAGLE3", "2,1,3 2,2,4", ""), ("MTP", "2,1,3", "1,4")])  # fmt: skip
+@pytest.mark.parametrize(
+    "algorithm, shapes, fused_rows", [("EAGLE3", "2,1,3 2,2,4", ""), ("MTP", "2,1,3", "1,4")]
+)
 def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, shapes, fused_rows):
     """--mode iteration: a row per shape and batch size (and value of --fused-rows, restored
     after); the constructed always-agreeing draft is accepted in full (S+1 tokens per request
@@ -167,19 +256,41 @@ def test_iteration_mode_times_random_and_agreeing_drafts(tmp_path, algorithm, sh
     from gpu_worker.kernels import pdl
 
     default_rows = pdl.MAX_ROWS
-    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
-                                 max_position_embeddings=512)
+    model = make_tiny_checkpoint(
+        str(tmp_path / "model"), "llama", vocab_size=384, max_position_embeddings=512
+    )
     out = tmp_path / "result.json"
-    bench_speculative.main([
-        "--mode", "iteration", "--model-path", model, "--load-format", "dummy",
-        "--algorithm", algorithm, "--shapes", shapes, "--batch-sizes", "1,3",
-        "--context-len", "12", "--iters", "2", "--device", "cpu", "--output", str(out),
-        "--fused-rows", fused_rows,
-    ])  # fmt: skip
+    bench_speculative.main(
+        [
+            "--mode",
+            "iteration",
+            "--model-path",
+            model,
+            "--load-format",
+            "dummy",
+            "--algorithm",
+            algorithm,
+            "--shapes",
+            shapes,
+            "--batch-sizes",
+            "1,3",
+            "--context-len",
+            "12",
+            "--iters",
+            "2",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+            "--fused-rows",
+            fused_rows,
+        ]
+    )
     rows = json.loads(out.read_text())["results"]
     values = [int(n) for n in fused_rows.split(",")] if fused_rows else [default_rows]
     assert [(r["fused_rows"], r["mode"].split()[2], r["batch_size"]) for r in rows] == [
-        (n, f"topk={s.split(',')[1]}", bs) for n in values for s in shapes.split() for bs in (1, 3)]
+        (n, f"topk={s.split(',')[1]}", bs) for n in values for s in shapes.split() for bs in (1, 3)
+    ]
     assert pdl.MAX_ROWS == default_rows  # restored
     for r in rows:
         assert r["agreeing_tokens_per_iteration"] == 3  # S + 1
@@ -197,18 +308,42 @@ def test_iteration_mode_at_a_temperature_samples_in_the_accept_stage(tmp_path, m
 
     variants = []
     pick = SpeculativeWorker.accept_variant
-    monkeypatch.setattr(SpeculativeWorker, "accept_variant",
-                        lambda self, *a: variants.append(pick(self, *a)) or variants[-1])
-    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
-                                 max_position_embeddings=512)
+    monkeypatch.setattr(
+        SpeculativeWorker,
+        "accept_variant",
+        lambda self, *a: variants.append(pick(self, *a)) or variants[-1],
+    )
+    model = make_tiny_checkpoint(
+        str(tmp_path / "model"), "llama", vocab_size=384, max_position_embeddings=512
+    )
     for temperature in ("0.8", "0"):
         variants.clear()
-        bench_speculative.main([
-            "--mode", "iteration", "--model-path", model, "--load-format", "dummy",
-            "--algorithm", "EAGLE3", "--shapes", "2,1,3", "--batch-sizes", "1",
-            "--context-len", "12", "--iters", "2", "--device", "cpu", "--temperature", temperature,
-            "--output", str(tmp_path / "result.json"),
-        ])  # fmt: skip
+        bench_speculative.main(
+            [
+                "--mode",
+                "iteration",
+                "--model-path",
+                model,
+                "--load-format",
+                "dummy",
+                "--algorithm",
+                "EAGLE3",
+                "--shapes",
+                "2,1,3",
+                "--batch-sizes",
+                "1",
+                "--context-len",
+                "12",
+                "--iters",
+                "2",
+                "--device",
+                "cpu",
+                "--temperature",
+                temperature,
+                "--output",
+                str(tmp_path / "result.json"),
+            ]
+        )
         assert set(variants) == ({"sample"} if temperature != "0" else {None})
         stages = json.loads((tmp_path / "result.json").read_text())["results"][0]["stages"]
         assert (stages["accept_ms"] > 0) is (temperature != "0")  # the accept stage timed
@@ -222,10 +357,16 @@ def test_iteration_steps_are_timed_two_in_flight_as_served(tmp_path, monkeypatch
 
     from gpu_worker.worker import GPUWorker
 
-    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=384,
-                                 max_position_embeddings=512)
-    args = argparse.Namespace(model_path=model, device="cpu", dtype="float32",
-                              load_format="dummy", attention_backend="auto")  # fmt: skip
+    model = make_tiny_checkpoint(
+        str(tmp_path / "model"), "llama", vocab_size=384, max_position_embeddings=512
+    )
+    args = argparse.Namespace(
+        model_path=model,
+        device="cpu",
+        dtype="float32",
+        load_format="dummy",
+        attention_backend="auto",
+    )
     config = bench_speculative.iteration_config(args, None, None, 2)
     replay = iteration_timing.Replayer(GPUWorker(config), config, 2, 12)
     calls = []

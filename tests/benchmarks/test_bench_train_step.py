@@ -31,20 +31,56 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run(bench, tiny_dir: str, output, *extra: str) -> int:
-    return bench.main(["--model", tiny_dir, "--device", "cpu", "--algorithms", "eagle3,mtp",
-                       "--shapes", "2x64", "--steps", "2", "--warmup", "1",
-                       "--losses", "reference,fused", "--output", str(output), *extra])  # fmt: skip
+    return bench.main(
+        [
+            "--model",
+            tiny_dir,
+            "--device",
+            "cpu",
+            "--algorithms",
+            "eagle3,mtp",
+            "--shapes",
+            "2x64",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--losses",
+            "reference,fused",
+            "--output",
+            str(output),
+            *extra,
+        ]
+    )
 
 
-def test_every_algorithm_and_loss_variant_is_timed_on_the_same_rows(bench, tiny_dir, tmp_path,
-                                                                    capsys):  # fmt: skip
+def test_every_algorithm_and_loss_variant_is_timed_on_the_same_rows(
+    bench, tiny_dir, tmp_path, capsys
+):
     output = tmp_path / "steps.json"
-    assert run(bench, tiny_dir, output, "--profile-steps", "1", "--windows", "on,off",
-               "--prompt-frac", "0.5", "--prompt-spread", "0.3") == 0  # fmt: skip
+    assert (
+        run(
+            bench,
+            tiny_dir,
+            output,
+            "--profile-steps",
+            "1",
+            "--windows",
+            "on,off",
+            "--prompt-frac",
+            "0.5",
+            "--prompt-spread",
+            "0.3",
+        )
+        == 0
+    )
     results = json.loads(output.read_text())
     assert [(r["algorithm"], r["loss"], r["window"]) for r in results] == [
-        (algorithm, loss, window) for algorithm in ("eagle3", "mtp")
-        for loss in ("reference", "fused") for window in ("on", "off")]  # fmt: skip
+        (algorithm, loss, window)
+        for algorithm in ("eagle3", "mtp")
+        for loss in ("reference", "fused")
+        for window in ("on", "off")
+    ]
     for r in results:
         assert r["step_ms"] > r["target_ms"] > 0 and r["learned_tokens_per_s"] > 0
         assert len(r["acc"]) == {"eagle3": 7, "mtp": 3}[r["algorithm"]]  # default depths
@@ -66,7 +102,10 @@ def test_variants_that_disagree_fail_the_run(bench, tiny_dir, tmp_path, monkeypa
     monkeypatch.setattr(bench, "measure", drifting)
     assert run(bench, tiny_dir, tmp_path / "steps.json") == 1
     assert "different losses" in capsys.readouterr().out
-    for bad in (["--losses", "fused,referense"], ["--windows", "of"],
-                ["--prompt-frac", "0.3", "--prompt-spread", "0.4"]):  # fmt: skip
+    for bad in (
+        ["--losses", "fused,referense"],
+        ["--windows", "of"],
+        ["--prompt-frac", "0.3", "--prompt-spread", "0.4"],
+    ):
         with pytest.raises(SystemExit):
             bench.main(["--model", tiny_dir, *bad])

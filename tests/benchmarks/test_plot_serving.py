@@ -8,13 +8,22 @@ from benchmarks.plot_serving import series
 
 
 def row(algorithm: str, concurrency: int, **extra) -> dict:
-    return {"algorithm": algorithm, "overlap": True, "concurrency": concurrency,
-            "output_tok_s": 10.0 + len(str(concurrency)), **extra}  # fmt: skip
+    return {
+        "algorithm": algorithm,
+        "overlap": True,
+        "concurrency": concurrency,
+        "output_tok_s": 10.0 + len(str(concurrency)),
+        **extra,
+    }
 
 
 def test_a_speculative_line_names_its_draft():
-    rows = [row("plain", 4), row("plain", 1), row("EAGLE3", 1, draft="shipped draft"),
-            row("plain", "poisson32")]  # fmt: skip
+    rows = [
+        row("plain", 4),
+        row("plain", 1),
+        row("EAGLE3", 1, draft="shipped draft"),
+        row("plain", "poisson32"),
+    ]
     assert series(rows, "output_tok_s") == {
         "plain, overlap on": ([1, 4], [11.0, 11.0]),
         "EAGLE3 (shipped draft), overlap on": ([1], [11.0]),

@@ -26,11 +26,20 @@ from tests.benchmarks.sse_server import CLOSE, ScriptedServer, chunked_sse
 TRICKY = 'a "meta_info": {"completion_tokens": 99} \\" \n 世界 🙂'
 
 
-def native(text: str, tokens: int, accept: float | None = None, index: int | None = None,
-           compact: bool = False) -> str:  # fmt: skip
+def native(
+    text: str,
+    tokens: int,
+    accept: float | None = None,
+    index: int | None = None,
+    compact: bool = False,
+) -> str:
     """A native event; compact: without spaces and spec_accept_length (as SGLang writes it)."""
-    meta = {"id": 'x"meta_info": "completion_tokens": 1', "completion_tokens": tokens,
-            "spec_accept_length": accept, "output_token_logprobs": [[-0.5, 1, None]] * tokens}
+    meta = {
+        "id": 'x"meta_info": "completion_tokens": 1',
+        "completion_tokens": tokens,
+        "spec_accept_length": accept,
+        "output_token_logprobs": [[-0.5, 1, None]] * tokens,
+    }
     if compact:
         del meta["spec_accept_length"]
     event = {"text": text, "output_ids": list(range(tokens)), "meta_info": meta}
@@ -48,18 +57,34 @@ def openai(text: str, usage: int | None = None) -> str:
 def full_parse(data: str) -> tuple:
     """The fields read the slow way, as the client read every event before."""
     event = json.loads(data)
-    meta, usage, choices = event.get("meta_info") or {}, event.get("usage") or {}, event.get(
-        "choices") or []  # fmt: skip
+    meta, usage, choices = (
+        event.get("meta_info") or {},
+        event.get("usage") or {},
+        event.get("choices") or [],
+    )
     has_text = bool(event.get("text") or (choices and choices[0].get("text")))
-    return has_text, usage.get("completion_tokens") or meta.get("completion_tokens"), meta.get(
-        "spec_accept_length")  # fmt: skip
+    return (
+        has_text,
+        usage.get("completion_tokens") or meta.get("completion_tokens"),
+        meta.get("spec_accept_length"),
+    )
 
 
-@pytest.mark.parametrize("data", [
-    native(TRICKY, 7, 1.75), native("", 2), native('"', 3, index=1), native("x", 0),
-    native(TRICKY, 4, compact=True), native("", 1, compact=True),
-    openai("hi"), openai(""), openai("", usage=12), '{"error": {"code": 500}}',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "data",
+    [
+        native(TRICKY, 7, 1.75),
+        native("", 2),
+        native('"', 3, index=1),
+        native("x", 0),
+        native(TRICKY, 4, compact=True),
+        native("", 1, compact=True),
+        openai("hi"),
+        openai(""),
+        openai("", usage=12),
+        '{"error": {"code": 500}}',
+    ],
+)
 def test_event_fields_read_what_a_full_parse_reads(data):
     assert event_fields(data.encode()) == full_parse(data)
 
@@ -85,9 +110,20 @@ def test_token_itl_spreads_each_gap_over_its_tokens_and_carries_empty_gaps():
 def test_summary_keeps_its_keys_and_adds_the_per_token_itl():
     results = [RequestResult(4, 5, True, ttft=0.1, latency=0.5, itl=[0.2, 0.2], itl_tokens=[1, 3])]
     summary = bench_serving.summarize(results, 1.0, None)
-    old_keys = {"completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
-                "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms",
-                "e2e_latency_ms", "mean_accept_length"}  # fmt: skip
+    old_keys = {
+        "completed",
+        "failed",
+        "duration_s",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "ttft_ms",
+        "itl_ms",
+        "tpot_ms",
+        "e2e_latency_ms",
+        "mean_accept_length",
+    }
     assert set(summary) == old_keys | {"token_itl_ms"}
     assert summary["itl_ms"]["median"] == pytest.approx(200.0)
     assert summary["token_itl_ms"]["mean"] == pytest.approx((200 + 3 * 200 / 3) / 4)
@@ -117,15 +153,20 @@ def test_client_reads_events_split_anywhere_and_reuses_the_connection():
 
 def test_client_reads_a_content_length_body_and_reports_errors():
     event = f"data: {native('ok', 1)}\n\n"
-    sized = [[0.0, "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                   f"content-length: {len(event.encode())}\r\n\r\n{event}"]]  # fmt: skip
+    sized = [
+        [
+            0.0,
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            f"content-length: {len(event.encode())}\r\n\r\n{event}",
+        ]
+    ]
     refused = [[0.0, 'HTTP/1.1 503 Service Unavailable\r\ncontent-length: 11\r\n\r\n{"error": 1}']]
     cut = chunked_sse([native("a", 1), native("ab", 2)])[0][1]
     with ScriptedServer() as server:
         loads = [payload(sized), payload(refused), payload([[0.0, cut[:-40]], [0.0, CLOSE]])]
         results, _ = uvloop.run(run_load(server.url, loads, math.inf, 1, 0))
     assert results[0].success and results[0].output_len == 1
-    assert not results[1].success and results[1].error.startswith("HTTP 503: b'{\"error\": 1")
+    assert not results[1].success and results[1].error.startswith('HTTP 503: b\'{"error": 1')
     assert not results[2].success and "ConnectionResetError" in results[2].error
 
 

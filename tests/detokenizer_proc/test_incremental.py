@@ -202,11 +202,14 @@ def test_the_direct_decoder_is_the_tokenizers_decode(tokenizer):
     special = list(tokenizer.all_special_ids)
     rng = random.Random(0)
     for _ in range(200):
-        ids = [rng.choice(special) if rng.random() < 0.15 else rng.randrange(len(tokenizer))
-               for _ in range(rng.randrange(0, 12))]  # fmt: skip
+        ids = [
+            rng.choice(special) if rng.random() < 0.15 else rng.randrange(len(tokenizer))
+            for _ in range(rng.randrange(0, 12))
+        ]
         for skip in (True, False):
-            expected = tokenizer.decode(ids, skip_special_tokens=skip,
-                                        clean_up_tokenization_spaces=False)  # fmt: skip
+            expected = tokenizer.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+            )
             assert decoder(ids, skip) == expected
 
     class OwnDecode(type(tokenizer)):

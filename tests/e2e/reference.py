@@ -24,10 +24,13 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> lis
     model = _load(model_dir)
     ids = torch.tensor([prompt_ids])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=None,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
     )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 NUM_REQUESTS = 16
@@ -72,8 +75,10 @@ def _generate_all(url: str, requests: list[tuple[list[int], int]]) -> list[dict]
 def _generate_batch(url: str, requests: list[tuple[list[int], int]]) -> list[dict]:
     """All requests in one /generate batch: they reach the scheduler together, whatever the
     load on the machine running the test (separate HTTP requests can arrive spread out)."""
-    body = {"input_ids": [ids for ids, _ in requests],
-            "sampling_params": [_greedy(max_new) for _, max_new in requests]}  # fmt: skip
+    body = {
+        "input_ids": [ids for ids, _ in requests],
+        "sampling_params": [_greedy(max_new) for _, max_new in requests],
+    }
     outputs = _post_generate(url, body)
     return [_full_length(out, n) for out, (_, n) in zip(outputs, requests, strict=True)]
 

@@ -70,7 +70,10 @@ class Server:
         )
         cmd = [sys.executable, "launch.py", "--port", "0", *device_args(), *args]
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            cmd,
+            cwd=REPO_ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
         self._wait_healthy(startup_timeout_s)

@@ -32,9 +32,21 @@ def test_a_child_that_fails_to_start_is_named(tiny_model_dirs):
         holder.listen()
         port = holder.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "launch.py", "--device", "cpu", "--port", str(port),
-             "--zmq-port", "0", *_tiny_args(tiny_model_dirs)],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "launch.py",
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+                "--zmq-port",
+                "0",
+                *_tiny_args(tiny_model_dirs),
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert result.returncode == 1
     assert "the tokenizer process failed to start" in result.stderr
@@ -44,7 +56,10 @@ def test_a_child_that_fails_to_start_is_named(tiny_model_dirs):
 def test_impossible_flags_exit_2_with_a_message():
     result = subprocess.run(
         [sys.executable, "launch.py", "--model-path", "/nonexistent/model"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "error: --model-path '/nonexistent/model' is not a directory" in result.stderr
@@ -67,8 +82,15 @@ def test_sigterm_drains_running_requests(tiny_model_dirs):
         counts: list[int] = []
 
         def stream_one(i: int) -> None:
-            body = {"input_ids": [5 + i, 6, 7], "stream": True, "sampling_params": {
-                "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            body = {
+                "input_ids": [5 + i, 6, 7],
+                "stream": True,
+                "sampling_params": {
+                    "max_new_tokens": max_new,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
             last = None
             with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
                 lines = r.iter_lines()
@@ -78,7 +100,7 @@ def test_sigterm_drains_running_requests(tiny_model_dirs):
                 started.wait()
                 for line in lines:
                     if line.startswith("data: {"):
-                        last = json.loads(line[len("data: "):])
+                        last = json.loads(line[len("data: ") :])
             counts.append(last["meta_info"]["completion_tokens"])
 
         threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(num_streams)]
@@ -101,8 +123,11 @@ def test_sigterm_drains_running_requests(tiny_model_dirs):
 
 def test_second_signal_stops_at_once_without_traceback(tiny_model_dirs):
     with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
-        body = {"input_ids": [5, 6], "stream": True, "sampling_params": {
-            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "input_ids": [5, 6],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+        }
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
             next(r.iter_lines())  # a request is running, so the first signal drains
             server.proc.send_signal(signal.SIGTERM)
@@ -170,8 +195,10 @@ def _interpreted_triton(tiny_model_dirs) -> tuple[tuple[str, ...], dict[str, str
 
 
 def _prompt(num_tokens: int) -> dict:
-    return {"input_ids": list(range(5, 5 + num_tokens)), "sampling_params": {
-        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    return {
+        "input_ids": list(range(5, 5 + num_tokens)),
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+    }
 
 
 def _step(num_tokens: int) -> str:

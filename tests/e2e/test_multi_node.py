@@ -43,8 +43,16 @@ class WorkerNode:
 
 
 def node_args(model_dir: str) -> list[str]:
-    return ["--model-path", model_dir, "--nnodes", "2", "--tp-size", "2",
-            "--dist-init-addr", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    return [
+        "--model-path",
+        model_dir,
+        "--nnodes",
+        "2",
+        "--tp-size",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{free_port()}",
+    ]
 
 
 def test_two_nodes_serve_and_node_one_follows_node_zero_down(tiny_model_dirs):

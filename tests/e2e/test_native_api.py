@@ -15,24 +15,32 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0}
 
 def test_generate_text_batch_and_stream_agree(default_server):
     url = default_server.url
-    single = httpx.post(url + "/generate", json={"text": "Hello, my name is",
-                                                 "sampling_params": GREEDY}, timeout=60).json()
+    single = httpx.post(
+        url + "/generate", json={"text": "Hello, my name is", "sampling_params": GREEDY}, timeout=60
+    ).json()
     meta = single["meta_info"]
     assert meta["completion_tokens"] == len(single["output_ids"]) > 0
     assert meta["prompt_tokens"] > 0 and meta["e2e_latency"] > 0 and meta["id"]
     assert meta["finish_reason"]["type"] in ("stop", "length")
 
-    batch = httpx.post(url + "/generate", json={"text": ["Hello, my name is", "2 + 2 ="],
-                                                "sampling_params": GREEDY}, timeout=60).json()
+    batch = httpx.post(
+        url + "/generate",
+        json={"text": ["Hello, my name is", "2 + 2 ="], "sampling_params": GREEDY},
+        timeout=60,
+    ).json()
     assert isinstance(batch, list) and len(batch) == 2
     assert batch[0]["output_ids"] == single["output_ids"]
 
     events = []
-    with httpx.stream("POST", url + "/generate", json={"text": "Hello, my name is",
-                      "sampling_params": GREEDY, "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        url + "/generate",
+        json={"text": "Hello, my name is", "sampling_params": GREEDY, "stream": True},
+        timeout=60,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["text"] == single["text"] and last["output_ids"] == single["output_ids"]
@@ -53,9 +61,9 @@ def test_zmq_client_matches_http(default_server):
     async def many():
         client = AsyncClient(default_server.zmq_address)
         try:
-            return await asyncio.gather(*[
-                client.generate(text="The sky is", sampling_params=GREEDY) for _ in range(4)
-            ])
+            return await asyncio.gather(
+                *[client.generate(text="The sky is", sampling_params=GREEDY) for _ in range(4)]
+            )
         finally:
             client.close()
 
@@ -91,8 +99,10 @@ BAD_BODIES = [
     ("/v1/completions", {"model": "x", "prompt": "hi", "temperature": "hot"}),
     ("/v1/completions", {"model": "x", "prompt": ""}),
     ("/v1/chat/completions", {"model": "x", "messages": "hello"}),
-    ("/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
-                              "max_tokens": -3}),
+    (
+        "/v1/chat/completions",
+        {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3},
+    ),
 ]
 
 
@@ -108,8 +118,12 @@ def test_bad_input_gets_a_clear_4xx(default_server, path, body):
 @pytest.mark.parametrize("raw", [b"", b"{not json", b"[1, 2]", b"null"])
 def test_malformed_json_gets_400(default_server, raw):
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
-        r = httpx.post(default_server.url + path, content=raw,
-                       headers={"content-type": "application/json"}, timeout=30)
+        r = httpx.post(
+            default_server.url + path,
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
         assert r.status_code == 400, (path, raw, r.text)
         assert "error" in r.json()
 

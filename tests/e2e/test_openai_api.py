@@ -27,7 +27,8 @@ def test_chat_completion_answers_with_usage(client):
     r = client.chat.completions.create(
         model=_model(client),
         messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0,
+        max_tokens=24,
+        temperature=0,
     )
     choice = r.choices[0]
     assert choice.message.role == "assistant"
@@ -50,8 +51,12 @@ def test_completion_max_tokens_gives_length(client):
 def test_stream_equals_non_stream_at_temperature_zero(client, kind):
     model = _model(client)
     if kind == "chat":
-        kwargs = dict(model=model, messages=[{"role": "user", "content": "Name three colors."}],
-                      max_completion_tokens=30, temperature=0)
+        kwargs = dict(
+            model=model,
+            messages=[{"role": "user", "content": "Name three colors."}],
+            max_completion_tokens=30,
+            temperature=0,
+        )
         full = client.chat.completions.create(**kwargs).choices[0].message.content
         chunks = client.chat.completions.create(
             **kwargs, stream=True, stream_options={"include_usage": True}
@@ -62,8 +67,9 @@ def test_stream_equals_non_stream_at_temperature_zero(client, kind):
                 usage = chunk.usage
             parts += [c.delta.content or "" for c in chunk.choices]
     else:
-        kwargs = dict(model=model, prompt="The three primary colors are", max_tokens=30,
-                      temperature=0)
+        kwargs = dict(
+            model=model, prompt="The three primary colors are", max_tokens=30, temperature=0
+        )
         full = client.completions.create(**kwargs).choices[0].text
         chunks = client.completions.create(
             **kwargs, stream=True, stream_options={"include_usage": True}
@@ -79,9 +85,13 @@ def test_stream_equals_non_stream_at_temperature_zero(client, kind):
 
 def test_stop_string_ends_and_is_trimmed(client):
     model = _model(client)
-    base = client.completions.create(
-        model=model, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0
-    ).choices[0].text
+    base = (
+        client.completions.create(
+            model=model, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0
+        )
+        .choices[0]
+        .text
+    )
     assert " 5" in base, base  # the model counts on; the stop below must cut before it
     r = client.completions.create(
         model=model, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0, stop=[" 5"]
@@ -90,17 +100,28 @@ def test_stop_string_ends_and_is_trimmed(client):
     assert r.choices[0].finish_reason == "stop"
     assert " 5" not in text and base.startswith(text)
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(
-            model=model, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0, stop=[" 5"],
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model,
+            prompt="Count: 1, 2, 3,",
+            max_tokens=20,
+            temperature=0,
+            stop=[" 5"],
             stream=True,
-        ) if c.choices
+        )
+        if c.choices
     )
     assert streamed == text
 
 
 def test_seed_makes_sampling_reproducible(client):
-    kwargs = dict(model=_model(client), prompt="My favourite food is", max_tokens=16,
-                  temperature=1.0, seed=1234)
+    kwargs = dict(
+        model=_model(client),
+        prompt="My favourite food is",
+        max_tokens=16,
+        temperature=1.0,
+        seed=1234,
+    )
     a = client.completions.create(**kwargs).choices[0].text
     b = client.completions.create(**kwargs).choices[0].text
     assert a == b

@@ -11,6 +11,7 @@ from tests.e2e.server import Server
 
 pytestmark = pytest.mark.e2e
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("chunk, page", [(4, 1), (16, 4)])
 def test_tiny_models_match_transformers(tiny_model_dirs, arch, chunk, page):
@@ -33,8 +34,18 @@ def test_retraction_keeps_outputs_unchanged(tiny_model_dirs):
     positions (476 in all; the largest needs 46): 5-8 retractions per run, measured on 2 busy
     cores. 160 positions and separate HTTP requests retracted 0-2 times, so CI once saw none."""
     path = tiny_model_dirs["llama"]
-    args = ("--model-path", path, "--max-total-tokens", "96", "--page-size", "4",
-            "--chunked-prefill-size", "16", "--schedule-conservativeness", "0")
+    args = (
+        "--model-path",
+        path,
+        "--max-total-tokens",
+        "96",
+        "--page-size",
+        "4",
+        "--chunked-prefill-size",
+        "16",
+        "--schedule-conservativeness",
+        "0",
+    )
     with Server(*args) as server:
         _check_parity(path, server.url, vocab=320, seed=7, one_batch=True)
         stats = httpx.get(server.url + "/server_info", timeout=10).json()
@@ -47,8 +58,16 @@ def test_triton_backend_in_the_interpreter_matches_transformers(tiny_model_dirs,
     """The launched server with --attention-backend triton on CPU (Triton's interpreter, which
     the test run switches on): every Triton kernel end to end, through the padded graph path."""
     path = tiny_model_dirs[arch]
-    args = ("--model-path", path, "--attention-backend", "triton", "--chunked-prefill-size", "16",
-            "--page-size", "4")  # fmt: skip
+    args = (
+        "--model-path",
+        path,
+        "--attention-backend",
+        "triton",
+        "--chunked-prefill-size",
+        "16",
+        "--page-size",
+        "4",
+    )
     with Server(*args) as server:
         info = httpx.get(server.url + "/server_info", timeout=10).json()
         assert info["attention_backend"] == "triton" and info["cuda_graph_max_bs"] > 0

@@ -98,8 +98,11 @@ def test_a_rid_reused_right_after_its_abort_gets_its_own_output(server, transpor
     from aerie.client import Client
 
     short = {"max_new_tokens": 8, "temperature": 0}
-    expected = httpx.post(server.url + "/generate", timeout=60, json={
-        "input_ids": [9, 8, 7], "sampling_params": short}).json()["output_ids"]  # fmt: skip
+    expected = httpx.post(
+        server.url + "/generate",
+        timeout=60,
+        json={"input_ids": [9, 8, 7], "sampling_params": short},
+    ).json()["output_ids"]
     for attempt in range(5):
         rid = f"reused-{transport}-{attempt}"
         if transport == "http":
@@ -107,8 +110,11 @@ def test_a_rid_reused_right_after_its_abort_gets_its_own_output(server, transpor
             with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
                 lines = r.iter_lines()
                 next(lines)  # running; leaving the block disconnects, which aborts it
-            again = httpx.post(server.url + "/generate", timeout=60, json={
-                "input_ids": [9, 8, 7], "sampling_params": short, "rid": rid}).json()  # fmt: skip
+            again = httpx.post(
+                server.url + "/generate",
+                timeout=60,
+                json={"input_ids": [9, 8, 7], "sampling_params": short, "rid": rid},
+            ).json()
         else:
             with Client(server.zmq_address) as client:
                 for _ in client.stream(input_ids=[5, 6], sampling_params=LONG, rid=rid):
@@ -124,14 +130,19 @@ def test_bad_input_on_the_real_tokenizer_is_a_400(server):
     """A lone surrogate used to reach the tokenizer (500, connection reset); a seed beyond 64
     bits the msgpack codec (500); top_p or repetition_penalty 1e-50 the worker, where float32
     made it 0: NaN logprobs, a 500 (not JSON compliant)."""
-    for body in (b'{"text": "a\\ud800"}',
-                 b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}',
-                 b'{"text": "a", "sampling_params": {"temperature": 1e999}}',
-                 b'{"text": "a", "return_logprob": true, "sampling_params": {"top_p": 1e-50}}',
-                 b'{"text": "a", "return_logprob": true, "sampling_params": '
-                 b'{"repetition_penalty": 1e-50}}'):  # fmt: skip
-        r = httpx.post(server.url + "/generate", content=body, timeout=30,
-                       headers={"content-type": "application/json"})  # fmt: skip
+    for body in (
+        b'{"text": "a\\ud800"}',
+        b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}',
+        b'{"text": "a", "sampling_params": {"temperature": 1e999}}',
+        b'{"text": "a", "return_logprob": true, "sampling_params": {"top_p": 1e-50}}',
+        b'{"text": "a", "return_logprob": true, "sampling_params": {"repetition_penalty": 1e-50}}',
+    ):
+        r = httpx.post(
+            server.url + "/generate",
+            content=body,
+            timeout=30,
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == 400
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -145,8 +156,11 @@ def test_a_stop_string_request_does_not_stall_a_running_stream(server):
 
     def stop_string_request() -> None:
         sent_at.append(time.monotonic())
-        httpx.post(server.url + "/generate", timeout=60, json={
-            "text": "hello", "sampling_params": {"max_new_tokens": 16, "stop": ["zz"]}})
+        httpx.post(
+            server.url + "/generate",
+            timeout=60,
+            json={"text": "hello", "sampling_params": {"max_new_tokens": 16, "stop": ["zz"]}},
+        )
 
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -181,9 +195,17 @@ def test_a_burst_into_a_small_kv_cache_is_not_slower_than_serial(tiny_model_dirs
     over and over (44 retractions here; slower than one at a time on a model whose steps
     cost compute)."""
     rng = random.Random(3)
-    bodies = [{"input_ids": [rng.randrange(3, 320) for _ in range(rng.randint(8, 24))],
-               "sampling_params": {"max_new_tokens": rng.randint(20, 60), "temperature": 0,
-                                   "ignore_eos": True}} for _ in range(32)]  # fmt: skip
+    bodies = [
+        {
+            "input_ids": [rng.randrange(3, 320) for _ in range(rng.randint(8, 24))],
+            "sampling_params": {
+                "max_new_tokens": rng.randint(20, 60),
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+        for _ in range(32)
+    ]
     args = ("--model-path", tiny_model_dirs["llama"], "--max-total-tokens", "256")
     with Server(*args) as server, httpx.Client(timeout=120) as http:
         http.post(server.url + "/generate", json=bodies[0])  # warm up
@@ -246,14 +268,23 @@ def test_the_connection_cap_and_the_drain_timeout_answer_in_json(tiny_model_dirs
     times out get a JSON 503 (a stream: a final error event), not a 200 "aborted by the
     client" or a text/plain 500."""
     body = {"input_ids": [5, 6], "sampling_params": LONG}
-    args = ("--model-path", tiny_model_dirs["llama"], "--max-connections", "3",
-            "--drain-timeout-s", "0")  # fmt: skip
+    args = (
+        "--model-path",
+        tiny_model_dirs["llama"],
+        "--max-connections",
+        "3",
+        "--drain-timeout-s",
+        "0",
+    )
     with Server(*args) as server:
         host, port = server.url.removeprefix("http://").split(":")
         probe = socket.create_connection((host, int(port)), timeout=30)  # the first of three
         results: list[httpx.Response] = []
-        plain = threading.Thread(target=lambda: results.append(httpx.post(
-            server.url + "/generate", json=body, timeout=120)))  # fmt: skip
+        plain = threading.Thread(
+            target=lambda: results.append(
+                httpx.post(server.url + "/generate", json=body, timeout=120)
+            )
+        )
         streamed = {**body, "stream": True}
         with httpx.stream("POST", server.url + "/generate", json=streamed, timeout=120) as stream:
             lines = (line for line in stream.iter_lines() if line)

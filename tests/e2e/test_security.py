@@ -57,10 +57,21 @@ def test_the_key_never_appears_in_logs_or_responses(keyed_server):
 
 def test_beyond_loopback_without_a_key_is_refused_with_the_way_out(tiny_model_dirs):
     result = subprocess.run(
-        [sys.executable, "launch.py", "--device", "cpu", "--host", "0.0.0.0",
-         "--model-path", tiny_model_dirs["llama"]],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "launch.py",
+            "--device",
+            "cpu",
+            "--host",
+            "0.0.0.0",
+            "--model-path",
+            tiny_model_dirs["llama"],
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={k: v for k, v in os.environ.items() if k != "AERIE_API_KEY"},
-    )  # fmt: skip
+    )
     assert result.returncode == 2
     assert "--api-key" in result.stderr and "--allow-unauthenticated" in result.stderr

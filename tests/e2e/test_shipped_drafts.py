@@ -25,8 +25,10 @@ def chat_greedy(url: str) -> list[dict]:
     """One question at a time: each runs alone, so its arithmetic is the same on both servers."""
     outputs = []
     for question in QUESTIONS:
-        body = {"text": f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
-                "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}  # fmt: skip
+        body = {
+            "text": f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0},
+        }
         response = httpx.post(url + "/generate", json=body, timeout=300)
         assert response.status_code == 200, response.text
         outputs.append(response.json())

@@ -19,7 +19,9 @@ import pytest
 
 from tests.e2e.server import Server
 from tests.gpu_worker.draft_checkpoints import make_tiny_eagle_draft
-from tools.soak import GREEDY_KINDS, KIND_WEIGHTS, server_pids, soak, soak_server_args
+from tools.soak import soak
+from tools.soak_plan import GREEDY_KINDS, KIND_WEIGHTS
+from tools.soak_server import server_pids, soak_server_args
 
 pytestmark = pytest.mark.e2e
 
@@ -44,9 +46,20 @@ def test_soak_every_kind_completes_exactly_and_leaves_nothing_behind(
         pids = server_pids(server)
         assert set(pids) == {"launcher", "tokenizer", "scheduler", "gpu_worker", "detokenizer"}
         time_limit_s = SOAK_BUDGET_S - (time.monotonic() - started)
-        report = soak(server.url, server.zmq_address, pids, model, vocab=320, requests=requests,
-                      concurrency=CONCURRENCY, seed=1, warmup_fraction=0.25,
-                      max_rss_growth=0.10, log=print, time_limit_s=time_limit_s)  # fmt: skip
+        report = soak(
+            server.url,
+            server.zmq_address,
+            pids,
+            model,
+            vocab=320,
+            requests=requests,
+            concurrency=CONCURRENCY,
+            seed=1,
+            warmup_fraction=0.25,
+            max_rss_growth=0.10,
+            log=print,
+            time_limit_s=time_limit_s,
+        )
         where = httpx.get(server.url + "/debug/requests", timeout=30).json()
 
     assert report.problems == [], "\n".join(report.problems)

@@ -45,9 +45,16 @@ def drafts(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 
 def spec_args(algorithm: str, draft: str, steps: int, topk: int, num_draft: int) -> list[str]:
     return [
-        "--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft,
-        "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
-        "--speculative-num-draft-tokens", str(num_draft),
+        "--speculative-algorithm",
+        algorithm,
+        "--speculative-draft-model-path",
+        draft,
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(num_draft),
     ]
 
 
@@ -64,8 +71,15 @@ def test_speculative_greedy_matches_transformers(
     tiny_model_dirs, drafts, algorithm, steps, topk, num_draft, page, chunk
 ):
     target = tiny_model_dirs["llama"]
-    args = ["--model-path", target, "--page-size", str(page), "--chunked-prefill-size", str(chunk),
-            *spec_args(algorithm, drafts[algorithm], steps, topk, num_draft)]
+    args = [
+        "--model-path",
+        target,
+        "--page-size",
+        str(page),
+        "--chunked-prefill-size",
+        str(chunk),
+        *spec_args(algorithm, drafts[algorithm], steps, topk, num_draft),
+    ]
     with Server(*args) as server:
         outputs = check_parity(target, server.url, vocab=320, seed=steps * topk + page)
         for out in outputs:
@@ -83,10 +97,15 @@ def test_speculative_greedy_matches_transformers(
 
 def test_agreeing_draft_gives_accept_length_s_plus_1(drafts):
     steps, num_verify = 3, 5
-    args = ["--model-path", drafts["bigram"],
-            *spec_args("EAGLE", drafts["agreeing"], steps, 2, 6)]
-    body = {"input_ids": [11, 12, 13], "sampling_params": {
-        "max_new_tokens": 1 + num_verify * (steps + 1), "temperature": 0, "ignore_eos": True}}
+    args = ["--model-path", drafts["bigram"], *spec_args("EAGLE", drafts["agreeing"], steps, 2, 6)]
+    body = {
+        "input_ids": [11, 12, 13],
+        "sampling_params": {
+            "max_new_tokens": 1 + num_verify * (steps + 1),
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    }
     with Server(*args) as server:
         meta = httpx.post(server.url + "/generate", json=body, timeout=120).json()["meta_info"]
     assert meta["spec_verify_ct"] == num_verify  # every verify accepted all S drafts + bonus
@@ -94,8 +113,16 @@ def test_agreeing_draft_gives_accept_length_s_plus_1(drafts):
 
 def test_sampling_with_speculation_is_seeded(tiny_model_dirs, drafts):
     args = ["--model-path", tiny_model_dirs["llama"], *spec_args("EAGLE", drafts["EAGLE"], 3, 2, 6)]
-    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {
-        "max_new_tokens": 24, "temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": True}}
+    body = {
+        "input_ids": [5, 6, 7, 8],
+        "sampling_params": {
+            "max_new_tokens": 24,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "seed": 7,
+            "ignore_eos": True,
+        },
+    }
     with Server(*args) as server:
         a = httpx.post(server.url + "/generate", json=body, timeout=120).json()
         b = httpx.post(server.url + "/generate", json=body, timeout=120).json()
@@ -116,8 +143,18 @@ def mtp_target(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("steps, page, chunk", [(3, 1, 4), (2, 4, 16)])
 def test_mtp_greedy_matches_transformers(mtp_target, steps, page, chunk):
-    args = ["--model-path", mtp_target, "--page-size", str(page), "--chunked-prefill-size",
-            str(chunk), "--speculative-algorithm", "MTP", "--speculative-num-steps", str(steps)]
+    args = [
+        "--model-path",
+        mtp_target,
+        "--page-size",
+        str(page),
+        "--chunked-prefill-size",
+        str(chunk),
+        "--speculative-algorithm",
+        "MTP",
+        "--speculative-num-steps",
+        str(steps),
+    ]
     with Server(*args) as server:
         outputs = check_parity(mtp_target, server.url, vocab=320, seed=steps + page)
         assert any(out["meta_info"]["spec_verify_ct"] > 0 for out in outputs)
@@ -132,10 +169,13 @@ def _verify_counts(args: list[str], chunk: int) -> list[int]:
     prompts = [[5 + i, 40 + 3 * i, 7, 9 + i, 11, 12 + 2 * i] * (1 + i % 3) for i in range(8)]
 
     def one(ids: list[int]) -> int:
-        body = {"input_ids": ids, "sampling_params": {
-            "max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}
-        return httpx.post(server.url + "/generate", json=body, timeout=120).json()[
-            "meta_info"]["spec_verify_ct"]
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+        }
+        return httpx.post(server.url + "/generate", json=body, timeout=120).json()["meta_info"][
+            "spec_verify_ct"
+        ]
 
     with Server(*args, "--chunked-prefill-size", str(chunk)) as server:
         with ThreadPoolExecutor(8) as pool:
@@ -149,8 +189,11 @@ def test_verify_counts_do_not_depend_on_prefill_chunking(
     """With a deterministic draft, a request's verify steps depend only on its tokens, not on
     how its prompt was chunked (a wrong chunk-boundary tail changes them: SGLang #26329)."""
     if algorithm == "EAGLE":
-        args = ["--model-path", tiny_model_dirs["llama"],
-                *spec_args("EAGLE", drafts["EAGLE"], 3, 1, 4)]
+        args = [
+            "--model-path",
+            tiny_model_dirs["llama"],
+            *spec_args("EAGLE", drafts["EAGLE"], 3, 1, 4),
+        ]
     else:
         args = ["--model-path", mtp_target, "--speculative-algorithm", "MTP"]
     assert _verify_counts(args, 3) == _verify_counts(args, 64)
@@ -159,21 +202,30 @@ def test_verify_counts_do_not_depend_on_prefill_chunking(
 def step_costs_json(break_even: float) -> str:
     """Step costs whose iterations cost `break_even` plain steps at every batch size."""
     buckets = [1, 2, 4, 8, 16]
-    return json.dumps({"buckets": buckets,
-                       "plain_ms": {"greedy": [1.0] * 5, "sampled": [1.0] * 5},
-                       "speculative_ms": {"greedy": [break_even] * 5,
-                                          "sampled": [break_even] * 5}})  # fmt: skip
+    return json.dumps(
+        {
+            "buckets": buckets,
+            "plain_ms": {"greedy": [1.0] * 5, "sampled": [1.0] * 5},
+            "speculative_ms": {"greedy": [break_even] * 5, "sampled": [break_even] * 5},
+        }
+    )
 
 
-def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model_dirs, drafts,
-                                                                      tmp_path):  # fmt: skip
+def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(
+    tiny_model_dirs, drafts, tmp_path
+):
     """Given step costs under which this random draft cannot pay (an iteration costing 3.5
     plain steps), the server decodes plainly but for its probes, and the output still equals
     transformers' greedy output; the choice shows in /metrics and /server_info, and the step
     trace tells plain steps ("decode") from iterations ("speculate")."""
     target = tiny_model_dirs["llama"]
-    args = ["--model-path", target, *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
-            "--speculative-step-costs", step_costs_json(3.5)]
+    args = [
+        "--model-path",
+        target,
+        *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
+        "--speculative-step-costs",
+        step_costs_json(3.5),
+    ]
     trace_dir = tmp_path / "trace"
     with Server(*args, env={"AERIE_STEP_TRACE": f"1,100000,{trace_dir}"}) as server:
         check_parity(target, server.url, vocab=320, seed=5)
@@ -194,9 +246,19 @@ def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(tiny_model
 
 
 def test_bad_step_costs_stop_the_launch_with_the_reason(tiny_model_dirs, drafts):
-    args = ["--model-path", tiny_model_dirs["llama"], *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
-            "--speculative-step-costs", "{\"buckets\": []}"]
-    result = subprocess.run([sys.executable, "launch.py", *args], capture_output=True, text=True,
-                            timeout=120, cwd=REPO_ROOT)  # fmt: skip
+    args = [
+        "--model-path",
+        tiny_model_dirs["llama"],
+        *spec_args("EAGLE", drafts["EAGLE"], 2, 1, 3),
+        "--speculative-step-costs",
+        '{"buckets": []}',
+    ]
+    result = subprocess.run(
+        [sys.executable, "launch.py", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode != 0
     assert "--speculative-step-costs must be JSON like" in result.stderr + result.stdout

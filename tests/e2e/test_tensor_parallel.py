@@ -46,8 +46,15 @@ def test_two_ranks_with_a_draft_match_transformers(
     tiny_model_dirs, mtp_target, tmp_path, algorithm
 ):
     target = mtp_target if algorithm == "MTP" else tiny_model_dirs["llama"]
-    args = ["--model-path", target, *TP2, "--speculative-algorithm", algorithm,
-            "--speculative-num-steps", "2"]  # fmt: skip
+    args = [
+        "--model-path",
+        target,
+        *TP2,
+        "--speculative-algorithm",
+        algorithm,
+        "--speculative-num-steps",
+        "2",
+    ]
     if algorithm == "EAGLE":
         args += [
             "--speculative-draft-model-path",
@@ -68,8 +75,11 @@ def test_two_ranks_with_a_draft_match_transformers(
 def test_a_dead_rank_stops_the_server_and_is_named(tiny_model_dirs):
     """Killed mid-generation: rank 0 is then waiting in a collective for the dead rank."""
     with Server("--model-path", tiny_model_dirs["llama"], *TP2) as server:
-        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400,
-                "ignore_eos": True}, "stream": True}  # fmt: skip
+        body = {
+            "input_ids": [5, 6, 7],
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+            "stream": True,
+        }
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as stream:
             next(stream.iter_lines())  # generating
             os.kill(child_named(server, "tp1_worker"), signal.SIGKILL)

@@ -35,8 +35,13 @@ def decode_after_prefill(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 def test_cuda_matches_hf(tiny_dirs, reference_models, name, backend):
     ids = list(range(3, 50, 2))
     expected = reference_logits(reference_models(name), ids)[-1]
-    options = dict(page_size=4, max_total_tokens=256, max_running_requests=2, context_length=64,
-                   attention_backend=backend)  # fmt: skip
+    options = dict(
+        page_size=4,
+        max_total_tokens=256,
+        max_running_requests=2,
+        context_length=64,
+        attention_backend=backend,
+    )
     fp32 = runner_from_options(tiny_dirs[name], device="cuda", **options)
     torch.testing.assert_close(decode_after_prefill(fp32, ids), expected, atol=1e-3, rtol=0)
     bf16 = runner_from_options(tiny_dirs[name], device="cuda", dtype=torch.bfloat16, **options)
@@ -81,8 +86,11 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
         model={"model_path": tiny_dirs["llama"], "device": "cuda", "dtype": "float32"},
         cache={"max_total_tokens": 64, "page_size": 1},
         scheduler={"max_running_requests": 4},
-        runner={"attention_backend": "triton", "cuda_graph_max_bs": 4,
-                "cuda_graph_max_prefill_tokens": 16},
+        runner={
+            "attention_backend": "triton",
+            "cuda_graph_max_bs": 4,
+            "cuda_graph_max_prefill_tokens": 16,
+        },
     )
     worker = GPUWorker(config)
     assert all(stage.graphs for stage in worker.decode_step.stages.values())  # captured
@@ -93,8 +101,9 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     worker.execute(prefill)
     # A new request with penalties, prefilled while a decode step is in flight: its sampling
     # state goes over without waiting for the device either.
-    penalized = SamplingParams(max_new_tokens=8, frequency_penalty=0.5, repetition_penalty=1.2,
-                               seed=4)
+    penalized = SamplingParams(
+        max_new_tokens=8, frequency_penalty=0.5, repetition_penalty=1.2, seed=4
+    )
     second = RequestStart(2, penalized, False, pack_ids([8, 9]))
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -102,8 +111,9 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
         for step in range(3):  # two steps in flight, like the overlap schedule
             launched.append(worker.launch(decode_plan(2 + step, [1], [(3 + step, [4 + step])])))
             if step == 1:
-                launched.append(worker.launch(
-                    extend_plan(9, [(2, 0, [8, 9], [10, 11], True)], [second])))  # fmt: skip
+                launched.append(
+                    worker.launch(extend_plan(9, [(2, 0, [8, 9], [10, 11], True)], [second]))
+                )
             while len(launched) >= 2:
                 codec_first(worker.finish(launched.pop(0)))
         codec_first(worker.finish(launched.pop(0)))
@@ -127,11 +137,18 @@ def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
     from gpu_worker.step.plan_builders import decode_plan, extend_plan
     from gpu_worker.worker import GPUWorker
 
-    params = [SamplingParams(max_new_tokens=16, temperature=0.0),
-              SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3),
-              SamplingParams(max_new_tokens=16, temperature=1.2, top_k=20, seed=4),
-              SamplingParams(max_new_tokens=16, temperature=0.9, frequency_penalty=0.7,
-                             repetition_penalty=1.3, seed=5)]  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=0.0),
+        SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_new_tokens=16, temperature=1.2, top_k=20, seed=4),
+        SamplingParams(
+            max_new_tokens=16,
+            temperature=0.9,
+            frequency_penalty=0.7,
+            repetition_penalty=1.3,
+            seed=5,
+        ),
+    ]
     prompts = [[5, 6, 7], [9, 8, 7, 6], [11, 12], [4, 4, 4, 5]]
     outputs = []
     for graph_max_bs in (4, 0):
@@ -146,8 +163,10 @@ def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
         # every variant: sample (logprobs; penalties), filter, then all rows together
         for batch in ([0], [3], [0, 1], [1, 2, 3], [0, 1, 2, 3]):
             starts = [RequestStart(i + 1, params[i], i == 0, pack_ids(prompts[i])) for i in batch]
-            chunks = [(i + 1, 0, prompts[i], [64 * i + 1 + j for j in range(len(prompts[i]))],
-                       True) for i in batch]  # fmt: skip
+            chunks = [
+                (i + 1, 0, prompts[i], [64 * i + 1 + j for j in range(len(prompts[i]))], True)
+                for i in batch
+            ]
             result = worker.execute(extend_plan(1, chunks, starts))
             lengths = {i: len(prompts[i]) for i in batch}
             for step in range(6):
@@ -160,8 +179,9 @@ def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
     graphed, direct = outputs
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(graphed, direct, strict=True):
         assert tokens == want_tokens
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_step_clock_sees_the_device_wait_for_a_late_launch():
@@ -205,20 +225,28 @@ def test_pdl_graphs_give_the_logits_of_plain_launches_bit_for_bit(tiny_dirs, mon
     for plain in (True, False):
         monkeypatch.setattr(pdl, "FORCE_OFF", plain)
         runner = runner_from_options(
-            tiny_dirs[name], device="cuda", dtype=torch.bfloat16, attention_backend="triton",
-            cuda_graph_max_bs=1, page_size=1, max_total_tokens=256, max_running_requests=2,
+            tiny_dirs[name],
+            device="cuda",
+            dtype=torch.bfloat16,
+            attention_backend="triton",
+            cuda_graph_max_bs=1,
+            page_size=1,
+            max_total_tokens=256,
+            max_running_requests=2,
             context_length=128,
-        )  # fmt: skip
+        )
         assert runner.graph_runner is not None and runner.graph_runner.graphs
         ids = list(range(3, 40, 3))
         slots = shuffled_slots(runner, 1, 100)
         run_step(runner, ForwardMode.EXTEND, [1], [0], [ids[:-1]], slots)
         logits, token, length = [], ids[-1], len(ids) - 1
         for _ in range(24):
-            runner.req_to_token_pool.write(*(torch.tensor(v, device="cuda") for v in
-                                             ([1], [length], [slots[0][length]], [1])))  # fmt: skip
-            host = HostBatch.from_requests(ForwardMode.DECODE, [[token]], [length],
-                                           [[slots[0][length]]], [1])  # fmt: skip
+            runner.req_to_token_pool.write(
+                *(torch.tensor(v, device="cuda") for v in ([1], [length], [slots[0][length]], [1]))
+            )
+            host = HostBatch.from_requests(
+                ForwardMode.DECODE, [[token]], [length], [[slots[0][length]]], [1]
+            )
             out = runner.forward_host(host).next_token_logits[0].float().cpu()
             logits.append(out)
             token, length = int(out.argmax()), length + 1

@@ -31,9 +31,15 @@ def make_runner(model_dir: str, device: str, graph_max_bs: int, backend: str) ->
     if backend == "triton":
         skip_unless_triton_runs_on(device)
     return runner_from_options(
-        model_dir, device=device, page_size=4, max_total_tokens=512, max_running_requests=8,
-        context_length=64, attention_backend=backend, cuda_graph_max_bs=graph_max_bs,
-    )  # fmt: skip
+        model_dir,
+        device=device,
+        page_size=4,
+        max_total_tokens=512,
+        max_running_requests=8,
+        context_length=64,
+        attention_backend=backend,
+        cuda_graph_max_bs=graph_max_bs,
+    )
 
 
 @pytest.mark.parametrize("device", devices())
@@ -58,15 +64,17 @@ def test_graph_path_gives_the_eager_logits_and_touches_only_its_slots(tiny_dirs,
         before = graphed.kv_pool.get_kv(0)[0].clone()
         for runner in (graphed, eager):
             runner.req_to_token_pool.write(
-                torch.tensor(rows, device=device), torch.tensor(prefix, device=device),
+                torch.tensor(rows, device=device),
+                torch.tensor(prefix, device=device),
                 torch.tensor([s[0] for s in new_slots], device=device),
                 torch.ones(bs, dtype=torch.int64, device=device),
-            )  # fmt: skip
+            )
         out = graphed.forward_host(host)
         ref = eager.forward_host(host)
         assert out.next_token_logits.shape == ref.next_token_logits.shape == (bs, 256)
-        torch.testing.assert_close(out.next_token_logits, ref.next_token_logits,
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            out.next_token_logits, ref.next_token_logits, atol=1e-5, rtol=1e-5
+        )
         changed = (graphed.kv_pool.get_kv(0)[0] != before).flatten(1).any(dim=1)
         written = {s[0] for s in new_slots} | {0}  # padded rows write the dummy slot only
         assert set(torch.nonzero(changed).flatten().tolist()) <= written
@@ -79,8 +87,9 @@ def test_graph_path_gives_the_eager_logits_and_touches_only_its_slots(tiny_dirs,
 def test_batches_beyond_the_largest_bucket_run_eagerly(tiny_dirs, device):
     runner = make_runner(tiny_dirs["llama"], device, 2, "triton")
     rows = [1, 2, 3]
-    host = HostBatch.from_requests(ForwardMode.DECODE, [[5], [6], [7]], [0, 0, 0],
-                                   [[4], [8], [12]], rows)  # fmt: skip
+    host = HostBatch.from_requests(
+        ForwardMode.DECODE, [[5], [6], [7]], [0, 0, 0], [[4], [8], [12]], rows
+    )
     assert not runner.graph_runner.can_run(host)
     extend = HostBatch.from_requests(ForwardMode.EXTEND, [[5, 6]], [0], [[4, 5]], [1])
     assert not runner.graph_runner.can_run(extend)
@@ -109,18 +118,27 @@ def test_capture_buckets_warms_up_then_captures_each_bucket_largest_first(monkey
         yield
 
     fake = SimpleNamespace(
-        memory_reserved=lambda device: 0, graph_pool_handle=lambda: "new pool",
+        memory_reserved=lambda device: 0,
+        graph_pool_handle=lambda: "new pool",
         Stream=lambda device: SimpleNamespace(wait_stream=lambda other: None),
         current_stream=lambda: SimpleNamespace(wait_stream=lambda other: None),
-        stream=on_stream, CUDAGraph=object, graph=graph, synchronize=lambda device: None,
-    )  # fmt: skip
+        stream=on_stream,
+        CUDAGraph=object,
+        graph=graph,
+        synchronize=lambda device: None,
+    )
     monkeypatch.setattr(cuda_graph.torch, "cuda", fake)
-    graphs = cuda_graph.capture_buckets([1, 2, 4], lambda b: events.append(("run", b)), "cpu",
-                                        "test, batch sizes", pool="shared")  # fmt: skip
+    graphs = cuda_graph.capture_buckets(
+        [1, 2, 4], lambda b: events.append(("run", b)), "cpu", "test, batch sizes", pool="shared"
+    )
     assert sorted(graphs) == [1, 2, 4]
     warm = [("run", 4)] * cuda_graph.NUM_WARMUP_RUNS
-    assert events[: len(warm) + 3] == [*warm, ("capture", "shared"), ("run", 4),
-                                       ("captured", "shared")]  # fmt: skip
+    assert events[: len(warm) + 3] == [
+        *warm,
+        ("capture", "shared"),
+        ("run", 4),
+        ("captured", "shared"),
+    ]
     runs = [b for kind, b in events if kind == "run"]
     assert runs == [b for b in (4, 2, 1) for _ in range(cuda_graph.NUM_WARMUP_RUNS + 1)]
 
@@ -144,16 +162,20 @@ def test_captures_run_without_garbage_collection(monkeypatch):
         state["capturing"] = False
 
     fake = SimpleNamespace(
-        memory_reserved=lambda device: 0, graph_pool_handle=lambda: "pool",
+        memory_reserved=lambda device: 0,
+        graph_pool_handle=lambda: "pool",
         Stream=lambda device: SimpleNamespace(wait_stream=lambda other: None),
         current_stream=lambda: SimpleNamespace(wait_stream=lambda other: None),
-        stream=lambda s: contextlib.nullcontext(), CUDAGraph=object, graph=graph,
+        stream=lambda s: contextlib.nullcontext(),
+        CUDAGraph=object,
+        graph=graph,
         synchronize=lambda device: None,
-    )  # fmt: skip
+    )
     monkeypatch.setattr(cuda_graph.torch, "cuda", fake)
     assert gc.isenabled()
-    cuda_graph.capture_buckets([1, 2], lambda b: seen.append((state["capturing"], gc.isenabled())),
-                               "cpu", "test")  # fmt: skip
+    cuda_graph.capture_buckets(
+        [1, 2], lambda b: seen.append((state["capturing"], gc.isenabled())), "cpu", "test"
+    )
     assert {enabled for capturing, enabled in seen if capturing} == {False}
     assert {enabled for capturing, enabled in seen if not capturing} == {True}
     assert gc.isenabled()
@@ -175,8 +197,9 @@ def test_a_graph_collected_during_a_capture_does_not_break_it():
     threshold = gc.get_threshold()
     gc.set_threshold(1, 1, 1)
     try:
-        graphs = capture_buckets([1, 2], lambda b: [torch.ones(8, device="cuda") * b
-                                                     for _ in range(50)], x.device, "new")
+        graphs = capture_buckets(
+            [1, 2], lambda b: [torch.ones(8, device="cuda") * b for _ in range(50)], x.device, "new"
+        )
     finally:
         gc.set_threshold(*threshold)
     graphs[2].replay()

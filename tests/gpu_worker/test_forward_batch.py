@@ -71,8 +71,12 @@ def test_staging_starts_every_view_16_byte_aligned():
     from gpu_worker.step.host_batch import Staging
 
     staging = Staging("cpu", capacity=64)
-    arrays = [np.arange(3), np.array([7], dtype=np.int32), np.array([], dtype=np.int64),
-              np.arange(10, 15)]  # fmt: skip
+    arrays = [
+        np.arange(3),
+        np.array([7], dtype=np.int32),
+        np.array([], dtype=np.int64),
+        np.arange(10, 15),
+    ]
     views = staging.upload(arrays)
     assert [v.tolist() for v in views] == [a.tolist() for a in arrays]
     assert all(v.data_ptr() % 16 == 0 for v in views)

@@ -214,21 +214,30 @@ def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, mon
 
     launches = []
     launch = small_m_linear._launch
-    monkeypatch.setattr(small_m_linear, "_launch",
-                        lambda prologue, *a: launches.append(prologue) or launch(prologue, *a))
+    monkeypatch.setattr(
+        small_m_linear,
+        "_launch",
+        lambda prologue, *a: launches.append(prologue) or launch(prologue, *a),
+    )
     runner = make_runner(tiny_dirs["qwen2"], attention_backend="triton")  # biases on q, k, v
-    per_layer = [small_m_linear._NORM, small_m_linear._PLAIN, small_m_linear._ADD_NORM,
-                 small_m_linear._SILU_MUL]  # the first layer's stream has no residual yet
+    per_layer = [
+        small_m_linear._NORM,
+        small_m_linear._PLAIN,
+        small_m_linear._ADD_NORM,
+        small_m_linear._SILU_MUL,
+    ]  # the first layer's stream has no residual yet
     per_layer_later = [small_m_linear._ADD_NORM, *per_layer[1:]]
     expected_fused = per_layer + per_layer_later * (runner.config.num_layers - 1)
     gemv = small_m_linear.GEMV_CONFIG
     expected_gemv = [small_m_linear._PLAIN] * 4 * runner.config.num_layers
     rows = pdl.MAX_ROWS
-    for length, fuse, gemv_config, expected in ((1, True, gemv, expected_fused),
-                                                (rows, True, gemv, expected_fused),
-                                                (rows + 1, True, gemv, []),
-                                                (1, False, gemv, expected_gemv),
-                                                (1, False, None, [])):  # fmt: skip
+    for length, fuse, gemv_config, expected in (
+        (1, True, gemv, expected_fused),
+        (rows, True, gemv, expected_fused),
+        (rows + 1, True, gemv, []),
+        (1, False, gemv, expected_gemv),
+        (1, False, None, []),
+    ):
         monkeypatch.setattr(small_m_linear, "MAX_FUSED_WEIGHT", 4 << 20 if fuse else 0)
         monkeypatch.setattr(small_m_linear, "GEMV_CONFIG", gemv_config)
         launches.clear()

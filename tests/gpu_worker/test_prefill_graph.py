@@ -32,9 +32,14 @@ def make_runner(model_dir: str, device: str, backend: str):
     if backend == "triton":
         skip_unless_triton_runs_on(device)
     return runner_from_options(
-        model_dir, device=device, page_size=4, max_total_tokens=512, max_running_requests=8,
-        context_length=96, attention_backend=backend,
-    )  # fmt: skip
+        model_dir,
+        device=device,
+        page_size=4,
+        max_total_tokens=512,
+        max_running_requests=8,
+        context_length=96,
+        attention_backend=backend,
+    )
 
 
 def host_extend(rows, prefix_lens, chunks, slots) -> HostBatch:
@@ -46,10 +51,11 @@ def write_slots(runner, host: HostBatch) -> None:
     device = runner.device
     prefix = host.seq_lens - host.extend_seq_lens
     runner.req_to_token_pool.write(
-        torch.tensor(host.req_pool_indices, device=device), torch.tensor(prefix, device=device),
+        torch.tensor(host.req_pool_indices, device=device),
+        torch.tensor(prefix, device=device),
         torch.tensor(host.out_cache_loc, device=device),
         torch.tensor(host.extend_seq_lens, device=device),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("device", devices())
@@ -90,8 +96,9 @@ def test_padded_prefills_give_the_eager_outputs_and_touch_only_their_slots(
         torch.testing.assert_close(out.next_token_logits, ref.next_token_logits, **tol)
         torch.testing.assert_close(out.hidden_states, ref.hidden_states, **tol)
         # The same KV in the real slots; padded tokens write the dummy slot 0 only.
-        for got, want, old in zip(graphed.kv_pool.get_kv(1), eager.kv_pool.get_kv(1), before,
-                                  strict=True):  # fmt: skip
+        for got, want, old in zip(
+            graphed.kv_pool.get_kv(1), eager.kv_pool.get_kv(1), before, strict=True
+        ):
             changed = set(torch.nonzero((got != old).flatten(1).any(1)).flatten().tolist())
             assert changed <= {*host.out_cache_loc.tolist(), 0}
             loc = torch.tensor(host.out_cache_loc, device=got.device)

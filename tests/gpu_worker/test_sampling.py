@@ -144,8 +144,11 @@ def test_a_sampled_request_without_a_seed_is_refused():
     """The frontend gives every request a seed; a sampled row without one would share a
     fallback noise with every other such row. Greedy rows draw no noise and need none."""
     state = make_state()
-    for params in (SamplingParams(temperature=1.0), SamplingParams(presence_penalty=0.5),
-                   SamplingParams(temperature=0.3, top_k=5)):  # fmt: skip
+    for params in (
+        SamplingParams(temperature=1.0),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(temperature=0.3, top_k=5),
+    ):
         with pytest.raises(ValueError, match="has no seed"):
             state.start(1, params, [1], 0)
     state.start(1, SamplingParams(temperature=0.0), [1], 0)

@@ -22,28 +22,48 @@ from gpu_worker.tooling.cupti_trace import (
 
 # The leading fields of CUPTI's records (cupti_activity.h), up to their end timestamps.
 class GraphRecord(ctypes.Structure):  # CUpti_ActivityGraphTrace2
-    _fields_ = [("kind", ctypes.c_uint32), ("correlation_id", ctypes.c_uint32),
-                ("start", ctypes.c_uint64), ("end", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("correlation_id", ctypes.c_uint32),
+        ("start", ctypes.c_uint64),
+        ("end", ctypes.c_uint64),
+    ]
 
 
 class KernelRecord(ctypes.Structure):  # CUpti_ActivityKernel4 .. 11
-    _fields_ = [("kind", ctypes.c_uint32), ("cache_config", ctypes.c_uint8),
-                ("shared_memory_config", ctypes.c_uint8), ("registers", ctypes.c_uint16),
-                ("cache_requested", ctypes.c_uint32), ("cache_executed", ctypes.c_uint32),
-                ("start", ctypes.c_uint64), ("end", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("cache_config", ctypes.c_uint8),
+        ("shared_memory_config", ctypes.c_uint8),
+        ("registers", ctypes.c_uint16),
+        ("cache_requested", ctypes.c_uint32),
+        ("cache_executed", ctypes.c_uint32),
+        ("start", ctypes.c_uint64),
+        ("end", ctypes.c_uint64),
+    ]
 
 
 class MemcpyRecord(ctypes.Structure):  # CUpti_ActivityMemcpy5 / 6
-    _fields_ = [("kind", ctypes.c_uint32), ("copy_kind", ctypes.c_uint8),
-                ("src_kind", ctypes.c_uint8), ("dst_kind", ctypes.c_uint8),
-                ("flags", ctypes.c_uint8), ("bytes", ctypes.c_uint64),
-                ("start", ctypes.c_uint64), ("end", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("copy_kind", ctypes.c_uint8),
+        ("src_kind", ctypes.c_uint8),
+        ("dst_kind", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),
+        ("bytes", ctypes.c_uint64),
+        ("start", ctypes.c_uint64),
+        ("end", ctypes.c_uint64),
+    ]
 
 
 class MemsetRecord(ctypes.Structure):  # CUpti_ActivityMemset4
-    _fields_ = [("kind", ctypes.c_uint32), ("value", ctypes.c_uint32),
-                ("bytes", ctypes.c_uint64), ("start", ctypes.c_uint64),
-                ("end", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("value", ctypes.c_uint32),
+        ("bytes", ctypes.c_uint64),
+        ("start", ctypes.c_uint64),
+        ("end", ctypes.c_uint64),
+    ]
 
 
 def walk(records: list[ctypes.Structure]):
@@ -61,12 +81,14 @@ def walk(records: list[ctypes.Structure]):
 
 
 def test_records_give_their_intervals_in_microseconds_by_kind_from_the_window_on():
-    records = [GraphRecord(GRAPH_TRACE, 7, 1_000_000, 1_500_000),
-               KernelRecord(CONCURRENT_KERNEL, 1, 2, 3, 4, 5, 2_000_000, 2_010_000),
-               MemcpyRecord(MEMCPY, 1, 2, 3, 0, 4096, 900_000, 901_000),
-               MemsetRecord(MEMSET, 0, 64, 3_000_000, 3_000_500),
-               GraphRecord(5, 0, 1, 2),  # another kind (an API record): skipped
-               GraphRecord(GRAPH_TRACE, 8, 0, 0)]  # fmt: skip
+    records = [
+        GraphRecord(GRAPH_TRACE, 7, 1_000_000, 1_500_000),
+        KernelRecord(CONCURRENT_KERNEL, 1, 2, 3, 4, 5, 2_000_000, 2_010_000),
+        MemcpyRecord(MEMCPY, 1, 2, 3, 0, 4096, 900_000, 901_000),
+        MemsetRecord(MEMSET, 0, 64, 3_000_000, 3_000_500),
+        GraphRecord(5, 0, 1, 2),  # another kind (an API record): skipped
+        GraphRecord(GRAPH_TRACE, 8, 0, 0),
+    ]
     counts, intervals = Counter(), []
     read_records(walk(records), counts, intervals)
     assert intervals == [(1000.0, 1500.0), (2000.0, 2010.0), (900.0, 901.0), (3000.0, 3000.5)]

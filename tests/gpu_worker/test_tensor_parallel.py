@@ -37,9 +37,14 @@ def run_rank(rank, size, address, model_dir, backend, ids, results) -> None:
     tp = init_tensor_parallel(rank, size, address, device)
     try:
         runner = runner_from_options(
-            model_dir, tp=tp, attention_backend=backend, max_total_tokens=256,
-            max_running_requests=4, context_length=128, device=str(device),
-        )  # fmt: skip
+            model_dir,
+            tp=tp,
+            attention_backend=backend,
+            max_total_tokens=256,
+            max_running_requests=4,
+            context_length=128,
+            device=str(device),
+        )
         slots = shuffled_slots(runner, 1, len(ids) + 1)
         prefill = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids[:-1]], slots)
         decode = run_step(runner, ForwardMode.DECODE, [1], [len(ids) - 1], [ids[-1:]], slots)
@@ -142,6 +147,9 @@ def test_each_worker_gets_its_own_gpu(argv, node_rank, expected):
     config = config_from_args(["--device", "cuda", "--node-rank", str(node_rank), *argv])
     parallel = config.parallel
     ranks = endpoints.node_ranks(config)
-    devices = [worker_device(config, rank, replica)
-               for replica in range(parallel.dp_size) for rank in ranks]  # fmt: skip
+    devices = [
+        worker_device(config, rank, replica)
+        for replica in range(parallel.dp_size)
+        for rank in ranks
+    ]
     assert devices == expected

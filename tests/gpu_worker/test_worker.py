@@ -127,8 +127,9 @@ def test_warm_up_plans_fit_the_pool_or_are_skipped(tiny_dirs):
         starts, lens = codec.unpack_ids(plan.slot_starts), codec.unpack_ids(plan.slot_lens)
         slots = codec.unpack_ids(plan.slots)
         firsts = [slots[sum(lens[:i])] for i in range(len(lens))]
-        assert all((f - p) % PAGE_SIZE == 0 and f >= PAGE_SIZE
-                   for f, p in zip(firsts, starts, strict=True))  # fmt: skip
+        assert all(
+            (f - p) % PAGE_SIZE == 0 and f >= PAGE_SIZE for f, p in zip(firsts, starts, strict=True)
+        )
     all_slots = [s for p in plans for s in codec.unpack_ids(p.slots)]
     assert len(all_slots) == len(set(all_slots))  # no two requests share a slot
     assert max(all_slots) >= 64
@@ -138,8 +139,9 @@ def test_warm_up_plans_fit_the_pool_or_are_skipped(tiny_dirs):
     assert bool((worker.sampling._flags_cpu == began).all())  # greedy dummies set no flags
     small = make_config(tiny_dirs["llama"]).replace(cache={"max_total_tokens": 40})
     assert run_warm_up(GPUWorker(small)) is None  # not even row 1's 40-token chunk
-    short = make_config(tiny_dirs["llama"]).replace(model={"context_length": 32},
-                                                    cache={"max_total_tokens": 256})  # fmt: skip
+    short = make_config(tiny_dirs["llama"]).replace(
+        model={"context_length": 32}, cache={"max_total_tokens": 256}
+    )
     assert run_warm_up(GPUWorker(short)) is None  # positions past the context: skipped
 
 
@@ -153,9 +155,11 @@ def test_decode_step_commits_each_rows_own_token(tiny_dirs, graph_max_bs):
     sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
     prompts = {1: [5, 17, 99], 2: [200, 1, 64, 3], 3: [8, 8]}
     sampled = SamplingParams(temperature=1.5, max_new_tokens=8, seed=11)
-    starts = [greedy_start(1, prompts[1]),
-              RequestStart(2, sampled, False, codec.pack_ids(prompts[2])),
-              greedy_start(3, prompts[3])]  # fmt: skip
+    starts = [
+        greedy_start(1, prompts[1]),
+        RequestStart(2, sampled, False, codec.pack_ids(prompts[2])),
+        greedy_start(3, prompts[3]),
+    ]
     chunks = [sched.chunk(str(r), r, 0, ids, True) for r, ids in prompts.items()]
     result = worker.execute(extend_plan(1, chunks, starts))
     newest = dict(zip(prompts, codec.unpack_ids(result.token_ids), strict=True))
@@ -172,8 +176,9 @@ def test_decode_step_commits_each_rows_own_token(tiny_dirs, graph_max_bs):
 
 
 @pytest.mark.parametrize("graph_max_bs", [0, 4])
-def test_decode_steps_record_their_new_slots_however_many(tiny_dirs, reference_models,
-                                                         graph_max_bs):  # fmt: skip
+def test_decode_steps_record_their_new_slots_however_many(
+    tiny_dirs, reference_models, graph_max_bs
+):
     """A decode step records its new KV slots itself; one that brings more than its bucket
     takes (row 2's three positions of headroom: a bucket of 2 takes two slots) has them
     written before it, and later steps that bring none use them: HF greedy tokens, and
@@ -208,8 +213,9 @@ def test_decode_steps_record_their_new_slots_however_many(tiny_dirs, reference_m
 def test_decode_steps_count_the_tokens_of_penalised_rows(tiny_dirs, graph_max_bs):
     """Frequency and presence penalties read each row's counts of its output tokens: the decode
     stage counts every token it emits for a penalised row (the prefill's sampled token too)."""
-    worker = GPUWorker(make_config(tiny_dirs["llama"]).replace(
-        runner={"cuda_graph_max_bs": graph_max_bs}))  # fmt: skip
+    worker = GPUWorker(
+        make_config(tiny_dirs["llama"]).replace(runner={"cuda_graph_max_bs": graph_max_bs})
+    )
     sched = FakeScheduler(pages=[9, 2, 14, 5, 11, 3, 7, 12, 1, 16, 8])
     prompt = [5, 17, 99]
     params = SamplingParams(temperature=0.0, frequency_penalty=0.5, max_new_tokens=8)
@@ -235,13 +241,15 @@ def test_a_retracted_sampled_request_continues_its_draw(tiny_dirs):
     def serve(max_total_tokens: int, seed_base: int) -> tuple[dict[str, list[int]], int]:
         config = make_config(tiny_dirs["llama"]).replace(
             cache={"max_total_tokens": max_total_tokens},
-            scheduler={"max_running_requests": 6, "chunked_prefill_size": 16})  # fmt: skip
+            scheduler={"max_running_requests": 6, "chunked_prefill_size": 16},
+        )
         worker = GPUWorker(config)
         sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
         sched.new_tokens = NewTokenEstimate(0.0)  # admit on free KV alone: retractions happen
         for i, prompt in enumerate(prompts):
-            params = SamplingParams(max_new_tokens=20, temperature=1.0, ignore_eos=True,
-                                    seed=seed_base + i)  # fmt: skip
+            params = SamplingParams(
+                max_new_tokens=20, temperature=1.0, ignore_eos=True, seed=seed_base + i
+            )
             sched.add_request(TokenizedRequest(f"r{i}", codec.pack_ids(prompt), params))
         outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
 
@@ -299,8 +307,9 @@ def test_device_gaps_merge_overlapping_kernels_and_split_short_from_long():
     assert (empty.busy, empty.span, empty.short_count, empty.long_count) == (0.0, 0.0, 0, 0)
     # [0, 4) and [2, 5) overlap; [7, 8) after a gap of 2; [7.5, 7.6) inside it; [8.5, 9)
     # after a short gap of 0.5 (with a limit of 1); [20, 21) after a long one of 11
-    gaps = device_gaps([(7.0, 8.0), (0.0, 4.0), (20.0, 21.0), (2.0, 5.0), (7.5, 7.6),
-                        (8.5, 9.0)], short=1.0)  # fmt: skip
+    gaps = device_gaps(
+        [(7.0, 8.0), (0.0, 4.0), (20.0, 21.0), (2.0, 5.0), (7.5, 7.6), (8.5, 9.0)], short=1.0
+    )
     assert (gaps.busy, gaps.span) == (7.5, 21.0)
     assert (gaps.short_count, gaps.short_total) == (1, 0.5)
     assert (gaps.long_count, gaps.long_total) == (2, 13.0)
@@ -318,10 +327,15 @@ def test_malformed_plans_are_refused_with_the_reason():
         "without slots": extend_plan(2, [(1, 0, [5, 6], [8], True)]),
         "appears twice": extend_plan(3, [(1, 0, [5], [8], True), (1, 1, [6], [9], True)]),
         "is invalid": decode_plan(4, [5]),
-        "slot_lens do not match": ForwardPlan(5, "decode", codec.pack_ids([1]),
-                                              codec.pack_ids([0]), codec.pack_ids([2]),
-                                              codec.pack_ids([7])),
-    }  # fmt: skip
+        "slot_lens do not match": ForwardPlan(
+            5,
+            "decode",
+            codec.pack_ids([1]),
+            codec.pack_ids([0]),
+            codec.pack_ids([2]),
+            codec.pack_ids([7]),
+        ),
+    }
     for reason, plan in cases.items():
         with pytest.raises(ValueError, match=reason):
             parse_plan(plan, 4)
@@ -336,8 +350,14 @@ def test_compiles_after_the_warm_up_are_logged(monkeypatch, caplog):
     assert watch_compiles(on_build=lambda: built.append(1))
     hook = knobs.runtime.jit_post_compile_hook
     with caplog.at_level("WARNING", logger="gpu_worker.tooling.warm_up"):
-        hook(key="k", repr="_extend_kernel[num_warps=4](q: *bf16)", fn=None, compile={},
-             is_manual_warmup=False, already_compiled=False)  # fmt: skip
+        hook(
+            key="k",
+            repr="_extend_kernel[num_warps=4](q: *bf16)",
+            fn=None,
+            compile={},
+            is_manual_warmup=False,
+            already_compiled=False,
+        )
     assert "_extend_kernel[num_warps=4]" in caplog.text and "warm-up" in caplog.text
     assert built == [1]  # a build is progress for the watchdog
 
@@ -346,9 +366,12 @@ def test_decode_step_variant_serves_every_row_of_a_batch(tiny_dirs):
     """Greedy batches without logprobs take the argmax graph; logprobs, sampling or penalties
     the sampling graph; a top-k or top-p row the one that sorts."""
     worker = GPUWorker(make_config(tiny_dirs["llama"]).replace(runner={"cuda_graph_max_bs": 4}))
-    params = {1: SamplingParams(temperature=0.0), 2: SamplingParams(temperature=0.8, seed=2),
-              3: SamplingParams(temperature=0.0, presence_penalty=0.5),
-              4: SamplingParams(temperature=0.8, top_p=0.9, seed=4)}  # fmt: skip
+    params = {
+        1: SamplingParams(temperature=0.0),
+        2: SamplingParams(temperature=0.8, seed=2),
+        3: SamplingParams(temperature=0.0, presence_penalty=0.5),
+        4: SamplingParams(temperature=0.8, top_p=0.9, seed=4),
+    }
     for row, p in params.items():
         worker.sampling.start(row, p, [5, 6], 0)
     step = worker.decode_step
@@ -367,8 +390,12 @@ def test_graph_memory_is_budgeted_only_where_graphs_are_captured(tiny_dirs, back
     from gpu_worker.speculative.iteration import ACCEPT_GRAPH_ROWS
 
     config = make_config(tiny_dirs["llama"]).replace(
-        runner={"attention_backend": backend, "cuda_graph_max_bs": 8,
-                "cuda_graph_max_prefill_tokens": 256})  # fmt: skip
+        runner={
+            "attention_backend": backend,
+            "cuda_graph_max_bs": 8,
+            "cuda_graph_max_prefill_tokens": 256,
+        }
+    )
     spec = target_spec(config)
     reserved = (spec.graph_tokens, spec.graph_sampled_rows, spec.prefill_graph_tokens)
     assert reserved == ((8, 8, 256) if captured else (0, 0, 0))
@@ -376,8 +403,14 @@ def test_graph_memory_is_budgeted_only_where_graphs_are_captured(tiny_dirs, back
     # (up to ACCEPT_GRAPH_ROWS of them), and adaptive speculation's plain decode step graphs
     for num_draft, rows in ((6, 48), (64, ACCEPT_GRAPH_ROWS)):
         for adaptive, plain_rows in (("off", 0), ("on", 8)):
-            spec = target_spec(config.replace(speculative={
-                "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": num_draft,
-                "speculative_adaptive": adaptive}))  # fmt: skip
+            spec = target_spec(
+                config.replace(
+                    speculative={
+                        "speculative_algorithm": "EAGLE",
+                        "speculative_num_draft_tokens": num_draft,
+                        "speculative_adaptive": adaptive,
+                    }
+                )
+            )
             reserved = (spec.graph_tokens, spec.graph_sampled_rows)
             assert reserved == ((8 * num_draft, rows + plain_rows) if captured else (0, 0))

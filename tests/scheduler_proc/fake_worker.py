@@ -146,8 +146,11 @@ def make_config(
 ) -> AerieConfig:
     return AerieConfig().replace(
         cache={"page_size": page_size},
-        scheduler={"max_running_requests": max_running, "chunked_prefill_size": chunk,
-                   "disable_overlap_schedule": not overlap},
+        scheduler={
+            "max_running_requests": max_running,
+            "chunked_prefill_size": chunk,
+            "disable_overlap_schedule": not overlap,
+        },
         model={"context_length": context_length},
     )
 
@@ -227,12 +230,19 @@ def plan_entries(plan: ForwardPlan, rids: list[str]) -> Planned:
     by_row = {start.row: start for start in plan.starts}
     entries, slot_offset, id_offset = [], 0, 0
     for i, (rid, row) in enumerate(zip(rids, rows, strict=True)):
-        entries.append(Entry(
-            rid=rid, row=row, prefix_len=prefix_lens[i],
-            input_ids=ids[id_offset : id_offset + extend_lens[i]],
-            out_slots=slots[slot_offset : slot_offset + lens[i]], slot_start=starts[i],
-            sample=bool(sample[i]), next_input_id=next_ids[i], start=by_row.get(row),
-        ))  # fmt: skip
+        entries.append(
+            Entry(
+                rid=rid,
+                row=row,
+                prefix_len=prefix_lens[i],
+                input_ids=ids[id_offset : id_offset + extend_lens[i]],
+                out_slots=slots[slot_offset : slot_offset + lens[i]],
+                slot_start=starts[i],
+                sample=bool(sample[i]),
+                next_input_id=next_ids[i],
+                start=by_row.get(row),
+            )
+        )
         slot_offset += lens[i]
         id_offset += extend_lens[i]
     return Planned(plan, entries)

@@ -32,8 +32,9 @@ def costs(break_even: dict[int, float], sampled_factor: float = 1.0) -> StepCost
     spec = tuple(break_even[b] for b in buckets)
     ones = (1.0,) * len(buckets)
     sampled = tuple(t * sampled_factor for t in spec)
-    return StepCosts(buckets, {"greedy": ones, "sampled": ones},
-                     {"greedy": spec, "sampled": sampled})
+    return StepCosts(
+        buckets, {"greedy": ones, "sampled": ones}, {"greedy": spec, "sampled": sampled}
+    )
 
 
 def test_break_even_is_the_buckets_cost_ratio():
@@ -46,14 +47,23 @@ def test_break_even_is_the_buckets_cost_ratio():
     assert StepCosts.from_json(c.to_json()) == c
 
 
-@pytest.mark.parametrize("text, says", [
-    ("not json", "JSONDecodeError"),
-    ('{"buckets": [1], "plain_ms": {"greedy": [1]}}', "KeyError"),
-    ('{"buckets": [2, 1], "plain_ms": {"greedy": [1, 1], "sampled": [1, 1]}, '
-     '"speculative_ms": {"greedy": [1, 1], "sampled": [1, 1]}}', "increasing"),
-    ('{"buckets": [1], "plain_ms": {"greedy": [0], "sampled": [1]}, '
-     '"speculative_ms": {"greedy": [1], "sampled": [1]}}', "positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("not json", "JSONDecodeError"),
+        ('{"buckets": [1], "plain_ms": {"greedy": [1]}}', "KeyError"),
+        (
+            '{"buckets": [2, 1], "plain_ms": {"greedy": [1, 1], "sampled": [1, 1]}, '
+            '"speculative_ms": {"greedy": [1, 1], "sampled": [1, 1]}}',
+            "increasing",
+        ),
+        (
+            '{"buckets": [1], "plain_ms": {"greedy": [0], "sampled": [1]}, '
+            '"speculative_ms": {"greedy": [1], "sampled": [1]}}',
+            "positive",
+        ),
+    ],
+)
 def test_bad_step_costs_are_refused_at_start_up_with_the_reason(text, says):
     config = AerieConfig().replace(speculative={"speculative_step_costs": text})
     with pytest.raises(ConfigError, match=says):
@@ -153,8 +163,13 @@ def test_speculation_holds_within_the_hysteresis_and_returns_at_the_break_even()
     policy = AdaptiveSpeculation(costs({1: 2.0}))
     policy.overall[G] = 2.0
     low = 2.0 * (1 - HYSTERESIS)
-    for value, speculate in [(low + 0.01, True), (low - 0.01, False), (1.99, False),
-                             (2.0, True), (low + 0.01, True)]:  # fmt: skip
+    for value, speculate in [
+        (low + 0.01, True),
+        (low - 0.01, False),
+        (1.99, False),
+        (2.0, True),
+        (low + 0.01, True),
+    ]:
         policy.estimates["a"] = value
         assert policy.choose(["a"], [G]).speculate is speculate, value
 
@@ -182,14 +197,17 @@ def test_greedy_and_sampled_requests_learn_apart():
     assert policy.choose(["new"], [hotter]).speculate  # a kind of its own: learn it
 
 
-@pytest.mark.parametrize("params, sampled", [
-    (SamplingParams(temperature=0.0), False),
-    (SamplingParams(temperature=0.7), True),
-    (SamplingParams(temperature=0.7, top_k=1), False),
-    (SamplingParams(temperature=1e-6), False),  # below GREEDY_EPS: the worker takes the argmax
-    (SamplingParams(temperature=0.0, repetition_penalty=1.1), True),
-    (SamplingParams(temperature=0.0, presence_penalty=0.5), True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "params, sampled",
+    [
+        (SamplingParams(temperature=0.0), False),
+        (SamplingParams(temperature=0.7), True),
+        (SamplingParams(temperature=0.7, top_k=1), False),
+        (SamplingParams(temperature=1e-6), False),  # below GREEDY_EPS: the worker takes the argmax
+        (SamplingParams(temperature=0.0, repetition_penalty=1.1), True),
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), True),
+    ],
+)
 def test_which_requests_count_as_sampled(params, sampled):
     assert samples(params) is sampled
 
@@ -215,9 +233,12 @@ class PlainAwareWorker(FakeWorker):
 def speculative_scheduler(step_costs: StepCosts | None, adaptive: str = "on") -> Scheduler:
     config = AerieConfig().replace(
         scheduler={"max_running_requests": 4},
-        speculative={"speculative_algorithm": "EAGLE", "speculative_adaptive": adaptive,
-                     "speculative_step_costs": step_costs and step_costs.to_json()},
-    )  # fmt: skip
+        speculative={
+            "speculative_algorithm": "EAGLE",
+            "speculative_adaptive": adaptive,
+            "speculative_step_costs": step_costs and step_costs.to_json(),
+        },
+    )
     return Scheduler(config, (), max_total_tokens=4096, decode_alloc_len=4)
 
 
@@ -286,8 +307,9 @@ def test_the_first_iteration_after_plain_steps_is_not_observed():
         return 4 if fresh["value"] else 1
 
     worker, collector = PlainAwareWorker(accept=accept, alloc_len=4), Collector()
-    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=400, ignore_eos=True,
-                                    temperature=0.0))
+    sched.add_request(
+        make_request("a", [1, 2, 3], max_new_tokens=400, ignore_eos=True, temperature=0.0)
+    )
     observed = []
     real_observe = sched.adaptive.observe
     sched.adaptive.observe = lambda rid, n, k: (observed.append(n), real_observe(rid, n, k))

@@ -130,8 +130,13 @@ def test_a_one_page_grow_reuses_the_page_given_back_last():
 
 def allocator_state(alloc: KVAllocator) -> tuple:
     """Everything that decides what the allocator hands out next (free list order included)."""
-    return (dict(alloc._lens), {r: list(p) for r, p in alloc._pages.items()},
-            list(alloc._free_pages), alloc._next_fresh, list(alloc._free_rows))  # fmt: skip
+    return (
+        dict(alloc._lens),
+        {r: list(p) for r, p in alloc._pages.items()},
+        list(alloc._free_pages),
+        alloc._next_fresh,
+        list(alloc._free_rows),
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 4])
@@ -162,8 +167,9 @@ def test_grow_rows_is_grow_row_after_row(page_size):
         elif rows:
             chosen = rng.sample(rows, rng.randint(0, len(rows)))  # any order, any subset
             # below, at or above the allocated length (the decode step's usual one or few)
-            min_lens = [max(0, batched.allocated_len(r) + rng.choice([-2, 0, 1, 1, 2, 5]))
-                        for r in chosen]  # fmt: skip
+            min_lens = [
+                max(0, batched.allocated_len(r) + rng.choice([-2, 0, 1, 1, 2, 5])) for r in chosen
+            ]
             needed = sum(single.pages_needed(r, n) for r, n in zip(chosen, min_lens, strict=True))
             assert batched.pages_needed_rows(chosen, min_lens) == needed
             before = allocator_state(batched)

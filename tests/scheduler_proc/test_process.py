@@ -161,7 +161,9 @@ def test_the_stop_string_decoder_is_loaded_up_front_and_matches_transformers(tmp
     reference = AutoTokenizer.from_pretrained(path)
     for ids in ([5, 6, 7], [300, 1, 2, 77], list(range(40, 80))):
         assert decode(ids) == reference.decode(ids, skip_special_tokens=False)
-    probe = (f"import sys; from scheduler_proc.process import load_decoder; "
-             f"load_decoder({path!r}); print('torch' in sys.modules)")  # fmt: skip
+    probe = (
+        f"import sys; from scheduler_proc.process import load_decoder; "
+        f"load_decoder({path!r}); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # the scheduler stays torch-free

@@ -131,8 +131,9 @@ def test_stop_inside_a_multi_token_run_truncates_and_frees_kv(overlap):
     full = reference_output(prompt, 30)
     stop_id = full[6]
     assert stop_id not in full[:6]
-    sched = Scheduler(make_config(page_size=4, overlap=overlap), (), max_total_tokens=64,
-                      decode_alloc_len=5)  # fmt: skip
+    sched = Scheduler(
+        make_config(page_size=4, overlap=overlap), (), max_total_tokens=64, decode_alloc_len=5
+    )
     sched.add_request(make_request("a", prompt, max_new_tokens=30, stop_token_ids=[stop_id]))
     collector = Collector()
     run_to_end(sched, FakeWorker(accept=lambda step, row: 5, alloc_len=5), collector)
@@ -312,8 +313,9 @@ def test_decode_is_not_starved_by_a_stream_of_new_requests():
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_context_length_ends_a_request(overlap):
-    sched = Scheduler(make_config(context_length=10, overlap=overlap), (), max_total_tokens=64,
-                      decode_alloc_len=4)  # fmt: skip
+    sched = Scheduler(
+        make_config(context_length=10, overlap=overlap), (), max_total_tokens=64, decode_alloc_len=4
+    )
     prompt = [9, 8, 7, 6]
     sched.add_request(make_request("a", prompt, max_new_tokens=20, ignore_eos=True))
     collector = Collector()
@@ -336,10 +338,14 @@ def test_a_burst_into_a_small_kv_cache_does_not_thrash(ignore_eos):
     alone retracted 46 times and ran 65% more tokens.)"""
     rng = random.Random(0)
     requests = [
-        make_request(f"r{i}", make_prompt(rng, rng.randint(8, 24)),
-                     max_new_tokens=rng.randint(20, 60), ignore_eos=ignore_eos)
+        make_request(
+            f"r{i}",
+            make_prompt(rng, rng.randint(8, 24)),
+            max_new_tokens=rng.randint(20, 60),
+            ignore_eos=ignore_eos,
+        )
         for i in range(32)
-    ]  # fmt: skip
+    ]
     config = make_config(max_running=32, chunk=256)
 
     def forward_tokens(plans) -> int:
@@ -401,11 +407,13 @@ def test_tiny_caches_with_requests_finishing_in_flight(overlap):
     for total in range(14, 30):
         for max_new in (1, 2, 3, 6, 10):
             config = make_config(max_running=4, overlap=overlap).replace(
-                scheduler={"schedule_conservativeness": 0.0})  # fmt: skip
+                scheduler={"schedule_conservativeness": 0.0}
+            )
             sched = Scheduler(config, (), max_total_tokens=total)
             sched.add_request(make_request("R", [1, 2, 3, 4], max_new_tokens=10, ignore_eos=True))
-            sched.add_request(make_request("F", list(range(5, 15)), max_new_tokens=max_new,
-                                           ignore_eos=True))  # fmt: skip
+            sched.add_request(
+                make_request("F", list(range(5, 15)), max_new_tokens=max_new, ignore_eos=True)
+            )
             collector = Collector()
             run_to_end(sched, FakeWorker(), collector)
             assert collector.outputs["R"] == reference_output([1, 2, 3, 4], 10)

@@ -30,8 +30,13 @@ def test_a_delta_carries_each_field_under_its_name():
     """Each field of the deltas of a speculative run with logprobs holds what its name says."""
     sched = Scheduler(make_config(), (), max_total_tokens=64, decode_alloc_len=3)
     prompt = [4, 5, 6, 7]
-    msg = TokenizedRequest("a", pack_ids(prompt), SamplingParams(max_new_tokens=9, stop=["zz"]),
-                           stream=True, return_logprob=True)  # fmt: skip
+    msg = TokenizedRequest(
+        "a",
+        pack_ids(prompt),
+        SamplingParams(max_new_tokens=9, stop=["zz"]),
+        stream=True,
+        return_logprob=True,
+    )
     sched.add_request(msg)
     worker, deltas = FakeWorker(accept=lambda step, row: 2, alloc_len=3), []
     while sched.has_work() or sched.num_in_flight:
@@ -62,7 +67,7 @@ def test_the_quick_finish_check_agrees_with_the_full_one(seed):
             stop_token_ids=rng.sample(range(20), rng.choice([0, 1, 2])),
             ignore_eos=rng.random() < 0.5,
             stop=[decode_text(rng.sample(range(20), 2))] if rng.random() < 0.2 else [],
-        )  # fmt: skip
+        )
         prompt = [rng.randrange(20) for _ in range(rng.randint(1, 8))]
         req = Request("r", prompt, sampling, context_length=rng.choice([None, 12, 16]))
         req.output_ids = [rng.randrange(20) for _ in range(rng.randint(0, 10))]

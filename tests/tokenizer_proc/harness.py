@@ -165,8 +165,14 @@ def _uvicorn_config(app, header_timeout_s: float, max_connections: int | None):
     import uvicorn
 
     protocol = header_timeout_protocol(header_timeout_s, max_connections)
-    return uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
-                          timeout_graceful_shutdown=1, http=protocol)  # fmt: skip
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        lifespan="off",
+        access_log=False,
+        timeout_graceful_shutdown=1,
+        http=protocol,
+    )
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:

@@ -83,8 +83,7 @@ def test_a_map_wider_than_the_envelope_is_refused_before_its_fields_are_read(mon
 
     scanned = []
     scan = client_messages._scan_value
-    monkeypatch.setattr(client_messages, "_scan_value",
-                        lambda *a: scanned.append(1) or scan(*a))  # fmt: skip
+    monkeypatch.setattr(client_messages, "_scan_value", lambda *a: scanned.append(1) or scan(*a))
     wide = {"op": "generate", "req_id": 1, **{f"k{i}": i for i in range(1000)}}
     with pytest.raises(ProtocolError, match="at most 4 fields"):
         read_envelope(msgpack.packb(wide))

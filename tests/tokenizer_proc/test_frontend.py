@@ -16,8 +16,10 @@ def prepared_seeds(tokenizer_dir: str, random_seed: int, bodies: list[dict]) -> 
     frontend, _ = make_frontend(tokenizer_dir, random_seed=random_seed)
 
     async def prepare_all() -> list[int]:
-        return [(await frontend.prepare([5, 6], body, None, "input_ids")).sampling.seed
-                for body in bodies]  # fmt: skip
+        return [
+            (await frontend.prepare([5, 6], body, None, "input_ids")).sampling.seed
+            for body in bodies
+        ]
 
     return asyncio.run(prepare_all())
 
@@ -42,11 +44,13 @@ def test_meta_info_reports_the_seed_each_request_ran_with(live):
     assert None not in seeds and len(set(seeds)) == 2  # one seed per prompt of a batch
     assert [o["meta_info"]["seed"] for o in out] == seeds
 
-    body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 4, "seed": 42},
-            "stream": True}  # fmt: skip
+    body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 4, "seed": 42}, "stream": True}
     with httpx.stream("POST", server.url + "/generate", json=body) as r:
-        events = [json.loads(line[len("data: ") :]) for line in r.iter_lines()
-                  if line.startswith("data: {")]  # fmt: skip
+        events = [
+            json.loads(line[len("data: ") :])
+            for line in r.iter_lines()
+            if line.startswith("data: {")
+        ]
     assert events and all(e["meta_info"]["seed"] == 42 for e in events)
     assert engine.submitted[-1].sampling.seed == 42
 

@@ -37,8 +37,12 @@ def test_generate_single(live):
 
 def test_generate_batch_with_rids_and_logprobs(live):
     server, _, engine = live
-    body = {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3},
-            "rid": ["r1", "r2"], "return_logprob": True}  # fmt: skip
+    body = {
+        "input_ids": [[5, 6], [7]],
+        "sampling_params": {"max_new_tokens": 3},
+        "rid": ["r1", "r2"],
+        "return_logprob": True,
+    }
     out = httpx.post(server.url + "/generate", json=body).json()
     assert [o["meta_info"]["id"] for o in out] == ["r1", "r2"]  # the client's rids, echoed
     assert not {r.rid for r in engine.submitted} & {"r1", "r2"}  # the engine keys on its own
@@ -75,9 +79,14 @@ def test_batch_stream_events_carry_an_index(live):
 
 @pytest.mark.parametrize(
     "body",
-    [{"text": ""}, {"input_ids": [1, 10**9]}, {"input_ids": [1] * 64},
-     {"text": "hi", "sampling_params": {"top_p": 0}}, {"text": "hi", "rid": 5}],
-)  # fmt: skip
+    [
+        {"text": ""},
+        {"input_ids": [1, 10**9]},
+        {"input_ids": [1] * 64},
+        {"text": "hi", "sampling_params": {"top_p": 0}},
+        {"text": "hi", "rid": 5},
+    ],
+)
 def test_bad_input_is_a_400_and_nothing_is_submitted(live, body):
     server, _, engine = live
     r = httpx.post(server.url + "/generate", json=body)
@@ -116,8 +125,9 @@ def test_server_info_and_metrics(live):
     before = httpx.get(server.url + "/server_info").json()  # no scheduler report yet
     assert before["kv_used_tokens"] == 0 and before["kv_total_tokens"] == 1000
     assert before["num_running"] == 0 and before["accepted_per_position"] == []
-    httpx.post(server.url + "/generate", json={"input_ids": [5], "sampling_params": {
-        "max_new_tokens": 4}})  # fmt: skip
+    httpx.post(
+        server.url + "/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 4}}
+    )
     frontend.metrics.observe_stats(SchedulerStats(2, 1, 25, 100, 2.5, [10, 7, 3], 4))
     info = httpx.get(server.url + "/server_info").json()
     assert info["accepted_per_position"] == [10, 7, 3] and info["num_retractions"] == 4

@@ -21,8 +21,10 @@ class Connection:
         self.buffer = b""
 
     def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict, bytes]:
-        head = (f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
         self.sock.sendall(head.encode() + body)
         while b"\r\n\r\n" not in self.buffer:
             self._read()
@@ -56,12 +58,21 @@ BAD_BODIES = [
     ("/v1/chat/completions", CHAT.format('"\\ud800"').encode(), "lone surrogate"),
     ("/v1/chat/completions", CHAT.format('{"a": 1}').encode(), "must be a string"),
     ("/generate", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
-    ("/generate", b'{"text": ' + b"[" * MAX_BODY_DEPTH + b'"x"' + b"]" * MAX_BODY_DEPTH + b"}",
-     "nested too deeply"),
-    ("/generate", b'{"text": "x", "sampling_params": {"seed": 18446744073709551616}}',
-     "64-bit signed integer"),
-    ("/generate", b'{"text": "x", "sampling_params": {"top_k": 1180591620717411303424}}',
-     "64-bit signed integer"),
+    (
+        "/generate",
+        b'{"text": ' + b"[" * MAX_BODY_DEPTH + b'"x"' + b"]" * MAX_BODY_DEPTH + b"}",
+        "nested too deeply",
+    ),
+    (
+        "/generate",
+        b'{"text": "x", "sampling_params": {"seed": 18446744073709551616}}',
+        "64-bit signed integer",
+    ),
+    (
+        "/generate",
+        b'{"text": "x", "sampling_params": {"top_k": 1180591620717411303424}}',
+        "64-bit signed integer",
+    ),
     ("/generate", b'{"text": "x", "sampling_params": {"temperature": 1e999}}', "finite"),
     ("/generate", b'{"text": "x", "sampling_params": {"top_p": -1e999}}', "finite"),
     ("/generate", b'{"input_ids": [' + b"9" * 5000 + b"]}", "not valid JSON"),
@@ -122,10 +133,15 @@ def test_an_error_inside_a_stream_ends_it_with_an_error_event(live, monkeypatch)
     assert lines[-1] == "data: [DONE]"
 
 
-@pytest.mark.parametrize("method, path, status, allow", [
-    ("GET", "/nope", 404, None), ("POST", "/v1/nope", 404, None),
-    ("GET", "/generate", 405, "POST"), ("POST", "/v1/models", 405, "GET"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "method, path, status, allow",
+    [
+        ("GET", "/nope", 404, None),
+        ("POST", "/v1/nope", 404, None),
+        ("GET", "/generate", 405, "POST"),
+        ("POST", "/v1/models", 405, "GET"),
+    ],
+)
 def test_unknown_paths_and_methods_get_the_api_error_format(live, method, path, status, allow):
     """404 and 405 came as FastAPI's {"detail": ...}, a shape no OpenAI client reads."""
     server, _, _ = live
@@ -169,11 +185,15 @@ def test_requests_cut_off_by_uvicorns_shutdown_get_a_503_not_a_text_500(tokenize
     engine.hold = True  # nothing finishes
     with LiveServer(frontend) as server:
         results: list = []
-        plain = threading.Thread(target=lambda: results.append(httpx.post(
-            server.url + "/v1/completions", json={"prompt": [5]}, timeout=30)))  # fmt: skip
+        plain = threading.Thread(
+            target=lambda: results.append(
+                httpx.post(server.url + "/v1/completions", json={"prompt": [5]}, timeout=30)
+            )
+        )
         plain.start()
-        with httpx.stream("POST", server.url + "/generate", timeout=30, json={
-                "input_ids": [6], "stream": True}) as stream:  # fmt: skip
+        with httpx.stream(
+            "POST", server.url + "/generate", timeout=30, json={"input_ids": [6], "stream": True}
+        ) as stream:
             assert wait_until(lambda: frontend.tracker.num_in_flight == 2)
             server._server.should_exit = True
             lines = [line for line in stream.iter_lines() if line]
@@ -198,15 +218,20 @@ def logprob_responses(url: str) -> dict[str, list]:
     is the response's JSON documents, parsed strictly."""
     import httpx
 
-    generate = {"input_ids": [5], "return_logprob": True, "sampling_params": {
-        "max_new_tokens": 2}}  # fmt: skip
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
-            "top_logprobs": 1}  # fmt: skip
+    generate = {"input_ids": [5], "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
     completion = {"prompt": [5], "max_tokens": 2, "logprobs": 1}
     out = {}
-    for name, path, body in [("generate", "/generate", generate),
-                             ("chat", "/v1/chat/completions", chat),
-                             ("completion", "/v1/completions", completion)]:  # fmt: skip
+    for name, path, body in [
+        ("generate", "/generate", generate),
+        ("chat", "/v1/chat/completions", chat),
+        ("completion", "/v1/completions", completion),
+    ]:
         out[name] = [strict_json(httpx.post(url + path, json=body, timeout=10).content)]
         with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=10) as r:
             events = [line.removeprefix("data: ") for line in r.iter_lines() if line]

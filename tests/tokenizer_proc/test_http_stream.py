@@ -31,9 +31,14 @@ def fake_cycle(conn: h11.Connection, method: str = "POST", **flags) -> SimpleNam
     written: list[bytes] = []
     state = {"response_started": True, "response_complete": False, "disconnected": False}
     state.update(flags)
-    return SimpleNamespace(scope={"method": method}, conn=conn, written=written,
-                           transport=SimpleNamespace(write=written.append),
-                           flow=SimpleNamespace(write_paused=False), **state)  # fmt: skip
+    return SimpleNamespace(
+        scope={"method": method},
+        conn=conn,
+        written=written,
+        transport=SimpleNamespace(write=written.append),
+        flow=SimpleNamespace(write_paused=False),
+        **state,
+    )
 
 
 def client_body(raw: bytes) -> bytes:
@@ -69,9 +74,15 @@ def test_direct_pieces_are_the_bytes_h11_writes(http_version):
 
 @pytest.mark.parametrize(
     "flags",
-    [{"response_started": False}, {"response_complete": True}, {"disconnected": True},
-     {"write_paused": True}, {"method": "HEAD"}, {"empty": True}],
-)  # fmt: skip
+    [
+        {"response_started": False},
+        {"response_complete": True},
+        {"disconnected": True},
+        {"write_paused": True},
+        {"method": "HEAD"},
+        {"empty": True},
+    ],
+)
 def test_direct_body_leaves_to_send_what_send_must_handle(flags):
     cycle = fake_cycle(server_connection(), method=flags.pop("method", "POST"))
     cycle.flow.write_paused = flags.pop("write_paused", False)
@@ -103,10 +114,14 @@ def test_event_stream_sends_what_the_direct_path_declines_in_order():
     response = EventStream(events())
     response.direct = Direct()  # type: ignore[assignment]
     asyncio.run(response.stream_response(send))
-    assert log == [("http.response.start", None, None), ("direct", b"direct 1"),
-                   ("http.response.body", b"send 2", True), ("direct", b"direct 3"),
-                   ("http.response.body", b"send 4", True),
-                   ("http.response.body", b"", False)]  # fmt: skip
+    assert log == [
+        ("http.response.start", None, None),
+        ("direct", b"direct 1"),
+        ("http.response.body", b"send 2", True),
+        ("direct", b"direct 3"),
+        ("http.response.body", b"send 4", True),
+        ("http.response.body", b"", False),
+    ]
 
 
 def test_live_streams_go_through_the_direct_path(live, monkeypatch):
@@ -124,10 +139,13 @@ def test_live_streams_go_through_the_direct_path(live, monkeypatch):
     monkeypatch.setattr(DirectBody, "write", counting_write)
     bodies = {
         "/v1/completions": {"prompt": "Hello", "max_tokens": 6, "stream": True, "logprobs": 1},
-        "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
-                                 "max_tokens": 5, "stream": True},
+        "/v1/chat/completions": {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 5,
+            "stream": True,
+        },
         "/generate": {"input_ids": [5], "stream": True, "sampling_params": {"max_new_tokens": 4}},
-    }  # fmt: skip
+    }
     with httpx.Client() as client:
         for path, body in bodies.items():
             written.clear()
@@ -143,8 +161,10 @@ def test_an_http_1_0_client_gets_a_close_delimited_stream(live):
     body = json.dumps({"input_ids": [5], "stream": True, "sampling_params": {"max_new_tokens": 4}})
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"POST /generate HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())  # fmt: skip
+        sock.sendall(
+            f"POST /generate HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
         raw = b""
         while chunk := sock.recv(65536):  # the server closes the connection at the end
             raw += chunk

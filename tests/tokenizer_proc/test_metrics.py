@@ -9,10 +9,16 @@ from tokenizer_proc.metrics import Metrics, combine_stats
 
 def report(replica: int, running: int, accepted: list[int], kv_used: int) -> SchedulerStats:
     return SchedulerStats(
-        num_running=running, num_waiting=1, kv_used_tokens=kv_used, kv_total_tokens=100,
-        avg_accept_length=sum(accepted) / accepted[0], accepted_per_position=accepted,
-        num_retractions=replica, num_requests=10 * (replica + 1), replica=replica,
-    )  # fmt: skip
+        num_running=running,
+        num_waiting=1,
+        kv_used_tokens=kv_used,
+        kv_total_tokens=100,
+        avg_accept_length=sum(accepted) / accepted[0],
+        accepted_per_position=accepted,
+        num_retractions=replica,
+        num_requests=10 * (replica + 1),
+        replica=replica,
+    )
 
 
 def test_replicas_combine_into_sums_and_the_accept_length_of_all_verify_steps():

@@ -27,10 +27,16 @@ def test_models_lists_the_served_model(live, client):
 def test_completion_maps_parameters_and_reports_usage(live, client):
     _, frontend, engine = live
     r = client.completions.create(
-        model="m", prompt="Hello world", max_tokens=5, temperature=0.5, top_p=0.9, seed=7,
-        stop=["x", "yz"], frequency_penalty=0.5,
+        model="m",
+        prompt="Hello world",
+        max_tokens=5,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        stop=["x", "yz"],
+        frequency_penalty=0.5,
         extra_body={"top_k": 4, "min_p": 0.1, "ignore_eos": True, "stop_token_ids": [3]},
-    )  # fmt: skip
+    )
     (request,) = engine.submitted
     s = request.sampling
     assert unpack_ids(request.input_ids) == frontend.tokenizer.encode("Hello world")
@@ -71,8 +77,9 @@ def test_stream_with_usage_equals_non_stream(client, kind):
         create = lambda **kw: client.completions.create(prompt="Hello world", **kw)  # noqa: E731
         text_of = lambda c: c.text or ""  # noqa: E731
         full = create(model="m", max_tokens=5).choices[0].text
-    chunks = list(create(model="m", max_tokens=5, stream=True,
-                         stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        create(model="m", max_tokens=5, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(text_of(c) for ch in chunks for c in ch.choices) == full
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert all(ch.usage is None for ch in chunks[:-1])
@@ -90,8 +97,9 @@ def test_stream_without_include_usage_has_no_usage_chunk(client):
 
 def test_logprobs(client, live):
     _, frontend, engine = live
-    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3,
-                                       logprobs=True, top_logprobs=1)  # fmt: skip
+    r = client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=1
+    )
     ids = fake_output_ids(engine.submitted[0])
     content = r.choices[0].logprobs.content
     assert [c.logprob for c in content] == [LOGPROB] * 3
@@ -112,10 +120,11 @@ def test_logprobs(client, live):
         lambda c: c.completions.create(model="m", prompt="Hi", max_tokens=1000),
         lambda c: c.chat.completions.create(model="m", messages=[]),
         lambda c: c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=-3),
-        lambda c: c.chat.completions.create(model="m", messages=[{"role": "robot",
-                                                                  "content": "x"}]),
+        lambda c: c.chat.completions.create(
+            model="m", messages=[{"role": "robot", "content": "x"}]
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_raise_bad_request(client, live, call):
     with pytest.raises(openai.BadRequestError) as info:
         call(client)
@@ -129,6 +138,7 @@ def test_bad_types_name_the_field(live):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hello"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(server.url + "/v1/chat/completions",
-                   json={"messages": MESSAGES, "max_tokens": -3})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": -3}
+    )
     assert r.json()["error"]["param"] == "max_tokens" and "max_tokens" in r.text

@@ -19,8 +19,21 @@ from tokenizer_proc.request_tracker import RequestState
 
 # Texts JSON must escape or keep as they are: quotes, backslashes, control characters, line
 # separators, accents, CJK, emoji (outside the BMP), and an empty piece.
-PIECES = ['He said "hi"', " back\\slash\\", "\n", "\t\r\x01\x1f\x7f", " café", " 世界", "🙂",
-          "", "\u2028\u2029", ' "choices": [', " \\u00e9", "x", "</script>"]  # fmt: skip
+PIECES = [
+    'He said "hi"',
+    " back\\slash\\",
+    "\n",
+    "\t\r\x01\x1f\x7f",
+    " café",
+    " 世界",
+    "🙂",
+    "",
+    "\u2028\u2029",
+    ' "choices": [',
+    " \\u00e9",
+    "x",
+    "</script>",
+]
 
 
 def token_strings(ids: list[int]) -> list[str]:
@@ -66,8 +79,12 @@ def old_finish_chunk(req, state) -> dict:
 
 async def old_stream(frontend, req, state):
     if req.kind == "chat":
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}  # fmt: skip
+        role = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         yield sse(with_usage_field(req, envelope(req, state, [role], chunk=True)))
     text_offset = 0
     async for chunk in state.chunks():
@@ -104,8 +121,15 @@ def deltas(rid: str) -> list[list[TextDelta]]:
         ids = [num[0] + i for i in range(num_ids)]
         num[0] += num_ids
         lps = [-0.1 * i - 1e-7 for i in ids] if logprobs is None else logprobs
-        return TextDelta(rid, text, pack_ids(ids), pack_floats(lps), prompt_tokens=5,
-                         completion_tokens=num[0], **kw)  # fmt: skip
+        return TextDelta(
+            rid,
+            text,
+            pack_ids(ids),
+            pack_floats(lps),
+            prompt_tokens=5,
+            completion_tokens=num[0],
+            **kw,
+        )
 
     groups = [[delta(p)] for p in PIECES]
     groups.append([delta(p, num_ids=2) for p in PIECES])  # coalesced into one chunk
@@ -119,8 +143,9 @@ def deltas(rid: str) -> list[list[TextDelta]]:
 async def both_streams(req: OpenAIRequest, finish: FinishReason | None, clock: Clock):
     """(new events, old events) of one stream; finish None: aborted after the deltas."""
     rid = "0123456789abcdef"
-    frontend = SimpleNamespace(tokenizer=SimpleNamespace(token_strings=token_strings),
-                               abort_unfinished=lambda states: None)  # fmt: skip
+    frontend = SimpleNamespace(
+        tokenizer=SimpleNamespace(token_strings=token_strings), abort_unfinished=lambda states: None
+    )
     states = [RequestState(rid), RequestState(rid)]
     streams = [stream_openai(frontend, req, states[0]), old_stream(frontend, req, states[1])]
     new, old = [], []

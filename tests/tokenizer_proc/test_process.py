@@ -35,8 +35,7 @@ from tokenizer_proc.process import TokenizerProcess
 @pytest.fixture
 def config(tokenizer_dir, tmp_path) -> AerieConfig:
     return AerieConfig(runtime_dir=str(tmp_path)).replace(
-        model={"model_path": tokenizer_dir, "tokenizer_path": tokenizer_dir,
-               "context_length": 64},
+        model={"model_path": tokenizer_dir, "tokenizer_path": tokenizer_dir, "context_length": 64},
         server={"port": 0, "zmq_port": 0, "log_level": "warning", "served_model_name": "tiny"},
     )
 
@@ -75,8 +74,11 @@ def test_process_round_trip_drain_and_shutdown(config):
         thread = post_in_background(url + "/generate", {"input_ids": [5, 6]}, results)
         request = scheduler.recv(timeout_s=5)
         assert isinstance(request, TokenizedRequest) and unpack_ids(request.input_ids) == [5, 6]
-        to_tokenizer.send(TextDeltas([TextDelta(request.rid, " ok", pack_ids([9]),
-                                                finish=FinishReason("stop", 9))]))  # fmt: skip
+        to_tokenizer.send(
+            TextDeltas(
+                [TextDelta(request.rid, " ok", pack_ids([9]), finish=FinishReason("stop", 9))]
+            )
+        )
         thread.join(10)
         assert results[0].json()["text"] == " ok"
         assert results[0].json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": 9}
@@ -111,8 +113,9 @@ def test_requests_cut_off_by_shutdown_get_a_json_503_or_a_final_error_event(conf
         assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
         results: list[httpx.Response] = []
         plain = post_in_background(url + "/v1/completions", {"prompt": [5]}, results)
-        with httpx.stream("POST", url + "/generate", timeout=10, json={
-                "input_ids": [6], "stream": True}) as stream:  # fmt: skip
+        with httpx.stream(
+            "POST", url + "/generate", timeout=10, json={"input_ids": [6], "stream": True}
+        ) as stream:
             held = [scheduler.recv(timeout_s=5) for _ in range(2)]
             streamed = held[1] if unpack_ids(held[1].input_ids) == [6] else held[0]
             to_tokenizer.send(TextDeltas([TextDelta(streamed.rid, " a", pack_ids([9]))]))

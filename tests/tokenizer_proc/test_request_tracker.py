@@ -12,11 +12,15 @@ from tokenizer_proc.request_tracker import RequestTracker
 
 def delta(rid: str, ids: list[int], finish: str | None = None, **kw) -> TextDelta:
     return TextDelta(
-        rid=rid, text="".join(f"<{i}>" for i in ids), token_ids=pack_ids(ids),
-        logprobs=pack_floats([-1.0] * len(ids)), finish=FinishReason(finish) if finish else None,
-        completion_tokens=kw.get("completion_tokens", 0), prompt_tokens=3,
+        rid=rid,
+        text="".join(f"<{i}>" for i in ids),
+        token_ids=pack_ids(ids),
+        logprobs=pack_floats([-1.0] * len(ids)),
+        finish=FinishReason(finish) if finish else None,
+        completion_tokens=kw.get("completion_tokens", 0),
+        prompt_tokens=3,
         spec_verify_ct=kw.get("spec_verify_ct", 0),
-    )  # fmt: skip
+    )
 
 
 def test_deltas_accumulate_and_finish_removes_the_request():
@@ -74,9 +78,19 @@ def test_a_chunk_carries_everything_since_the_consumer_last_looked():
         chunks, since, looks = state.chunks(), [], 0
         for k in range(300):
             last = k == 299
-            tracker.feed(TextDeltas([delta("r", [k, k + 1000][: 1 + k % 2],
-                                           "stop" if last else None, completion_tokens=k + 1,
-                                           spec_verify_ct=k // 3)]))  # fmt: skip
+            tracker.feed(
+                TextDeltas(
+                    [
+                        delta(
+                            "r",
+                            [k, k + 1000][: 1 + k % 2],
+                            "stop" if last else None,
+                            completion_tokens=k + 1,
+                            spec_verify_ct=k // 3,
+                        )
+                    ]
+                )
+            )
             since += [k, k + 1000][: 1 + k % 2]
             if last or rng.random() < 0.3:
                 chunk = await anext(chunks)

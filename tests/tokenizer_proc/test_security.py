@@ -27,8 +27,9 @@ GOOD = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
 def guarded(tokenizer_dir):
     frontend, engine = make_frontend(tokenizer_dir)
     policy = GuardPolicy(KEY, "localhost,127.0.0.1", max_request_bytes=4096, body_timeout_s=1.0)
-    with LiveServer(frontend, policy, ZmqAccess(api_key=KEY, max_message_bytes=4096),
-                    header_timeout_s=1.0) as server:  # fmt: skip
+    with LiveServer(
+        frontend, policy, ZmqAccess(api_key=KEY, max_message_bytes=4096), header_timeout_s=1.0
+    ) as server:
         yield server, frontend, engine
 
 
@@ -73,21 +74,32 @@ def test_the_zmq_port_checks_the_key(guarded):
             client.generate(input_ids=[5], timeout=10)
     assert engine.submitted == []
     with Client(server.zmq_address, api_key=KEY) as client:
-        assert client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2},
-                               timeout=10)["output_ids"]  # fmt: skip
+        assert client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2}, timeout=10)[
+            "output_ids"
+        ]
 
 
 def test_host_header_and_content_type_stop_browser_driven_requests(guarded):
     server, _, engine = guarded
-    r = httpx.post(server.url + "/generate", json=GOOD,
-                   headers={**auth(), "Host": "attacker.example:30000"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/generate", json=GOOD, headers={**auth(), "Host": "attacker.example:30000"}
+    )
     assert r.status_code == 403 and "Host" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/generate", content=b'{"input_ids": [5]}',
-                   headers={**auth(), "Content-Type": "text/plain"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/generate",
+        content=b'{"input_ids": [5]}',
+        headers={**auth(), "Content-Type": "text/plain"},
+    )
     assert r.status_code == 415
-    r = httpx.post(server.url + "/generate", content=b'{"input_ids": [5]}',
-                   headers={**auth(), "Host": "localhost:1234",
-                            "Content-Type": "application/json; charset=utf-8"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/generate",
+        content=b'{"input_ids": [5]}',
+        headers={
+            **auth(),
+            "Host": "localhost:1234",
+            "Content-Type": "application/json; charset=utf-8",
+        },
+    )
     assert r.status_code == 200
     assert len(engine.submitted) == 1
 
@@ -95,16 +107,22 @@ def test_host_header_and_content_type_stop_browser_driven_requests(guarded):
 def test_bodies_over_the_limit_are_413_before_parsing(guarded):
     server, _, engine = guarded
     big = b'{"text": "' + b"a" * 5000 + b'"}'
-    r = httpx.post(server.url + "/generate", content=big,
-                   headers={**auth(), "Content-Type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/generate",
+        content=big,
+        headers={**auth(), "Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
 
     def chunks():  # no Content-Length: counted while reading
         for _ in range(10):
             yield b" " * 1000
 
-    r = httpx.post(server.url + "/generate", content=chunks(),
-                   headers={**auth(), "Content-Type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/generate",
+        content=chunks(),
+        headers={**auth(), "Content-Type": "application/json"},
+    )
     assert r.status_code == 413
     assert engine.submitted == []
 
@@ -113,8 +131,10 @@ def test_a_slow_body_gets_408_and_an_idle_connection_is_closed(guarded):
     server, _, _ = guarded
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as slow:
-        head = (f"POST /generate HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
-                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
+        head = (
+            f"POST /generate HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
         slow.sendall(head.encode())
         reply = slow.recv(4096).decode()  # the body never completes
         assert reply.startswith("HTTP/1.1 408")
@@ -148,8 +168,10 @@ def test_connections_beyond_the_cap_get_a_json_503(tokenizer_dir):
         host, port = server.url.removeprefix("http://").split(":")
         idle = socket.create_connection((host, int(port)))  # the first connection
         try:
-            with httpx.Client(base_url=server.url) as second, \
-                    httpx.Client(base_url=server.url) as third:  # fmt: skip
+            with (
+                httpx.Client(base_url=server.url) as second,
+                httpx.Client(base_url=server.url) as third,
+            ):
                 assert second.get("/health").status_code == 200  # the N-th is served
                 r = third.get("/health")
                 assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -165,9 +187,13 @@ def test_a_client_that_leaves_mid_upload_costs_one_log_line(guarded, caplog):
     host, port = server.url.removeprefix("http://").split(":")
     caplog.set_level(logging.INFO)
     with socket.create_connection((host, int(port))) as gone:
-        gone.sendall((f"POST /generate HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
-                      f"{KEY}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-                      '{"input').encode())  # fmt: skip
+        gone.sendall(
+            (
+                f"POST /generate HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
+                f"{KEY}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                '{"input'
+            ).encode()
+        )
         time.sleep(0.2)
     assert wait_until(lambda: any("went away" in r.message for r in caplog.records))
     assert not any(r.exc_info for r in caplog.records)
@@ -177,8 +203,11 @@ def test_a_client_that_leaves_mid_upload_costs_one_log_line(guarded, caplog):
 def test_an_oversized_zmq_frame_drops_that_connection_only(guarded):
     server, _, _ = guarded
     flooder, other = dealer(server.zmq_address), dealer(server.zmq_address)
-    flooder.send(msgpack.packb({"op": "generate", "req_id": 1, "api_key": KEY,
-                                "body": {"text": "x" * 100_000}}))  # fmt: skip
+    flooder.send(
+        msgpack.packb(
+            {"op": "generate", "req_id": 1, "api_key": KEY, "body": {"text": "x" * 100_000}}
+        )
+    )
     with pytest.raises(zmq.Again):
         recv(flooder)  # disconnected before the frame was buffered: no reply at all
     send(other, {"op": "generate", "req_id": 2, "api_key": KEY, "body": GOOD})
@@ -198,13 +227,22 @@ def test_unimplemented_and_unknown_parameters_are_named_not_ignored(live):
         ("/generate", {"lora_path": "x"}, "lora_path"),
     ]
     for path, extra, param in cases:
-        base = {"/generate": {"input_ids": [5]}, "/v1/completions": {"prompt": "hi"},
-                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+        base = {
+            "/generate": {"input_ids": [5]},
+            "/v1/completions": {"prompt": "hi"},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+        }
         r = httpx.post(server.url + path, json={**base[path], **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
-    ok = httpx.post(server.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [],
-        "user": "someone"})  # fmt: skip
+    ok = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "tools": [],
+            "user": "someone",
+        },
+    )
     assert ok.status_code == 200  # empty or harmless fields are fine
     assert len(engine.submitted) == 1
 
@@ -212,8 +250,10 @@ def test_unimplemented_and_unknown_parameters_are_named_not_ignored(live):
 def test_responses_name_the_served_model_never_a_path(live):
     server, frontend, _ = live
     frontend.model_name = "tiny-model"
-    r = httpx.post(server.url + "/v1/completions",
-                   json={"model": "/some/path", "prompt": "hi", "max_tokens": 1})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "/some/path", "prompt": "hi", "max_tokens": 1},
+    )
     assert r.json()["model"] == "tiny-model"
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny-model"
 
@@ -223,11 +263,15 @@ def test_batches_are_bounded_and_an_overloaded_server_says_when_to_retry(live):
     r = httpx.post(server.url + "/generate", json={"input_ids": [[5]] * 65})
     assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"]
     engine.hold = True
-    frontend.limits = frontend.limits.__class__(**{**frontend.limits.__dict__,
-                                                   "max_in_flight": 2})  # fmt: skip
-    held = [threading.Thread(target=httpx.post, args=(server.url + "/generate",),
-                             kwargs={"json": {"input_ids": [5]}, "timeout": 30})
-            for _ in range(2)]  # fmt: skip
+    frontend.limits = frontend.limits.__class__(**{**frontend.limits.__dict__, "max_in_flight": 2})
+    held = [
+        threading.Thread(
+            target=httpx.post,
+            args=(server.url + "/generate",),
+            kwargs={"json": {"input_ids": [5]}, "timeout": 30},
+        )
+        for _ in range(2)
+    ]
     for t in held:
         t.daemon = True
         t.start()
@@ -242,8 +286,7 @@ def test_requests_that_tokenize_concurrently_cannot_overrun_the_cap(live, monkey
     flight yet); the check when they are registered admits one and refuses the other."""
     server, frontend, engine = live
     engine.hold = True
-    frontend.limits = frontend.limits.__class__(**{**frontend.limits.__dict__,
-                                                   "max_in_flight": 1})  # fmt: skip
+    frontend.limits = frontend.limits.__class__(**{**frontend.limits.__dict__, "max_in_flight": 1})
     release, checks = threading.Event(), []
     original_encode, original_check = frontend.tokenizer.encode, frontend.check_accepting
 
@@ -260,8 +303,13 @@ def test_requests_that_tokenize_concurrently_cannot_overrun_the_cap(live, monkey
     results = []
 
     def post():
-        results.append(httpx.post(server.url + "/generate", json={
-            "text": "hello", "sampling_params": {"max_new_tokens": 2}}, timeout=30))  # fmt: skip
+        results.append(
+            httpx.post(
+                server.url + "/generate",
+                json={"text": "hello", "sampling_params": {"max_new_tokens": 2}},
+                timeout=30,
+            )
+        )
 
     threads = [threading.Thread(target=post, daemon=True) for _ in range(2)]
     for t in threads:
@@ -287,9 +335,15 @@ def test_tokenizing_a_long_prompt_does_not_stall_the_server(live, monkeypatch):
 
     monkeypatch.setattr(frontend.tokenizer, "encode", slow_encode)
     result = []
-    worker = threading.Thread(target=lambda: result.append(httpx.post(
-        server.url + "/generate", json={"text": "hello", "sampling_params": {
-            "max_new_tokens": 2}}, timeout=30)))  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: result.append(
+            httpx.post(
+                server.url + "/generate",
+                json={"text": "hello", "sampling_params": {"max_new_tokens": 2}},
+                timeout=30,
+            )
+        )
+    )
     worker.start()
     assert entered.wait(5)
     assert httpx.get(server.url + "/health", timeout=2).status_code == 200  # not stalled
@@ -312,8 +366,7 @@ def test_curve_encryption_and_a_clear_error_for_a_missing_or_wrong_server_key(to
     frontend, _ = make_frontend(tokenizer_dir)
     with LiveServer(frontend, access=ZmqAccess(curve=(public, secret))) as server:
         with Client(server.zmq_address, server_public_key=public) as client:
-            out = client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2},
-                                  timeout=10)  # fmt: skip
+            out = client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2}, timeout=10)
             assert out["output_ids"]
         for key in (None, zmq.curve_keypair()[0]):  # no key; the wrong key
             with Client(server.zmq_address, server_public_key=key) as client:
@@ -338,20 +391,23 @@ def test_a_chat_too_big_for_the_context_is_refused_before_rendering(live, monkey
     server, frontend, engine = live
     rendered = []
     original = frontend.tokenizer.encode_chat
-    monkeypatch.setattr(frontend.tokenizer, "encode_chat",
-                        lambda messages: rendered.append(len(messages)) or original(messages))
+    monkeypatch.setattr(
+        frontend.tokenizer,
+        "encode_chat",
+        lambda messages: rendered.append(len(messages)) or original(messages),
+    )
     per_message = frontend.tokenizer.chat_tokens_per_message
     most = (frontend.limits.context_length - 1) // per_message
     empty, long = {"role": "user", "content": ""}, "x" * frontend.limits.max_prompt_bytes
-    for messages in ([empty] * 250_000, [empty] * (most + 1),
-                     [{"role": "user", "content": long}]):  # fmt: skip
-        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages},
-                       timeout=60)  # fmt: skip
+    for messages in ([empty] * 250_000, [empty] * (most + 1), [{"role": "user", "content": long}]):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         assert "context" in r.json()["error"]["message"]
     assert rendered == [] and engine.submitted == []
-    ok = httpx.post(server.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}] * 2, "max_tokens": 1})  # fmt: skip
+    ok = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}] * 2, "max_tokens": 1},
+    )
     assert ok.status_code == 200 and rendered == [2]
 
 
@@ -380,8 +436,9 @@ def test_a_big_chat_does_not_stall_the_server(live, monkeypatch, stage):
 
     server, frontend, _ = live
     entered, release = threading.Event(), threading.Event()
-    module, name = (http_api, "parse_json_object") if stage == "parse" else (
-        frontend.tokenizer, "encode_chat")  # fmt: skip
+    module, name = (
+        (http_api, "parse_json_object") if stage == "parse" else (frontend.tokenizer, "encode_chat")
+    )
     original = getattr(module, name)
 
     def blocking(value):
@@ -395,8 +452,11 @@ def test_a_big_chat_does_not_stall_the_server(live, monkeypatch, stage):
     if stage == "render":
         body["messages"] = [{"role": "user", "content": "hi"}]
     result: list = []
-    worker = threading.Thread(target=lambda: result.append(httpx.post(
-        server.url + "/v1/chat/completions", json=body, timeout=30)))  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: result.append(
+            httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        )
+    )
     worker.start()
     try:
         assert entered.wait(10)

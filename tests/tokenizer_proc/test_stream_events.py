@@ -18,8 +18,20 @@ from tokenizer_proc.responses import GenerateEvents, generate_response, interlea
 
 # Text pieces JSON must escape or keep as they are: quotes, backslashes, control characters,
 # line separators, accents, CJK, emoji (outside the BMP), empty pieces.
-PIECES = ['He said "hi"', " back\\slash\\", "\n", "\t\r\x01\x1f", " café", " 世界", "🙂",
-          "", "\u2028\u2029", ' "meta_info": {', " \\u00e9", "x"]  # fmt: skip
+PIECES = [
+    'He said "hi"',
+    " back\\slash\\",
+    "\n",
+    "\t\r\x01\x1f",
+    " café",
+    " 世界",
+    "🙂",
+    "",
+    "\u2028\u2029",
+    ' "meta_info": {',
+    " \\u00e9",
+    "x",
+]
 
 
 def full_dump(state: RequestState, return_logprob: bool, chunk, index: int | None) -> bytes:
@@ -41,8 +53,15 @@ class Feed:
         ids = [(7919 * (self.num_tokens + i)) % 50_000 for i in range(num_ids)]
         lps = pack_floats([-0.1 * (self.num_tokens + i) - 1e-7 for i in range(num_ids)])
         self.num_deltas, self.num_tokens = k + 1, self.num_tokens + num_ids
-        return TextDelta(self.rid, PIECES[k % len(PIECES)], pack_ids(ids), lps,
-                         prompt_tokens=5, completion_tokens=self.num_tokens, **kw)  # fmt: skip
+        return TextDelta(
+            self.rid,
+            PIECES[k % len(PIECES)],
+            pack_ids(ids),
+            lps,
+            prompt_tokens=5,
+            completion_tokens=self.num_tokens,
+            **kw,
+        )
 
 
 async def compare_events(
@@ -87,9 +106,12 @@ def test_events_with_missing_logprobs_special_floats_and_an_abort():
     groups = [
         [TextDelta(rid, "a", pack_ids([1, 2]), b"", prompt_tokens=2, completion_tokens=2)],
         [TextDelta(rid, '"', pack_ids([3]), pack_floats([-1e30]), completion_tokens=3)],
-        [TextDelta(rid, "\\", pack_ids([4, 5]), pack_floats([float("-inf"), 1.5]),
-                   completion_tokens=5)],
-    ]  # fmt: skip
+        [
+            TextDelta(
+                rid, "\\", pack_ids([4, 5]), pack_floats([float("-inf"), 1.5]), completion_tokens=5
+            )
+        ],
+    ]
 
     async def run():
         state = RequestState(rid)
@@ -125,8 +147,12 @@ def test_batch_stream_over_http_matches_the_engine_output(live, monkeypatch):
     engine's so far, with logprobs and the batch index."""
     server, _, engine = live
     monkeypatch.setattr(harness, "fake_text", lambda ids: "".join(PIECES[i % 12] for i in ids))
-    body = {"input_ids": [[5], [6]], "sampling_params": {"max_new_tokens": 6}, "stream": True,
-            "return_logprob": True}  # fmt: skip
+    body = {
+        "input_ids": [[5], [6]],
+        "sampling_params": {"max_new_tokens": 6},
+        "stream": True,
+        "return_logprob": True,
+    }
     with httpx.stream("POST", server.url + "/generate", json=body) as r:
         raw = r.read()  # NOTE: not iter_lines, which also splits at U+2028 (SSE does not)
     payloads = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]

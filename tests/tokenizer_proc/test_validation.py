@@ -84,12 +84,20 @@ def test_good_body_becomes_sampling_params():
         {
             "input_ids": [1, 2, 3],
             "sampling_params": {
-                "max_new_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 4, "min_p": 0.1,
-                "stop": "x", "stop_token_ids": [7], "ignore_eos": True, "seed": 3,
-                "skip_special_tokens": False, "repetition_penalty": 1.2,
+                "max_new_tokens": 5,
+                "temperature": 0,
+                "top_p": 0.5,
+                "top_k": 4,
+                "min_p": 0.1,
+                "stop": "x",
+                "stop_token_ids": [7],
+                "ignore_eos": True,
+                "seed": 3,
+                "skip_special_tokens": False,
+                "repetition_penalty": 1.2,
             },
         }
-    )  # fmt: skip
+    )
     assert params.max_new_tokens == 5 and params.temperature == 0.0 and params.top_p == 0.5
     assert params.top_k == 4 and params.min_p == 0.1 and params.stop == ["x"]
     assert params.stop_token_ids == [7] and params.ignore_eos and params.seed == 3
@@ -105,9 +113,12 @@ def test_default_max_new_tokens_is_clamped_to_the_context():
 
 def test_batches_pair_prompts_with_their_parameters():
     body = parse_generate_body(
-        {"input_ids": [[1], [2, 3]], "sampling_params": [{"top_k": 2}, {"top_k": 3}],
-         "rid": ["a", "b"]}
-    )  # fmt: skip
+        {
+            "input_ids": [[1], [2, 3]],
+            "sampling_params": [{"top_k": 2}, {"top_k": 3}],
+            "rid": ["a", "b"],
+        }
+    )
     assert body.is_batch and [i.prompt for i in body.items] == [[1], [2, 3]]
     assert [i.sampling["top_k"] for i in body.items] == [2, 3]
     assert [i.rid for i in body.items] == ["a", "b"]
@@ -116,10 +127,31 @@ def test_batches_pair_prompts_with_their_parameters():
     assert not parse_generate_body({"text": "a"}).is_batch
 
 
-FLOAT_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                "repetition_penalty")  # fmt: skip
-EXTREMES = (1e-300, 1e-50, 1e-45, 1e-40, 1e-38, 1e-30, 1e-21, 1e-20, 1e-6, 0.3, 1.0, 2.0,
-            3.4e38, 3.5e38, 1e300)  # fmt: skip
+FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+EXTREMES = (
+    1e-300,
+    1e-50,
+    1e-45,
+    1e-40,
+    1e-38,
+    1e-30,
+    1e-21,
+    1e-20,
+    1e-6,
+    0.3,
+    1.0,
+    2.0,
+    3.4e38,
+    3.5e38,
+    1e300,
+)
 
 
 @pytest.mark.parametrize("key", FLOAT_PARAMS)

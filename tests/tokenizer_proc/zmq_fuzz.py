@@ -20,10 +20,20 @@ import zmq
 GOOD_BODY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}
 BODY_FIELDS = ("text", "input_ids", "sampling_params", "stream", "return_logprob", "rid")
 SAMPLING_FIELDS = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens", "seed", "frequency_penalty", "presence_penalty",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
     "repetition_penalty",
-)  # fmt: skip
+)
 EDGE_INTS = (0, -1, 1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), 2**64 - 1, 10**6)
 EDGE_FLOATS = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e308, 5e-324)
 

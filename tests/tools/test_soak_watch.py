@@ -18,7 +18,8 @@ from tests.tokenizer_proc.harness import (
     make_frontend,
 )
 from tools import soak_watch
-from tools.soak import MAX_NEW, Planned, Soak
+from tools.soak import Soak
+from tools.soak_plan import MAX_NEW, Planned
 from tools.soak_watch import StuckWatch, client_rid, stuck_problems
 
 

@@ -41,35 +41,55 @@ def write_prompts(path: str, prompts: list[list[int]], num_dev: int) -> str:
 
 def train_config(algorithm: str, target: str, data: str, out: str, **overrides) -> TrainConfig:
     """A short CPU run: small batches, a high learning rate, no time limit."""
-    options = dict(depth=DEPTH[algorithm], epochs=6.0, lr=3e-3, warmup=0.05,
-                   tokens_per_batch=640, draft_vocab=200, log_every=1000, eval_every=1000,
-                   device="cpu")  # fmt: skip
+    options = dict(
+        depth=DEPTH[algorithm],
+        epochs=6.0,
+        lr=3e-3,
+        warmup=0.05,
+        tokens_per_batch=640,
+        draft_vocab=200,
+        log_every=1000,
+        eval_every=1000,
+        device="cpu",
+    )
     return TrainConfig(algorithm, target, data, out, **{**options, **overrides})
 
 
-def engine_config(target: str, algorithm: str | None = None, draft: str | None = None,
-                  depth: int = 0) -> AerieConfig:  # fmt: skip
+def engine_config(
+    target: str, algorithm: str | None = None, draft: str | None = None, depth: int = 0
+) -> AerieConfig:
     """A CPU engine serving `target` (with a chain of `depth` from `draft`): the reference
     backend, direct (ungraphed) stages so spies see every call."""
     spec = {}
     if algorithm is not None:
-        spec = {"speculative_algorithm": SERVED[algorithm], "speculative_draft_model_path": draft,
-                "speculative_num_steps": depth, "speculative_eagle_topk": 1,
-                "speculative_num_draft_tokens": depth + 1}  # fmt: skip
+        spec = {
+            "speculative_algorithm": SERVED[algorithm],
+            "speculative_draft_model_path": draft,
+            "speculative_num_steps": depth,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": depth + 1,
+        }
     return AerieConfig().replace(
-        model={"model_path": target, "tokenizer_path": target, "device": "cpu",
-               "dtype": "float32", "load_format": "safetensors", "context_length": 256},
+        model={
+            "model_path": target,
+            "tokenizer_path": target,
+            "device": "cpu",
+            "dtype": "float32",
+            "load_format": "safetensors",
+            "context_length": 256,
+        },
         cache={"max_total_tokens": 4096},
         scheduler={"max_running_requests": 4},
         speculative=spec,
         runner={"attention_backend": "torch_native", "cuda_graph_max_bs": 0},
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="session")
 def bigram_target(tmp_path_factory) -> str:
-    return make_bigram_target(str(tmp_path_factory.mktemp("bigram")), vocab_size=VOCAB,
-                              max_position_embeddings=512)  # fmt: skip
+    return make_bigram_target(
+        str(tmp_path_factory.mktemp("bigram")), vocab_size=VOCAB, max_position_embeddings=512
+    )
 
 
 @pytest.fixture(scope="session")
@@ -78,8 +98,17 @@ def greedy_data(bigram_target, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("data")
     prompts = write_prompts(str(root / "prompts.npz"), random_prompts(0, NUM_PROMPTS), NUM_DEV)
     out = str(root / "data.npz")
-    generate(GenerateConfig(bigram_target, prompts, out, batch_size=16, max_new_tokens=MAX_NEW,
-                            sampled_per_prompt=0, device="cpu"))  # fmt: skip
+    generate(
+        GenerateConfig(
+            bigram_target,
+            prompts,
+            out,
+            batch_size=16,
+            max_new_tokens=MAX_NEW,
+            sampled_per_prompt=0,
+            device="cpu",
+        )
+    )
     return out
 
 

@@ -60,8 +60,12 @@ def serve(config: AerieConfig, prompts: list[list[int]]) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def random_target(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("random")), "llama", vocab_size=VOCAB,
-                                max_position_embeddings=512)  # fmt: skip
+    return make_tiny_checkpoint(
+        str(tmp_path_factory.mktemp("random")),
+        "llama",
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    )
 
 
 def untrained_draft(algorithm: str, target: Target, out: str) -> str:
@@ -95,8 +99,13 @@ def served_chains(config: AerieConfig, prompt: list[int]) -> tuple[list[int], li
 
     worker.spec.draft_tree = spy
     output = []
-    drive(sched, worker, lambda plan, result, deltas: output.extend(
-        t for d in (deltas.deltas if deltas else []) for t in unpack_ids(d.token_ids)))
+    drive(
+        sched,
+        worker,
+        lambda plan, result, deltas: output.extend(
+            t for d in (deltas.deltas if deltas else []) for t in unpack_ids(d.token_ids)
+        ),
+    )
     return output, chains
 
 
@@ -209,11 +218,23 @@ def test_estimate_walks_the_answers_asked_for(bigram_target, greedy_data, traine
     finished = np.zeros(len(data), dtype=bool)
     finished[dev[::3]] = True  # a third of the dev answers "ended"
     marked = str(tmp_path / "marked.npz")
-    TokenFile(data.tokens, data.offsets, data.prompt_lens,
-              {**data.extra, "finished": finished}).save(marked)  # fmt: skip
-    results = {answers: estimate(EstimateConfig("eagle3", bigram_target, trained["eagle3"]["draft"],
-                                                 marked, depth=2, device="cpu", answers=answers))
-               for answers in ("all", "ended", "cut")}  # fmt: skip
+    TokenFile(
+        data.tokens, data.offsets, data.prompt_lens, {**data.extra, "finished": finished}
+    ).save(marked)
+    results = {
+        answers: estimate(
+            EstimateConfig(
+                "eagle3",
+                bigram_target,
+                trained["eagle3"]["draft"],
+                marked,
+                depth=2,
+                device="cpu",
+                answers=answers,
+            )
+        )
+        for answers in ("all", "ended", "cut")
+    }
     assert results["ended"]["sequences"] == len(dev[::3]) > 0
     assert results["ended"]["sequences"] + results["cut"]["sequences"] == len(dev)
     assert results["ended"]["iterations"] > 0 and results["cut"]["iterations"] > 0
@@ -236,11 +257,27 @@ def test_estimate_refuses_answers_it_cannot_choose(greedy_data, tmp_path, capsys
     with pytest.raises(ValueError, match="--answers ended needs a data file written by"):
         estimate(EstimateConfig("eagle3", "unused", "unused", bare, answers="ended"))
     none_ended = str(tmp_path / "none_ended.npz")
-    TokenFile(data.tokens, data.offsets, data.prompt_lens,
-              {**data.extra, "finished": np.zeros(len(data), bool)}).save(none_ended)  # fmt: skip
+    TokenFile(
+        data.tokens,
+        data.offsets,
+        data.prompt_lens,
+        {**data.extra, "finished": np.zeros(len(data), bool)},
+    ).save(none_ended)
     with pytest.raises(ValueError, match="none of the .* answers to walk was ended"):
         estimate(EstimateConfig("eagle3", "unused", "unused", none_ended, answers="ended"))
     with pytest.raises(SystemExit):
-        main(["estimate", "eagle3", "--model", "m", "--draft", "d", "--data", bare,
-              "--answers", "some"])  # fmt: skip
+        main(
+            [
+                "estimate",
+                "eagle3",
+                "--model",
+                "m",
+                "--draft",
+                "d",
+                "--data",
+                bare,
+                "--answers",
+                "some",
+            ]
+        )
     assert "invalid choice: 'some'" in capsys.readouterr().err

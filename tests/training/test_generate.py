@@ -22,8 +22,14 @@ MAX_NEW = 24
 def hf_greedy(model_dir: str, prompt: list[int], max_new: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -38,17 +44,27 @@ def set_stop_token(model_dir: str, token: int) -> None:
 
 
 def test_greedy_responses_are_the_targets_own_and_stop_after_the_stop_token(tmp_path):
-    target = make_tiny_checkpoint(str(tmp_path / "target"), "llama", vocab_size=320,
-                                  max_position_embeddings=512)  # fmt: skip
+    target = make_tiny_checkpoint(
+        str(tmp_path / "target"), "llama", vocab_size=320, max_position_embeddings=512
+    )
     prompts = random_prompts(seed=3, n=10)
     references = [hf_greedy(target, p, MAX_NEW) for p in prompts]
     stop = references[0][5]  # a token the first response reaches at its 6th step
     set_stop_token(target, stop)
     path = write_prompts(str(tmp_path / "prompts.npz"), prompts, num_dev=2)
     # 3 rows for 10 prompts: rows are refilled as responses finish
-    data = generate(GenerateConfig(target, path, str(tmp_path / "data.npz"), batch_size=3,
-                                   max_new_tokens=MAX_NEW, sampled_per_prompt=0, check_every=4,
-                                   device="cpu"))  # fmt: skip
+    data = generate(
+        GenerateConfig(
+            target,
+            path,
+            str(tmp_path / "data.npz"),
+            batch_size=3,
+            max_new_tokens=MAX_NEW,
+            sampled_per_prompt=0,
+            check_every=4,
+            device="cpu",
+        )
+    )
     assert len(data) == len(prompts)
     assert data.extra["prompt"].tolist() == list(range(10))
     assert data.extra["dev"].tolist() == [True, True] + [False] * 8
@@ -65,15 +81,26 @@ def test_greedy_responses_are_the_targets_own_and_stop_after_the_stop_token(tmp_
 
 
 def test_sampled_responses_follow_the_seed(tmp_path):
-    target = make_tiny_checkpoint(str(tmp_path / "target"), "llama", vocab_size=320,
-                                  max_position_embeddings=512)  # fmt: skip
+    target = make_tiny_checkpoint(
+        str(tmp_path / "target"), "llama", vocab_size=320, max_position_embeddings=512
+    )
     set_stop_token(target, 10_000)  # never: every response runs to MAX_NEW
     path = write_prompts(str(tmp_path / "prompts.npz"), random_prompts(seed=4, n=6), num_dev=2)
 
     def run(seed: int, name: str):
-        return generate(GenerateConfig(target, path, str(tmp_path / name), batch_size=4,
-                                       max_new_tokens=MAX_NEW, sampled_per_prompt=1,
-                                       temperature=1.0, seed=seed, device="cpu"))  # fmt: skip
+        return generate(
+            GenerateConfig(
+                target,
+                path,
+                str(tmp_path / name),
+                batch_size=4,
+                max_new_tokens=MAX_NEW,
+                sampled_per_prompt=1,
+                temperature=1.0,
+                seed=seed,
+                device="cpu",
+            )
+        )
 
     a, b, c = run(0, "a.npz"), run(0, "b.npz"), run(1, "c.npz")
     # every prompt greedily, then each non-dev prompt once sampled

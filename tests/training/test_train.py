@@ -143,8 +143,9 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(
     exact equality is checked on the CPU, whose arithmetic is deterministic."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    whole = train_config("eagle", bigram_target, greedy_data, str(tmp_path / "whole"),
-                         total_steps=8, device=device)  # fmt: skip
+    whole = train_config(
+        "eagle", bigram_target, greedy_data, str(tmp_path / "whole"), total_steps=8, device=device
+    )
     Trainer(whole).run()
     parts = dataclasses.replace(whole, out=str(tmp_path / "parts"), max_steps=3)
     first = Trainer(parts).run()
@@ -186,18 +187,74 @@ def test_the_command_line_generates_trains_and_estimates(bigram_target, tmp_path
 
     prompts = write_prompts(str(tmp_path / "p.npz"), random_prompts(5, 24), num_dev=4)
     data, out = str(tmp_path / "d.npz"), str(tmp_path / "run")
-    assert main(["generate", "--model", bigram_target, "--prompts", prompts, "--out", data,
-                 "--batch-size", "8", "--max-new-tokens", "32", "--sampled-per-prompt", "0",
-                 "--device", "cpu"]) == 0  # fmt: skip
-    assert main(["train", "mtp", "--model", bigram_target, "--data", data, "--out", out,
-                 "--depth", "2", "--epochs", "8", "--lr", "3e-3", "--tokens-per-batch", "512",
-                 "--device", "cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                bigram_target,
+                "--prompts",
+                prompts,
+                "--out",
+                data,
+                "--batch-size",
+                "8",
+                "--max-new-tokens",
+                "32",
+                "--sampled-per-prompt",
+                "0",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "mtp",
+                "--model",
+                bigram_target,
+                "--data",
+                data,
+                "--out",
+                out,
+                "--depth",
+                "2",
+                "--epochs",
+                "8",
+                "--lr",
+                "3e-3",
+                "--tokens-per-batch",
+                "512",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert trained["finished"] and trained["accept_length"] > 1.2
     log = [json.loads(line) for line in open(f"{out}/train_log.jsonl")]
     assert log[-1]["eval"]["accept_length"] == trained["accept_length"]
-    assert main(["estimate", "mtp", "--model", bigram_target, "--draft", f"{out}/draft",
-                 "--data", data, "--device", "cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "estimate",
+                "mtp",
+                "--model",
+                bigram_target,
+                "--draft",
+                f"{out}/draft",
+                "--data",
+                data,
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out.strip().splitlines()
     estimate = json.loads(printed[-1])
     assert estimate["depth"] == 2 and estimate["accept_length"] > 1.2

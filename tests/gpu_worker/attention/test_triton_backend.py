@@ -84,8 +84,9 @@ class Pools:
         """One backend per name for the pools' life, so a second launch sees the split-K
         counters the first one left (they must be back at zero)."""
         if name not in self.backends:
-            self.backends[name] = create_attention_backend(name, self.req, self.kv,
-                                                           self.layer.num_heads)  # fmt: skip
+            self.backends[name] = create_attention_backend(
+                name, self.req, self.kv, self.layer.num_heads
+            )
         backend = self.backends[name]
         batch = dataclasses.replace(
             batch, attn_backend=backend, attn_metadata=backend.init_forward_metadata(batch)
@@ -95,10 +96,13 @@ class Pools:
 
 def batch_of(pools: Pools, mode, rows, prefix_lens, extend_lens, custom_mask=None):
     ids = [[1] * n for n in extend_lens]
-    slots = [pools.req.req_to_token[r, p : p + n].tolist()
-             for r, p, n in zip(rows, prefix_lens, extend_lens, strict=True)]  # fmt: skip
-    return build_forward_batch(mode, ids, prefix_lens, slots, rows, pools.device,
-                               custom_mask=custom_mask)  # fmt: skip
+    slots = [
+        pools.req.req_to_token[r, p : p + n].tolist()
+        for r, p, n in zip(rows, prefix_lens, extend_lens, strict=True)
+    ]
+    return build_forward_batch(
+        mode, ids, prefix_lens, slots, rows, pools.device, custom_mask=custom_mask
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -134,8 +138,7 @@ def test_decode(device, dtype, heads, kv_heads, head_dim, page_size, qk_norm):
     if qk_norm:
         pools.with_qk_norm()
     seq_lens = [1, 37, 64, 150]  # one key; a partial block; a whole block; several blocks
-    batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens],
-                     [1] * 4)  # fmt: skip
+    batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens], [1] * 4)
     check(pools, batch)
 
 
@@ -149,8 +152,7 @@ def test_decode_split_policies(device, dtype, min_keys, block_n, monkeypatch):
     monkeypatch.setattr(decode_attention_module, "choose_launch", lambda *_: (block_n, 4))
     pools = Pools(device, dtype, 9, 3, 64, page_size=4, seed=min_keys, max_len=320)
     seq_lens = [1, 150, 300, 64]
-    batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens],
-                     [1] * 4)  # fmt: skip
+    batch = batch_of(pools, ForwardMode.DECODE, [1, 2, 3, 4], [n - 1 for n in seq_lens], [1] * 4)
     check(pools, batch)
     check(pools, batch)
 
@@ -176,8 +178,7 @@ def test_decode_launches_read_a_power_of_two_keys_per_iteration():
 def test_extend_over_a_prefix(device, dtype, heads, kv_heads, head_dim, page_size):
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=7 * heads)
     # a fresh prompt, a chunk after a prefix, one token after a long prefix, a long chunk
-    batch = batch_of(pools, ForwardMode.EXTEND, [2, 1, 4, 3], [0, 21, 90, 5],
-                     [13, 30, 1, 70])  # fmt: skip
+    batch = batch_of(pools, ForwardMode.EXTEND, [2, 1, 4, 3], [0, 21, 90, 5], [13, 30, 1, 70])
     check(pools, batch)
 
 
@@ -185,12 +186,14 @@ def test_extend_over_a_prefix(device, dtype, heads, kv_heads, head_dim, page_siz
 @pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES[1:3])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("min_keys", [1, None])  # a split per key block; the default
-def test_tree_verify_with_a_tree_local_mask(device, dtype, heads, kv_heads, head_dim, page_size,
-                                            min_keys, monkeypatch):  # fmt: skip
+def test_tree_verify_with_a_tree_local_mask(
+    device, dtype, heads, kv_heads, head_dim, page_size, min_keys, monkeypatch
+):
     if min_keys:  # narrow key blocks, so that requests span several and are combined
         monkeypatch.setattr(decode_attention_module, "MIN_KEYS_PER_SPLIT", min_keys)
-        monkeypatch.setattr(few_query_module, "choose_launch",
-                            lambda *_: few_query_module.Knobs(32))  # fmt: skip
+        monkeypatch.setattr(
+            few_query_module, "choose_launch", lambda *_: few_query_module.Knobs(32)
+        )
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=11)
     nd, prefix_lens = 8, [0, 17, 64, 100]
     masks = torch.zeros(len(prefix_lens), nd, nd, dtype=torch.bool)
@@ -201,8 +204,9 @@ def test_tree_verify_with_a_tree_local_mask(device, dtype, heads, kv_heads, head
             while node != -1:
                 masks[b, k, node] = True
                 node = parents[node]
-    batch = batch_of(pools, ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], prefix_lens, [nd] * 4,
-                     custom_mask=masks)  # fmt: skip
+    batch = batch_of(
+        pools, ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks
+    )
     assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
     check(pools, batch)
 
@@ -217,15 +221,22 @@ def test_draft_decode_over_branch_local_keys(device, dtype, page_size, step):
     topk, steps, seq = 4, 3, [9, 40, 71]
     mask = draft_decode_mask(len(seq), topk, steps, step, device)  # [bs, topk, topk*S], shared
     width = topk * steps
-    batch = batch_of(pools, ForwardMode.DRAFT_DECODE, [2, 3, 1],
-                     [s + width - topk for s in seq], [topk] * 3, custom_mask=mask)  # fmt: skip
+    batch = batch_of(
+        pools,
+        ForwardMode.DRAFT_DECODE,
+        [2, 3, 1],
+        [s + width - topk for s in seq],
+        [topk] * 3,
+        custom_mask=mask,
+    )
     assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
     check(pools, batch)
 
 
 @pytest.mark.parametrize("device, dtype", setups())
-def test_an_eager_batch_runs_few_query_only_with_one_requests_split_count(device, dtype,
-                                                                          monkeypatch):
+def test_an_eager_batch_runs_few_query_only_with_one_requests_split_count(
+    device, dtype, monkeypatch
+):
     """The split count is a constexpr: an eager batch of equal short chunks (a draft pass over
     prompts or a catch-up) whose batch size would split differently from one request takes the
     extend kernel, not a few-query variant the warm-up never compiled; same attention."""
@@ -254,12 +265,17 @@ def test_an_eager_batch_runs_few_query_only_where_it_takes_pdl_as_one_request_do
     monkeypatch.setattr(pdl, "enabled", lambda device: True)  # as on an H100
     kinds = {}
     for n, bs in [(2, 1), (2, 2), (2, 3), (5, 1), (5, 2)]:
-        batch = batch_of(pools, ForwardMode.DRAFT_EXTEND, list(range(1, bs + 1)), [40] * bs,
-                         [n] * bs)  # fmt: skip
+        batch = batch_of(
+            pools, ForwardMode.DRAFT_EXTEND, list(range(1, bs + 1)), [40] * bs, [n] * bs
+        )
         kinds[n, bs] = type(backend.init_forward_metadata(batch))
-    assert kinds == {(2, 1): FewQueryMetadata, (2, 2): FewQueryMetadata,
-                     (2, 3): ExtendMetadata, (5, 1): FewQueryMetadata,
-                     (5, 2): FewQueryMetadata}  # fmt: skip
+    assert kinds == {
+        (2, 1): FewQueryMetadata,
+        (2, 2): FewQueryMetadata,
+        (2, 3): ExtendMetadata,
+        (5, 1): FewQueryMetadata,
+        (5, 2): FewQueryMetadata,
+    }
 
 
 def few_query_metadata(pools: Pools, batch: ForwardBatch):
@@ -271,8 +287,9 @@ def few_query_metadata(pools: Pools, batch: ForwardBatch):
 @pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_fixed_windows_run_the_few_query_kernel(device, dtype, heads, kv_heads, head_dim,
-                                                page_size, qk_norm, monkeypatch):  # fmt: skip
+def test_fixed_windows_run_the_few_query_kernel(
+    device, dtype, heads, kv_heads, head_dim, page_size, qk_norm, monkeypatch
+):
     """The same number of queries per request, causal (the draft extend's fixed S+1 windows):
     RoPE (and q/k norm) and the K/V store in the kernel, split-K over the keys, GQA grouped;
     twice in a row, since the last program of each (request, KV head) resets its counter
@@ -311,8 +328,10 @@ def test_few_query_launch_knobs(device, dtype, tree, block_n, min_keys, monkeypa
                 masks[:, k, node], node = True, parents[node]
     mode = ForwardMode.TARGET_VERIFY if tree else ForwardMode.DRAFT_EXTEND
     alone = None if masks is None else masks[:1]
-    for batch in (batch_of(pools, mode, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks),
-                  batch_of(pools, mode, [2], [192], [nd], custom_mask=alone)):  # fmt: skip
+    for batch in (
+        batch_of(pools, mode, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks),
+        batch_of(pools, mode, [2], [192], [nd], custom_mask=alone),
+    ):
         assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
         check(pools, batch)
         check(pools, batch)
@@ -361,7 +380,17 @@ def test_extend_rows_of_no_request_are_zero(device, dtype):
     k_buffer, v_buffer = pools.kv.get_kv(pools.layer.layer_id)
     lens = batch.extend_seq_lens
     starts = torch.cumsum(lens, 0) - lens
-    o = extend_attention(q, k_buffer, v_buffer, pools.req.req_to_token, batch.req_pool_indices,
-                         batch.seq_lens, lens, starts, 5, 32**-0.5)  # fmt: skip
+    o = extend_attention(
+        q,
+        k_buffer,
+        v_buffer,
+        pools.req.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        lens,
+        starts,
+        5,
+        32**-0.5,
+    )
     assert torch.equal(o[batch.num_tokens :], torch.zeros_like(o[batch.num_tokens :]))
     assert torch.isfinite(o[: batch.num_tokens]).all()

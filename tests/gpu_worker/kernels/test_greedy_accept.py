@@ -21,14 +21,24 @@ NAMES = ("predict", "accept_index", "accept_lens", "tokens", "features")
 def check(tree, target, features, device):
     """The kernel's results, poisoned buffers given to write in place, equal the reference's."""
     tensors = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
-    tree = dataclasses.replace(tree, **{name: value.to(device) for name, value in tensors.items()
-                                        if isinstance(value, torch.Tensor)})  # fmt: skip
+    tree = dataclasses.replace(
+        tree,
+        **{
+            name: value.to(device)
+            for name, value in tensors.items()
+            if isinstance(value, torch.Tensor)
+        },
+    )
     target, features = target.to(device), features.to(device)
     want = greedy_accept_reference(tree, target, features)
     bs, width = want[3].shape
-    given = {"accept_lens": torch.full_like(want[2], 99), "tokens": torch.full_like(want[3], 99),
-             "features": torch.full((bs, width, features.shape[1]), 7.0, dtype=features.dtype,
-                                    device=device)}  # fmt: skip
+    given = {
+        "accept_lens": torch.full_like(want[2], 99),
+        "tokens": torch.full_like(want[3], 99),
+        "features": torch.full(
+            (bs, width, features.shape[1]), 7.0, dtype=features.dtype, device=device
+        ),
+    }
     got = greedy_accept(tree, target, features, out=given)
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert torch.equal(a.cpu(), b.cpu()), name
@@ -58,8 +68,12 @@ def test_chains_against_random_argmaxes(device, dtype):
     gen = torch.Generator().manual_seed(0)
     bs, steps = 32, 3
     drafts = torch.randint(0, 2, (bs, steps), generator=gen)
-    tree = chain_tree(torch.randint(0, 2, (bs,), generator=gen), drafts,
-                      torch.randint(1, 30, (bs,), generator=gen), steps)  # fmt: skip
+    tree = chain_tree(
+        torch.randint(0, 2, (bs,), generator=gen),
+        drafts,
+        torch.randint(1, 30, (bs,), generator=gen),
+        steps,
+    )
     target = torch.randint(0, 2, (bs * (steps + 1),), generator=gen)
     got = check(tree, target, torch.randn(bs * (steps + 1), 1100).to(dtype), device)
     assert set(got[2].tolist()) == {1, 2, 3, 4}

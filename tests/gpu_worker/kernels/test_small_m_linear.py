@@ -16,9 +16,11 @@ from tests.gpu_worker.kernels.test_layer_kernels import CASES
 
 def tolerance(dtype: torch.dtype) -> dict:
     # bfloat16: the kernel and the library GEMM may round a sum of products differently.
-    return {torch.float32: {"atol": 1e-4, "rtol": 1e-4},
-            torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
-            torch.float16: {"atol": 3e-3, "rtol": 3e-3}}[dtype]  # fmt: skip
+    return {
+        torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+        torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+    }[dtype]
 
 
 def random(gen, device, dtype, *shape, scale=1.0):
@@ -30,10 +32,17 @@ def random(gen, device, dtype, *shape, scale=1.0):
 # K at three and four rows, and in one tile at six (a program per row), five (a partial block
 # of two rows) and three (partial blocks of rows and of columns); None for the separate
 # kernels (16 rows).
-SHAPES = [(1, 40, 24, "chosen"), (1, 520, 1040, "chosen"), (3, 520, 1040, "chosen"),
-          (4, 520, 1040, sml.Config(8, 512, 4)), (3, 200, 136, sml.Config(4, 64, 2)),
-          (6, 200, 136, sml.Config(4, 256, 4)), (5, 200, 136, sml.Config(4, 256, 4, block_m=2)),
-          (3, 200, 138, sml.Config(8, 256, 4, block_m=2)), (16, 64, 48, None)]  # fmt: skip
+SHAPES = [
+    (1, 40, 24, "chosen"),
+    (1, 520, 1040, "chosen"),
+    (3, 520, 1040, "chosen"),
+    (4, 520, 1040, sml.Config(8, 512, 4)),
+    (3, 200, 136, sml.Config(4, 64, 2)),
+    (6, 200, 136, sml.Config(4, 256, 4)),
+    (5, 200, 136, sml.Config(4, 256, 4, block_m=2)),
+    (3, 200, 138, sml.Config(8, 256, 4, block_m=2)),
+    (16, 64, 48, None),
+]
 
 
 def config_for(rows, k, n, config):
@@ -66,8 +75,9 @@ def test_rms_norm_linear(device, dtype, rows, k, n, config, with_residual):
     nw = random(gen, device, dtype, k)
     w = random(gen, device, dtype, n, k, scale=k**-0.5)
     b = random(gen, device, dtype, n)
-    out, summed = sml.rms_norm_linear(x, residual, nw, 1e-5, w, b,
-                                      config=config_for(rows, k, n, config))  # fmt: skip
+    out, summed = sml.rms_norm_linear(
+        x, residual, nw, 1e-5, w, b, config=config_for(rows, k, n, config)
+    )
     ref_out, ref_summed = sml.rms_norm_linear_reference(x, residual, nw, 1e-5, w, b)
     torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)  # the same rounding
     torch.testing.assert_close(out, ref_out, **tolerance(dtype))
@@ -101,13 +111,19 @@ def test_the_fused_kernel_runs_only_where_it_pays():
     assert sml.choose_config(1, 6144, 4096) == sml.GEMV_CONFIG is not None
     assert sml.choose_config(1, 6144, 4096, prologue=True) is None
     with pytest.raises(AssertionError, match="rows"):  # stepping over K
-        sml.linear(torch.zeros(sml.MAX_KERNEL_ROWS + 1, 80), torch.zeros(4, 80),
-                   config=sml.Config(4, 64, 2))  # fmt: skip
+        sml.linear(
+            torch.zeros(sml.MAX_KERNEL_ROWS + 1, 80),
+            torch.zeros(4, 80),
+            config=sml.Config(4, 64, 2),
+        )
     with pytest.raises(AssertionError, match="block_m"):  # rows per program: a power of two
         sml.linear(torch.zeros(3, 8), torch.zeros(4, 8), config=sml.Config(4, 64, 2, block_m=3))
     with pytest.raises(AssertionError, match="rows"):  # one tile, row by row
-        sml.linear(torch.zeros(sml.MAX_ONE_TILE_ROWS + 1, 8), torch.zeros(4, 8),
-                   config=sml.Config(4, 64, 2))  # fmt: skip
+        sml.linear(
+            torch.zeros(sml.MAX_ONE_TILE_ROWS + 1, 8),
+            torch.zeros(4, 8),
+            config=sml.Config(4, 64, 2),
+        )
 
 
 @CASES

@@ -18,8 +18,9 @@ VOCAB = 384
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("spec-models")
-    target = make_tiny_checkpoint(str(root / "target"), "llama", vocab_size=VOCAB,
-                                  max_position_embeddings=512)
+    target = make_tiny_checkpoint(
+        str(root / "target"), "llama", vocab_size=VOCAB, max_position_embeddings=512
+    )
     bigram = make_bigram_target(str(root / "bigram"), vocab_size=VOCAB)
     return {
         "target": target,

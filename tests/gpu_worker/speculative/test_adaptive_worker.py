@@ -23,8 +23,9 @@ from tests.engine_loop import drive
 from tests.gpu_worker.mtp_checkpoints import make_tiny_mtp_target
 from tests.gpu_worker.speculative.test_eagle_worker import make_config, random_prompts, run_engine
 
-COSTS = StepCosts((1,), {"greedy": (1.0,), "sampled": (1.0,)},
-                  {"greedy": (2.0,), "sampled": (2.0,)}).to_json()  # (the pattern decides)
+COSTS = StepCosts(
+    (1,), {"greedy": (1.0,), "sampled": (1.0,)}, {"greedy": (2.0,), "sampled": (2.0,)}
+).to_json()  # (the pattern decides)
 
 
 def adaptive_config(*args, **kwargs):
@@ -68,13 +69,16 @@ def mtp_target(tmp_path_factory) -> str:
     return make_tiny_mtp_target(str(tmp_path_factory.mktemp("mtp") / "t"), num_mtp_layers=3)
 
 
-@pytest.mark.parametrize("algorithm, steps, topk, num_draft, page_size, chunk, overlap", [
-    ("EAGLE", 3, 1, 4, 1, 64, True),
-    ("EAGLE", 3, 2, 6, 4, 4, True),
-    ("EAGLE3", 3, 1, 4, 4, 4, True),
-    ("EAGLE3", 3, 2, 5, 1, 64, False),
-    ("MTP", 3, 1, 4, 4, 4, True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "algorithm, steps, topk, num_draft, page_size, chunk, overlap",
+    [
+        ("EAGLE", 3, 1, 4, 1, 64, True),
+        ("EAGLE", 3, 2, 6, 4, 4, True),
+        ("EAGLE3", 3, 1, 4, 4, 4, True),
+        ("EAGLE3", 3, 2, 5, 1, 64, False),
+        ("MTP", 3, 1, 4, 4, 4, True),
+    ],
+)
 def test_switching_between_plain_and_speculative_steps_keeps_greedy_output(
     models, mtp_target, switching, algorithm, steps, topk, num_draft, page_size, chunk, overlap
 ):
@@ -84,8 +88,9 @@ def test_switching_between_plain_and_speculative_steps_keeps_greedy_output(
     base, _, _ = run_engine(make_config(target, page_size=page_size), prompts, 24)
     switching.clear()
     switching.plain_launches = 0
-    config = adaptive_config(target, algorithm, draft, steps, topk, num_draft, page_size, chunk,
-                         overlap=overlap)  # fmt: skip
+    config = adaptive_config(
+        target, algorithm, draft, steps, topk, num_draft, page_size, chunk, overlap=overlap
+    )
     outputs, verify_ct, counts = run_engine(config, prompts, 24)
     assert outputs == base
     assert sum(switching) > 3 and sum(not s for s in switching) > 3  # both kinds ran
@@ -101,16 +106,22 @@ def run_sampled(config, prompt: list[int], seed: int) -> list[int]:
     params = SamplingParams(max_new_tokens=16, temperature=0.9, seed=seed, ignore_eos=True)
     sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
     out: list[int] = []
-    drive(sched, worker, lambda plan, result, deltas: out.extend(
-        t for d in (deltas.deltas if deltas else []) for t in unpack_ids(d.token_ids)))  # fmt: skip
+    drive(
+        sched,
+        worker,
+        lambda plan, result, deltas: out.extend(
+            t for d in (deltas.deltas if deltas else []) for t in unpack_ids(d.token_ids)
+        ),
+    )
     return out
 
 
 def test_plain_steps_of_a_speculative_engine_draw_what_plain_decoding_draws(models, monkeypatch):
     """A sampled request decoded plainly throughout by a speculative engine gets the tokens a
     plain engine draws with its seed: the plain step is plain decoding, distribution and all."""
-    monkeypatch.setattr(AdaptiveSpeculation, "choose",
-                        lambda self, rids, sampled: Decision(False, None, 0.0))  # fmt: skip
+    monkeypatch.setattr(
+        AdaptiveSpeculation, "choose", lambda self, rids, sampled: Decision(False, None, 0.0)
+    )
     prompt = [5, 6, 7, 8, 9]
     plain = run_sampled(make_config(models["target"]), prompt, seed=3)
     spec = adaptive_config(models["target"], "EAGLE3", models["eagle3"], 3, 1, 4)
@@ -119,14 +130,18 @@ def test_plain_steps_of_a_speculative_engine_draw_what_plain_decoding_draws(mode
 
 
 def test_a_speculative_worker_without_adaptive_refuses_plain_plans(models, monkeypatch):
-    monkeypatch.setattr(AdaptiveSpeculation, "choose",
-                        lambda self, rids, sampled: Decision(False, None, 0.0))  # fmt: skip
+    monkeypatch.setattr(
+        AdaptiveSpeculation, "choose", lambda self, rids, sampled: Decision(False, None, 0.0)
+    )
     config = adaptive_config(models["target"], "EAGLE", models["eagle"], 2, 1, 3)
     worker = GPUWorker(config.replace(speculative={"speculative_adaptive": "off"}))
     assert worker.decode_step is None
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
-    sched.add_request(TokenizedRequest("r", pack_ids([3, 4, 5]),
-                                       SamplingParams(max_new_tokens=4, temperature=0.0)))
+    sched.add_request(
+        TokenizedRequest(
+            "r", pack_ids([3, 4, 5]), SamplingParams(max_new_tokens=4, temperature=0.0)
+        )
+    )
     with pytest.raises(ValueError, match="speculative-adaptive"):
         drive(sched, worker)
 
@@ -149,6 +164,12 @@ def test_step_costs_are_measured_on_the_dummy_row_without_a_trace(models):
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
     outputs = {f"r{i}": [] for i in range(len(prompts))}
-    drive(sched, worker, lambda plan, result, deltas: [
-        outputs[d.rid].extend(unpack_ids(d.token_ids)) for d in (deltas.deltas if deltas else [])])
+    drive(
+        sched,
+        worker,
+        lambda plan, result, deltas: [
+            outputs[d.rid].extend(unpack_ids(d.token_ids))
+            for d in (deltas.deltas if deltas else [])
+        ],
+    )
     assert outputs == expected

@@ -24,8 +24,9 @@ def test_accepted_path_kv_is_moved_to_the_front(models):
     sequence = prompt + output
     m = len(sequence) - 1  # every position whose token is known has target KV
     reference, ref_row, _ = serve_one(make_config(models["bigram"]), sequence[:m], 1)
-    torch.testing.assert_close(target_kv(worker, row, m), target_kv(reference, ref_row, m),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        target_kv(worker, row, m), target_kv(reference, ref_row, m), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_draft_top_k_maps_draft_vocab_ids_to_target_ids():

@@ -30,9 +30,20 @@ DEVICE = os.environ.get("AERIE_SPEC_TEST_DEVICE", "cpu")
 on_cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU memory budget")
 
 
-def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_draft=None,
-                page_size=1, chunk=64, backend=None, graph_max_bs=None,
-                overlap=True, prefill_graphs=True) -> AerieConfig:  # fmt: skip
+def make_config(
+    target,
+    algorithm=None,
+    draft=None,
+    steps=None,
+    topk=None,
+    num_draft=None,
+    page_size=1,
+    chunk=64,
+    backend=None,
+    graph_max_bs=None,
+    overlap=True,
+    prefill_graphs=True,
+) -> AerieConfig:
     """backend / graph_max_bs default to the device's: torch_native and no graphs on CPU,
     triton and graphs up to 8 requests on CUDA, where prefills of up to 32 tokens replay
     graphs too unless not prefill_graphs. overlap: two plans in flight (`drive`)."""
@@ -42,21 +53,38 @@ def make_config(target, algorithm=None, draft=None, steps=None, topk=None, num_d
         graph_max_bs = 8
     prefill_tokens = 32 if DEVICE == "cuda" and prefill_graphs else 0
     return AerieConfig().replace(
-        model={"model_path": target, "tokenizer_path": target, "device": DEVICE,
-               "dtype": "float32", "load_format": "safetensors", "context_length": 256},
+        model={
+            "model_path": target,
+            "tokenizer_path": target,
+            "device": DEVICE,
+            "dtype": "float32",
+            "load_format": "safetensors",
+            "context_length": 256,
+        },
         cache={"page_size": page_size, "max_total_tokens": 4096},
-        scheduler={"max_running_requests": 8, "chunked_prefill_size": chunk,
-                   "disable_overlap_schedule": not overlap},
-        speculative={"speculative_algorithm": algorithm, "speculative_draft_model_path": draft,
-                     "speculative_num_steps": steps, "speculative_eagle_topk": topk,
-                     "speculative_num_draft_tokens": num_draft},
-        runner={"attention_backend": backend, "cuda_graph_max_bs": graph_max_bs,
-                "cuda_graph_max_prefill_tokens": prefill_tokens},
+        scheduler={
+            "max_running_requests": 8,
+            "chunked_prefill_size": chunk,
+            "disable_overlap_schedule": not overlap,
+        },
+        speculative={
+            "speculative_algorithm": algorithm,
+            "speculative_draft_model_path": draft,
+            "speculative_num_steps": steps,
+            "speculative_eagle_topk": topk,
+            "speculative_num_draft_tokens": num_draft,
+        },
+        runner={
+            "attention_backend": backend,
+            "cuda_graph_max_bs": graph_max_bs,
+            "cuda_graph_max_prefill_tokens": prefill_tokens,
+        },
     )
 
 
-def run_engine(config: AerieConfig, prompts: list[list[int]], max_new: int | list[int],
-               warm_up: bool = False):  # fmt: skip
+def run_engine(
+    config: AerieConfig, prompts: list[list[int]], max_new: int | list[int], warm_up: bool = False
+):
     """Serve `prompts` greedily to the end (max_new: for all, or per prompt), after the
     start-up warm-up where `warm_up`; returns (outputs, verify counts, decode results)."""
     worker = GPUWorker(config)
@@ -102,13 +130,23 @@ def test_greedy_speculative_output_equals_target_greedy(
     """With the overlap schedule (two plans in flight) and without; the plain baseline runs
     without it, and on CUDA with eager prefills (the others replay prefill graphs)."""
     prompts = random_prompts(seed=steps * 10 + topk)
-    base_config = make_config(models["target"], page_size=page_size, overlap=False,
-                              prefill_graphs=False)  # fmt: skip
+    base_config = make_config(
+        models["target"], page_size=page_size, overlap=False, prefill_graphs=False
+    )
     base, _, _ = run_engine(base_config, prompts, 20)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
     for overlap in (True, False):
-        config = make_config(models["target"], algorithm, draft, steps, topk, num_draft,
-                             page_size, chunk, overlap=overlap)  # fmt: skip
+        config = make_config(
+            models["target"],
+            algorithm,
+            draft,
+            steps,
+            topk,
+            num_draft,
+            page_size,
+            chunk,
+            overlap=overlap,
+        )
         spec, verify_ct, counts = run_engine(config, prompts, 20)
         assert spec == base, f"overlap={overlap}"
         assert all(1 <= n <= steps + 1 for n in counts)
@@ -132,8 +170,7 @@ def test_warm_up_covers_each_draft_prefill_length_of_the_few_query_kernel(models
     few-query kernel takes (a constexpr of it); with torch_native, none."""
     skip_unless_triton_runs_on("cpu")
     for backend in ("triton", "torch_native"):
-        config = make_config(models["target"], "EAGLE", models["eagle"], 3, 1, 4,
-                             backend=backend)  # fmt: skip
+        config = make_config(models["target"], "EAGLE", models["eagle"], 3, 1, 4, backend=backend)
         worker = GPUWorker(config)
         attn = worker.draft_runner_list[0].attn_backend
         group = attn.num_heads // attn.num_kv_heads if backend == "triton" else 0
@@ -158,19 +195,31 @@ def test_triton_backend_gives_the_same_speculative_output(
     skip_unless_triton_runs_on("cpu")
     calls = []  # one entry per run of the EAGLE-3 layer's Triton path
     forward = Eagle3DecoderLayer._forward_triton
-    monkeypatch.setattr(Eagle3DecoderLayer, "_forward_triton",
-                        lambda *args: calls.append(1) or forward(*args))  # fmt: skip
+    monkeypatch.setattr(
+        Eagle3DecoderLayer, "_forward_triton", lambda *args: calls.append(1) or forward(*args)
+    )
     in_place = []  # per fused acceptance: whether it was given the extend stage's buffers
     accept = iteration.greedy_accept
-    monkeypatch.setattr(iteration, "greedy_accept",
-                        lambda *a: in_place.append(a[3] is not None) or accept(*a))  # fmt: skip
+    monkeypatch.setattr(
+        iteration, "greedy_accept", lambda *a: in_place.append(a[3] is not None) or accept(*a)
+    )
     prompts = random_prompts(seed=3, n=3)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
     runs = []
     for backend in ("torch_native", "triton"):
         # Stage buffers for 4 requests (graphs where they can be captured): 3 run, 1 padded.
-        config = make_config(models["target"], algorithm, draft, 3, topk, num_draft,
-                             page_size, 8, backend=backend, graph_max_bs=4)  # fmt: skip
+        config = make_config(
+            models["target"],
+            algorithm,
+            draft,
+            3,
+            topk,
+            num_draft,
+            page_size,
+            8,
+            backend=backend,
+            graph_max_bs=4,
+        )
         runs.append(run_engine(config, prompts, 12))
         if backend == "torch_native":
             assert not calls and not in_place
@@ -283,7 +332,8 @@ def test_draft_positions(models, monkeypatch):
         tree = original_tree(rows, prefix_lens, seq_cpu, bonus)
         assert torch.equal(prefix_lens, before)
         locs = draft_layout.draft_cache_locs(
-            worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, prefix_lens, 2, 4)
+            worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, prefix_lens, 2, 4
+        )
         assert len(seen) == 3  # S - 1 forwards
         for step, (positions, slots) in enumerate(seen):
             assert positions.tolist() == (prefix_lens.repeat_interleave(2) + step).tolist()
@@ -346,8 +396,9 @@ def test_logprobs_with_speculation_equal_plain_decoding(models):
     spec = logprobs_of(make_config(models["target"], "EAGLE", models["eagle"], 3, 2, 6))
     for rid in plain:
         assert len(spec[rid]) == len(plain[rid]) == 10
-        torch.testing.assert_close(torch.tensor(spec[rid]), torch.tensor(plain[rid]),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(spec[rid]), torch.tensor(plain[rid]), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_greedy_with_penalties_equals_plain_decoding(models):
@@ -359,8 +410,13 @@ def test_greedy_with_penalties_equals_plain_decoding(models):
         worker = GPUWorker(config)
         sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
         for i, prompt in enumerate(prompts):
-            params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True,
-                                    frequency_penalty=0.7, repetition_penalty=1.3)
+            params = SamplingParams(
+                max_new_tokens=24,
+                temperature=0.0,
+                ignore_eos=True,
+                frequency_penalty=0.7,
+                repetition_penalty=1.3,
+            )
             sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
         got = {f"r{i}": [] for i in range(len(prompts))}
 

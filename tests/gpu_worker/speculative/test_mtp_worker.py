@@ -33,8 +33,9 @@ from tests.gpu_worker.speculative.test_eagle_worker import (
 def mtp_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("mtp-models")
     target = make_tiny_mtp_target(str(root / "target"), num_mtp_layers=3)
-    plain = make_tiny_checkpoint(str(root / "plain"), "llama", vocab_size=384,
-                                 max_position_embeddings=512)
+    plain = make_tiny_checkpoint(
+        str(root / "plain"), "llama", vocab_size=384, max_position_embeddings=512
+    )
     return {
         "target": target,
         "plain": plain,
@@ -52,7 +53,8 @@ def test_mtp_greedy_equals_target_greedy(mtp_models, steps, page_size, chunk):
     prompts = random_prompts(seed=steps + page_size)
     base, _, _ = run_engine(make_config(mtp_models["target"], page_size=page_size), prompts, 20)
     spec, verify_ct, counts = run_engine(
-        mtp_config(mtp_models["target"], steps, page_size=page_size, chunk=chunk), prompts, 20)
+        mtp_config(mtp_models["target"], steps, page_size=page_size, chunk=chunk), prompts, 20
+    )
     assert spec == base
     assert all(1 <= n <= steps + 1 for n in counts) and all(v > 0 for v in verify_ct.values())
 
@@ -76,8 +78,9 @@ def test_agreeing_mtp_stack_is_accepted_in_full(mtp_models):
 
 def test_verify_counts_do_not_depend_on_prefill_chunking(mtp_models):
     prompts = random_prompts(seed=12)
-    runs = [run_engine(mtp_config(mtp_models["target"], 3, chunk=c), prompts, 16)[:2]
-            for c in (3, 64)]
+    runs = [
+        run_engine(mtp_config(mtp_models["target"], 3, chunk=c), prompts, 16)[:2] for c in (3, 64)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -115,16 +118,18 @@ def test_each_layer_uses_its_own_pool_and_recomputes_boundary_kv(mtp_models, chu
     at a boundary (SGLang #22954 and the multi-layer boundary-KV fix)."""
     steps = 3
     prompt = random_prompts(seed=21, n=1)[0] + list(range(40, 50))
-    worker, row, output = serve_one(mtp_config(mtp_models["target"], steps, chunk=chunk),
-                                    prompt, 24)
+    worker, row, output = serve_one(
+        mtp_config(mtp_models["target"], steps, chunk=chunk), prompt, 24
+    )
     sequence = prompt + output
     m = len(sequence) - 1  # positions 0..m-1 have their next token inside `sequence`
     reference, ref_row, _ = serve_one(mtp_config(mtp_models["target"], steps), sequence[:m], 1)
     got, want = layer_kv(worker, row, m), layer_kv(reference, ref_row, m)
     for k in range(steps):
         known = m - 1 - k  # positions p <= m-1-k read t_{p+1+k} from the sequence
-        torch.testing.assert_close(got[k][: known + 1], want[k][: known + 1],
-                                   atol=1e-5, rtol=1e-5, msg=f"MTP layer {k}")
+        torch.testing.assert_close(
+            got[k][: known + 1], want[k][: known + 1], atol=1e-5, rtol=1e-5, msg=f"MTP layer {k}"
+        )
 
 
 @on_cpu_only

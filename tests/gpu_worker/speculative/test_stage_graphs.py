@@ -11,7 +11,7 @@ import torch
 
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
-from gpu_worker.graphs.stage_graph import StageGraph, StageInput
+from gpu_worker.graphs.stage_graph import StageGraph
 from gpu_worker.speculative import iteration
 from gpu_worker.speculative.target_verify import TREE_TENSORS
 from gpu_worker.step.plan_arrays import parse_plan
@@ -27,143 +27,15 @@ from tests.gpu_worker.speculative.test_eagle_worker import (
 )
 
 
-def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
-    seen = []
-
-    def fn(bs, inputs, seq_cpu):
-        seen.append((bs, inputs["rows"].tolist(), list(seq_cpu)))
-        return {"out": inputs["rows"] * 10 + inputs["prefix_lens"],
-                "pair": inputs["tokens"].flatten()}  # fmt: skip
-
-    inputs = {"rows": StageInput(), "prefix_lens": StageInput(), "tokens": StageInput((2,), pad=7)}
-    stage = StageGraph("test", fn, inputs, 6, torch.device("cpu"), capture=False)
-    assert stage.buckets == [1, 2, 4, 6]
-    out = stage({"rows": torch.tensor([3, 1, 2, 5, 4]), "prefix_lens": torch.tensor([9] * 5),
-                 "tokens": torch.arange(10).view(5, 2)}, [9] * 5)  # fmt: skip
-    assert out["out"].tolist() == [39, 19, 29, 59, 49]
-    assert out["pair"].tolist() == list(range(10))
-    assert seen[-1] == (6, [3, 1, 2, 5, 4, 0], [9] * 5 + [0])  # padded to row 0, length 0
-    out = stage({"rows": torch.tensor([8, 6]), "prefix_lens": torch.tensor([1, 2]),
-                 "tokens": torch.ones(2, 2, dtype=torch.int64)}, [1, 2])  # fmt: skip
-    assert out["out"].tolist() == [81, 62] and out["pair"].tolist() == [1] * 4
-    assert seen[-1] == (2, [8, 6], [1, 2])
-    # The rows the larger batch left behind are back to the dummies.
-    assert stage.inputs["rows"].tolist() == [8, 6, 0, 0, 0, 0]
-    assert stage.inputs["tokens"][2:].eq(7).all()
-    big = stage({"rows": torch.arange(1, 8), "prefix_lens": torch.zeros(7, dtype=torch.int64),
-                 "tokens": torch.zeros(7, 2, dtype=torch.int64)}, [0] * 7)  # fmt: skip
-    assert big["out"].tolist() == [10 * r for r in range(1, 8)] and seen[-1][0] == 7  # direct
-
-
-def count_copies(monkeypatch) -> list[torch.Size]:
-    """From now on, the shape of every tensor `copy_` writes into, in order."""
-    copies = []
-    original = torch.Tensor.copy_
-
-    def counting(self, *args, **kwargs):
-        copies.append(self.shape)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", counting)
-    return copies
-
-
-def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
-    """A stage whose outputs are bound to the next stage's inputs writes them there; passing
-    them on copies nothing, and padded rows carry what the first stage computed for the dummy."""
-    seen = []
-
-    def second_fn(bs, inputs, seq_cpu):
-        seen.append((bs, inputs["x"].tolist(), inputs["y"].tolist()))
-        return {}
-
-    second = StageGraph("second", second_fn, {"x": StageInput(), "y": StageInput((2,))}, 4,
-                        torch.device("cpu"), capture=False)  # fmt: skip
-
-    def first_fn(bs, inputs, seq_cpu):
-        rows = inputs["rows"]
-        return {"x": rows + 100, "y": torch.stack([rows, -rows], dim=1), "own": rows * 2}
-
-    first = StageGraph("first", first_fn, {"rows": StageInput()}, 4, torch.device("cpu"),
-                       capture=False, output_buffers={"x": second.inputs["x"],
-                                                      "y": second.inputs["y"]})  # fmt: skip
-    out = first({"rows": torch.tensor([5, 6, 7])}, [0] * 3)
-    assert out["x"].data_ptr() == second.inputs["x"].data_ptr()
-    assert out["own"].data_ptr() != second.inputs["x"].data_ptr()
-    copies = count_copies(monkeypatch)
-    second({"x": out["x"], "y": out["y"]}, [0] * 3)
-    assert copies == []
-    # bucket 4: the padded row holds what the first stage made of the dummy row 0
-    assert seen[-1] == (4, [105, 106, 107, 100], [[5, -5], [6, -6], [7, -7], [0, 0]])
-    second({"x": torch.tensor([1, 2]), "y": out["y"][:2].clone()}, [0] * 2)  # copied in
-    assert len(copies) == 2 and seen[-1][1] == [1, 2]
-
-
-def test_stages_bound_to_one_producer_share_its_outputs_without_copies(monkeypatch):
-    """Alternative consumers (the accept variants) bind their inputs to the same buffers
-    (`input_buffers`): the producer writes them once and either consumer reads them in
-    place; a bound input passed from elsewhere, or a buffer of the wrong shape or dtype, is
-    refused."""
-    seen = []
-
-    def consumer(name):
-        def fn(bs, inputs, seq_cpu):
-            seen.append((name, bs, inputs["x"].tolist(), inputs["y"].tolist()))
-            return {"z": inputs["x"] * 2}
-        return fn
-
-    specs = {"x": StageInput(), "y": StageInput((2,), torch.int32)}
-    cpu = torch.device("cpu")
-    first = StageGraph("first", consumer("a"), specs, 4, cpu, capture=False)
-    second = StageGraph("second", consumer("b"), specs, 4, cpu, capture=False,
-                        input_buffers=first.inputs)  # fmt: skip
-    assert all(second.inputs[k] is first.inputs[k] for k in specs)
-
-    def make(bs, inputs, seq_cpu):
-        rows = inputs["rows"]
-        return {"x": rows + 1, "y": torch.stack([rows, rows], 1).int()}
-
-    producer = StageGraph("producer", make, {"rows": StageInput()}, 4, cpu, capture=False,
-                          output_buffers=dict(first.inputs))  # fmt: skip
-    out = producer({"rows": torch.tensor([4, 5, 6])}, [0] * 3)
-    copies = count_copies(monkeypatch)
-    for stage in (second, first):
-        z = stage({"x": out["x"], "y": out["y"]}, [0] * 3)["z"]
-        assert z.tolist() == [10, 12, 14]
-    assert copies == [torch.Size([4])] * 2  # each stage's own output (its bucket), no input
-    assert [s[0] for s in seen] == ["b", "a"]
-    assert seen[0][1:] == (4, [5, 6, 7, 1], [[4, 4], [5, 5], [6, 6], [0, 0]])
-    with pytest.raises(ValueError, match="input x is bound to another stage's buffer"):
-        second({"x": torch.tensor([1, 2]), "y": out["y"][:2]}, [0] * 2)  # not in place
-    with pytest.raises(ValueError, match="input y is bound to a torch.int64 tensor"):
-        StageGraph("wrong", consumer("c"), specs, 4, cpu, capture=False,
-                   input_buffers={"y": torch.zeros(4, 2, dtype=torch.int64)})  # fmt: skip
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="graphs are captured on CUDA only")
-def test_buckets_past_capture_max_bs_run_eagerly_on_the_static_buffers():
-    """A stage captured up to capture_max_bs replays graphs up to there and runs the larger
-    buckets' padded path eagerly, with the same inputs, outputs and results."""
-    def fn(bs, inputs, seq_cpu):
-        return {"out": inputs["rows"] * 3 + 1}
-
-    stage = StageGraph("partial", fn, {"rows": StageInput()}, 16, torch.device("cuda"),
-                       capture=True, capture_max_bs=4)  # fmt: skip
-    assert sorted(stage.graphs) == [1, 2, 4]
-    for rows in ([2, 3], [1, 2, 3, 4, 5, 6], list(range(1, 17)), [7]):
-        out = stage({"rows": torch.tensor(rows, device="cuda")}, [0] * len(rows))
-        assert out["out"].tolist() == [3 * r + 1 for r in rows]
-    assert stage.inputs["rows"][1:].eq(0).all()  # the larger batches' rows are padding again
-
-
 def serve_until_decode(config, prompts, extra=None, logprobs=False):
     """A worker and scheduler with `prompts` prefilled (greedy, or with the SamplingParams
     fields `extra`); returns them and the first decode plan."""
     worker = GPUWorker(config)
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=40, ignore_eos=True,
-                                **(extra or {"temperature": 0.0}))  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens=40, ignore_eos=True, **(extra or {"temperature": 0.0})
+        )
         sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, logprobs))
     while True:
         plan = sched.next_plan()
@@ -177,8 +49,9 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
     """The graph-capture restore contract: the proposal stage (S draft steps, tree selection and
     the verify forward) replayed several times on the same inputs gives the eager stage's tree,
     positions and logits every time, and leaves its inputs as they were."""
-    config = make_config(models["target"], "EAGLE", models["eagle"], 3, topk, num_draft,
-                         page_size=4, graph_max_bs=4)  # fmt: skip
+    config = make_config(
+        models["target"], "EAGLE", models["eagle"], 3, topk, num_draft, page_size=4, graph_max_bs=4
+    )
     worker, _, plan = serve_until_decode(config, random_prompts(seed=8, n=3))
     spec = worker.spec
     rows = worker._write_slots(parse_plan(plan, worker.max_running_requests))
@@ -191,7 +64,8 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
         replayed = spec.propose_stage(inputs, seq_cpu)
         for name in (*TREE_TENSORS, "features"):
             assert torch.equal(replayed[name], eager[name]) or torch.allclose(
-                replayed[name].float(), eager[name].float(), atol=1e-4), name
+                replayed[name].float(), eager[name].float(), atol=1e-4
+            ), name
         torch.testing.assert_close(replayed["logits"], eager["logits"], atol=1e-4, rtol=1e-4)
         assert all(torch.equal(inputs[k], before[k]) for k in inputs)
         # the proposal reads the rows' lengths and tokens; only the extend advances them
@@ -204,11 +78,18 @@ def mtp_target(tmp_path_factory) -> str:
     return make_tiny_mtp_target(str(tmp_path_factory.mktemp("mtp") / "target"), num_mtp_layers=3)
 
 
-@pytest.mark.parametrize("algorithm, steps, topk, num_draft, page_size", [
-    ("EAGLE", 3, 1, 4, 1), ("EAGLE", 3, 2, 6, 4), ("EAGLE3", 2, 2, 5, 1), ("MTP", 3, 1, 4, 4),
-])  # fmt: skip
-def test_graphed_stages_keep_greedy_output(models, mtp_target, algorithm, steps, topk, num_draft,
-                                           page_size):
+@pytest.mark.parametrize(
+    "algorithm, steps, topk, num_draft, page_size",
+    [
+        ("EAGLE", 3, 1, 4, 1),
+        ("EAGLE", 3, 2, 6, 4),
+        ("EAGLE3", 2, 2, 5, 1),
+        ("MTP", 3, 1, 4, 4),
+    ],
+)
+def test_graphed_stages_keep_greedy_output(
+    models, mtp_target, algorithm, steps, topk, num_draft, page_size
+):
     """Batches of 6 .. 1 requests (buckets 8, 4, 2, 1: padded rows) through the stage graphs
     give the target's own greedy output."""
     target = mtp_target if algorithm == "MTP" else models["target"]
@@ -216,8 +97,9 @@ def test_graphed_stages_keep_greedy_output(models, mtp_target, algorithm, steps,
     prompts = random_prompts(seed=31, n=6)
     lengths = [4, 7, 10, 13, 16, 19]  # requests finish one after another: the batch shrinks
     base, _, _ = run_engine(make_config(target, page_size=page_size), prompts, lengths)
-    config = make_config(target, algorithm, draft, steps, topk, num_draft, page_size,
-                         graph_max_bs=8)  # fmt: skip
+    config = make_config(
+        target, algorithm, draft, steps, topk, num_draft, page_size, graph_max_bs=8
+    )
     spec, _, counts = run_engine(config, prompts, lengths)
     assert spec == base
     assert all(1 <= n <= steps + 1 for n in counts)
@@ -272,14 +154,22 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 5}
 PENALISED = {"temperature": 0.0, "frequency_penalty": 0.6}
 
 
-@pytest.mark.parametrize("requests", [
-    # sampled and penalised requests end first: greedy batches (with and without logprobs)
-    # follow batches that run an accept stage, as the batch shrinks through the buckets
-    [(30, GREEDY, False), (24, GREEDY, False), (9, SAMPLED, False), (12, PENALISED, False),
-     (16, GREEDY, True)],
-    # a sampled request whose long prompt is still being prefilled joins greedy batches
-    [(20, GREEDY, False), (20, GREEDY, True), (14, SAMPLED, False)],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "requests",
+    [
+        # sampled and penalised requests end first: greedy batches (with and without logprobs)
+        # follow batches that run an accept stage, as the batch shrinks through the buckets
+        [
+            (30, GREEDY, False),
+            (24, GREEDY, False),
+            (9, SAMPLED, False),
+            (12, PENALISED, False),
+            (16, GREEDY, True),
+        ],
+        # a sampled request whose long prompt is still being prefilled joins greedy batches
+        [(20, GREEDY, False), (20, GREEDY, True), (14, SAMPLED, False)],
+    ],
+)
 def test_graphed_stages_serve_mixed_batches_like_direct_calls(models, requests, monkeypatch):
     """Greedy batches chain the propose stage's outputs into the extend stage's inputs; other
     batches run an accept stage that reads the propose stage's outputs in place and writes
@@ -290,9 +180,20 @@ def test_graphed_stages_serve_mixed_batches_like_direct_calls(models, requests, 
     monkeypatch.setattr(iteration, "ACCEPT_GRAPH_ROWS", 12)
     prompts = random_prompts(seed=12, n=len(requests))
     prompts[-1] = prompts[-1] * 4  # the last prompt is long: prefilled in several chunks
+
     def serve(graph_max_bs, overlap=True):
-        config = make_config(models["target"], "EAGLE", models["eagle"], 3, 2, 6, page_size=4,
-                             chunk=8, graph_max_bs=graph_max_bs, overlap=overlap)  # fmt: skip
+        config = make_config(
+            models["target"],
+            "EAGLE",
+            models["eagle"],
+            3,
+            2,
+            6,
+            page_size=4,
+            chunk=8,
+            graph_max_bs=graph_max_bs,
+            overlap=overlap,
+        )
         return serve_mixed(config, prompts, requests, inspect)
 
     def inspect(worker):
@@ -307,27 +208,42 @@ def test_graphed_stages_serve_mixed_batches_like_direct_calls(models, requests, 
     assert serve(8, overlap=False)[0] == serve(0, overlap=False)[0] == direct_tokens
     assert all(len(direct_tokens[f"r{i}"]) == r[0] for i, r in enumerate(requests))
     for rid, values in direct_logprobs.items():
-        torch.testing.assert_close(torch.tensor(graphed_logprobs[rid]), torch.tensor(values),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(graphed_logprobs[rid]), torch.tensor(values), atol=1e-4, rtol=1e-4
+        )
     assert any(direct_logprobs.values())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a CUDA matter")
-@pytest.mark.parametrize("algorithm, topk, num_draft, requests", [
-    ("EAGLE", 1, 4, "greedy"), ("EAGLE", 2, 6, "greedy"), ("MTP", 1, 4, "greedy"),
-    ("EAGLE", 1, 4, "sampled"), ("EAGLE", 2, 6, "filtered"), ("MTP", 1, 4, "logprobs"),
-    ("EAGLE", 2, 6, "penalised"),
-])  # fmt: skip
-def test_the_iteration_never_synchronises(models, mtp_target, monkeypatch, algorithm, topk,
-                                          num_draft, requests):
+@pytest.mark.parametrize(
+    "algorithm, topk, num_draft, requests",
+    [
+        ("EAGLE", 1, 4, "greedy"),
+        ("EAGLE", 2, 6, "greedy"),
+        ("MTP", 1, 4, "greedy"),
+        ("EAGLE", 1, 4, "sampled"),
+        ("EAGLE", 2, 6, "filtered"),
+        ("MTP", 1, 4, "logprobs"),
+        ("EAGLE", 2, 6, "penalised"),
+    ],
+)
+def test_the_iteration_never_synchronises(
+    models, mtp_target, monkeypatch, algorithm, topk, num_draft, requests
+):
     """Greedy batches, and batches through each accept variant, graphed or direct."""
     target = mtp_target if algorithm == "MTP" else models["target"]
     draft = None if algorithm == "MTP" else models["eagle"]
     config = make_config(target, algorithm, draft, 3, topk, num_draft, page_size=4)
-    extra = {"greedy": None, "logprobs": None, "sampled": SAMPLED, "penalised": PENALISED,
-             "filtered": {"temperature": 0.7, "top_k": 20, "min_p": 0.1, "seed": 2}}[requests]
-    worker, sched, plan = serve_until_decode(config, random_prompts(seed=9, n=3), extra,
-                                             logprobs=requests == "logprobs")  # fmt: skip
+    extra = {
+        "greedy": None,
+        "logprobs": None,
+        "sampled": SAMPLED,
+        "penalised": PENALISED,
+        "filtered": {"temperature": 0.7, "top_k": 20, "min_p": 0.1, "seed": 2},
+    }[requests]
+    worker, sched, plan = serve_until_decode(
+        config, random_prompts(seed=9, n=3), extra, logprobs=requests == "logprobs"
+    )
     original = worker.spec.decode
     calls = []
 
@@ -345,45 +261,3 @@ def test_the_iteration_never_synchronises(models, mtp_target, monkeypatch, algor
         sched.apply_result(plan, worker.execute(plan))
         plan = sched.next_plan()
     assert len(calls) == 4
-
-
-def test_host_inputs_go_over_in_one_copy_padded_and_flat(monkeypatch):
-    """A stage fed from the host gets its inputs flat, padded to its bucket with each input's
-    pad (every call rewrites the whole buffer, so nothing of a larger batch is left), int32
-    inputs as int32, all in one upload; values beyond the bucket are refused, and a batch past
-    max_bs runs directly on exactly the values given."""
-    seen = []
-
-    def fn(bs, inputs, seq_cpu):
-        seen.append((bs, *(inputs[k].tolist() for k in ("rows", "index", "value")),
-                     inputs["value"].dtype))  # fmt: skip
-        return {"out": inputs["rows"] * 10}
-
-    specs = {"rows": StageInput(), "index": StageInput((2,), pad=-1),
-             "value": StageInput((2,), torch.int32, pad=3)}  # fmt: skip
-    stage = StageGraph("host", fn, specs, 6, torch.device("cpu"), capture=False, host_inputs=True)
-    uploads = []
-    upload_into = stage.staging.upload_into
-    monkeypatch.setattr(stage.staging, "upload_into",
-                        lambda *args: uploads.append(args) or upload_into(*args))  # fmt: skip
-    int64, int32 = np.int64, np.int32
-    out = stage.call_host(3, {"rows": np.array([3, 1, 2], int64),
-                              "index": np.array([11, 12, 13, 14, 15], int64),
-                              "value": np.array([7, 8, 9, 10, 11], int32)})  # fmt: skip
-    assert out["out"].tolist() == [30, 10, 20] and len(uploads) == 1
-    assert seen[-1] == (4, [3, 1, 2, 0], [11, 12, 13, 14, 15, -1, -1, -1],
-                        [7, 8, 9, 10, 11, 3, 3, 3], torch.int32)  # fmt: skip
-    assert stage.capacity(3) == 4 and stage.capacity(6) == 6 and stage.capacity(7) is None
-    out = stage.call_host(1, {"rows": np.array([5], int64), "index": np.zeros(0, int64),
-                              "value": np.zeros(0, int32)})  # fmt: skip
-    assert out["out"].tolist() == [50] and len(uploads) == 2
-    assert seen[-1] == (1, [5], [-1, -1], [3, 3], torch.int32)
-    assert stage.inputs["rows"].tolist() == [5, 0, 0, 0, 0, 0]  # the batch of 3 is gone
-    assert stage.inputs["value"].tolist() == [3] * 12
-    with pytest.raises(ValueError, match="3 values of index for a batch of 1"):
-        stage.call_host(1, {"rows": np.array([5], int64), "index": np.arange(3),
-                            "value": np.zeros(0, int32)})  # fmt: skip
-    big = stage.call_host(7, {"rows": np.arange(1, 8), "index": np.arange(20, 23),
-                              "value": np.array([4, 5, 6], int32)})  # fmt: skip
-    assert big["out"].tolist() == [10 * r for r in range(1, 8)]
-    assert seen[-1] == (7, list(range(1, 8)), [20, 21, 22], [4, 5, 6], torch.int32)

@@ -25,8 +25,16 @@ def test_penalties_count_the_drafts_on_each_nodes_path():
     vocab, steps = 8, 2
     sampling = SamplingState(2, vocab, "cpu")
     sampling.start(1, SamplingParams(temperature=0.0, frequency_penalty=1.0), [0], 0)
-    tree = build_tree(torch.tensor([3]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
-                      torch.tensor([[5, 5]]), torch.tensor([4]), 1, steps, steps + 1)
+    tree = build_tree(
+        torch.tensor([3]),
+        torch.tensor([[-1, 0]]),
+        torch.tensor([[0, 1]]),
+        torch.tensor([[5, 5]]),
+        torch.tensor([4]),
+        1,
+        steps,
+        steps + 1,
+    )
     logits = torch.zeros(steps + 1, vocab)
     logits[:, 5], logits[:, 6] = 1.0, 0.5
     result, _ = accept_tree(sampling, tree, logits, torch.tensor([1]), np.array([1]))
@@ -95,8 +103,9 @@ def test_a_greedy_row_of_a_sampled_batch_gets_its_logprobs_as_plain_decoding_doe
     sampling.start(1, SamplingParams(temperature=0.0), [1], 0)
     sampling.start(2, SamplingParams(temperature=0.5, seed=1), [1], 0)
     tree, logits = tree_and_logits(seed=0, bs=2, vocab=vocab)
-    result, step = accept_and_read(sampling, tree, logits, torch.tensor([1, 2]),
-                                   ACCEPT_FLAGS["sample"])  # fmt: skip
+    result, step = accept_and_read(
+        sampling, tree, logits, torch.tensor([1, 2]), ACCEPT_FLAGS["sample"]
+    )
     for b, temperature in ((0, 1.0), (1, 0.5)):
         nodes = result.accept_index[b][: int(step.accept_lens[b])]
         want = torch.log_softmax(logits[nodes] / temperature, -1)

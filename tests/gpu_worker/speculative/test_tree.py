@@ -53,15 +53,45 @@ def test_build_tree_golden():
         [-1, -1, 3, 4, 5, -1, -1, -1],
     ]
     assert tree.tokens.tolist() == [
-        29974, 29896, 29906, 29889, 29974, 29946, 29896, 29946,
-        13, 13, 22550, 4136, 16492, 8439, 29871, 29941,
-    ]  # fmt: skip
+        29974,
+        29896,
+        29906,
+        29889,
+        29974,
+        29946,
+        29896,
+        29946,
+        13,
+        13,
+        22550,
+        4136,
+        16492,
+        8439,
+        29871,
+        29941,
+    ]
     qlen_rows = [
-        ["10000000", "11000000", "10100000", "11010000", "10101000", "11010100", "10101010",
-         "11010101"],
-        ["10000000", "11000000", "11100000", "11010000", "11001000", "11000100", "11010010",
-         "11010011"],
-    ]  # fmt: skip
+        [
+            "10000000",
+            "11000000",
+            "10100000",
+            "11010000",
+            "10101000",
+            "11010100",
+            "10101010",
+            "11010101",
+        ],
+        [
+            "10000000",
+            "11000000",
+            "11100000",
+            "11010000",
+            "11001000",
+            "11000100",
+            "11010010",
+            "11010011",
+        ],
+    ]
     assert tree.custom_mask.shape == (2, 8, 8)  # tree-local: over the 8 node keys only
     for b in range(2):
         assert torch.equal(tree.custom_mask[b], rows_of(qlen_rows[b]))
@@ -171,8 +201,16 @@ def test_chain_tree_equals_the_general_construction(steps):
     top, draft_tokens, parent_list = organize_draft(record, steps + 1, 1, steps)
     general = build_tree(bonus, parent_list, top, draft_tokens, prefix_lens, 1, steps, steps + 1)
     chain = tree_from_draft(record, bonus, prefix_lens, DraftShape(1, steps, steps + 1))
-    for name in ("tokens", "positions", "custom_mask", "retrieve_index", "next_token",
-                 "next_sibling", "depth", "ancestors"):  # fmt: skip
+    for name in (
+        "tokens",
+        "positions",
+        "custom_mask",
+        "retrieve_index",
+        "next_token",
+        "next_sibling",
+        "depth",
+        "ancestors",
+    ):
         assert torch.equal(getattr(chain, name), getattr(general, name)), name
     for b in range(bs):
         assert parents_of(chain, b) == list(range(-1, steps))

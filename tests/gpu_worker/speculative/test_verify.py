@@ -168,8 +168,12 @@ def test_greedy_chain_fast_path_equals_the_tree_walk(seed):
     gen = torch.Generator().manual_seed(seed)
     bs, steps = 16, 4
     drafts = torch.randint(0, 3, (bs, steps), generator=gen)  # small vocab: many matches
-    tree = chain_tree(torch.randint(0, 3, (bs,), generator=gen), drafts,
-                      torch.randint(1, 30, (bs,), generator=gen), steps)  # fmt: skip
+    tree = chain_tree(
+        torch.randint(0, 3, (bs,), generator=gen),
+        drafts,
+        torch.randint(1, 30, (bs,), generator=gen),
+        steps,
+    )
     # The target agrees with the drafts up to a random cut, then disagrees once.
     target = torch.cat([drafts, torch.randint(0, 3, (bs, 1), generator=gen)], dim=1)
     cut = torch.randint(0, steps + 1, (bs,), generator=gen)
@@ -192,8 +196,12 @@ def test_sampling_chain_fast_path_equals_the_tree_walk(seed):
     gen = torch.Generator().manual_seed(seed)
     bs, steps, vocab = 256, 4, 3
     drafts = torch.randint(0, vocab, (bs, steps), generator=gen)
-    tree = chain_tree(torch.randint(0, vocab, (bs,), generator=gen), drafts,
-                      torch.randint(1, 30, (bs,), generator=gen), steps)  # fmt: skip
+    tree = chain_tree(
+        torch.randint(0, vocab, (bs,), generator=gen),
+        drafts,
+        torch.randint(1, 30, (bs,), generator=gen),
+        steps,
+    )
     probs = torch.rand(bs, steps + 1, vocab, generator=gen)
     probs = probs * (torch.rand(bs, steps + 1, vocab, generator=gen) > 0.2)  # some zeros
     probs[..., 0] += 1e-3  # no all-zero row

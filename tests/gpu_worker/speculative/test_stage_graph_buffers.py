@@ -1,0 +1,258 @@
+"""`StageGraph`'s buffers without a model: padding to the dummy row, outputs handed to the
+next stage without copies, buckets past the captured ones, inputs from the host in one copy.
+On CPU the padded path runs eagerly; on CUDA (AERIE_SPEC_TEST_DEVICE=cuda) it is captured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.graphs.stage_graph import StageGraph, StageInput
+from tests.gpu_worker.speculative.test_eagle_worker import DEVICE
+
+
+def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
+    seen = []
+
+    def fn(bs, inputs, seq_cpu):
+        seen.append((bs, inputs["rows"].tolist(), list(seq_cpu)))
+        return {
+            "out": inputs["rows"] * 10 + inputs["prefix_lens"],
+            "pair": inputs["tokens"].flatten(),
+        }
+
+    inputs = {"rows": StageInput(), "prefix_lens": StageInput(), "tokens": StageInput((2,), pad=7)}
+    stage = StageGraph("test", fn, inputs, 6, torch.device("cpu"), capture=False)
+    assert stage.buckets == [1, 2, 4, 6]
+    out = stage(
+        {
+            "rows": torch.tensor([3, 1, 2, 5, 4]),
+            "prefix_lens": torch.tensor([9] * 5),
+            "tokens": torch.arange(10).view(5, 2),
+        },
+        [9] * 5,
+    )
+    assert out["out"].tolist() == [39, 19, 29, 59, 49]
+    assert out["pair"].tolist() == list(range(10))
+    assert seen[-1] == (6, [3, 1, 2, 5, 4, 0], [9] * 5 + [0])  # padded to row 0, length 0
+    out = stage(
+        {
+            "rows": torch.tensor([8, 6]),
+            "prefix_lens": torch.tensor([1, 2]),
+            "tokens": torch.ones(2, 2, dtype=torch.int64),
+        },
+        [1, 2],
+    )
+    assert out["out"].tolist() == [81, 62] and out["pair"].tolist() == [1] * 4
+    assert seen[-1] == (2, [8, 6], [1, 2])
+    # The rows the larger batch left behind are back to the dummies.
+    assert stage.inputs["rows"].tolist() == [8, 6, 0, 0, 0, 0]
+    assert stage.inputs["tokens"][2:].eq(7).all()
+    big = stage(
+        {
+            "rows": torch.arange(1, 8),
+            "prefix_lens": torch.zeros(7, dtype=torch.int64),
+            "tokens": torch.zeros(7, 2, dtype=torch.int64),
+        },
+        [0] * 7,
+    )
+    assert big["out"].tolist() == [10 * r for r in range(1, 8)] and seen[-1][0] == 7  # direct
+
+
+def count_copies(monkeypatch) -> list[torch.Size]:
+    """From now on, the shape of every tensor `copy_` writes into, in order."""
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counting(self, *args, **kwargs):
+        copies.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    return copies
+
+
+def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
+    """A stage whose outputs are bound to the next stage's inputs writes them there; passing
+    them on copies nothing, and padded rows carry what the first stage computed for the dummy."""
+    seen = []
+
+    def second_fn(bs, inputs, seq_cpu):
+        seen.append((bs, inputs["x"].tolist(), inputs["y"].tolist()))
+        return {}
+
+    second = StageGraph(
+        "second",
+        second_fn,
+        {"x": StageInput(), "y": StageInput((2,))},
+        4,
+        torch.device("cpu"),
+        capture=False,
+    )
+
+    def first_fn(bs, inputs, seq_cpu):
+        rows = inputs["rows"]
+        return {"x": rows + 100, "y": torch.stack([rows, -rows], dim=1), "own": rows * 2}
+
+    first = StageGraph(
+        "first",
+        first_fn,
+        {"rows": StageInput()},
+        4,
+        torch.device("cpu"),
+        capture=False,
+        output_buffers={"x": second.inputs["x"], "y": second.inputs["y"]},
+    )
+    out = first({"rows": torch.tensor([5, 6, 7])}, [0] * 3)
+    assert out["x"].data_ptr() == second.inputs["x"].data_ptr()
+    assert out["own"].data_ptr() != second.inputs["x"].data_ptr()
+    copies = count_copies(monkeypatch)
+    second({"x": out["x"], "y": out["y"]}, [0] * 3)
+    assert copies == []
+    # bucket 4: the padded row holds what the first stage made of the dummy row 0
+    assert seen[-1] == (4, [105, 106, 107, 100], [[5, -5], [6, -6], [7, -7], [0, 0]])
+    second({"x": torch.tensor([1, 2]), "y": out["y"][:2].clone()}, [0] * 2)  # copied in
+    assert len(copies) == 2 and seen[-1][1] == [1, 2]
+
+
+def test_stages_bound_to_one_producer_share_its_outputs_without_copies(monkeypatch):
+    """Alternative consumers (the accept variants) bind their inputs to the same buffers
+    (`input_buffers`): the producer writes them once and either consumer reads them in
+    place; a bound input passed from elsewhere, or a buffer of the wrong shape or dtype, is
+    refused."""
+    seen = []
+
+    def consumer(name):
+        def fn(bs, inputs, seq_cpu):
+            seen.append((name, bs, inputs["x"].tolist(), inputs["y"].tolist()))
+            return {"z": inputs["x"] * 2}
+
+        return fn
+
+    specs = {"x": StageInput(), "y": StageInput((2,), torch.int32)}
+    cpu = torch.device("cpu")
+    first = StageGraph("first", consumer("a"), specs, 4, cpu, capture=False)
+    second = StageGraph(
+        "second", consumer("b"), specs, 4, cpu, capture=False, input_buffers=first.inputs
+    )
+    assert all(second.inputs[k] is first.inputs[k] for k in specs)
+
+    def make(bs, inputs, seq_cpu):
+        rows = inputs["rows"]
+        return {"x": rows + 1, "y": torch.stack([rows, rows], 1).int()}
+
+    producer = StageGraph(
+        "producer",
+        make,
+        {"rows": StageInput()},
+        4,
+        cpu,
+        capture=False,
+        output_buffers=dict(first.inputs),
+    )
+    out = producer({"rows": torch.tensor([4, 5, 6])}, [0] * 3)
+    copies = count_copies(monkeypatch)
+    for stage in (second, first):
+        z = stage({"x": out["x"], "y": out["y"]}, [0] * 3)["z"]
+        assert z.tolist() == [10, 12, 14]
+    assert copies == [torch.Size([4])] * 2  # each stage's own output (its bucket), no input
+    assert [s[0] for s in seen] == ["b", "a"]
+    assert seen[0][1:] == (4, [5, 6, 7, 1], [[4, 4], [5, 5], [6, 6], [0, 0]])
+    with pytest.raises(ValueError, match="input x is bound to another stage's buffer"):
+        second({"x": torch.tensor([1, 2]), "y": out["y"][:2]}, [0] * 2)  # not in place
+    with pytest.raises(ValueError, match="input y is bound to a torch.int64 tensor"):
+        StageGraph(
+            "wrong",
+            consumer("c"),
+            specs,
+            4,
+            cpu,
+            capture=False,
+            input_buffers={"y": torch.zeros(4, 2, dtype=torch.int64)},
+        )
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="graphs are captured on CUDA only")
+def test_buckets_past_capture_max_bs_run_eagerly_on_the_static_buffers():
+    """A stage captured up to capture_max_bs replays graphs up to there and runs the larger
+    buckets' padded path eagerly, with the same inputs, outputs and results."""
+
+    def fn(bs, inputs, seq_cpu):
+        return {"out": inputs["rows"] * 3 + 1}
+
+    stage = StageGraph(
+        "partial",
+        fn,
+        {"rows": StageInput()},
+        16,
+        torch.device("cuda"),
+        capture=True,
+        capture_max_bs=4,
+    )
+    assert sorted(stage.graphs) == [1, 2, 4]
+    for rows in ([2, 3], [1, 2, 3, 4, 5, 6], list(range(1, 17)), [7]):
+        out = stage({"rows": torch.tensor(rows, device="cuda")}, [0] * len(rows))
+        assert out["out"].tolist() == [3 * r + 1 for r in rows]
+    assert stage.inputs["rows"][1:].eq(0).all()  # the larger batches' rows are padding again
+
+
+def test_host_inputs_go_over_in_one_copy_padded_and_flat(monkeypatch):
+    """A stage fed from the host gets its inputs flat, padded to its bucket with each input's
+    pad (every call rewrites the whole buffer, so nothing of a larger batch is left), int32
+    inputs as int32, all in one upload; values beyond the bucket are refused, and a batch past
+    max_bs runs directly on exactly the values given."""
+    seen = []
+
+    def fn(bs, inputs, seq_cpu):
+        seen.append(
+            (bs, *(inputs[k].tolist() for k in ("rows", "index", "value")), inputs["value"].dtype)
+        )
+        return {"out": inputs["rows"] * 10}
+
+    specs = {
+        "rows": StageInput(),
+        "index": StageInput((2,), pad=-1),
+        "value": StageInput((2,), torch.int32, pad=3),
+    }
+    stage = StageGraph("host", fn, specs, 6, torch.device("cpu"), capture=False, host_inputs=True)
+    uploads = []
+    upload_into = stage.staging.upload_into
+    monkeypatch.setattr(
+        stage.staging, "upload_into", lambda *args: uploads.append(args) or upload_into(*args)
+    )
+    int64, int32 = np.int64, np.int32
+    out = stage.call_host(
+        3,
+        {
+            "rows": np.array([3, 1, 2], int64),
+            "index": np.array([11, 12, 13, 14, 15], int64),
+            "value": np.array([7, 8, 9, 10, 11], int32),
+        },
+    )
+    assert out["out"].tolist() == [30, 10, 20] and len(uploads) == 1
+    assert seen[-1] == (
+        4,
+        [3, 1, 2, 0],
+        [11, 12, 13, 14, 15, -1, -1, -1],
+        [7, 8, 9, 10, 11, 3, 3, 3],
+        torch.int32,
+    )
+    assert stage.capacity(3) == 4 and stage.capacity(6) == 6 and stage.capacity(7) is None
+    out = stage.call_host(
+        1, {"rows": np.array([5], int64), "index": np.zeros(0, int64), "value": np.zeros(0, int32)}
+    )
+    assert out["out"].tolist() == [50] and len(uploads) == 2
+    assert seen[-1] == (1, [5], [-1, -1], [3, 3], torch.int32)
+    assert stage.inputs["rows"].tolist() == [5, 0, 0, 0, 0, 0]  # the batch of 3 is gone
+    assert stage.inputs["value"].tolist() == [3] * 12
+    with pytest.raises(ValueError, match="3 values of index for a batch of 1"):
+        stage.call_host(
+            1, {"rows": np.array([5], int64), "index": np.arange(3), "value": np.zeros(0, int32)}
+        )
+    big = stage.call_host(
+        7,
+        {"rows": np.arange(1, 8), "index": np.arange(20, 23), "value": np.array([4, 5, 6], int32)},
+    )
+    assert big["out"].tolist() == [10 * r for r in range(1, 8)]
+    assert seen[-1] == (7, list(range(1, 8)), [20, 21, 22], [4, 5, 6], torch.int32)
