@@ -12,8 +12,10 @@ most `--max-concurrency` run at a time, read by `serving_load` (a minimal HTTP/1
 client; `--client-processes N` spreads the requests over N processes when one cannot keep up).
 Reported: TTFT, ITL (per chunk: the time between streamed events), token ITL (each gap divided
 over the tokens its event added, one entry per token, as SGLang reports ITL), TPOT (mean,
-median, p99), end-to-end latency, request and token throughput, and the mean accept length when
-the server reports one. `--output` writes the summary plus per-request figures as JSON.
+median, p99), end-to-end latency, request and token throughput, the mean accept length when
+the server reports one, and where the CPU went: each Aerie process's CPU share over the run
+(CPU seconds over wall seconds, found by name when the server runs on this machine:
+`process_cpu`) and the client's. `--output` writes the summary plus per-request figures as JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import math
 import random
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +36,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo root
 
+from benchmarks.process_cpu import CpuMeter  # noqa: E402
 from benchmarks.serving_load import (  # noqa: E402
     Payload,
     RequestResult,
@@ -140,14 +144,16 @@ def payloads(args: argparse.Namespace, requests: list[SampledRequest]) -> list[P
 
 
 def run(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple:
-    """(results in request order, wall seconds): from this process, or spread over
-    --client-processes processes."""
+    """(results in request order, wall seconds, the client's CPU seconds): from this process,
+    or spread over --client-processes processes."""
     loads = payloads(args, requests)
     if args.client_processes <= 1:
-        return uvloop.run(
+        cpu = time.process_time()
+        results, duration = uvloop.run(
             run_load(args.base_url, loads, args.request_rate, args.max_concurrency, args.seed)
         )
-    results, duration, _ = run_load_processes(
+        return results, duration, time.process_time() - cpu
+    return run_load_processes(
         args.base_url,
         loads,
         args.request_rate,
@@ -155,7 +161,6 @@ def run(args: argparse.Namespace, requests: list[SampledRequest]) -> tuple:
         args.seed,
         args.client_processes,
     )
-    return results, duration
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,7 +178,13 @@ def describe_ms(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(results: list[RequestResult], duration: float, server_accept: float | None) -> dict:
+def summarize(
+    results: list[RequestResult],
+    duration: float,
+    server_accept: float | None,
+    cpu_share: dict[str, float] | None = None,
+) -> dict:
+    """The run's figures; cpu_share: process name -> CPU seconds over wall seconds."""
     ok = [r for r in results if r.success]
     output_tokens = sum(r.output_len for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
@@ -192,6 +203,7 @@ def summarize(results: list[RequestResult], duration: float, server_accept: floa
         "tpot_ms": describe_ms(tpot),
         "e2e_latency_ms": describe_ms([r.latency for r in ok]),
         "mean_accept_length": float(np.mean(accepts)) if accepts else server_accept,
+        "cpu_share": cpu_share or {},
     }
 
 
@@ -206,6 +218,10 @@ def print_summary(summary: dict) -> None:
         print(f"{key:<28}{stats['mean']:>10.2f}{stats['median']:>10.2f}{stats['p99']:>10.2f}")
     accept = summary["mean_accept_length"]
     print(f"{'mean accept length':<28}{'n/a' if accept is None else f'{accept:.2f}'}")
+    shares = summary.get("cpu_share") or {}
+    if shares:
+        text = ", ".join(f"{name} {share:.2f}" for name, share in shares.items())
+        print(f"{'CPU share (cores)':<28}{text}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,8 +300,11 @@ def main(argv: list[str] | None = None) -> None:
         args.seed,
         args.output_len,
     )
-    results, duration = run(args, requests)
-    summary = summarize(results, duration, find_accept_length(fetch_server_info(args.base_url)))
+    meter = CpuMeter()  # the server's processes, when it runs on this machine
+    results, duration, client_cpu = run(args, requests)
+    shares = {**meter.shares(), "client": round(client_cpu / max(duration, 1e-9), 3)}
+    accept = find_accept_length(fetch_server_info(args.base_url))
+    summary = summarize(results, duration, accept, shares)
     print_summary(summary)
     for error in sorted({r.error for r in results if r.error})[:5]:
         print(f"error: {error}", file=sys.stderr)

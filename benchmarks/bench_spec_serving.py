@@ -52,6 +52,7 @@ sys.path.insert(0, REPO_ROOT)  # run as a script
 
 from benchmarks.bench_serving import summarize  # noqa: E402
 from benchmarks.launched_server import LaunchedServer, LaunchError  # noqa: E402
+from benchmarks.process_cpu import CpuMeter  # noqa: E402
 from benchmarks.serving_load import Payload, run_load, run_load_processes  # noqa: E402
 
 DEFAULT_PROMPTS = os.path.join(REPO_ROOT, "..", "shared", "data", "mt_bench_questions.jsonl")
@@ -237,11 +238,13 @@ def make_payloads(
 
 
 def send_load(url: str, payloads: list[Payload], concurrency: int, clients: int) -> tuple:
-    """(results, wall seconds) of all payloads at once, at most `concurrency` in flight."""
+    """(results, wall seconds, the client's CPU seconds) of all payloads at once, at most
+    `concurrency` in flight."""
     if clients <= 1:
-        return uvloop.run(run_load(url, payloads, float("inf"), concurrency, seed=0))
-    results, wall, _ = run_load_processes(url, payloads, float("inf"), concurrency, 0, clients)
-    return results, wall
+        cpu = time.process_time()
+        results, wall = uvloop.run(run_load(url, payloads, float("inf"), concurrency, seed=0))
+        return results, wall, time.process_time() - cpu
+    return run_load_processes(url, payloads, float("inf"), concurrency, 0, clients)
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,10 +358,11 @@ class Bench:
         payloads = make_payloads(
             self.prompts[:num], temperature, args.max_new_tokens, args.ignore_eos
         )
-        before = scrape_idle(url)
-        results, wall = send_load(url, payloads, concurrency, clients)
+        before, meter = scrape_idle(url), CpuMeter()
+        results, wall, client_cpu = send_load(url, payloads, concurrency, clients)
+        shares = {**meter.shares(), "client": round(client_cpu / max(wall, 1e-9), 3)}
         spec = spec_stats(before, scrape_idle(url), self.num_steps)
-        summary = summarize(results, wall, None)
+        summary = summarize(results, wall, None, shares)
         tok_s = summary["output_throughput"]
         if name == "plain":
             self.plain_tok_s[temperature, concurrency] = tok_s
@@ -389,9 +393,11 @@ def describe(row: dict) -> str:
         f"accept length {show(row['accept_length'])}",
     ]
     summary = row["summary"]
+    shares = ", ".join(f"{name} {share:.2f}" for name, share in summary["cpu_share"].items())
     return (
         f"  {summary['completed']}/{row['num_prompts']} done in {summary['duration_s']:.1f} s: "
         + ", ".join(figures)
+        + (f"\n  CPU share (cores): {shares}" if shares else "")
     )
 
 

@@ -230,3 +230,8 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
             assert 1.0 <= row["accept_length"] <= 3.0 and len(row["accept_per_position"]) == 2
             # on CPU no step costs are measured, so adaptive speculation never runs plain
             assert row["plain_step_share"] == 0.0
+        # the launched server's engine processes (named as ps shows them: 15 bytes of
+        # "aerie-<name>") and the client, by CPU share
+        shares = row["summary"]["cpu_share"]
+        assert {"scheduler", "tokenizer", "detokeniz", "gpu_worke", "client"} <= set(shares)
+        assert all(share >= 0 for share in shares.values())

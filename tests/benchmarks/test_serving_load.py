@@ -107,7 +107,7 @@ def test_token_itl_spreads_each_gap_over_its_tokens_and_carries_empty_gaps():
     assert token_itl([0.3, 0.6], [3, 2]) == pytest.approx([0.1] * 3 + [0.3] * 2)
 
 
-def test_summary_keeps_its_keys_and_adds_the_per_token_itl():
+def test_summary_keeps_its_keys_and_adds_the_per_token_itl_and_cpu_shares():
     results = [RequestResult(4, 5, True, ttft=0.1, latency=0.5, itl=[0.2, 0.2], itl_tokens=[1, 3])]
     summary = bench_serving.summarize(results, 1.0, None)
     old_keys = {
@@ -124,7 +124,7 @@ def test_summary_keeps_its_keys_and_adds_the_per_token_itl():
         "e2e_latency_ms",
         "mean_accept_length",
     }
-    assert set(summary) == old_keys | {"token_itl_ms"}
+    assert set(summary) == old_keys | {"token_itl_ms", "cpu_share"}
     assert summary["itl_ms"]["median"] == pytest.approx(200.0)
     assert summary["token_itl_ms"]["mean"] == pytest.approx((200 + 3 * 200 / 3) / 4)
 
