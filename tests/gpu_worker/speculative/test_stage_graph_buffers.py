@@ -116,6 +116,34 @@ def test_chained_stages_hand_over_outputs_without_copies(monkeypatch):
     assert len(copies) == 2 and seen[-1][1] == [1, 2]
 
 
+def test_an_output_the_stage_wrote_into_its_buffer_is_not_copied(monkeypatch):
+    """A stage may write a bound output itself (the fused greedy acceptance writes the extend
+    stage's inputs): the call then copies nothing for it, and the buffer holds what it wrote;
+    an output computed elsewhere is still copied in."""
+    target = torch.zeros(4, 2, dtype=torch.int64)
+
+    def fn(bs, inputs, seq_cpu):
+        rows = inputs["rows"]
+        torch.stack([rows, rows + 1], dim=1, out=target[:bs])  # in place, as a kernel would
+        return {"x": target[:bs], "z": rows * 3}
+
+    stage = StageGraph(
+        "in place",
+        fn,
+        {"rows": StageInput()},
+        4,
+        torch.device("cpu"),
+        capture=False,
+        output_buffers={"x": target, "z": torch.zeros(4, dtype=torch.int64)},
+    )
+    rows = torch.tensor([5, 6, 7, 0])  # already the bucket's size: no input copy either
+    stage.inputs["rows"].copy_(rows)
+    copies = count_copies(monkeypatch)
+    out = stage({"rows": stage.inputs["rows"][:3]}, [0] * 3)
+    assert copies == [torch.Size([4])]  # "z" only
+    assert out["x"].tolist() == [[5, 6], [6, 7], [7, 8]] and out["z"].tolist() == [15, 18, 21]
+
+
 def test_stages_bound_to_one_producer_share_its_outputs_without_copies(monkeypatch):
     """Alternative consumers (the accept variants) bind their inputs to the same buffers
     (`input_buffers`): the producer writes them once and either consumer reads them in
