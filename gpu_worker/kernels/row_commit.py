@@ -1,8 +1,7 @@
 """The end of an EAGLE iteration in one launch: each request row's committed length advances
 by its accept length, its newest token becomes the last it emitted, and its draft state (the
 first-level top-k and the hidden state the draft passes back) is read at its last accepted
-position; what `EagleWorker.store_draft_state`, `RowState.commit_decode` and
-`RowState.reset_dummy` do in a dozen small kernels.
+position; what `store_rows` and `RowState.commit_accepted` do in a dozen small kernels.
 
 A padded row of a graph (request row 0, the reserved dummy) writes nothing: row 0 stays at
 token 0 and length 0 without a reset.
@@ -17,6 +16,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels import next_power_of_2
+from gpu_worker.step.row_state import RowState
 
 BLOCK_H = 1024  # hidden elements copied per loop iteration
 
@@ -31,9 +31,15 @@ class DraftState:
     hidden: torch.Tensor
 
 
+def store_rows(draft: DraftState, rows: torch.Tensor, new: DraftState, last: torch.Tensor) -> None:
+    """draft at rows [bs] <- new: its top-k per request ([bs, topk]) and its hidden states read
+    at rows last [bs]."""
+    draft.topk_p[rows], draft.topk_index[rows] = new.topk_p, new.topk_index
+    draft.hidden[rows] = new.hidden[last]
+
+
 def commit_rows_reference(
-    prefix_lens: torch.Tensor,
-    newest: torch.Tensor,
+    state: RowState,
     draft: DraftState,
     rows: torch.Tensor,
     accept_lens: torch.Tensor,
@@ -41,16 +47,11 @@ def commit_rows_reference(
     new: DraftState,
     last: torch.Tensor,
 ) -> None:
-    """prefix_lens, newest [rows]: each row's committed length and newest token (`RowState`);
-    draft: the rows' draft state, written at rows [bs]; accept_lens [bs], tokens [bs, S+1]:
-    the iteration's; new: the draft's top-k per request ([bs, topk]) and its hidden states,
-    read at rows last [bs]."""
-    draft.topk_p[rows], draft.topk_index[rows] = new.topk_p, new.topk_index
-    draft.hidden[rows] = new.hidden[last]
-    prefix_lens[rows] += accept_lens
-    newest[rows] = tokens.gather(1, (accept_lens - 1)[:, None]).squeeze(1)
-    newest[:1].zero_()
-    prefix_lens[:1].zero_()
+    """state: the rows' committed lengths and newest tokens; draft: their draft state, both
+    written at rows [bs]; accept_lens [bs], tokens [bs, S+1]: the iteration's; new, last: as
+    `store_rows` takes them."""
+    store_rows(draft, rows, new, last)
+    state.commit_accepted(rows, accept_lens, tokens)
 
 
 @triton.jit
@@ -98,8 +99,7 @@ def _commit_rows_kernel(
 
 
 def commit_rows(
-    prefix_lens: torch.Tensor,
-    newest: torch.Tensor,
+    state: RowState,
     draft: DraftState,
     rows: torch.Tensor,
     accept_lens: torch.Tensor,
@@ -115,8 +115,8 @@ def commit_rows(
     assert new.topk_index.stride(1) == 1 or topk == 1
     assert new.hidden.stride(1) == 1 and tokens.stride(1) == 1
     _commit_rows_kernel[(bs,)](
-        prefix_lens,
-        newest,
+        state.prefix_lens,
+        state.tokens,
         rows,
         accept_lens,
         tokens,

@@ -29,7 +29,7 @@ import torch
 
 from aerie.config import SpeculativeConfig
 from gpu_worker import constants
-from gpu_worker.kernels.row_commit import DraftState
+from gpu_worker.kernels.row_commit import DraftState, store_rows
 from gpu_worker.model_runner import LogitsOutput, ModelRunner
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.compaction import compaction_moves
@@ -125,9 +125,7 @@ class EagleWorker(SpeculativeWorker):
 
     def store_draft_state(self, rows: torch.Tensor, out: LogitsOutput, last: torch.Tensor) -> None:
         """Keep each row's first-level drafts and pass-back hidden (last: token index per row)."""
-        new = self.new_draft_state(out)
-        self.topk_p[rows], self.topk_index[rows] = new.topk_p, new.topk_index
-        self.hidden[rows] = new.hidden[last]
+        store_rows(self.row_draft_state(), rows, self.new_draft_state(out), last)
 
     # ------------------------------------------------------------------------------ stages
 

@@ -88,9 +88,10 @@ class SpeculativeWorker:
         self.target, self.sampling, self.state, self.shape = target, sampling, state, shape
         self.num_steps, self.topk = shape.num_steps, shape.topk
         self.num_draft_tokens = shape.num_draft_tokens
-        # Greedy acceptance in one Triton launch on the triton backend (the torch functions
-        # are its reference), writing the extend stage's inputs in place once they exist.
-        self.fused_accept = target.spec.attention_backend == "triton"
+        # On the triton backend greedy acceptance and the row commit are one Triton launch each
+        # (the torch functions are their references); acceptance writes the extend stage's
+        # inputs in place once they exist.
+        self.use_triton = target.spec.attention_backend == "triton"
         self.greedy_buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------ subclass API
@@ -246,7 +247,7 @@ class SpeculativeWorker:
         """(predict, accept_index, accept_lens, tokens, features along the path), as
         `greedy_accept` returns them: one launch on the triton backend, writing into the
         extend stage's input buffers when the batch fits them."""
-        if not self.fused_accept:
+        if not self.use_triton:
             return greedy_accept_reference(tree, target_predict, features)
         bs = target_predict.shape[0] // self.num_draft_tokens
         fits = self.greedy_buffers and bs <= self.greedy_buffers["accept_lens"].shape[0]
@@ -260,22 +261,11 @@ class SpeculativeWorker:
         draft state is stored: in one launch on the triton backend)."""
         new = self.draft_extend(inputs, prefix_cpu)
         rows, accept_lens, tokens = inputs["rows"], inputs["accept_lens"], inputs["tokens"]
-        state = self.state
-        if new is not None:
-            commit = commit_rows if self.fused_accept else commit_rows_reference
-            commit(
-                state.prefix_lens,
-                state.tokens,
-                self.row_draft_state(),
-                rows,
-                accept_lens,
-                tokens,
-                *new,
-            )
-            return {}
-        last = tokens.gather(1, (accept_lens - 1)[:, None]).squeeze(1)
-        state.commit_decode(rows, accept_lens, last)
-        state.reset_dummy()  # padded rows committed into row 0
+        if new is None:
+            self.state.commit_accepted(rows, accept_lens, tokens)
+        else:
+            commit = commit_rows if self.use_triton else commit_rows_reference
+            commit(self.state, self.row_draft_state(), rows, accept_lens, tokens, *new)
         return {}
 
     # ------------------------------------------------------------------------ an iteration

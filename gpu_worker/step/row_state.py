@@ -44,6 +44,15 @@ class RowState:
         self.prefix_lens[rows] += advance
         self.tokens[rows] = tokens
 
+    def commit_accepted(
+        self, rows: torch.Tensor, accept_lens: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
+        """After a speculative iteration: rows [n] committed accept_lens [n] more positions and
+        emitted tokens [n, S+1] (valid up to accept_lens), the last of them now the newest;
+        padded rows wrote row 0, reset."""
+        self.commit_decode(rows, accept_lens, tokens.gather(1, (accept_lens - 1)[:, None])[:, 0])
+        self.reset_dummy()
+
     def reset_dummy(self) -> None:
         """Row 0 back to token 0 and length 0, after a step whose padded rows wrote it."""
         self.tokens[:1].zero_()  # (a slice: `[0] = 0` would copy from the host, not capturable)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.kernels.row_commit import DraftState, commit_rows, commit_rows_reference
+from gpu_worker.step.row_state import RowState
 from tests.devices import triton_devices
 
 
@@ -39,11 +40,12 @@ def test_commit_rows_matches_the_reference(device, topk, hidden_width):
     results = []
     for commit in (commit_rows_reference, commit_rows):
         s = {name: value.clone().to(device) for name, value in starts.items()}
+        state = RowState(num_rows, torch.device(device))
+        state.prefix_lens, state.tokens = s["prefix_lens"], s["newest"]
         draft = DraftState(s["topk_p"], s["topk_index"], s["hidden"])
         args = [t.to(device) for t in (rows, accept_lens, tokens)]
         commit(
-            s["prefix_lens"],
-            s["newest"],
+            state,
             draft,
             *args,
             DraftState(*(t.to(device) for t in (new.topk_p, new.topk_index, new.hidden))),
