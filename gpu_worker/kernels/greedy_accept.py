@@ -125,17 +125,19 @@ def greedy_accept(
     """`greedy_accept_reference` in one launch. tree: a `DraftTree`; target_predict [bs*ND]
     int64, the target's argmax at every node; features [bs*ND, F] (rows contiguous).
     out: where to write "accept_lens" [bs], "tokens" [bs, S+1] and "features" [bs, S+1, F]
-    (e.g. the next stage's input buffers; each made here when absent)."""
+    (e.g. the next stage's input buffers; all made here when None)."""
     bs, nd = tree.next_token.shape
     width, feature_width = tree.num_steps + 1, features.shape[1]
     assert features.stride(1) == 1 and target_predict.dtype == torch.int64
-    out = out or {}
     device = features.device
     predict = torch.empty(bs * nd, dtype=torch.int64, device=device)
     accept_index = torch.empty(bs, width, dtype=torch.int64, device=device)
-    accept_lens = out.get("accept_lens", torch.empty(bs, dtype=torch.int64, device=device))
-    emitted = out.get("tokens", torch.empty(bs, width, dtype=torch.int64, device=device))
-    path_features = out.get("features", features.new_empty(bs, width, feature_width))
+    if out:  # (given all three, as the extend stage's buffers come)
+        accept_lens, emitted, path_features = out["accept_lens"], out["tokens"], out["features"]
+    else:
+        accept_lens = torch.empty(bs, dtype=torch.int64, device=device)
+        emitted = torch.empty(bs, width, dtype=torch.int64, device=device)
+        path_features = features.new_empty(bs, width, feature_width)
     assert path_features.is_contiguous() and emitted.is_contiguous()
     kids, siblings = tree.next_token, tree.next_sibling
     assert kids.stride(1) == 1 and siblings.stride(1) == 1 and tree.tokens.is_contiguous()
