@@ -133,8 +133,7 @@ class SpeculativeConfig:
         None,
         "The step costs adaptive speculation compares, as JSON (the shape /server_info shows "
         "under speculative_step_costs). Default: measured by the GPU worker at start-up "
-        "(on CUDA; without them, on CPU, every decode step speculates). The scheduler replaces "
-        'them with the step times it serves unless the JSON says "calibrate": false.',
+        "(on CUDA; without them, on CPU, every decode step speculates).",
     )
 
     @property

@@ -17,14 +17,11 @@ VARIANTS = ("greedy", "sampled")  # a bare argmax; the sampling stages (draws, p
 @dataclass(frozen=True)
 class StepCosts:
     """Milliseconds per step by batch bucket: plain[variant][i] and speculative[variant][i] for
-    a batch of up to buckets[i] requests (larger batches: the last bucket's ratio). calibrate:
-    the scheduler replaces them with the step times it serves as they come in (False: they
-    decide as given)."""
+    a batch of up to buckets[i] requests (larger batches: the last bucket's ratio)."""
 
     buckets: tuple[int, ...]
     plain: dict[str, tuple[float, ...]]
     speculative: dict[str, tuple[float, ...]]
-    calibrate: bool = True
 
     def __post_init__(self) -> None:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)):
@@ -37,19 +34,11 @@ class StepCosts:
                 if min(times) <= 0:
                     raise ValueError(f"step costs must be positive, got {times}")
 
-    def bucket(self, batch_size: int) -> int:
-        """Index of the bucket a batch of this size runs in (the last for larger ones)."""
-        return min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)
-
-    def cost(self, bucket: int, speculative: bool, sampled: bool) -> float:
-        """Milliseconds of one step in bucket index `bucket`."""
-        table = self.speculative if speculative else self.plain
-        return table["sampled" if sampled else "greedy"][bucket]
-
     def break_even(self, batch_size: int, sampled: bool) -> float:
         """Tokens per request an iteration must emit to match plain decoding at this batch."""
-        i = self.bucket(batch_size)
-        return self.cost(i, True, sampled) / self.cost(i, False, sampled)
+        i = min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)
+        variant = "sampled" if sampled else "greedy"
+        return self.speculative[variant][i] / self.plain[variant][i]
 
     def to_json(self) -> str:
         return json.dumps(
@@ -57,7 +46,6 @@ class StepCosts:
                 "buckets": list(self.buckets),
                 "plain_ms": self.plain,
                 "speculative_ms": self.speculative,
-                "calibrate": self.calibrate,
             }
         )
 
@@ -66,18 +54,14 @@ class StepCosts:
         """Parse `--speculative-step-costs` (raises ValueError saying what is wrong)."""
         try:
             raw = json.loads(text)
-            calibrate = raw.get("calibrate", True)
-            if not isinstance(calibrate, bool):
-                raise TypeError(f'"calibrate" must be true or false, got {calibrate!r}')
             return cls(
                 tuple(int(b) for b in raw["buckets"]),
                 {v: tuple(float(t) for t in raw["plain_ms"][v]) for v in VARIANTS},
                 {v: tuple(float(t) for t in raw["speculative_ms"][v]) for v in VARIANTS},
-                calibrate,
             )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(
                 '--speculative-step-costs must be JSON like {"buckets": [1, 2], "plain_ms": '
-                '{"greedy": [..], "sampled": [..]}, "speculative_ms": {...}, "calibrate": true}: '
+                '{"greedy": [..], "sampled": [..]}, "speculative_ms": {...}}: '
                 f"{type(e).__name__} {e}"
             ) from None

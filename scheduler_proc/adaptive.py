@@ -2,16 +2,8 @@
 expected to produce more tokens per second for that batch.
 
 What it compares, for a batch of b requests:
-- what a step costs served: per CUDA-graph batch bucket, the time of a plain decode step and
-  of a speculative iteration, greedy and sampled. The GPU worker measures them at start-up
-  (`StepCosts`), on the device alone. Served, a step also waits for the host (the scheduler's
-  work per step and per token, the other processes), which the start-up figures leave out:
-  on the H200 with 64 streams an iteration cost 2.05 plain steps served against 1.44
-  measured. So the scheduler also times every decode step it serves (`observe_step`: the
-  interval between two decode results, which under the overlap schedule is one step of a full
-  pipeline) and uses those times where it has enough of them; a bucket or kind not served
-  yet gets its start-up cost scaled by how far served times of the same kind ran from theirs
-  (costs a user gives with "calibrate": false decide as given);
+- the step costs the GPU worker measured at start-up (`StepCosts`): per CUDA-graph batch
+  bucket, the time of a plain decode step and of a speculative iteration, greedy and sampled;
 - the acceptance: each request's running estimate of the tokens an iteration emits for it (the
   mean of its accept lengths, starting from its kind's), and one per kind over all requests,
   which stands in for a request not observed yet.
@@ -58,11 +50,6 @@ LONG_RUN = 32
 # draft's KV stays stale at the plainly decoded positions).
 HYSTERESIS = 0.05
 OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
-STEP_WEIGHT = 0.1  # weight of a new served step time in its running mean
-MIN_STEPS = 8  # served steps of a kind and bucket before their mean replaces the start-up cost
-# An interval above OUTLIER x the start-up cost of its step is no step of a full pipeline (an
-# idle scheduler, a prefill between, a pause): not counted.
-OUTLIER = 4.0
 
 
 def samples(params: SamplingParams) -> bool:
@@ -111,13 +98,11 @@ class AdaptiveSpeculation:
     speculating: bool = True  # the last choice but for probes
     estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
     observed: dict[str, int] = field(default_factory=dict)  # rid -> iterations observed
-    # (speculative, sampled, bucket index) -> [served steps, their running mean in ms]
-    served: dict[tuple[bool, bool, int], list] = field(default_factory=dict)
 
     def choose(self, rids: list[str], kinds: list[tuple]) -> Decision:
         """Speculate for this batch of requests (True) or decode plainly (False); kinds: per
         request, its `kind`."""
-        break_even = self.break_even(len(rids), any(k[0] for k in kinds))
+        break_even = self.costs.break_even(len(rids), any(k[0] for k in kinds))
         estimates = [
             self.estimates.get(rid, self.overall.get(k)) for rid, k in zip(rids, kinds, strict=True)
         ]
@@ -140,35 +125,6 @@ class AdaptiveSpeculation:
             self.plain_run += 1
         self.last = decision
         return decision
-
-    def break_even(self, batch_size: int, sampled: bool) -> float:
-        """Tokens per request an iteration must emit to match plain decoding, served."""
-        bucket = self.costs.bucket(batch_size)
-        return self.served_cost(bucket, True, sampled) / self.served_cost(bucket, False, sampled)
-
-    def served_cost(self, bucket: int, speculative: bool, sampled: bool) -> float:
-        """Milliseconds of a step served in bucket index `bucket`: the mean of the served ones
-        once there are MIN_STEPS, else the start-up cost times the mean ratio of served to
-        start-up cost over the buckets of that kind served so far (1 before any)."""
-        steps, mean = self.served.get((speculative, sampled, bucket), (0, 0.0))
-        if steps >= MIN_STEPS:
-            return mean
-        ratios = [m / self.costs.cost(b, s, p) for (s, p, b), (n, m) in self.served.items()
-                  if (s, p) == (speculative, sampled) and n >= MIN_STEPS]  # fmt: skip
-        scale = sum(ratios) / len(ratios) if ratios else 1.0
-        return self.costs.cost(bucket, speculative, sampled) * scale
-
-    def observe_step(self, speculative: bool, sampled: bool, batch_size: int, ms: float) -> None:
-        """A decode step of batch_size requests took `ms` milliseconds served (kept where the
-        costs calibrate)."""
-        if not self.costs.calibrate:
-            return
-        bucket = self.costs.bucket(batch_size)
-        if not 0 < ms <= OUTLIER * self.costs.cost(bucket, speculative, sampled):
-            return
-        entry = self.served.setdefault((speculative, sampled, bucket), [0, ms])
-        entry[0] += 1
-        entry[1] += STEP_WEIGHT * (ms - entry[1])
 
     def observe(self, rid: str, accept_length: int, kind: tuple = (False,)) -> None:
         """One iteration emitted accept_length tokens for request rid (of this `kind`)."""

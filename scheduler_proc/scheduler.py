@@ -25,7 +25,6 @@ With plans in flight the scheduler plans without knowing their results:
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -88,12 +87,11 @@ class Scheduler:
         self._in_flight: deque[tuple[ForwardPlan, list[Request], list[bool]]] = deque()
         self._next_plan_id = 0
         self._last_mode = ""
-        self._num_decode_tokens, self._num_verify = 0, 0  # of entries with verify counts
+        self._num_decode_tokens = 0  # tokens from decode entries with verify counts
+        self._num_verify = 0
         self._accepted_per_position: list[int] = []
         self._num_plain_steps = 0  # decode steps of a speculative server run plainly
         self._stale_drafts: dict[int, set[str]] = {}  # plan id -> rids drafting from old state
-        self.clock: Callable[[], float] = time.perf_counter  # times served steps (tests set it)
-        self._last_decode_result: float | None = None  # when the last result came, if a decode
         self._num_retractions = 0
         self._num_requests = 0  # requests received since start
         # Admission's estimate of the KV running requests will still take.
@@ -239,7 +237,8 @@ class Scheduler:
         if self.adaptive is not None:
             # An iteration right after a plain step drafts from the state the draft had
             # before it (its extend then catches up): its acceptance says nothing of the draft.
-            if speculate and (stale := {req.rid for req in batch if not req.draft_fresh}):
+            stale = {req.rid for req in batch if not req.draft_fresh} if speculate else set()
+            if stale:
                 self._stale_drafts[plan.plan_id] = stale
             for req in batch:
                 req.draft_fresh = speculate
@@ -298,8 +297,6 @@ class Scheduler:
         if result.plan_id != plan.plan_id:
             raise RuntimeError(f"result {result.plan_id} does not answer plan {plan.plan_id}")
         _, requests, samples = self._in_flight.popleft()
-        if self.adaptive is not None:
-            self._time_step(plan, requests)
         # Lists, converted once per step: indexing numpy arrays per request costs more.
         counts = unpack_ids(result.num_tokens)  # [num_requests]
         ids = unpack_ids(result.token_ids)  # [sum(num_tokens)]
@@ -326,15 +323,6 @@ class Scheduler:
                 self._observe_accept(req, decode, num_verify, n, req.rid not in stale)
             self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
         return self.take_deltas()
-
-    def _time_step(self, plan: ForwardPlan, requests: list[Request]) -> None:
-        """A decode step's served time for adaptive speculation: the interval since the result
-        before when that was a decode too (the step was queued behind it)."""
-        now, decode = self.clock(), plan.mode == "decode"
-        last, self._last_decode_result = self._last_decode_result, now if decode else None
-        if decode and last is not None and self.adaptive is not None:
-            sampled = any(req.accept_kind[0] for req in requests)
-            self.adaptive.observe_step(plan.speculate, sampled, len(requests), (now - last) * 1e3)
 
     def _observe_accept(
         self, req: Request, decode: bool, num_verify: int, n: int, fresh: bool

@@ -200,8 +200,7 @@ def test_verify_counts_do_not_depend_on_prefill_chunking(
 
 
 def step_costs_json(break_even: float) -> str:
-    """Step costs whose iterations cost `break_even` plain steps at every batch size, kept
-    as given (not calibrated by the CPU server's own step times)."""
+    """Step costs whose iterations cost `break_even` plain steps at every batch size."""
     buckets = [1, 2, 4, 8, 16]
     return json.dumps(
         {
