@@ -69,6 +69,9 @@ MANY_CLIENTS_CONCURRENCY, MANY_CLIENTS = 64, 4  # one client process falls behin
 ACCEPTED = "aerie_spec_accepted_tokens"
 PLAIN_STEPS = "aerie_spec_plain_steps"
 BUSY_GAUGES = ("aerie_num_running_requests", "aerie_num_queued_requests")
+# Requests per stream in a run: with two, a run at 64 streams lasted about a second and its ratio
+# moved by 0.2 between runs (arrival burst and tail weigh as much as the steady state).
+PROMPTS_PER_STREAM = 4
 
 CODE_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively, with type hints.",
@@ -351,7 +354,7 @@ class Bench:
 
     def run_one(self, name: str, url: str, temperature: float, concurrency: int) -> dict:
         args = self.args
-        num = args.num_prompts or max(80, 2 * concurrency)
+        num = default_num_prompts(args, concurrency)
         clients = args.client_processes or (
             MANY_CLIENTS if concurrency >= MANY_CLIENTS_CONCURRENCY else 1
         )
@@ -427,6 +430,11 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def default_num_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    """Requests in a run at this concurrency: --num-prompts, else enough for a steady state."""
+    return args.num_prompts or max(80, PROMPTS_PER_STREAM * concurrency)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -437,7 +445,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", nargs="+", default=list(BUILTIN_SERVERS), help="NAME or NAME=ARGS")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--concurrency", default="1,16,64,256")
-    p.add_argument("--num-prompts", type=int, help="per run; default max(80, 2 * concurrency)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        help=f"per run; default max(80, {PROMPTS_PER_STREAM} * concurrency)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--ignore-eos", action="store_true", help="every request runs to the limit")
     p.add_argument("--prompts", help="MT-bench questions (.jsonl); default: " + DEFAULT_PROMPTS)
@@ -468,7 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         args.model_path = ensure_default_model()
     questions = load_first_turns(args.prompts)
-    most = args.num_prompts or max(80, 2 * max(args.concurrency))
+    most = default_num_prompts(args, max(args.concurrency))
     prompts = chat_prompts(args.model_path, questions, max(most, args.warmup_prompts))
     settings, args.servers = args.servers, [[s.name, shlex.join(s.args)] for s in args.servers]
     bench = Bench(args, prompts)

@@ -101,6 +101,13 @@ def test_servers_take_builtin_names_and_custom_settings_with_plain_first():
     assert default.temperatures == [0.0, 0.7] and default.concurrency == [1, 16, 64, 256]
 
 
+def test_a_run_sends_several_requests_per_stream_unless_told():
+    default = bench.parse_args([])
+    assert [bench.default_num_prompts(default, c) for c in (1, 16, 64, 256)] == [80, 80, 256, 1024]
+    given = bench.parse_args(["--num-prompts", "12"])
+    assert bench.default_num_prompts(given, 256) == 12
+
+
 @pytest.mark.parametrize("servers", [["eagle4"], ["plain", "plain"], ["=--speculative-x"]])
 def test_unknown_repeated_or_unnamed_servers_are_errors(servers):
     with pytest.raises(SystemExit):
