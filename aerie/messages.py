@@ -123,15 +123,15 @@ class ForwardPlan:
     of the step (its row), in the order the StepResult answers.
 
     mode: "extend" (prefill chunks) or "decode".
-    rows: [bs] request rows (req_pool_idx).
+    rows: [bs] request rows (indices into each runner's req_to_token).
     slot_starts, slot_lens: [bs] KV slots assigned this step cover positions
         [slot_starts[i], slot_starts[i] + slot_lens[i]) of row i; slots: [sum(slot_lens)] their
         ids, back to back. A decode step assigns only the positions no earlier plan assigned
         (often none), including the speculative headroom.
     Extend only (a decode step reads each row's last token and committed length on the
     device, so it needs neither):
-    prefix_lens: [bs] committed KV length before the chunk; extend_lens: [bs] chunk lengths;
-    input_ids: [sum(extend_lens)] the chunks, back to back, at positions prefix_len, +1, ...;
+    committed_lens: [bs] committed KV length before the chunk; extend_lens: [bs] chunk lengths;
+    input_ids: [sum(extend_lens)] the chunks, back to back, at positions committed_len, +1, ...;
     sample: [bs] 1 when the chunk is the last of the request's fill (it samples a token);
     next_input_ids: [bs] the fill token right after a non-final chunk (the draft's prefill
         rotation needs it as the chunk's tail), -1 otherwise.
@@ -146,7 +146,7 @@ class ForwardPlan:
     slot_starts: bytes = b""
     slot_lens: bytes = b""
     slots: bytes = b""
-    prefix_lens: bytes = b""
+    committed_lens: bytes = b""
     extend_lens: bytes = b""
     input_ids: bytes = b""
     sample: bytes = b""

@@ -32,7 +32,7 @@ def decode_batch(batch_size: int, new_slots: int) -> tuple:
     requests = []
     for i in range(batch_size):
         req = Request(rid=f"r{i}", prompt_ids=[1] * 100, sampling=SamplingParams())
-        req.req_pool_idx, req.prefix_len, req.needs_start = i + 1, 100, False
+        req.row, req.committed_len, req.needs_start = i + 1, 100, False
         requests.append(req)
     slots = [1000 * (i + 1) + k for i in range(batch_size) for k in range(new_slots)]
     return requests, [100] * batch_size, [new_slots] * batch_size, slots

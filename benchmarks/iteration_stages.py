@@ -59,7 +59,7 @@ def stage_split(
     arrays = parse_plan(plan, worker.max_running_requests)
     rows = torch.as_tensor(arrays.rows, device=worker.device)
     variant = spec.accept_variant(arrays.rows, False)
-    prefix_cpu = worker.rows.prefix_lens[rows].tolist()
+    committed_lens_cpu = worker.rows.committed_lens[rows].tolist()
     totals = {"propose_ms": 0.0, "accept_ms": 0.0, "extend_ms": 0.0}
     stages = spec.propose_stage, spec.extend_stage, dict(spec.accept_stages)
     spec.propose_stage = _Timed(stages[0], "propose_ms", totals, worker.device)
@@ -70,7 +70,7 @@ def stage_split(
     try:
         for _ in range(iters):
             restore()
-            spec.iterate(rows, prefix_cpu, variant)
+            spec.iterate(rows, committed_lens_cpu, variant)
     finally:
         spec.propose_stage, spec.extend_stage, spec.accept_stages = stages
         restore()

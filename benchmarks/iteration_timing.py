@@ -51,11 +51,11 @@ class Replayer:
                 break
             sched.apply_result(plan, worker.execute(plan))
         self.plan = plan
-        self.saved = worker.rows.prefix_lens.clone(), worker.rows.tokens.clone()
+        self.saved = worker.rows.committed_lens.clone(), worker.rows.tokens.clone()
 
     def restore(self) -> None:
         """The saved per-row state back in place (two copies on the device)."""
-        self.worker.rows.prefix_lens.copy_(self.saved[0])
+        self.worker.rows.committed_lens.copy_(self.saved[0])
         self.worker.rows.tokens.copy_(self.saved[1])
 
     def execute(self, bs: int | None = None):

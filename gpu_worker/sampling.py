@@ -1,7 +1,7 @@
 """Sampling: per-row parameters, penalties, filters and seeded noise, on the worker's device.
 
 `SamplingState` keeps each request row's sampling parameters and penalty state (output token
-counts and a prompt mask) in tensors indexed by `req_pool_idx`, and samples one token per batch
+counts and a prompt mask) in tensors indexed by `row`, and samples one token per batch
 row without a Python loop over rows. The pure functions below are shared with speculative
 decoding, which needs the same processed distribution for the target and the same noise:
 
@@ -279,12 +279,12 @@ class SamplingState:
 
     def start(
         self,
-        req_pool_idx: int,
+        row: int,
         params: SamplingParams,
         prompt_ids: list[int] | Tensor,
         output_len: int,
     ) -> None:
-        """A request (re)starts on row `req_pool_idx`: set its parameters and penalty state.
+        """A request (re)starts on row `row`: set its parameters and penalty state.
 
         prompt_ids: the full fill (prompt + outputs so far after a retraction); its last
         `output_len` ids are outputs and are counted for frequency/presence penalties.
@@ -297,16 +297,16 @@ class SamplingState:
         flags = _row_flags(params, top_k, self.vocab_size)
         if params.seed is None and flags[_FLAG_COLUMNS.index("use_sampling")]:
             raise ValueError(
-                f"sampled request on row {req_pool_idx} has no seed; requests "
+                f"sampled request on row {row} has no seed; requests "
                 "must get their seed before they reach the worker"
             )
         seed = params.seed if params.seed is not None else 0
         floats = [float(getattr(params, name)) for name in _FLOAT_PARAMS]
-        self._float_params[req_pool_idx] = self._upload(floats, torch.float32)
-        self._int_params[req_pool_idx] = self._upload([top_k, _wrap_int64(seed)], torch.int64)
-        self._flags_cpu[req_pool_idx] = flags
+        self._float_params[row] = self._upload(floats, torch.float32)
+        self._int_params[row] = self._upload([top_k, _wrap_int64(seed)], torch.int64)
+        self._flags_cpu[row] = flags
         if flags[0]:
-            self._reset_penalty_state(req_pool_idx, prompt_ids, output_len)
+            self._reset_penalty_state(row, prompt_ids, output_len)
 
     def _reset_penalty_state(
         self, row: int, prompt_ids: list[int] | Tensor, output_len: int
@@ -331,7 +331,7 @@ class SamplingState:
 
     def observe(
         self,
-        req_pool_indices: Tensor,
+        rows: Tensor,
         token_ids: Tensor,
         weights: Tensor | None = None,
         lengths: Tensor | None = None,
@@ -344,7 +344,7 @@ class SamplingState:
         CUDA graph can hold the count: every row's tokens are counted)."""
         if not always and not self._flags_cpu[:, 0].any():
             return
-        rows = req_pool_indices.to(self.device, torch.int64)
+        rows = rows.to(self.device, torch.int64)
         ids = token_ids.to(self.device, torch.int64)
         if lengths is not None:
             width = ids.shape[1]
@@ -359,7 +359,7 @@ class SamplingState:
 
     def gather(
         self,
-        req_pool_indices: Tensor,
+        rows: Tensor,
         rows_cpu: np.ndarray | Tensor | None = None,
         flags: Sequence[bool] | None = None,
     ) -> SamplingRows:
@@ -369,10 +369,10 @@ class SamplingState:
         Never a device sync."""
         if flags is None:
             host = rows_cpu if rows_cpu is not None else None
-            if host is None and req_pool_indices.device.type == "cpu":
-                host = req_pool_indices
+            if host is None and rows.device.type == "cpu":
+                host = rows
             flags = self.stage_flags(host)
-        rows = req_pool_indices.to(self.device, torch.int64)
+        rows = rows.to(self.device, torch.int64)
         floats = self._float_params[rows]  # [bs, 6]
         ints = self._int_params[rows]  # [bs, 2]
         values = {name: floats[:, i] for i, name in enumerate(_FLOAT_COLUMNS)}
@@ -392,40 +392,40 @@ class SamplingState:
         use_penalty, use_sampling, use_top_k, use_top_p, _ = self.stage_flags(rows_cpu)
         return use_penalty or use_sampling, use_top_k or use_top_p
 
-    def penalize(self, logits: Tensor, req_pool_indices: Tensor, rows: SamplingRows) -> Tensor:
+    def penalize(self, logits: Tensor, rows: Tensor, params: SamplingRows) -> Tensor:
         """logits [bs, V] with the rows' penalties applied (the same tensor when none apply)."""
-        if not rows.use_penalty:
+        if not params.use_penalty:
             return logits
-        index = req_pool_indices.to(self.device, torch.int64)
-        return apply_penalties(logits, self.counts[index], self.prompt_mask[index], rows)
+        index = rows.to(self.device, torch.int64)
+        return apply_penalties(logits, self.counts[index], self.prompt_mask[index], params)
 
     def sample(
         self,
         logits: Tensor,
-        req_pool_indices: Tensor,
+        rows: Tensor,
         positions: Tensor,
         want_logprobs: bool = True,
         rows_cpu: np.ndarray | None = None,
         flags: Sequence[bool] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Sample one token per row. logits [bs, V] float32 (not mutated); req_pool_indices
+        """Sample one token per row. logits [bs, V] float32 (not mutated); rows
         [bs]; positions [bs]: absolute position of the token being generated.
 
         Returns token_ids [bs] int64 and, when want_logprobs, logprobs [bs] float32 (else
         None), both on the device: the log-softmax of the processed distribution the token was
         drawn from (temperature and filters); for greedy rows the log-softmax of the
-        (penalised) logits at temperature 1. rows_cpu: a host copy of req_pool_indices (exact
+        (penalised) logits at temperature 1. rows_cpu: a host copy of rows (exact
         stage flags); flags: the stages to run, fixed (see `fixed_flags`; what a CUDA graph
         captures). No host synchronisation.
         """
-        rows = self.gather(req_pool_indices, rows_cpu, flags)
-        logits = self.penalize(logits.float(), req_pool_indices, rows)  # [bs, V]
-        if not rows.use_sampling:
+        params = self.gather(rows, rows_cpu, flags)
+        logits = self.penalize(logits.float(), rows, params)  # [bs, V]
+        if not params.use_sampling:
             token_ids = logits.argmax(dim=-1)
             return token_ids, pick_logprobs(logits, token_ids) if want_logprobs else None
-        processed = process_logits(logits, rows)  # [bs, V]
-        sampled = sample_with_noise(processed, rows.seed, positions.to(self.device))
-        token_ids = torch.where(rows.greedy, logits.argmax(dim=-1), sampled)
+        processed = process_logits(logits, params)  # [bs, V]
+        sampled = sample_with_noise(processed, params.seed, positions.to(self.device))
+        token_ids = torch.where(params.greedy, logits.argmax(dim=-1), sampled)
         return token_ids, pick_logprobs(processed, token_ids) if want_logprobs else None
 
 

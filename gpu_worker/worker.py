@@ -224,9 +224,11 @@ class GPUWorker:
         assert self.spec is not None
         want = bool(self.return_logprob[arrays.rows].any())
         if self.runner.attn_backend.reads_host_lengths:
-            prefix_cpu = self.rows.prefix_lens[rows].tolist()  # a device read: the reference
+            committed_lens_cpu = self.rows.committed_lens[
+                rows
+            ].tolist()  # a device read: the reference
         else:
-            prefix_cpu = [0] * arrays.batch_size  # placeholders (see `reads_host_lengths`)
+            committed_lens_cpu = [0] * arrays.batch_size  # placeholders (see `reads_host_lengths`)
         copy: PendingCopy | None = None
 
         def accepted(out: SpecStepOutput) -> None:
@@ -237,7 +239,7 @@ class GPUWorker:
             extra = [out.logprobs] if out.logprobs is not None else []
             copy = self.results.start(out.accept_lens, out.tokens, *extra)
 
-        self.spec.decode(rows, arrays.rows, prefix_cpu, want, on_accepted=accepted)
+        self.spec.decode(rows, arrays.rows, committed_lens_cpu, want, on_accepted=accepted)
         bs = arrays.batch_size
 
         def pack(fetched: list[np.ndarray]) -> StepResult:

@@ -1,7 +1,7 @@
 """Turn a chosen batch into the columnar `ForwardPlan` the GPU worker runs. Pure.
 
-Extend: each request runs `fill_ids[prefix_len : prefix_len + chunk_len]` at positions
-prefix_len, prefix_len + 1, ... and writes KV at the chunk's slots; it samples on its final
+Extend: each request runs `fill_ids[committed_len : committed_len + chunk_len]` at positions
+committed_len, committed_len + 1, ... and writes KV at the chunk's slots; it samples on its final
 chunk only.
 Decode: the worker reads each row's last token and committed length on the device, so the
 plan carries only rows and the KV slots newly assigned to them (positions no earlier plan
@@ -21,7 +21,7 @@ from scheduler_proc.request import Request
 def make_start(req: Request) -> RequestStart:
     """What the worker keeps per row: sampling state and the full fill for penalties."""
     return RequestStart(
-        row=req.req_pool_idx,
+        row=req.row,
         sampling=req.sampling,
         return_logprob=req.return_logprob,
         prompt_ids=pack_ids(req.fill_ids),
@@ -48,23 +48,23 @@ def _slot_columns(assigned: list[tuple[int, np.ndarray]]) -> dict[str, bytes]:
 
 
 def build_extend_plan(plan_id: int, chunks: list[tuple[Request, int, np.ndarray]]) -> ForwardPlan:
-    """chunks: (request, chunk_len, slots int32 [chunk_len]), before prefix_len advances.
+    """chunks: (request, chunk_len, slots int32 [chunk_len]), before committed_len advances.
 
     Clears `needs_start` on the requests it starts.
     """
     requests = [req for req, _, _ in chunks]
     input_ids, sample, next_ids = [], [], []
     for req, chunk_len, _ in chunks:
-        start, end = req.prefix_len, req.prefix_len + chunk_len
+        start, end = req.committed_len, req.committed_len + chunk_len
         input_ids.extend(req.fill_ids[start:end])
         sample.append(int(end == len(req.fill_ids)))
         next_ids.append(req.fill_ids[end] if end < len(req.fill_ids) else -1)
     return ForwardPlan(
         plan_id=plan_id,
         mode="extend",
-        rows=pack_ids([req.req_pool_idx for req in requests]),
-        **_slot_columns([(req.prefix_len, slots) for req, _, slots in chunks]),
-        prefix_lens=pack_ids([req.prefix_len for req in requests]),
+        rows=pack_ids([req.row for req in requests]),
+        **_slot_columns([(req.committed_len, slots) for req, _, slots in chunks]),
+        committed_lens=pack_ids([req.committed_len for req in requests]),
         extend_lens=pack_ids([chunk_len for _, chunk_len, _ in chunks]),
         input_ids=pack_ids(input_ids),
         sample=pack_ids(sample),
@@ -87,7 +87,7 @@ def build_decode_plan(
     return ForwardPlan(
         plan_id=plan_id,
         mode="decode",
-        rows=pack_ids([req.req_pool_idx for req in requests]),
+        rows=pack_ids([req.row for req in requests]),
         slot_starts=pack_ids(slot_starts),
         slot_lens=pack_ids(slot_lens),
         slots=pack_ids(slots),

@@ -13,7 +13,7 @@ nothing (the `Scheduler` applies the decision).
 - A decode step runs every decoding request with `decode_alloc_len` positions of headroom
   past where it will stand when the plans in flight are done: each decode step in flight may
   advance it by up to `decode_alloc_len`, so the step reserves up to
-  `prefix_len + decode_alloc_len * (1 + decodes_in_flight)` (`decode_end`). When KV runs short
+  `committed_len + decode_alloc_len * (1 + decodes_in_flight)` (`decode_end`). When KV runs short
   the newest running requests are retracted until it fits.
 """
 
@@ -128,7 +128,7 @@ class SchedulePolicy:
 
     def decode_end(self, req: Request) -> int:
         """Positions a decoding request must have slots for before its next decode step."""
-        return req.prefix_len + self.decode_alloc_len * (1 + req.decodes_in_flight)
+        return req.committed_len + self.decode_alloc_len * (1 + req.decodes_in_flight)
 
     def never_fits(self, req: Request, allocator: KVAllocator) -> bool:
         return ceil_div(self.max_positions(req), allocator.page_size) > allocator.num_pages
@@ -138,7 +138,7 @@ class SchedulePolicy:
         return has_prefill and (not has_decode or last_mode != "extend")
 
     def decode_pages_needed(self, decoding: Sequence[Request], allocator: KVAllocator) -> int:
-        rows = [r.req_pool_idx for r in decoding]
+        rows = [r.row for r in decoding]
         return allocator.pages_needed_rows(rows, list(map(self.decode_end, decoding)))
 
     def plan_extend(
@@ -162,7 +162,7 @@ class SchedulePolicy:
             chunk_len = self._fit_chunk(req, wanted, free_pages, allocator)
             if chunk_len == 0:
                 continue
-            free_pages -= allocator.pages_needed(req.req_pool_idx, req.prefix_len + chunk_len)
+            free_pages -= allocator.pages_needed(req.row, req.committed_len + chunk_len)
             decision.chunks.append((req, chunk_len))
             budget -= chunk_len
         num_rows = min(allocator.num_free_rows, self.max_running_requests - len(running))
@@ -192,11 +192,11 @@ class SchedulePolicy:
         self, req: Request, chunk_len: int, free_pages: int, allocator: KVAllocator
     ) -> int:
         """The longest chunk <= chunk_len whose pages fit in free_pages."""
-        row, page_size = req.req_pool_idx, allocator.page_size
-        if allocator.pages_needed(row, req.prefix_len + chunk_len) <= free_pages:
+        row, page_size = req.row, allocator.page_size
+        if allocator.pages_needed(row, req.committed_len + chunk_len) <= free_pages:
             return chunk_len
         capacity = (allocator.num_held_pages(row) + max(free_pages, 0)) * page_size
-        return max(0, min(chunk_len, capacity - req.prefix_len))
+        return max(0, min(chunk_len, capacity - req.committed_len))
 
     def plan_decode(self, running: Sequence[Request], allocator: KVAllocator) -> DecodeDecision:
         """Every decoding request, after retracting the newest running ones until KV fits.
@@ -209,7 +209,7 @@ class SchedulePolicy:
         """
         decoding_list = [r for r in running if self.is_decoding(r)]
         ends = list(map(self.decode_end, decoding_list))
-        need = allocator.pages_needed_rows([r.req_pool_idx for r in decoding_list], ends)
+        need = allocator.pages_needed_rows([r.row for r in decoding_list], ends)
         free_pages = allocator.num_free_pages
         if need <= free_pages:  # the usual step: nothing to retract
             return DecodeDecision(batch=decoding_list, ends=ends)
@@ -223,8 +223,8 @@ class SchedulePolicy:
             kept.remove(req)
             if req in decoding:
                 decoding.remove(req)
-                need -= allocator.pages_needed(req.req_pool_idx, self.decode_end(req))
-            free_pages += allocator.num_held_pages(req.req_pool_idx)
+                need -= allocator.pages_needed(req.row, self.decode_end(req))
+            free_pages += allocator.num_held_pages(req.row)
             retracted.append(req)
         batch = [r for r in kept if r in decoding]
         ends = list(map(self.decode_end, batch))

@@ -4,12 +4,13 @@
        ^                  |
        +----retract-------+   (back to the front of the queue, outputs kept)
 
-A RUNNING request holds a request row (`req_pool_idx`) and KV for positions [0, prefix_len)
-(plus the headroom reserved for the decode steps in flight). A request that finishes while a
-plan in flight still holds it keeps its row and KV until that plan's result is applied.
+A RUNNING request holds a request row (`row`: its index in `req_to_token`) and KV for
+positions [0, committed_len) (plus the headroom reserved for the decode steps in flight). A
+request that finishes while a plan in flight still holds it keeps its row and KV until that
+plan's result is applied.
 `fill_ids` is what prefill runs: the prompt, or prompt + outputs so far after a retraction.
-While `prefix_len < len(fill_ids)` it is prefilling; afterwards it decodes, and then
-`prefix_len == len(prompt_ids) + len(output_ids) - 1`: every token but the newest has KV.
+While `committed_len < len(fill_ids)` it is prefilling; afterwards it decodes, and then
+`committed_len == len(prompt_ids) + len(output_ids) - 1`: every token but the newest has KV.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # aligned with output_ids
     state: ReqState = ReqState.WAITING
-    req_pool_idx: int = 0  # 0: holds no row
-    # The committed length: positions [0, prefix_len) have KV written, or are written by a
+    row: int = 0  # 0: holds no row
+    # The committed length: positions [0, committed_len) have KV written, or are written by a
     # prefill chunk in flight (a chunk counts when it is planned, decode tokens when their
-    # result is applied). The plan's prefix_lens and the worker's per-row committed length
+    # result is applied). The plan's committed_lens and the worker's per-row committed length
     # are the same quantity; ForwardBatch.seq_lens is the length after a forward.
-    prefix_len: int = 0
+    committed_len: int = 0
     fill_ids: list[int] = field(default_factory=list)
     spec_verify_ct: int = 0
     # What adaptive speculation learns its acceptance with (`adaptive.kind`): its sampling.
@@ -65,7 +66,7 @@ class Request:
     # The model's context length (None: unlimited); only sets max_output_len.
     context_length: InitVar[int | None] = None
     # Outputs it may have in all: max_new_tokens, fewer when the context fills first. Constant,
-    # so the per-step checks compare one length (`seq_len + n >= context_length` is
+    # so the per-step checks compare one length (`num_tokens + n >= context_length` is
     # `len(output_ids) + n >= context_length - len(prompt_ids)`).
     max_output_len: int = field(init=False)
 
@@ -79,11 +80,11 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.prefix_len < len(self.fill_ids)
+        return self.committed_len < len(self.fill_ids)
 
     @property
     def num_remaining_fill(self) -> int:
-        return len(self.fill_ids) - self.prefix_len
+        return len(self.fill_ids) - self.committed_len
 
     @property
     def num_remaining_new_tokens(self) -> int:
@@ -91,15 +92,15 @@ class Request:
         return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
 
     @property
-    def seq_len(self) -> int:
+    def num_tokens(self) -> int:
         """Prompt plus outputs so far."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     def reset_for_retract(self) -> None:
         """Back to WAITING without a row or KV; the next prefill recomputes prompt + outputs."""
         self.state = ReqState.WAITING
-        self.req_pool_idx = 0
-        self.prefix_len = 0
+        self.row = 0
+        self.committed_len = 0
         self.fill_ids = self.prompt_ids + self.output_ids
         self.needs_start = True
         self.draft_fresh = True  # the draft's prefill runs again

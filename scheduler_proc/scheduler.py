@@ -204,18 +204,18 @@ class Scheduler:
             assert self.waiting.popleft() is req
             row = self.allocator.alloc_row()
             assert row is not None
-            req.req_pool_idx, req.state = row, ReqState.RUNNING
+            req.row, req.state = row, ReqState.RUNNING
             self.running.append(req)
         chunks = []
         for req, chunk_len in decision.chunks:
-            slots = self.allocator.grow(req.req_pool_idx, req.prefix_len + chunk_len)
+            slots = self.allocator.grow(req.row, req.committed_len + chunk_len)
             assert slots is not None, "policy admitted more than the free KV"
             chunks.append((req, chunk_len, slots))
         plan = build_extend_plan(self._take_plan_id(), chunks)
         samples = []
         for req, chunk_len, _ in chunks:  # chunks are committed when planned
-            req.prefix_len += chunk_len
-            samples.append(req.prefix_len == len(req.fill_ids))  # its last chunk samples
+            req.committed_len += chunk_len
+            samples.append(req.committed_len == len(req.fill_ids))  # its last chunk samples
         return plan, [req for req, _, _ in chunks], samples
 
     def _plan_decode(self) -> tuple[ForwardPlan, list[Request], list[bool]] | None:
@@ -230,7 +230,7 @@ class Scheduler:
         for req in decision.retracted:
             self._retract(req)
         batch = decision.batch
-        grown = self.allocator.grow_rows([req.req_pool_idx for req in batch], decision.ends)
+        grown = self.allocator.grow_rows([req.row for req in batch], decision.ends)
         assert grown is not None, "policy kept more decoders than the free KV"
         speculate = self.speculative and self._speculate(batch)
         plan = build_decode_plan(self._take_plan_id(), batch, *grown, speculate=speculate)
@@ -269,9 +269,9 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         """Free its row and KV and put it at the front of the queue; outputs are kept."""
-        logger.info("retracting %s (%d tokens) to free KV", req.rid, req.seq_len)
+        logger.info("retracting %s (%d tokens) to free KV", req.rid, req.num_tokens)
         self._num_retractions += 1
-        self.allocator.free(req.req_pool_idx)
+        self.allocator.free(req.row)
         self.running.remove(req)
         req.reset_for_retract()
         self.waiting.appendleft(req)
@@ -357,7 +357,7 @@ class Scheduler:
         req.spec_verify_ct += num_verify
         if decode:
             # The input token and the accepted drafts now have KV; the newest token has none.
-            req.prefix_len += end - start
+            req.committed_len += end - start
         if start == end:
             return
         new_ids = ids[start:end]
@@ -373,8 +373,8 @@ class Scheduler:
             self._finish(req, finish)
             return
         if decode:  # keep what the decode steps still in flight may write
-            keep = req.prefix_len + self.policy.decode_alloc_len * req.decodes_in_flight
-            self.allocator.shrink(req.req_pool_idx, keep)
+            keep = req.committed_len + self.policy.decode_alloc_len * req.decodes_in_flight
+            self.allocator.shrink(req.row, keep)
         # The delta carries the outputs not sent yet. When they are the kept new ids (always in
         # practice: every step sends what it adds), their bytes are a slice of the result's.
         unsent_is_new = req.num_sent + num_keep == len(output_ids)
@@ -394,9 +394,9 @@ class Scheduler:
         self._emit(req)
 
     def _release(self, req: Request) -> None:
-        if req.req_pool_idx:
-            self.allocator.free(req.req_pool_idx)
-            req.req_pool_idx = 0
+        if req.row:
+            self.allocator.free(req.row)
+            req.row = 0
 
     # ------------------------------------------------------------------ deltas and stats out
 
@@ -458,8 +458,8 @@ class Scheduler:
             entry: dict[str, int | str | bool] = {
                 "rid": req.rid,
                 "state": req.state.value,
-                "row": req.req_pool_idx,
-                "prefix_len": req.prefix_len,
+                "row": req.row,
+                "committed_len": req.committed_len,
                 "fill_len": len(req.fill_ids),
                 "output_len": len(req.output_ids),
                 "max_new_tokens": req.sampling.max_new_tokens,

@@ -30,10 +30,10 @@ class RequestView:
     mask: torch.Tensor  # [extend_len, seq_len] bool, True = may attend
 
 
-def build_causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
-    """[extend_len, prefix_len + extend_len] bool: query j sees keys 0..prefix_len + j."""
-    keys = torch.arange(prefix_len + extend_len, device=device)
-    queries = torch.arange(extend_len, device=device) + prefix_len
+def build_causal_mask(committed_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
+    """[extend_len, committed_len + extend_len] bool: query j sees keys 0..committed_len + j."""
+    keys = torch.arange(committed_len + extend_len, device=device)
+    queries = torch.arange(extend_len, device=device) + committed_len
     return keys[None, :] <= queries[:, None]
 
 
@@ -55,7 +55,7 @@ class DecodeView:
 
 def build_decode_view(batch: ForwardBatch, req_to_token: torch.Tensor) -> DecodeView:
     max_seq_len = max(batch.seq_lens_cpu)
-    slots = req_to_token[batch.req_pool_indices, :max_seq_len].long()
+    slots = req_to_token[batch.rows, :max_seq_len].long()
     keys = torch.arange(max_seq_len, device=slots.device)
     mask = keys[None, :] < batch.seq_lens.to(slots.device)[:, None]
     return DecodeView(slots, mask[:, None, None, :])
@@ -71,15 +71,15 @@ class TorchNativeBackend(AttentionBackend):
         if batch.custom_mask is None and all(n == 1 for n in batch.extend_seq_lens_cpu):
             return build_decode_view(batch, req_to_token)
         device = req_to_token.device
-        rows = batch.req_pool_indices.tolist()
+        rows = batch.rows.tolist()
         views = []
         token_start = 0
         for i, (row, seq_len, extend_len) in enumerate(
             zip(rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, strict=True)
         ):
-            prefix_len = seq_len - extend_len
+            committed_len = seq_len - extend_len
             if batch.custom_mask is None:
-                mask = build_causal_mask(prefix_len, extend_len, device)
+                mask = build_causal_mask(committed_len, extend_len, device)
             else:
                 mask = expand_custom_mask(batch.custom_mask[i], seq_len)
             slots = req_to_token[row, :seq_len].long()

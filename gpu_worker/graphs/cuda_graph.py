@@ -147,10 +147,10 @@ class CudaGraphRunner:
         self.captures = device.type == "cuda" if capture is None else capture
         n, rows = self.max_bs * tokens_per_req, self.max_bs
         fill = runner.attn_backend.cuda_graph_seq_len_fill_value
-        # [ids | positions | out_cache_loc | req_pool_indices | seq_lens], one copy fills all
+        # [ids | positions | out_cache_loc | rows | seq_lens], one copy fills all
         self.packed = torch.zeros(3 * n + 2 * rows, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.out_cache_loc = self.packed[: 3 * n].view(3, n)
-        self.req_pool_indices = self.packed[3 * n : 3 * n + rows]
+        self.rows = self.packed[3 * n : 3 * n + rows]
         self.seq_lens = self.packed[3 * n + rows :]
         self.seq_lens.fill_(fill)
         self.extend_seq_lens = torch.full((rows,), tokens_per_req, dtype=torch.int64, device=device)
@@ -204,7 +204,7 @@ class CudaGraphRunner:
             return np.concatenate((values, pad[len(values) :]))
 
         assert n == bs * self.tokens_per_req
-        ids, rows = self._pad["ids"], self._pad["rows"]
+        ids, pad_rows = self._pad["ids"], self._pad["rows"]
         seq_lens = padded(host.seq_lens, self._pad["seq_lens"])
         self.staging.upload_into(
             self.packed,
@@ -212,7 +212,7 @@ class CudaGraphRunner:
                 padded(host.input_ids, ids),
                 padded(host.positions, ids),
                 padded(host.out_cache_loc, ids),
-                padded(host.req_pool_indices, rows),
+                padded(host.rows, pad_rows),
                 seq_lens,
             ],
         )
@@ -238,7 +238,7 @@ class CudaGraphRunner:
             self.input_ids[:n],
             self.positions[:n],
             self.out_cache_loc[:n],
-            self.req_pool_indices[:bs],
+            self.rows[:bs],
             seq_lens_cpu or [fill] * bs,
             [self.tokens_per_req] * bs,
             seq_lens=self.seq_lens[:bs],

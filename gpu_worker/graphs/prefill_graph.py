@@ -8,7 +8,7 @@ tokens (`--cuda-graph-max-prefill-tokens`).
 A bucket is a token count T (16, 32, 64, ... up to max_tokens) with room for R = min(T,
 MAX_REQUESTS) requests. Its static inputs live in one packed int64 buffer that a single copy
 from pinned memory fills: [input_ids | positions | out_cache_loc] for T tokens and
-[req_pool_indices | seq_lens | extend_seq_lens] for R requests. A batch of n tokens and bs
+[rows | seq_lens | extend_seq_lens] for R requests. A batch of n tokens and bs
 requests runs in the smallest bucket with T >= n and R >= bs; its padding:
 - tokens n .. T: id 0 at position 0, KV slot 0 (the reserved dummy slot); they belong to no
   request, so nothing attends them and their outputs are never read;
@@ -100,7 +100,7 @@ class PrefillGraphs:
         device = runner.device
         self.packed = torch.zeros(3 * n + 3 * r, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.out_cache_loc = self.packed[: 3 * n].view(3, n)
-        self.req_pool_indices, self.seq_lens, self.extend_seq_lens = self.packed[3 * n :].view(3, r)
+        self.rows, self.seq_lens, self.extend_seq_lens = self.packed[3 * n :].view(3, r)
         self.staging = Staging(device, capacity=self.packed.numel())
         self.outputs: LogitsOutput | None = None  # static, allocated by the first forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -142,7 +142,7 @@ class PrefillGraphs:
             self.input_ids[:n],
             self.positions[:n],
             self.out_cache_loc[:n],
-            self.req_pool_indices[:bs],
+            self.rows[:bs],
             host.seq_lens.tolist(),
             host.extend_seq_lens.tolist(),
             seq_lens=self.seq_lens[:bs],
@@ -163,7 +163,7 @@ class PrefillGraphs:
                 padded(host.input_ids, n),
                 padded(host.positions, n),
                 padded(host.out_cache_loc, n),
-                padded(host.req_pool_indices, r),
+                padded(host.rows, r),
                 padded(host.seq_lens, r),
                 padded(host.extend_seq_lens, r),
             ],
@@ -189,7 +189,7 @@ class PrefillGraphs:
             self.input_ids[:tokens],
             self.positions[:tokens],
             self.out_cache_loc[:tokens],
-            self.req_pool_indices[:r],
+            self.rows[:r],
             seq_lens_cpu,
             extend_cpu,
             seq_lens=self.seq_lens[:r],

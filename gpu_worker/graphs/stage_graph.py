@@ -9,12 +9,12 @@ pad value (request row 0, KV slot 0, length 0: the reserved dummies, so a padded
 touches a live request's KV), replays the graph of the smallest bucket >= bs, and returns views
 of static output buffers (valid until the next call). Larger batches run `fn` directly.
 
-The function `fn(bs, inputs, prefix_cpu)` receives the bucket's input views and the host copy of
-the committed lengths (padded with 0): kernels that can be captured read only device tensors;
-`prefix_cpu` exists for the eager reference backend (torch_native), whose metadata is built on the
-host. Under capture it holds the pad value. `fn` returns a dict of tensors whose first
-dimension is a multiple of bs (rows per request); they are copied into static outputs sized
-for max_bs.
+The function `fn(bs, inputs, committed_lens_cpu)` receives the bucket's input views and the
+host copy of the committed lengths (padded with 0): kernels that can be captured read only
+device tensors; `committed_lens_cpu` exists for the eager reference backend (torch_native),
+whose metadata is built on the host. Under capture it holds the pad value. `fn` returns a dict
+of tensors whose first dimension is a multiple of bs (rows per request); they are copied into
+static outputs sized for max_bs.
 
 Stages can be chained without copies: `output_buffers` makes named outputs of one stage be
 written (inside its graph) straight into buffers it is given, such as the static inputs of the
@@ -79,8 +79,8 @@ class DirectStage:
         self.host_inputs = host_inputs or {}
         self.staging = Staging(device) if host_inputs and device is not None else None
 
-    def __call__(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]):
-        return self.fn(len(prefix_cpu), inputs, prefix_cpu)
+    def __call__(self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]):
+        return self.fn(len(committed_lens_cpu), inputs, committed_lens_cpu)
 
     def capacity(self, bs: int) -> None:
         """No bound on the values `call_host` takes (see `StageGraph.capacity`)."""
@@ -226,14 +226,14 @@ class StageGraph:
         return self._replay(bs, bucket, [0] * bs)
 
     def __call__(
-        self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
+        self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
-        """Run the stage for len(prefix_cpu) requests on `inputs` (each [bs, ...]); a batch larger
-        than max_bs runs directly (eager, unpadded)."""
+        """Run the stage for len(committed_lens_cpu) requests on `inputs` (each [bs, ...]); a
+        batch larger than max_bs runs directly (eager, unpadded)."""
         assert not self.host_inputs, f"{self.name}: its inputs come through call_host"
-        bs = len(prefix_cpu)
+        bs = len(committed_lens_cpu)
         if bs > self.max_bs:
-            return self.fn(bs, inputs, prefix_cpu)
+            return self.fn(bs, inputs, committed_lens_cpu)
         bucket = self.bucket_for(bs)
         for key, value in inputs.items():
             static = self.inputs[key]
@@ -250,18 +250,20 @@ class StageGraph:
             if self.filled > bs:  # rows of an earlier, larger batch: back to the dummies
                 static[bs : self.filled].fill_(self.pads[key])
         self.filled = bs
-        return self._replay(bs, bucket, prefix_cpu)
+        return self._replay(bs, bucket, committed_lens_cpu)
 
-    def _replay(self, bs: int, bucket: int, prefix_cpu: list[int]) -> dict[str, torch.Tensor]:
+    def _replay(
+        self, bs: int, bucket: int, committed_lens_cpu: list[int]
+    ) -> dict[str, torch.Tensor]:
         """The bucket's graph on the static inputs (eager when not captured); output views."""
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
-            self._run(bucket, [*prefix_cpu, *[0] * (bucket - bs)])
+            self._run(bucket, [*committed_lens_cpu, *[0] * (bucket - bs)])
         assert self.outputs is not None
         return {key: out[: bs * self.rows_per_req[key]] for key, out in self.outputs.items()}
 
-    def _run(self, bucket: int, prefix_cpu: list[int]) -> None:
+    def _run(self, bucket: int, committed_lens_cpu: list[int]) -> None:
         """The stage on the bucket's static inputs, its results copied to the static outputs."""
         if self.host_inputs:  # flat: up to width values per request of the bucket
             views = {
@@ -269,7 +271,7 @@ class StageGraph:
             }
         else:
             views = {key: buffer[:bucket] for key, buffer in self.inputs.items()}
-        result = self.fn(bucket, views, prefix_cpu)
+        result = self.fn(bucket, views, committed_lens_cpu)
         if self.outputs is None:
             self.outputs = {}
             for key, value in result.items():

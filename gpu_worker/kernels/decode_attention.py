@@ -1,14 +1,14 @@
 """Paged decode attention fused with RoPE and the K/V store: one kernel per layer and step.
 
     o = decode_attention(qkv, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc,
-                         req_to_token, req_pool_indices, seq_lens, num_heads, scaling,
+                         req_to_token, rows, seq_lens, num_heads, scaling,
                          num_splits, scratch, q_norm=None, k_norm=None, eps=1e-6)
 
 qkv [bs, (H + 2*KH) * D]: each request's one new token, straight from the merged projection.
 Its q and k heads are (optionally RMS-normalised and) rotated by `positions` [bs] with
 `cos_sin_cache` [max_positions, D] (cos | sin); its k and v are stored into the KV pool
 (k_buffer / v_buffer [num_slots, KH, D], one layer) at out_cache_loc [bs]; then each request
-attends its keys at req_to_token[req_pool_indices[b], :seq_lens[b]], the last of which is the
+attends its keys at req_to_token[rows[b], :seq_lens[b]], the last of which is the
 new token itself, taken from registers. Numerics match `rotary.rope_and_store_kv` followed by
 attention over the pool (q and k rounded to the model dtype after rotation).
 
@@ -237,7 +237,7 @@ def _decode_kernel(
     v_ptr,
     loc_ptr,
     req_to_token_ptr,
-    req_pool_indices_ptr,
+    rows_ptr,
     seq_lens_ptr,
     o_ptr,
     partial_o_ptr,
@@ -266,7 +266,7 @@ def _decode_kernel(
     group = NUM_HEADS // NUM_KV_HEADS
     half = HEAD_DIM // 2
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
+    row = tl.load(rows_ptr + req).to(tl.int64)
     new_pos = seq_len - 1  # the new token's key
 
     # The new token: rotated q of this group's heads, rotated k and v of this KV head.
@@ -396,7 +396,7 @@ def decode_attention(
     v_buffer: torch.Tensor,
     out_cache_loc: torch.Tensor,
     req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    rows: torch.Tensor,
     seq_lens: torch.Tensor,
     num_heads: int,
     scaling: float,
@@ -431,7 +431,7 @@ def decode_attention(
         v_buffer,
         out_cache_loc,
         req_to_token,
-        req_pool_indices,
+        rows,
         seq_lens,
         o,
         scratch.partial_o,

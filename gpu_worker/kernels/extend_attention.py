@@ -1,12 +1,12 @@
 """Paged extend attention: several queries per request over its whole KV, causal or masked.
 
-    o = extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+    o = extend_attention(q, k_buffer, v_buffer, req_to_token, rows, seq_lens,
                          extend_seq_lens, extend_start_loc, max_extend_len, scaling,
                          custom_mask=None)
 
 q [num_tokens, H * D] (requests' tokens back to back, request b's from extend_start_loc[b]);
 k_buffer / v_buffer [num_slots, KH, D] (one layer of the pool, the new tokens' K/V already
-stored); req_to_token [rows, max_len] int32; req_pool_indices, seq_lens (keys attended),
+stored); req_to_token [rows, max_len] int32; rows, seq_lens (keys attended),
 extend_seq_lens, extend_start_loc: [bs] on the device. Request b's queries sit at positions
 seq_len - extend_len + j and read the keys at slots req_to_token[row, :seq_len]: the prefix
 from the pool and the new tokens alike, so page size never reaches the kernel.
@@ -39,7 +39,7 @@ def _extend_kernel(
     v_ptr,
     o_ptr,
     req_to_token_ptr,
-    req_pool_indices_ptr,
+    rows_ptr,
     seq_lens_ptr,
     extend_seq_lens_ptr,
     extend_start_loc_ptr,
@@ -64,10 +64,10 @@ def _extend_kernel(
     if m_block * BLOCK_M >= extend_len:
         return
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
+    row = tl.load(rows_ptr + req).to(tl.int64)
     token_start = tl.load(extend_start_loc_ptr + req).to(tl.int64)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
-    prefix_len = seq_len - extend_len
+    committed_len = seq_len - extend_len
 
     m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < extend_len
@@ -75,13 +75,13 @@ def _extend_kernel(
     d_mask = d < HEAD_DIM
     q_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    q_pos = prefix_len + m
+    q_pos = committed_len + m
 
     if HAS_MASK:
         key_end = seq_len
         mask_start = seq_len - mask_width
     else:  # causal: no key past this block's last query
-        key_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
+        key_end = tl.minimum(seq_len, committed_len + (m_block + 1) * BLOCK_M)
         mask_start = seq_len
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -140,7 +140,7 @@ def extend_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    rows: torch.Tensor,
     seq_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
     extend_start_loc: torch.Tensor,
@@ -151,7 +151,7 @@ def extend_attention(
     """See the module docstring; returns o [num_tokens, H * D] in q's dtype."""
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     num_heads = q.shape[1] // head_dim
-    bs = req_pool_indices.shape[0]
+    bs = rows.shape[0]
     # Zeros, not uninitialised memory, for tokens of no request (a prefill graph's padding):
     # their K/V go to the dummy slot, which then holds finite values.
     o = torch.zeros_like(q)
@@ -167,7 +167,7 @@ def extend_attention(
         v_buffer,
         o,
         req_to_token,
-        req_pool_indices,
+        rows,
         seq_lens,
         extend_seq_lens,
         extend_start_loc,

@@ -1,6 +1,6 @@
 """Paged split-K attention for a few queries per request, the same number for every request.
 
-    o = few_query_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+    o = few_query_attention(q, k_buffer, v_buffer, req_to_token, rows, seq_lens,
                             num_queries, scaling, num_splits, scratch, custom_mask=None)
 
 The speculative forwards have this shape: a tree verify runs ND queries per request, a draft
@@ -17,7 +17,7 @@ and a request served by one split writes o directly (launch shape: `choose_launc
 
 q [bs * num_queries, H * D] (rotated, request b's queries at rows b*num_queries ..); the new
 tokens' K/V are already in the pool (`rotary.rope_and_store_kv`); request b attends the keys at
-req_to_token[req_pool_indices[b], :seq_lens[b]]. Visibility is `extend_attention`'s: causal
+req_to_token[rows[b], :seq_lens[b]]. Visibility is `extend_attention`'s: causal
 (query j sits at position seq_len - num_queries + j) or a tree-local custom_mask
 [bs, num_queries, width] (uint8 or bool) over the last `width` keys, earlier keys visible.
 Every length comes from device tensors. The scratch is decode's `DecodeScratch`, allocated
@@ -143,7 +143,7 @@ def _few_query_kernel(
     v_ptr,
     o_ptr,
     req_to_token_ptr,
-    req_pool_indices_ptr,
+    rows_ptr,
     seq_lens_ptr,
     mask_ptr,
     partial_o_ptr,
@@ -177,7 +177,7 @@ def _few_query_kernel(
     group = NUM_HEADS // NUM_KV_HEADS
     half = HEAD_DIM // 2
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
+    row = tl.load(rows_ptr + req).to(tl.int64)
 
     # Tile rows: query t of head kv_head * group + h at row t * group + h; head dims as halves.
     m = tl.arange(0, BLOCK_M)
@@ -347,7 +347,7 @@ def few_query_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    rows: torch.Tensor,
     seq_lens: torch.Tensor,
     num_queries: int,
     scaling: float,
@@ -365,7 +365,7 @@ def few_query_attention(
         k_buffer,
         v_buffer,
         req_to_token,
-        req_pool_indices,
+        rows,
         seq_lens,
         num_queries,
         scaling,
@@ -396,7 +396,7 @@ def few_query_attend(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    rows: torch.Tensor,
     seq_lens: torch.Tensor,
     num_queries: int,
     scaling: float,
@@ -418,7 +418,7 @@ def few_query_attend(
         k_buffer,
         v_buffer,
         req_to_token,
-        req_pool_indices,
+        rows,
         seq_lens,
         num_queries,
         scaling,
@@ -436,7 +436,7 @@ def _launch(
     k_buffer,
     v_buffer,
     req_to_token,
-    req_pool_indices,
+    rows,
     seq_lens,
     num_queries,
     scaling,
@@ -446,7 +446,7 @@ def _launch(
     knobs: Knobs | None = None,
 ):
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
-    bs = req_pool_indices.shape[0]
+    bs = rows.shape[0]
     assert q.shape[0] == bs * num_queries and fits(num_queries, num_heads, num_kv_heads)
     assert bs <= scratch.max_bs
     o = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -469,7 +469,7 @@ def _launch(
         v_buffer,
         o,
         req_to_token,
-        req_pool_indices,
+        rows,
         seq_lens,
         mask,
         scratch.partial_o,

@@ -56,7 +56,7 @@ def commit_rows_reference(
 
 @triton.jit
 def _commit_rows_kernel(
-    prefix_lens_ptr,
+    committed_lens_ptr,
     newest_ptr,
     rows_ptr,
     accept_lens_ptr,
@@ -82,7 +82,7 @@ def _commit_rows_kernel(
     if row != 0:  # a padded row of the batch writes nothing
         accepted = tl.load(accept_lens_ptr + b)
         token = tl.load(tokens_ptr + b * tokens_stride + accepted - 1)
-        tl.store(prefix_lens_ptr + row, tl.load(prefix_lens_ptr + row) + accepted)
+        tl.store(committed_lens_ptr + row, tl.load(committed_lens_ptr + row) + accepted)
         tl.store(newest_ptr + row, token)
         k = tl.arange(0, TOPK_P2)
         kmask = k < TOPK
@@ -115,7 +115,7 @@ def commit_rows(
     assert new.topk_index.stride(1) == 1 or topk == 1
     assert new.hidden.stride(1) == 1 and tokens.stride(1) == 1
     _commit_rows_kernel[(bs,)](
-        state.prefix_lens,
+        state.committed_lens,
         state.tokens,
         rows,
         accept_lens,

@@ -25,27 +25,27 @@ class ReqToTokenPool:
 
     def write(
         self,
-        req_pool_indices: torch.Tensor,
+        rows: torch.Tensor,
         start_positions: torch.Tensor,
         slots: torch.Tensor,
         lens: torch.Tensor,
     ) -> None:
-        """Record `slots` for positions `start_positions[i] ..` of row `req_pool_indices[i]`.
+        """Record `slots` for positions `start_positions[i] ..` of row `rows[i]`.
 
-        req_pool_indices, start_positions, lens: [n] int on the pool's device; slots: [sum(lens)]
+        rows, start_positions, lens: [n] int on the pool's device; slots: [sum(lens)]
         concatenated request by request. Mutates `req_to_token` in place (one scatter).
         """
         num_slots = slots.shape[0]
         if num_slots == 0:
             return
-        rows = torch.repeat_interleave(req_pool_indices.long(), lens, output_size=num_slots)
+        slot_rows = torch.repeat_interleave(rows.long(), lens, output_size=num_slots)
         starts = torch.repeat_interleave(start_positions.long(), lens, output_size=num_slots)
         # offset of each slot inside its own request: global index - first index of its request
         first = torch.cumsum(lens, 0) - lens  # [n]
         offsets = torch.arange(num_slots, device=slots.device) - torch.repeat_interleave(
             first, lens, output_size=num_slots
         )
-        self.req_to_token[rows, starts + offsets] = slots.to(torch.int32)
+        self.req_to_token[slot_rows, starts + offsets] = slots.to(torch.int32)
 
     def assign(self, flat_index: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token.view(-1)[flat_index[i]] = slots[i] for [n] device tensors (int64
@@ -57,6 +57,6 @@ class ReqToTokenPool:
         """The flat indices of req_to_token[rows[i], positions[i]] (host arrays) for `assign`."""
         return rows * self.max_context_len + positions
 
-    def slots_of(self, req_pool_idx: int, seq_len: int) -> torch.Tensor:
+    def slots_of(self, row: int, seq_len: int) -> torch.Tensor:
         """The KV slots of positions 0..seq_len of one row: [seq_len] int32 (a view)."""
-        return self.req_to_token[req_pool_idx, :seq_len]
+        return self.req_to_token[row, :seq_len]

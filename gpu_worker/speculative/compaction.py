@@ -22,29 +22,29 @@ from gpu_worker.speculative.verify import VerifyResult
 
 def compaction_moves(
     result: VerifyResult,
-    prefix_lens: torch.Tensor,
+    committed_lens: torch.Tensor,
     req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    rows: torch.Tensor,
     num_draft_tokens: int,
     num_steps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KV moves that put the accepted path at the front of each verify block.
 
-    prefix_lens [bs] (pre-verify committed length), req_to_token [rows, max_context_len],
-    req_pool_indices [bs], all on one device -> (dst_slots, src_slots), each [bs*(S+1)] int64
+    committed_lens [bs] (pre-verify committed length), req_to_token [rows, max_context_len],
+    rows [bs], all on one device -> (dst_slots, src_slots), each [bs*(S+1)] int64
     with request b's entries at `b*(S+1) + j`: for j < accept_lens[b], dst = slot at position
     `prefix + j`, src = slot at `prefix + (accept_index[b, j] - b*ND)`; 0 past the accept length.
     Identity moves (node_j == j) are included. Reads only.
     """
-    bs = prefix_lens.shape[0]
-    device = prefix_lens.device
+    bs = committed_lens.shape[0]
+    device = committed_lens.device
     width = num_steps + 1
     step = constants.arange(width, device)  # [S+1]
     valid = step[None, :] < result.accept_lens[:, None]  # [bs, S+1]
     base = constants.arange(bs, device)[:, None] * num_draft_tokens
     node = torch.where(valid, result.accept_index - base, 0)  # [bs, S+1] local node ids
-    prefix = prefix_lens.to(torch.int64)[:, None]
-    rows = req_pool_indices.to(torch.int64)[:, None]
+    prefix = committed_lens.to(torch.int64)[:, None]
+    rows = rows.to(torch.int64)[:, None]
     max_pos = req_to_token.shape[1] - 1
     dst = req_to_token[rows, (prefix + step[None, :]).clamp(max=max_pos)].to(torch.int64)
     src = req_to_token[rows, (prefix + node).clamp(max=max_pos)].to(torch.int64)

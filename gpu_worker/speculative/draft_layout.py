@@ -23,52 +23,52 @@ from gpu_worker import constants
 __all__ = ["draft_alloc_len"]  # owned by aerie.config so the torch-free scheduler shares it
 
 
-def draft_seq_lens(prefix_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+def draft_seq_lens(committed_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
     """Keys attended in draft decode per request: `prefix + topk*S` (prefix + every branch slot).
 
-    prefix_lens [bs] (any int dtype, any device) -> [bs] int64 on the same device.
+    committed_lens [bs] (any int dtype, any device) -> [bs] int64 on the same device.
     """
-    return prefix_lens.to(torch.int64) + topk * num_steps
+    return committed_lens.to(torch.int64) + topk * num_steps
 
 
-def draft_run_positions(prefix_lens: torch.Tensor, topk: int, step: int) -> torch.Tensor:
+def draft_run_positions(committed_lens: torch.Tensor, topk: int, step: int) -> torch.Tensor:
     """Position every row is RUN at in draft decode step `step`: `prefix + step` -> [bs*topk] int64.
 
     Step 0 runs at `prefix` (the bonus position; draft position = target position of the input
     token - 1); positions advance only after each forward (SGLang PR #25015 put step 0 at prefix+1).
     """
-    positions = prefix_lens.to(torch.int64)
+    positions = committed_lens.to(torch.int64)
     return (positions if topk == 1 else positions.repeat_interleave(topk)) + step
 
 
-def draft_step_positions(prefix_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
+def draft_step_positions(committed_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:
     """Logical positions where each draft step writes its KV: [S, bs*topk] int64.
 
-    Entry `[i, b*topk + j]` = `prefix_b + j*S + i`. prefix_lens [bs] on any device; output on
+    Entry `[i, b*topk + j]` = `prefix_b + j*S + i`. committed_lens [bs] on any device; output on
     it too.
     """
-    device = prefix_lens.device
-    bs = prefix_lens.shape[0]
+    device = committed_lens.device
+    bs = committed_lens.shape[0]
     branch_base = constants.arange(topk, device) * num_steps  # [topk]
-    row_base = prefix_lens.to(torch.int64)[:, None] + branch_base[None, :]  # [bs, topk]
+    row_base = committed_lens.to(torch.int64)[:, None] + branch_base[None, :]  # [bs, topk]
     steps = constants.arange(num_steps, device)  # [S]
     return row_base.view(1, bs * topk) + steps[:, None]  # [S, bs*topk]
 
 
 def draft_cache_locs(
     req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
+    rows: torch.Tensor,
+    committed_lens: torch.Tensor,
     topk: int,
     num_steps: int,
 ) -> torch.Tensor:
     """KV slot ids the draft steps write: [S, bs*topk] int64 = req_to_token[row, position].
 
-    req_to_token [rows, max_context_len] (int32 or int64), req_pool_indices [bs], prefix_lens
+    req_to_token [rows, max_context_len] (int32 or int64), rows [bs], committed_lens
     [bs], all on one device. Positions come from `draft_step_positions`. Reads only.
     """
-    positions = draft_step_positions(prefix_lens, topk, num_steps)  # [S, bs*topk]
-    rows = req_pool_indices.to(torch.int64)
+    positions = draft_step_positions(committed_lens, topk, num_steps)  # [S, bs*topk]
+    rows = rows.to(torch.int64)
     rows = rows if topk == 1 else rows.repeat_interleave(topk)  # [bs*topk]
     return req_to_token[rows[None, :], positions].to(torch.int64)
 
@@ -79,7 +79,7 @@ def draft_decode_mask(bs: int, topk: int, num_steps: int, step: int, device) -> 
 
     Row `j` sees the positions of its own branch written so far, `prefix + j*S + i'` for
     `i' <= step` (row-local, as SGLang: a re-parented row still sees its own earlier draft KV).
-    The same for every request, so it needs neither prefix_lens nor a host read.
+    The same for every request, so it needs neither committed_lens nor a host read.
     """
     return _branch_mask(topk, num_steps, step, torch.device(device)).expand(
         bs, topk, topk * num_steps

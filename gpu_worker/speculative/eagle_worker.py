@@ -144,13 +144,13 @@ class EagleWorker(SpeculativeWorker):
         )
         out = self.draft.forward(draft_batch)
         last = torch.cumsum(batch.extend_seq_lens.long(), 0) - 1  # [bs]
-        self.store_draft_state(batch.req_pool_indices, out, last)
+        self.store_draft_state(batch.rows, out, last)
 
     def draft_tree(
         self,
         rows: torch.Tensor,
-        prefix_lens: torch.Tensor,
-        prefix_cpu: list[int],
+        committed_lens: torch.Tensor,
+        committed_lens_cpu: list[int],
         bonus: torch.Tensor,
     ) -> DraftTree:
         """S draft levels with topk branches from the rows' draft state -> the verify tree.
@@ -162,15 +162,15 @@ class EagleWorker(SpeculativeWorker):
             self.topk_p[rows], self.topk_index[rows], self.hidden[rows], record
         )
         cache_locs = draft_cache_locs(
-            self.draft.req_to_token_pool.req_to_token, rows, prefix_lens, topk, steps
+            self.draft.req_to_token_pool.req_to_token, rows, committed_lens, topk, steps
         )  # [S, bs*topk]
-        seq_lens = draft_seq_lens(prefix_lens, topk, steps)  # [bs], keys each draft row attends
-        seq_lens_cpu = [s + topk * steps for s in prefix_cpu]
+        seq_lens = draft_seq_lens(committed_lens, topk, steps)  # [bs], keys each draft row attends
+        seq_lens_cpu = [s + topk * steps for s in committed_lens_cpu]
         for step in range(steps - 1):
             batch = make_batch(
                 ForwardMode.DRAFT_DECODE,
                 input_ids,
-                draft_run_positions(prefix_lens, topk, step),
+                draft_run_positions(committed_lens, topk, step),
                 cache_locs[step],
                 rows,
                 seq_lens_cpu,
@@ -185,15 +185,17 @@ class EagleWorker(SpeculativeWorker):
             input_ids, hidden, scores = select_next_level(
                 scores, topk_p, topk_index, out.hidden_states, step + 1, record
             )
-        return tree_from_draft(record, bonus, prefix_lens, self.shape)
+        return tree_from_draft(record, bonus, committed_lens, self.shape)
 
-    def compact(self, result: VerifyResult, rows: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+    def compact(
+        self, result: VerifyResult, rows: torch.Tensor, committed_lens: torch.Tensor
+    ) -> None:
         """Move the accepted path's target KV to positions prefix .. prefix + accept_len - 1."""
         if self.topk == 1:  # a chain: node k already sits at position prefix + k
             return
         dst, src = compaction_moves(
             result,
-            prefix_lens,
+            committed_lens,
             self.target.req_to_token_pool.req_to_token,
             rows,
             self.num_draft_tokens,
@@ -202,19 +204,19 @@ class EagleWorker(SpeculativeWorker):
         self.target.kv_pool.move_kv(dst, src)
 
     def draft_extend(
-        self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
+        self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
     ) -> tuple[DraftState, torch.Tensor]:
         """The draft over positions prefix .. prefix+S: position prefix + k pairs the target
         feature of accepted node k with the token that follows it; the rows' draft state is read
         at position prefix + accept_len - 1 (what runs past it is overwritten next step)."""
-        rows, prefix_lens, accept_lens = (
+        rows, committed_lens, accept_lens = (
             inputs["rows"],
-            inputs["prefix_lens"],
+            inputs["committed_lens"],
             inputs["accept_lens"],
         )
         bs, width = rows.shape[0], self.num_steps + 1
         offsets = constants.arange(width, rows.device)
-        positions = prefix_lens[:, None] + offsets  # [bs, S+1]
+        positions = committed_lens[:, None] + offsets  # [bs, S+1]
         slots = self.draft.req_to_token_pool.req_to_token[rows[:, None], positions]
         last = constants.arange(bs, rows.device) * width + accept_lens - 1  # [bs]
         batch = make_batch(
@@ -223,10 +225,10 @@ class EagleWorker(SpeculativeWorker):
             positions.flatten(),
             slots.flatten(),
             rows,
-            [s + width for s in prefix_cpu],
+            [s + width for s in committed_lens_cpu],
             [width] * bs,
             spec_info=SpecInput(inputs["features"].flatten(0, -2)),
-            seq_lens=prefix_lens + width,
+            seq_lens=committed_lens + width,
             extend_seq_lens=constants.full(bs, width, rows.device),
             logits_indices=last,
         )

@@ -70,7 +70,7 @@ ACCEPT_FLAGS = {
 }
 GRAPHED_ACCEPT = ("sample", "filter")
 # What an accept stage reads of the propose stage's outputs.
-ACCEPT_INPUTS = ("rows", "prefix_lens", *TREE_TENSORS, "logits", "features")
+ACCEPT_INPUTS = ("rows", "committed_lens", *TREE_TENSORS, "logits", "features")
 # The most tree nodes (batch x ND) an accept graph is captured for: its sampling temporaries,
 # a few float32 [nodes, V] copies, a sort and int64 indices, stay in the graph pool (budgeted
 # as `RunnerSpec.graph_sampled_rows`). Larger batches replay the same stage eagerly, where the
@@ -99,17 +99,17 @@ class SpeculativeWorker:
     def draft_tree(
         self,
         rows: torch.Tensor,
-        prefix_lens: torch.Tensor,
-        prefix_cpu: list[int],
+        committed_lens: torch.Tensor,
+        committed_lens_cpu: list[int],
         bonus: torch.Tensor,
     ) -> DraftTree:
         raise NotImplementedError
 
     def draft_extend(
-        self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
+        self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
     ) -> tuple[DraftState, torch.Tensor] | None:
-        """inputs: rows, prefix_lens, accept_lens [bs]; tokens [bs, S+1] (accepted drafts, then the
-        bonus); features [bs*(S+1), H_f] (the target feature of each accepted node).
+        """inputs: rows, committed_lens, accept_lens [bs]; tokens [bs, S+1] (accepted drafts, then
+        the bonus); features [bs*(S+1), H_f] (the target feature of each accepted node).
         -> the rows' new draft state (top-k per request, hidden states read at `last` [bs])
         for `commit` to store, or None where the draft keeps its own (MTP)."""
         raise NotImplementedError
@@ -121,7 +121,9 @@ class SpeculativeWorker:
     def target_features(self, out) -> torch.Tensor:
         raise NotImplementedError
 
-    def compact(self, result: VerifyResult, rows: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+    def compact(
+        self, result: VerifyResult, rows: torch.Tensor, committed_lens: torch.Tensor
+    ) -> None:
         """Move the accepted path's target KV into place (only trees need it)."""
 
     # ------------------------------------------------------------------------ the stages
@@ -144,7 +146,7 @@ class SpeculativeWorker:
         width, nd = self.num_steps + 1, self.num_draft_tokens
         extend_inputs = {
             "rows": PER_REQUEST,
-            "prefix_lens": PER_REQUEST,
+            "committed_lens": PER_REQUEST,
             "accept_lens": StageInput(pad=1),
             "tokens": StageInput((width,)),
             "features": StageInput((width, self.feature_width()), self.target.dtype),
@@ -159,7 +161,7 @@ class SpeculativeWorker:
         into = self.extend_stage.inputs
         accept_inputs = {
             "rows": PER_REQUEST,
-            "prefix_lens": PER_REQUEST,
+            "committed_lens": PER_REQUEST,
             **{name: StageInput((nd,)) for name in TREE_NODE_TENSORS},
             **{name: StageInput((nd, nd), torch.bool) for name in TREE_MASK_TENSORS},
             "logits": StageInput((nd, self.target.vocab_size), torch.float32),
@@ -167,7 +169,7 @@ class SpeculativeWorker:
         }
         # The first graphed variant owns the buffers of the tree, logits and features, the
         # extend stage those of the rows and lengths; every graphed variant reads them all.
-        accept_buffers = {"rows": into["rows"], "prefix_lens": into["prefix_lens"]}
+        accept_buffers = {"rows": into["rows"], "committed_lens": into["committed_lens"]}
         extend_outputs = {key: into[key] for key in ("accept_lens", "tokens", "features")}
         self.greedy_buffers = extend_outputs
         self.accept_stages: dict[str, StageGraph | DirectStage] = {}
@@ -211,14 +213,14 @@ class SpeculativeWorker:
         raise NotImplementedError
 
     def propose(
-        self, bs: int, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
+        self, bs: int, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
         """The draft's tree and the target's verify forward over it (one stage), for the rows'
         committed lengths and last tokens in `RowState`."""
         rows = inputs["rows"]
-        prefix_lens, bonus = self.state.prefix_lens[rows], self.state.tokens[rows]
-        tree = self.draft_tree(rows, prefix_lens, prefix_cpu, bonus)
-        out = verify_tree(self.target, tree, rows, prefix_lens, prefix_cpu)
+        committed_lens, bonus = self.state.committed_lens[rows], self.state.tokens[rows]
+        tree = self.draft_tree(rows, committed_lens, committed_lens_cpu, bonus)
+        out = verify_tree(self.target, tree, rows, committed_lens, committed_lens_cpu)
         features = self.target_features(out)
         # Greedy acceptance without penalties needs nothing from the host: done here, in the
         # graph, and used whenever the whole batch is plain greedy.
@@ -237,7 +239,7 @@ class SpeculativeWorker:
             "logits": out.next_token_logits,
             "features": features,
             "rows": rows,
-            "prefix_lens": prefix_lens,
+            "committed_lens": committed_lens,
             **greedy,
         }
 
@@ -255,11 +257,11 @@ class SpeculativeWorker:
         return greedy_accept(tree, target_predict, features, out)
 
     def _extend(
-        self, bs: int, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]
+        self, bs: int, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
     ) -> dict[str, torch.Tensor]:
         """The draft extend, then each row's committed length and last token advance (and its
         draft state is stored: in one launch on the triton backend)."""
-        new = self.draft_extend(inputs, prefix_cpu)
+        new = self.draft_extend(inputs, committed_lens_cpu)
         rows, accept_lens, tokens = inputs["rows"], inputs["accept_lens"], inputs["tokens"]
         if new is None:
             self.state.commit_accepted(rows, accept_lens, tokens)
@@ -274,42 +276,42 @@ class SpeculativeWorker:
         self,
         rows: torch.Tensor,
         rows_cpu: np.ndarray,
-        prefix_cpu: list[int],
+        committed_lens_cpu: list[int],
         want_logprobs: bool,
         on_accepted: Callable[[SpecStepOutput], None] | None = None,
     ) -> SpecStepOutput:
         """One iteration for the requests on `rows` ([bs] device, rows_cpu its host copy);
-        prefix_cpu: their committed lengths on the host for backends that read them
+        committed_lens_cpu: their committed lengths on the host for backends that read them
         (placeholders otherwise). on_accepted(step) runs once acceptance is queued, before the
         draft extend (the caller starts copying the results there). The rows' `RowState` has
         advanced once the extend has run. The step returned may view stage buffers that the
         next iteration's propose stage overwrites: it holds until then, in stream order."""
         variant = self.accept_variant(rows_cpu, want_logprobs)
-        return self.iterate(rows, prefix_cpu, variant, want_logprobs, on_accepted)
+        return self.iterate(rows, committed_lens_cpu, variant, want_logprobs, on_accepted)
 
     def iterate(
         self,
         rows: torch.Tensor,
-        prefix_cpu: list[int],
+        committed_lens_cpu: list[int],
         variant: str | None,
         want_logprobs: bool = False,
         on_accepted: Callable[[SpecStepOutput], None] | None = None,
     ) -> SpecStepOutput:
         """`decode` with the accept variant given (None: greedy, inside the propose stage)."""
-        proposed = self.propose_stage({"rows": rows}, prefix_cpu)
-        prefix_lens = proposed["prefix_lens"]
+        proposed = self.propose_stage({"rows": rows}, committed_lens_cpu)
+        committed_lens = proposed["committed_lens"]
         if variant is None:  # accepted inside the propose stage
             accept_lens = proposed["greedy_accept_lens"]
             if self.topk > 1:
                 result = VerifyResult(
                     proposed["greedy_predict"], proposed["greedy_accept_index"], accept_lens
                 )
-                self.compact(result, rows, prefix_lens)
+                self.compact(result, rows, committed_lens)
             step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
             features = proposed["greedy_features"]  # [bs*(S+1), H_f]
         else:
             accepted = self.accept_stages[variant](
-                {k: proposed[k] for k in ACCEPT_INPUTS}, prefix_cpu
+                {k: proposed[k] for k in ACCEPT_INPUTS}, committed_lens_cpu
             )
             logprobs = accepted["logprobs"] if want_logprobs else None
             step = SpecStepOutput(accepted["tokens"], accepted["accept_lens"], logprobs)
@@ -319,12 +321,12 @@ class SpeculativeWorker:
         self.extend_stage(
             {
                 "rows": proposed["rows"],
-                "prefix_lens": prefix_lens,
+                "committed_lens": committed_lens,
                 "accept_lens": step.accept_lens,
                 "tokens": step.tokens,
                 "features": features,
             },
-            prefix_cpu,
+            committed_lens_cpu,
         )
         return step
 
@@ -344,7 +346,7 @@ class SpeculativeWorker:
         flags: tuple[bool, ...],
         bs: int,
         inputs: dict[str, torch.Tensor],
-        prefix_cpu: list[int],
+        committed_lens_cpu: list[int],
     ) -> dict[str, torch.Tensor]:
         """An accept stage: acceptance with the sampling stages `flags`, the accepted path's
         KV compacted, and the extend stage's inputs (tokens, accept lengths, features)."""
@@ -360,7 +362,7 @@ class SpeculativeWorker:
         tree = tree_from_tensors({**inputs, **flat}, self.shape)
         rows = inputs["rows"]
         result, step = accept_and_read(self.sampling, tree, flat["logits"], rows, flags)
-        self.compact(result, rows, inputs["prefix_lens"])
+        self.compact(result, rows, inputs["committed_lens"])
         assert step.logprobs is not None
         return {
             "accept_lens": step.accept_lens,

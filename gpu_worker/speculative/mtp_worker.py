@@ -63,26 +63,26 @@ class StackWindow:
 
 
 def fixed_window(
-    prefix_lens: torch.Tensor,
+    committed_lens: torch.Tensor,
     accept_lens: torch.Tensor,
-    prefix_cpu: list[int],
+    committed_lens_cpu: list[int],
     layer: int,
     steps: int,
 ) -> StackWindow:
     """Layer `layer`'s window after a verify: S+1+layer positions from max(prefix - layer, 0),
     which covers [prefix - layer, prefix + accept_len). Device arithmetic only."""
-    bs, length = prefix_lens.shape[0], steps + 1 + layer
-    device = prefix_lens.device
-    first = (prefix_lens - layer).clamp(min=0)  # [bs]
+    bs, length = committed_lens.shape[0], steps + 1 + layer
+    device = committed_lens.device
+    first = (committed_lens - layer).clamp(min=0)  # [bs]
     offsets = constants.arange(length, device)
     batch_index = constants.arange(bs, device)
     return StackWindow(
         token_req=batch_index[:, None].expand(bs, length).flatten(),
         positions=(first[:, None] + offsets).flatten(),
-        last=batch_index * length + prefix_lens + accept_lens - 1 - first,
+        last=batch_index * length + committed_lens + accept_lens - 1 - first,
         seq_lens=first + length,
         extend_lens=constants.full(bs, length, device),
-        seq_cpu=[max(s - layer, 0) + length for s in prefix_cpu],
+        seq_cpu=[max(s - layer, 0) + length for s in committed_lens_cpu],
         extend_cpu=[length] * bs,
     )
 
@@ -197,7 +197,7 @@ class MTPWorker(SpeculativeWorker):
     ) -> None:
         """After a target EXTEND: run the stack over each request's chunk (ragged windows)."""
         lens = np.asarray(batch.extend_seq_lens_cpu, dtype=np.int64)
-        starts = np.asarray(batch.extend_prefix_lens_cpu, dtype=np.int64)
+        starts = np.asarray(batch.committed_lens_cpu, dtype=np.int64)
         bs, width = len(lens), int(lens.max()) + self.num_steps
         offsets = np.cumsum(lens) - lens
         # line[b, i] = t_{start+1+i}: the chunk shifted left by one, then the tail.
@@ -218,7 +218,7 @@ class MTPWorker(SpeculativeWorker):
             for k, w in enumerate(windows)
         ]
         self.run_stack(
-            batch.req_pool_indices,
+            batch.rows,
             dev_starts,
             line,
             dev_lens,
@@ -230,30 +230,31 @@ class MTPWorker(SpeculativeWorker):
     def draft_tree(
         self,
         rows: torch.Tensor,
-        prefix_lens: torch.Tensor,
-        prefix_cpu: list[int],
+        committed_lens: torch.Tensor,
+        committed_lens_cpu: list[int],
         bonus: torch.Tensor,
     ) -> DraftTree:
         """The chain the stack left for these rows, after the bonus token."""
-        return chain_tree(bonus, self.chain[rows], prefix_lens, self.num_steps)
+        return chain_tree(bonus, self.chain[rows], committed_lens, self.num_steps)
 
-    def draft_extend(self, inputs: dict[str, torch.Tensor], prefix_cpu: list[int]) -> None:
+    def draft_extend(self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]) -> None:
         """The stack over the accepted positions, in fixed windows."""
-        rows, prefix_lens, accept_lens = (
+        rows, committed_lens, accept_lens = (
             inputs["rows"],
-            inputs["prefix_lens"],
+            inputs["committed_lens"],
             inputs["accept_lens"],
         )
         bs, steps = rows.shape[0], self.num_steps
         line = torch.zeros(bs, 2 * steps + 1, dtype=torch.int64, device=rows.device)
         line[:, : steps + 1] = inputs["tokens"]
         windows = [
-            fixed_window(prefix_lens, accept_lens, prefix_cpu, k, steps) for k in range(steps)
+            fixed_window(committed_lens, accept_lens, committed_lens_cpu, k, steps)
+            for k in range(steps)
         ]
         offsets = constants.arange(bs, rows.device) * (steps + 1)
         self.run_stack(
             rows,
-            prefix_lens,
+            committed_lens,
             line,
             accept_lens,
             inputs["features"].flatten(0, -2),

@@ -39,15 +39,15 @@ def verify_tree(
     target: ModelRunner,
     tree: DraftTree,
     rows: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    prefix_cpu: list[int],
+    committed_lens: torch.Tensor,
+    committed_lens_cpu: list[int],
 ) -> LogitsOutput:
     """One target forward over all ND nodes of every tree; node k's KV goes to the slot of
     position prefix + k (its rotary position is prefix + depth). Fixed shapes, device lengths
-    (prefix_cpu only feeds host-planned backends)."""
+    (committed_lens_cpu only feeds host-planned backends)."""
     nd, bs = tree.num_draft_tokens, rows.shape[0]
-    offsets = constants.arange(nd, prefix_lens.device)
-    positions = prefix_lens.long()[:, None] + offsets  # [bs, ND]
+    offsets = constants.arange(nd, committed_lens.device)
+    positions = committed_lens.long()[:, None] + offsets  # [bs, ND]
     slots = target.req_to_token_pool.req_to_token[rows.long()[:, None], positions]  # [bs, ND]
     batch = make_batch(
         ForwardMode.TARGET_VERIFY,
@@ -55,11 +55,11 @@ def verify_tree(
         tree.positions,
         slots.flatten(),
         rows,
-        [s + nd for s in prefix_cpu],
+        [s + nd for s in committed_lens_cpu],
         [nd] * bs,
         custom_mask=tree.custom_mask,
-        seq_lens=prefix_lens + nd,
-        extend_seq_lens=constants.full(bs, nd, prefix_lens.device),
+        seq_lens=committed_lens + nd,
+        extend_seq_lens=constants.full(bs, nd, committed_lens.device),
     )
     return target.forward(batch)
 

@@ -202,18 +202,18 @@ def build_tree(
     parent_list: torch.Tensor,
     top_scores_index: torch.Tensor,
     draft_tokens: torch.Tensor,
-    prefix_lens: torch.Tensor,
+    committed_lens: torch.Tensor,
     topk: int,
     num_steps: int,
     num_draft_tokens: int,
 ) -> DraftTree:
     """Build the verify trees from `organize_draft`'s output.
 
-    bonus_tokens [bs], prefix_lens [bs] (committed KV length = root position), the rest as
+    bonus_tokens [bs], committed_lens [bs] (committed KV length = root position), the rest as
     returned by `organize_draft`; all on one device. Fixed shapes, no host reads.
     """
-    bs, nd = prefix_lens.shape[0], num_draft_tokens
-    device = prefix_lens.device
+    bs, nd = committed_lens.shape[0], num_draft_tokens
+    device = committed_lens.device
     parents = find_parents(parent_list, top_scores_index, topk)  # [bs, ND]
     ancestors, depth = find_ancestors(parents, num_steps)
     next_token, next_sibling = link_children(parents)
@@ -222,7 +222,7 @@ def build_tree(
     retrieve_index = node[None, :] + constants.arange(bs, device)[:, None] * nd
     return DraftTree(
         tokens=tokens.flatten(),
-        positions=(prefix_lens.to(torch.int64)[:, None] + depth).flatten(),
+        positions=(committed_lens.to(torch.int64)[:, None] + depth).flatten(),
         custom_mask=ancestors,
         retrieve_index=retrieve_index,
         next_token=next_token,
@@ -252,35 +252,35 @@ def chain_constants(nd: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def tree_from_draft(
-    record: DraftRecord, bonus_tokens: torch.Tensor, prefix_lens: torch.Tensor, shape: DraftShape
+    record: DraftRecord, bonus_tokens: torch.Tensor, committed_lens: torch.Tensor, shape: DraftShape
 ) -> DraftTree:
     """The verify trees of a finished draft loop: a chain (topk 1, ND = S+1) directly from
     its tokens, any other shape through `organize_draft` and `build_tree`."""
     topk, steps, nd = shape.topk, shape.num_steps, shape.num_draft_tokens
     if topk == 1 and nd == steps + 1:
-        return chain_tree(bonus_tokens, torch.cat(record.tokens, dim=1), prefix_lens, steps)
+        return chain_tree(bonus_tokens, torch.cat(record.tokens, dim=1), committed_lens, steps)
     top_scores_index, draft_tokens, parent_list = organize_draft(record, nd, topk, steps)
     return build_tree(
-        bonus_tokens, parent_list, top_scores_index, draft_tokens, prefix_lens, topk, steps, nd
+        bonus_tokens, parent_list, top_scores_index, draft_tokens, committed_lens, topk, steps, nd
     )
 
 
 def chain_tree(
     bonus_tokens: torch.Tensor,
     draft_tokens: torch.Tensor,
-    prefix_lens: torch.Tensor,
+    committed_lens: torch.Tensor,
     num_steps: int,
 ) -> DraftTree:
     """topk == 1, ND == S+1: node k is draft k at depth k, every node's only child is the next
     one (draft_tokens [bs, S]). What `build_tree` computes for such a tree, from constants."""
-    bs, nd = prefix_lens.shape[0], num_steps + 1
-    c = chain_constants(nd, prefix_lens.device)
+    bs, nd = committed_lens.shape[0], num_steps + 1
+    c = chain_constants(nd, committed_lens.device)
     tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
-    rows = constants.arange(bs, prefix_lens.device)[:, None] * nd
+    rows = constants.arange(bs, committed_lens.device)[:, None] * nd
     ancestors = c["ancestors"].expand(bs, nd, nd)
     return DraftTree(
         tokens=tokens.flatten(),
-        positions=(prefix_lens.to(torch.int64)[:, None] + c["node"]).flatten(),
+        positions=(committed_lens.to(torch.int64)[:, None] + c["node"]).flatten(),
         custom_mask=ancestors,
         retrieve_index=c["node"] + rows,
         next_token=c["next_token"].expand(bs, nd),

@@ -83,7 +83,7 @@ class DecodeStep:
         }
         for variant in VARIANTS:
 
-            def step(bs, inputs, prefix_cpu, variant=variant):  # noqa: ANN001
+            def step(bs, inputs, committed_lens_cpu, variant=variant):  # noqa: ANN001
                 return self._step(variant, inputs)
 
             if graph_max_bs <= 0:

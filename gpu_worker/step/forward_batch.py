@@ -7,13 +7,13 @@ Glossary (one name per quantity, for a batch of `bs` requests):
     extend_seq_lens  tokens each request runs in this forward (1 in DECODE).
     seq_lens         keys each request attends: positions [0, seq_lens) of its req_to_token
                      row. For EXTEND / DECODE / TARGET_VERIFY / DRAFT_EXTEND this is the KV
-                     length AFTER the forward (= prefix_lens + extend_seq_lens); for
+                     length AFTER the forward (= committed_lens + extend_seq_lens); for
                      DRAFT_DECODE it also covers every branch's draft slots
                      (prefix + topk * S).
-    prefix_lens      seq_lens - extend_seq_lens: keys already in the pool before the forward
-                     (host only, `extend_prefix_lens_cpu`). Outside a batch this is the
-                     committed length everywhere: the scheduler's `Request.prefix_len`, the
-                     plan's `prefix_len`, the speculative worker's `prefix_lens`.
+    committed_lens      seq_lens - extend_seq_lens: keys already in the pool before the forward
+                     (host only, `committed_lens_cpu`). Outside a batch this is the
+                     committed length everywhere: the scheduler's `Request.committed_len`, the
+                     plan's `committed_len`, the speculative worker's `committed_lens`.
 Tokens are concatenated request by request (`[num_tokens]` tensors); `*_cpu` are host copies
 that came with the plan (never read back from the device).
 """
@@ -72,11 +72,11 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
-    req_pool_indices: torch.Tensor  # [bs] int64
+    rows: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int64, keys attended (see the glossary)
     extend_seq_lens: torch.Tensor  # [bs] int64
     seq_lens_cpu: list[int]
-    extend_prefix_lens_cpu: list[int]
+    committed_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
     custom_mask: torch.Tensor | None = None
     spec_info: object | None = None
@@ -109,9 +109,9 @@ class ForwardBatch:
 def build_forward_batch(
     mode: ForwardMode,
     input_ids: Sequence[Sequence[int]],
-    prefix_lens: Sequence[int],
+    committed_lens: Sequence[int],
     out_slots: Sequence[Sequence[int]],
-    req_pool_indices: Sequence[int],
+    rows: Sequence[int],
     device: torch.device | str,
     positions: Sequence[Sequence[int]] | None = None,
     custom_mask: torch.Tensor | None = None,
@@ -120,9 +120,7 @@ def build_forward_batch(
     the device in one copy. custom_mask: a tree-local `[bs, extend_len, width]` mask."""
     from gpu_worker.step.host_batch import HostBatch
 
-    host = HostBatch.from_requests(
-        mode, input_ids, prefix_lens, out_slots, req_pool_indices, positions
-    )
+    host = HostBatch.from_requests(mode, input_ids, committed_lens, out_slots, rows, positions)
     mask = None if custom_mask is None else custom_mask.to(device, torch.bool)
     return host.to_device(torch.device(device), custom_mask=mask)
 
@@ -132,7 +130,7 @@ def make_batch(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     out_cache_loc: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    rows: torch.Tensor,
     seq_lens_cpu: list[int],
     extend_lens_cpu: list[int],
     custom_mask: torch.Tensor | None = None,
@@ -144,7 +142,7 @@ def make_batch(
     """The one ForwardBatch constructor: device tensors, plus the lengths on the host (and on
     the device when the caller already has them there; otherwise they are copied)."""
     device = input_ids.device
-    prefix_cpu = [n - e for n, e in zip(seq_lens_cpu, extend_lens_cpu, strict=True)]
+    committed_lens_cpu = [n - e for n, e in zip(seq_lens_cpu, extend_lens_cpu, strict=True)]
 
     def on_device(values: list[int], tensor: torch.Tensor | None) -> torch.Tensor:
         if tensor is not None:
@@ -156,11 +154,11 @@ def make_batch(
         input_ids=input_ids.long(),
         positions=positions.long(),
         out_cache_loc=out_cache_loc.long(),
-        req_pool_indices=req_pool_indices.long(),
+        rows=rows.long(),
         seq_lens=on_device(seq_lens_cpu, seq_lens),
         extend_seq_lens=on_device(extend_lens_cpu, extend_seq_lens),
         seq_lens_cpu=seq_lens_cpu,
-        extend_prefix_lens_cpu=prefix_cpu,
+        committed_lens_cpu=committed_lens_cpu,
         extend_seq_lens_cpu=extend_lens_cpu,
         custom_mask=custom_mask,
         spec_info=spec_info,

@@ -27,30 +27,30 @@ class HostBatch:
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
     out_cache_loc: np.ndarray  # [num_tokens] int64
-    req_pool_indices: np.ndarray  # [bs] int64
+    rows: np.ndarray  # [bs] int64
     seq_lens: np.ndarray  # [bs] int64, keys attended
     extend_seq_lens: np.ndarray  # [bs] int64
 
     @property
     def batch_size(self) -> int:
-        return len(self.req_pool_indices)
+        return len(self.rows)
 
     @classmethod
     def from_requests(
         cls,
         mode: ForwardMode,
         input_ids: Sequence[Sequence[int]],
-        prefix_lens: Sequence[int],
+        committed_lens: Sequence[int],
         out_slots: Sequence[Sequence[int]],
-        req_pool_indices: Sequence[int],
+        rows: Sequence[int],
         positions: Sequence[Sequence[int]] | None = None,
     ) -> HostBatch:
-        """Per-request lists: request i runs input_ids[i] after prefix_lens[i] keys, writing
-        KV at out_slots[i]; positions default to prefix_lens[i] + arange(len(input_ids[i]))."""
+        """Per-request lists: request i runs input_ids[i] after committed_lens[i] keys, writing
+        KV at out_slots[i]; positions default to committed_lens[i] + arange(len(input_ids[i]))."""
         extend = np.array([len(ids) for ids in input_ids], dtype=np.int64)
         if [len(s) for s in out_slots] != extend.tolist():
             raise ValueError("every request needs as many out slots as input ids")
-        prefix = np.asarray(prefix_lens, dtype=np.int64)
+        prefix = np.asarray(committed_lens, dtype=np.int64)
         if positions is None:
             flat_positions = np.repeat(prefix - np.cumsum(extend) + extend, extend)
             flat_positions += np.arange(int(extend.sum()), dtype=np.int64)
@@ -61,7 +61,7 @@ class HostBatch:
             _flat(input_ids),
             flat_positions,
             _flat(out_slots),
-            np.asarray(req_pool_indices, dtype=np.int64),
+            np.asarray(rows, dtype=np.int64),
             prefix + extend,
             extend,
         )
@@ -80,7 +80,7 @@ class HostBatch:
                 self.input_ids,
                 self.positions,
                 self.out_cache_loc,
-                self.req_pool_indices,
+                self.rows,
                 self.seq_lens,
                 self.extend_seq_lens,
             ]

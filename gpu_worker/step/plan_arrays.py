@@ -2,7 +2,7 @@
 
 Every plan assigns KV slots: row i's `slot_lens[i]` slots cover positions slot_starts[i] + 0, 1,
 ... (written into every runner's req_to_token rows). An extend plan also runs `input_ids`
-[offset_i, offset_i + extend_lens[i]) of request i at positions prefix_lens[i] + 0, 1, ...,
+[offset_i, offset_i + extend_lens[i]) of request i at positions committed_lens[i] + 0, 1, ...,
 writing KV at the slots its req_to_token row holds there. A decode plan runs one token per
 row, read with the committed length from the worker's per-row state on the device.
 """
@@ -22,12 +22,12 @@ EMPTY = np.zeros(0, dtype=np.int64)
 
 @dataclass(frozen=True)
 class PlanArrays:
-    rows: np.ndarray  # [bs] int64 request rows (req_pool_idx)
+    rows: np.ndarray  # [bs] int64 request rows (indices into req_to_token)
     slot_starts: np.ndarray  # [bs] int64 position of the first slot assigned this step
     slot_lens: np.ndarray  # [bs] int64 slots assigned this step
     slots: np.ndarray  # [sum(slot_lens)] int64
     # extend only (empty for decode)
-    prefix_lens: np.ndarray  # [bs] int64 committed KV length before the chunk
+    committed_lens: np.ndarray  # [bs] int64 committed KV length before the chunk
     extend_lens: np.ndarray  # [bs] int64 tokens run per request
     input_ids: np.ndarray  # [sum(extend_lens)] int64
     sample: np.ndarray  # [bs] bool: the request produces a token this step
@@ -48,20 +48,20 @@ class PlanArrays:
     def extend_batch(self) -> HostBatch:
         """The extend forward over the chunks (KV written at the slots assigned to them)."""
         within = segment_offsets(self.extend_lens)
-        positions = np.repeat(self.prefix_lens, self.extend_lens) + within
+        positions = np.repeat(self.committed_lens, self.extend_lens) + within
         return HostBatch(
             ForwardMode.EXTEND,
             self.input_ids,
             positions,
             self.chunk_slots,
             self.rows,
-            self.prefix_lens + self.extend_lens,
+            self.committed_lens + self.extend_lens,
             self.extend_lens,
         )
 
 
 def _chunk_slots(
-    prefix_lens: np.ndarray,
+    committed_lens: np.ndarray,
     extend_lens: np.ndarray,
     slot_starts: np.ndarray,
     slot_lens: np.ndarray,
@@ -69,7 +69,7 @@ def _chunk_slots(
 ) -> np.ndarray | None:
     """The slot of each chunk token, when the plan assigns every one of them (an extend plan
     must); None otherwise."""
-    first = prefix_lens - slot_starts  # [bs] chunk start inside each row's assignment
+    first = committed_lens - slot_starts  # [bs] chunk start inside each row's assignment
     if (first < 0).any() or (first + extend_lens > slot_lens).any():
         return None
     slot_offsets = np.cumsum(slot_lens) - slot_lens
@@ -92,19 +92,19 @@ def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
         raise ValueError(f"plan {plan.plan_id}: slot columns for {len(slot_lens)} of {bs} rows")
     if int(slot_lens.sum()) != len(slots) or (slot_lens < 0).any():
         raise ValueError(f"plan {plan.plan_id}: slot_lens do not match {len(slots)} slots")
-    prefix_lens = extend_lens = input_ids = next_ids = chunk_slots = EMPTY
+    committed_lens = extend_lens = input_ids = next_ids = chunk_slots = EMPTY
     sample = np.ones(bs, dtype=bool)
     if extend:
-        prefix_lens, extend_lens, input_ids, next_ids = (
+        committed_lens, extend_lens, input_ids, next_ids = (
             column(c)
-            for c in (plan.prefix_lens, plan.extend_lens, plan.input_ids, plan.next_input_ids)
+            for c in (plan.committed_lens, plan.extend_lens, plan.input_ids, plan.next_input_ids)
         )
         sample = column(plan.sample).astype(bool)
-        if any(len(c) != bs for c in (prefix_lens, extend_lens, sample, next_ids)):
+        if any(len(c) != bs for c in (committed_lens, extend_lens, sample, next_ids)):
             raise ValueError(f"plan {plan.plan_id}: extend columns do not cover {bs} rows")
         if (extend_lens <= 0).any() or int(extend_lens.sum()) != len(input_ids):
             raise ValueError(f"plan {plan.plan_id}: extend_lens do not match {len(input_ids)} ids")
-        chunk_slots = _chunk_slots(prefix_lens, extend_lens, slot_starts, slot_lens, slots)
+        chunk_slots = _chunk_slots(committed_lens, extend_lens, slot_starts, slot_lens, slots)
         if chunk_slots is None:
             raise ValueError(
                 f"plan {plan.plan_id}: an extend chunk runs at positions without slots"
@@ -114,7 +114,7 @@ def parse_plan(plan: ForwardPlan, max_rows: int) -> PlanArrays:
         slot_starts,
         slot_lens,
         slots,
-        prefix_lens,
+        committed_lens,
         extend_lens,
         input_ids,
         sample,

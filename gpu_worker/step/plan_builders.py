@@ -15,7 +15,7 @@ def extend_plan(
     starts: Sequence[RequestStart] = (),
     next_input_ids: Sequence[int] | None = None,
 ) -> ForwardPlan:
-    """chunks: (row, prefix_len, chunk ids, their slots, sample) per request."""
+    """chunks: (row, committed_len, chunk ids, their slots, sample) per request."""
     return ForwardPlan(
         plan_id=plan_id,
         mode="extend",
@@ -23,7 +23,7 @@ def extend_plan(
         slot_starts=pack_ids([c[1] for c in chunks]),
         slot_lens=pack_ids([len(c[3]) for c in chunks]),
         slots=pack_ids([s for c in chunks for s in c[3]]),
-        prefix_lens=pack_ids([c[1] for c in chunks]),
+        committed_lens=pack_ids([c[1] for c in chunks]),
         extend_lens=pack_ids([len(c[2]) for c in chunks]),
         input_ids=pack_ids([t for c in chunks for t in c[2]]),
         sample=pack_ids([int(c[4]) for c in chunks]),

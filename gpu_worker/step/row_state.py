@@ -1,7 +1,7 @@
 """`RowState`: what the worker keeps per request row on the device between steps.
 
 For every request row: `tokens[row]`, the newest token (sampled or accepted, no KV yet), and
-`prefix_lens[row]`, the committed KV length. Sampling and acceptance write them on the device,
+`committed_lens[row]`, the committed KV length. Sampling and acceptance write them on the device,
 and the next decode step reads them there, so a decode plan carries no token ids or lengths
 and the scheduler can send it before it has seen the previous step's result (the overlap
 schedule). Row 0, the reserved dummy, stays at token 0 and length 0: a padded row of a CUDA
@@ -17,7 +17,7 @@ class RowState:
     def __init__(self, num_rows: int, device: torch.device) -> None:
         """num_rows: request rows including the dummy row 0."""
         self.tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        self.prefix_lens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.committed_lens = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def decode_inputs(
         self, rows: torch.Tensor, req_to_token: torch.Tensor
@@ -25,7 +25,7 @@ class RowState:
         """A one-token decode step's inputs for rows [n]: (input_ids, positions, out_cache_loc,
         seq_lens), each [n] int64: the last token at the committed length, its slot, and the
         keys it attends (itself included)."""
-        positions = self.prefix_lens[rows]
+        positions = self.committed_lens[rows]
         return self.tokens[rows], positions, req_to_token[rows, positions], positions + 1
 
     def commit_extend(
@@ -33,7 +33,7 @@ class RowState:
     ) -> None:
         """After an extend: rows [n] have KV up to lengths [n]; where sampled [n] (a last
         chunk) the row's newest token is tokens [n]."""
-        self.prefix_lens[rows] = lengths
+        self.committed_lens[rows] = lengths
         self.tokens[rows] = torch.where(sampled, tokens, self.tokens[rows])
 
     def commit_decode(
@@ -41,7 +41,7 @@ class RowState:
     ) -> None:
         """After a decode step: rows [n] committed `advance` ([n] or one int) more positions
         and emitted tokens [n] as their newest."""
-        self.prefix_lens[rows] += advance
+        self.committed_lens[rows] += advance
         self.tokens[rows] = tokens
 
     def commit_accepted(
@@ -56,4 +56,4 @@ class RowState:
     def reset_dummy(self) -> None:
         """Row 0 back to token 0 and length 0, after a step whose padded rows wrote it."""
         self.tokens[:1].zero_()  # (a slice: `[0] = 0` would copy from the host, not capturable)
-        self.prefix_lens[:1].zero_()
+        self.committed_lens[:1].zero_()

@@ -48,7 +48,7 @@ def run_step(
     runner: ModelRunner,
     mode: ForwardMode,
     rows: list[int],
-    prefix_lens: list[int],
+    committed_lens: list[int],
     input_ids: list[list[int]],
     all_slots: list[list[int]],
     custom_mask=None,
@@ -56,19 +56,19 @@ def run_step(
 ):
     """Write each request's new slots into req_to_token, run one forward, return LogitsOutput."""
     new_slots = [
-        s[p : p + len(ids)] for s, p, ids in zip(all_slots, prefix_lens, input_ids, strict=True)
+        s[p : p + len(ids)] for s, p, ids in zip(all_slots, committed_lens, input_ids, strict=True)
     ]
     device = runner.device
     runner.req_to_token_pool.write(
         torch.tensor(rows, device=device),
-        torch.tensor(prefix_lens, device=device),
+        torch.tensor(committed_lens, device=device),
         torch.tensor([x for s in new_slots for x in s], device=device),
         torch.tensor([len(s) for s in new_slots], device=device),
     )
     batch = build_forward_batch(
         mode,
         input_ids,
-        prefix_lens,
+        committed_lens,
         new_slots,
         rows,
         device,

@@ -58,16 +58,16 @@ def tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def run_draft(runner, mode, rows, prefix_lens, ids, all_slots, hidden):
+def run_draft(runner, mode, rows, committed_lens, ids, all_slots, hidden):
     """Like run_step, with spec_info carrying `hidden` [num_tokens, H_in]."""
-    new_slots = [s[p : p + len(i)] for s, p, i in zip(all_slots, prefix_lens, ids, strict=True)]
+    new_slots = [s[p : p + len(i)] for s, p, i in zip(all_slots, committed_lens, ids, strict=True)]
     runner.req_to_token_pool.write(
         torch.tensor(rows),
-        torch.tensor(prefix_lens),
+        torch.tensor(committed_lens),
         torch.tensor([x for s in new_slots for x in s]),
         torch.tensor([len(s) for s in new_slots]),
     )
-    batch = build_forward_batch(mode, ids, prefix_lens, new_slots, rows, runner.device)
+    batch = build_forward_batch(mode, ids, committed_lens, new_slots, rows, runner.device)
     batch.spec_info = SpecInput(hidden_states=hidden)
     return runner.forward(batch)
 

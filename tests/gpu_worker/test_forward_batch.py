@@ -9,17 +9,17 @@ def test_build_forward_batch_lays_out_requests_in_order():
     batch = build_forward_batch(
         ForwardMode.EXTEND,
         input_ids=[[7, 8, 9], [4]],
-        prefix_lens=[2, 5],
+        committed_lens=[2, 5],
         out_slots=[[30, 31, 12], [40]],
-        req_pool_indices=[3, 1],
+        rows=[3, 1],
         device="cpu",
     )
     assert batch.input_ids.tolist() == [7, 8, 9, 4]
     assert batch.positions.tolist() == [2, 3, 4, 5]
     assert batch.out_cache_loc.tolist() == [30, 31, 12, 40]
-    assert batch.req_pool_indices.tolist() == [3, 1]
+    assert batch.rows.tolist() == [3, 1]
     assert batch.seq_lens.tolist() == batch.seq_lens_cpu == [5, 6]
-    assert batch.extend_seq_lens_cpu == [3, 1] and batch.extend_prefix_lens_cpu == [2, 5]
+    assert batch.extend_seq_lens_cpu == [3, 1] and batch.committed_lens_cpu == [2, 5]
     assert batch.sample_indices().tolist() == [2, 3]  # last token of each request
     assert batch.batch_size == 2 and batch.num_tokens == 4
 

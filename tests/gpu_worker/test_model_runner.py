@@ -93,17 +93,17 @@ def test_mixed_batch_of_different_lengths(backend, tiny_dirs, reference_models):
     prompts = [prompt(n, seed=10 + n) for n in (9, 3, 14)]
     rows = [2, 4, 1]
     slots = shuffled_slots(runner, 3, 20, seed=7)
-    prefix_lens = [5, 0, 11]
+    committed_lens = [5, 0, 11]
     # Earlier chunks, one request at a time.
-    for row, p, ids, s in zip(rows, prefix_lens, prompts, slots, strict=True):
+    for row, p, ids, s in zip(rows, committed_lens, prompts, slots, strict=True):
         if p:
             run_step(runner, ForwardMode.EXTEND, [row], [0], [ids[:p]], [s])
     out = run_step(
         runner,
         ForwardMode.EXTEND,
         rows,
-        prefix_lens,
-        [ids[p:] for ids, p in zip(prompts, prefix_lens, strict=True)],
+        committed_lens,
+        [ids[p:] for ids, p in zip(prompts, committed_lens, strict=True)],
         slots,
     )
     for i, ids in enumerate(prompts):

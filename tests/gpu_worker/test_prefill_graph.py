@@ -42,16 +42,16 @@ def make_runner(model_dir: str, device: str, backend: str):
     )
 
 
-def host_extend(rows, prefix_lens, chunks, slots) -> HostBatch:
-    new_slots = [s[p : p + len(c)] for s, p, c in zip(slots, prefix_lens, chunks, strict=True)]
-    return HostBatch.from_requests(ForwardMode.EXTEND, chunks, prefix_lens, new_slots, rows)
+def host_extend(rows, committed_lens, chunks, slots) -> HostBatch:
+    new_slots = [s[p : p + len(c)] for s, p, c in zip(slots, committed_lens, chunks, strict=True)]
+    return HostBatch.from_requests(ForwardMode.EXTEND, chunks, committed_lens, new_slots, rows)
 
 
 def write_slots(runner, host: HostBatch) -> None:
     device = runner.device
     prefix = host.seq_lens - host.extend_seq_lens
     runner.req_to_token_pool.write(
-        torch.tensor(host.req_pool_indices, device=device),
+        torch.tensor(host.rows, device=device),
         torch.tensor(prefix, device=device),
         torch.tensor(host.out_cache_loc, device=device),
         torch.tensor(host.extend_seq_lens, device=device),

@@ -55,8 +55,8 @@ class FakeScheduler:
             slots.extend(range(page * PAGE_SIZE, (page + 1) * PAGE_SIZE))
         return slots[start : start + n]
 
-    def chunk(self, rid, row, prefix_len, ids, sample):
-        return (row, prefix_len, ids, self.slots_for(rid, prefix_len, len(ids)), sample)
+    def chunk(self, rid, row, committed_len, ids, sample):
+        return (row, committed_len, ids, self.slots_for(rid, committed_len, len(ids)), sample)
 
 
 def greedy_start(row: int, ids: list[int], return_logprob: bool = False) -> RequestStart:
@@ -171,8 +171,8 @@ def test_decode_step_commits_each_rows_own_token(tiny_dirs, graph_max_bs):
         for r in prompts:
             lengths[r] += 1
             assert int(worker.rows.tokens[r]) == newest[r]
-            assert int(worker.rows.prefix_lens[r]) == lengths[r]
-        assert int(worker.rows.tokens[0]) == 0 and int(worker.rows.prefix_lens[0]) == 0
+            assert int(worker.rows.committed_lens[r]) == lengths[r]
+        assert int(worker.rows.tokens[0]) == 0 and int(worker.rows.committed_lens[0]) == 0
 
 
 @pytest.mark.parametrize("graph_max_bs", [0, 4])

@@ -104,16 +104,16 @@ class FakeWorker:
 
     def _extend(self, plan: ForwardPlan, rows: list[int]) -> list[list[int]]:
         ids = unpack_ids(plan.input_ids)
-        prefix_lens, extend_lens = unpack_ids(plan.prefix_lens), unpack_ids(plan.extend_lens)
+        committed_lens, extend_lens = unpack_ids(plan.committed_lens), unpack_ids(plan.extend_lens)
         sample = unpack_ids(plan.sample)
         out, offset = [], 0
         for i, row in enumerate(rows):
             chunk = ids[offset : offset + extend_lens[i]]
             offset += extend_lens[i]
-            assert self.row_len[row] == prefix_lens[i], "extend after the wrong prefix"
-            seq = self._sequence(row, prefix_lens[i]) + chunk
+            assert self.row_len[row] == committed_lens[i], "extend after the wrong prefix"
+            seq = self._sequence(row, committed_lens[i]) + chunk
             for p, token in enumerate(chunk):
-                self.kv[self.row_slots[row][prefix_lens[i] + p]] = token
+                self.kv[self.row_slots[row][committed_lens[i] + p]] = token
             self.row_len[row] = len(seq)
             if not sample[i]:
                 out.append([])
@@ -192,7 +192,7 @@ class Entry:
 
     rid: str
     row: int
-    prefix_len: int  # extend only (decode: -1, the worker knows it)
+    committed_len: int  # extend only (decode: -1, the worker knows it)
     input_ids: list[int]  # extend only
     out_slots: list[int]  # the slots newly assigned to the request this step
     slot_start: int  # the position of the first of them
@@ -224,7 +224,7 @@ def plan_entries(plan: ForwardPlan, rids: list[str]) -> Planned:
     ids = unpack_ids(plan.input_ids)
     n = len(rows)
     extend_lens = unpack_ids(plan.extend_lens) if extend else [0] * n
-    prefix_lens = unpack_ids(plan.prefix_lens) if extend else [-1] * n
+    committed_lens = unpack_ids(plan.committed_lens) if extend else [-1] * n
     sample = unpack_ids(plan.sample) if extend else [1] * n
     next_ids = unpack_ids(plan.next_input_ids) if extend else [-1] * n
     by_row = {start.row: start for start in plan.starts}
@@ -234,7 +234,7 @@ def plan_entries(plan: ForwardPlan, rids: list[str]) -> Planned:
             Entry(
                 rid=rid,
                 row=row,
-                prefix_len=prefix_lens[i],
+                committed_len=committed_lens[i],
                 input_ids=ids[id_offset : id_offset + extend_lens[i]],
                 out_slots=slots[slot_offset : slot_offset + lens[i]],
                 slot_start=starts[i],

@@ -138,7 +138,7 @@ def test_a_debug_query_is_answered_with_where_each_request_is(tmp_path):
         assert report.summary["plans_in_flight"] == 2 and not report.summary["can_plan"]
         by_rid = {entry["rid"]: entry for entry in report.requests}
         assert by_rid["a"]["state"] == "running" and by_rid["a"]["plans_in_flight"] == 2
-        assert by_rid["a"]["prefix_len"] == 3 and by_rid["a"]["output_len"] == 0
+        assert by_rid["a"]["committed_len"] == 3 and by_rid["a"]["output_len"] == 0
         assert by_rid["b"]["state"] == "waiting" and by_rid["b"]["queue_position"] == 0
         to_scheduler.send(Shutdown(reason="test"))
         thread.join(TIMEOUT_S)

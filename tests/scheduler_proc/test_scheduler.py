@@ -33,7 +33,7 @@ def test_chunked_prefill_splits_prompt_into_budget_chunks(page_size):
     plans = run_to_end(sched, worker, collector)
     extends = [p.requests[0] for p in plans if p.mode == "extend"]
     assert [len(e.input_ids) for e in extends] == [4, 4, 2]
-    assert [e.prefix_len for e in extends] == [0, 4, 8]
+    assert [e.committed_len for e in extends] == [0, 4, 8]
     assert [e.sample for e in extends] == [False, False, True]
     assert [e.start is not None for e in extends] == [True, False, False]
     # the draft's prefill rotation takes the next fill token as a non-final chunk's tail
@@ -96,7 +96,7 @@ def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, ma
         for r in plan.requests:  # after a retraction the fill is prompt + outputs so far
             if plan.mode == "extend" and not r.sample:
                 fill = prompts[r.rid] + collector.outputs[r.rid]
-                assert r.next_input_id == fill[r.prefix_len + len(r.input_ids)]
+                assert r.next_input_id == fill[r.committed_len + len(r.input_ids)]
     assert sched.stats().num_retractions >= len(restarts)
     for rid, prompt in prompts.items():
         assert collector.outputs[rid] == reference_output(prompt, 24)
@@ -256,15 +256,15 @@ def test_decode_headroom_is_reserved_then_shrunk():
     plan = sched.next_plan()  # prefill
     collector.add(sched.apply_result(plan, worker.run(plan)))
     req = sched.running[0]
-    row = req.req_pool_idx
-    assert req.prefix_len == 3 and sched.allocator.allocated_len(row) == 3
+    row = req.row
+    assert req.committed_len == 3 and sched.allocator.allocated_len(row) == 3
     plan = sched.next_plan()
     entry = plan_entries(plan, ["a"]).requests[0]
     assert plan.mode == "decode" and plan.input_ids == b""  # the worker has the token
     assert entry.slot_start == 3 and len(entry.out_slots) == 5
     assert sched.allocator.allocated_len(row) == 8 and sched.allocator.num_held_pages(row) == 4
     collector.add(sched.apply_result(plan, worker.run(plan)))
-    assert req.prefix_len == 5 and sched.allocator.allocated_len(row) == 5
+    assert req.committed_len == 5 and sched.allocator.allocated_len(row) == 5
     assert sched.allocator.num_held_pages(row) == 3
     assert collector.outputs["a"] == reference_output(prompt, 3)
     stats = sched.stats()
@@ -277,7 +277,7 @@ def test_overlapped_decode_reserves_for_every_step_in_flight():
     sched.add_request(make_request("a", prompt, max_new_tokens=40, ignore_eos=True))
     worker, collector = FakeWorker(accept=lambda step, row: 2, alloc_len=5), Collector()
     prefill = sched.next_plan()
-    row = sched.running[0].req_pool_idx
+    row = sched.running[0].row
     # The first decode is planned before the prefill's token is known: the worker has it.
     first = sched.next_plan()
     assert first.mode == "decode" and sched.allocator.allocated_len(row) == 3 + 5
@@ -289,7 +289,7 @@ def test_overlapped_decode_reserves_for_every_step_in_flight():
     results.append(worker.run(second))
     collector.add(sched.apply_result(first, results[1]))  # accepted 2: prefix 5
     # the second decode may still write positions 5 .. 9
-    assert sched.running[0].prefix_len == 5 and sched.allocator.allocated_len(row) == 10
+    assert sched.running[0].committed_len == 5 and sched.allocator.allocated_len(row) == 10
     collector.add(sched.apply_result(second, results[2]))
     assert sched.allocator.allocated_len(row) == 7
     assert collector.outputs["a"] == reference_output(prompt, 5)
@@ -435,6 +435,6 @@ def test_describe_says_where_each_request_is_held():
     assert (summary["plans_in_flight"], summary["free_pages"], summary["free_rows"]) == (1, 61, 0)
     by_rid = {entry["rid"]: entry for entry in entries}
     assert by_rid["a"]["state"] == "finished" and by_rid["a"]["plans_in_flight"] == 1
-    assert by_rid["a"]["row"] > 0 and by_rid["a"]["prefix_len"] == 3
+    assert by_rid["a"]["row"] > 0 and by_rid["a"]["committed_len"] == 3
     assert by_rid["b"]["state"] == "waiting" and by_rid["b"]["queue_position"] == 0
     assert (by_rid["b"]["row"], by_rid["b"]["fill_len"], by_rid["b"]["output_len"]) == (0, 2, 0)

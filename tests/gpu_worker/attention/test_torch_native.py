@@ -28,7 +28,7 @@ def naive_attention(q, k, v, mask):
 
 
 def test_causal_mask_shape_and_rule():
-    mask = build_causal_mask(prefix_len=2, extend_len=3, device=torch.device("cpu"))
+    mask = build_causal_mask(committed_len=2, extend_len=3, device=torch.device("cpu"))
     assert mask.tolist() == [
         [True, True, True, False, False],
         [True, True, True, True, False],

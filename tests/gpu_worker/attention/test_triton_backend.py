@@ -94,14 +94,14 @@ class Pools:
         return backend.attend(qkv, self.layer, batch, self.rope).float()
 
 
-def batch_of(pools: Pools, mode, rows, prefix_lens, extend_lens, custom_mask=None):
+def batch_of(pools: Pools, mode, rows, committed_lens, extend_lens, custom_mask=None):
     ids = [[1] * n for n in extend_lens]
     slots = [
         pools.req.req_to_token[r, p : p + n].tolist()
-        for r, p, n in zip(rows, prefix_lens, extend_lens, strict=True)
+        for r, p, n in zip(rows, committed_lens, extend_lens, strict=True)
     ]
     return build_forward_batch(
-        mode, ids, prefix_lens, slots, rows, pools.device, custom_mask=custom_mask
+        mode, ids, committed_lens, slots, rows, pools.device, custom_mask=custom_mask
     )
 
 
@@ -195,9 +195,9 @@ def test_tree_verify_with_a_tree_local_mask(
             few_query_module, "choose_launch", lambda *_: few_query_module.Knobs(32)
         )
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=11)
-    nd, prefix_lens = 8, [0, 17, 64, 100]
-    masks = torch.zeros(len(prefix_lens), nd, nd, dtype=torch.bool)
-    for b in range(len(prefix_lens)):  # a random tree: node k's parent is an earlier node
+    nd, committed_lens = 8, [0, 17, 64, 100]
+    masks = torch.zeros(len(committed_lens), nd, nd, dtype=torch.bool)
+    for b in range(len(committed_lens)):  # a random tree: node k's parent is an earlier node
         parents = [-1] + [pools.rng.randrange(k) for k in range(1, nd)]
         for k in range(nd):
             node = k
@@ -205,7 +205,7 @@ def test_tree_verify_with_a_tree_local_mask(
                 masks[b, k, node] = True
                 node = parents[node]
     batch = batch_of(
-        pools, ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks
+        pools, ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], committed_lens, [nd] * 4, custom_mask=masks
     )
     assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
     check(pools, batch)
@@ -317,11 +317,11 @@ def test_few_query_launch_knobs(device, dtype, tree, block_n, min_keys, monkeypa
     knobs = few_query_module.Knobs(block_n, min_keys, 4)
     monkeypatch.setattr(few_query_module, "choose_launch", lambda *_: knobs)
     pools = Pools(device, dtype, 9, 3, 64, page_size=4, seed=block_n, max_len=1024)
-    nd, prefix_lens = 4, [0, 64, 252, 1000]
+    nd, committed_lens = 4, [0, 64, 252, 1000]
     masks = None
     if tree:  # node 1 and 2 children of the root, node 3 of node 1
         parents = [-1, 0, 0, 1]
-        masks = torch.zeros(len(prefix_lens), nd, nd, dtype=torch.bool)
+        masks = torch.zeros(len(committed_lens), nd, nd, dtype=torch.bool)
         for k in range(nd):
             node = k
             while node != -1:
@@ -329,7 +329,7 @@ def test_few_query_launch_knobs(device, dtype, tree, block_n, min_keys, monkeypa
     mode = ForwardMode.TARGET_VERIFY if tree else ForwardMode.DRAFT_EXTEND
     alone = None if masks is None else masks[:1]
     for batch in (
-        batch_of(pools, mode, [3, 1, 4, 2], prefix_lens, [nd] * 4, custom_mask=masks),
+        batch_of(pools, mode, [3, 1, 4, 2], committed_lens, [nd] * 4, custom_mask=masks),
         batch_of(pools, mode, [2], [192], [nd], custom_mask=alone),
     ):
         assert isinstance(few_query_metadata(pools, batch), FewQueryMetadata)
@@ -385,7 +385,7 @@ def test_extend_rows_of_no_request_are_zero(device, dtype):
         k_buffer,
         v_buffer,
         pools.req.req_to_token,
-        batch.req_pool_indices,
+        batch.rows,
         batch.seq_lens,
         lens,
         starts,

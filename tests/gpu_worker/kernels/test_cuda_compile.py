@@ -31,7 +31,7 @@ def compile_for_sm90(fn, types, const):
 
 types = {"q_ptr": "*bf16", "positions_ptr": "*i64", "cache_ptr": "*bf16", "q_norm_ptr": "*bf16",
          "k_norm_ptr": "*bf16", "loc_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
-         "o_ptr": "*bf16", "req_to_token_ptr": "*i32", "req_pool_indices_ptr": "*i64",
+         "o_ptr": "*bf16", "req_to_token_ptr": "*i32", "rows_ptr": "*i64",
          "seq_lens_ptr": "*i64", "mask_ptr": "*u8", "partial_o_ptr": "*fp32",
          "partial_lse_ptr": "*fp32", "counter_ptr": "*i32", "q_stride": "i32",
          "req_to_token_stride": "i32", "mask_batch_stride": "i32", "scale_log2": "fp32",
@@ -77,7 +77,7 @@ for nd, steps, topk in ((4, 3, 1), (8, 4, 4)):
                    target=GPUTarget("cuda", 90, 32))
 # The end of an EAGLE iteration: a chain's state and a tree's.
 from gpu_worker.kernels.row_commit import _commit_rows_kernel
-commit_types = {name: "*i64" for name in ("prefix_lens_ptr", "newest_ptr", "rows_ptr",
+commit_types = {name: "*i64" for name in ("committed_lens_ptr", "newest_ptr", "rows_ptr",
                                           "accept_lens_ptr", "tokens_ptr", "topk_index_ptr",
                                           "new_topk_index_ptr", "last_ptr")}
 commit_types.update(topk_p_ptr="*fp32", new_topk_p_ptr="*fp32", hidden_ptr="*bf16",

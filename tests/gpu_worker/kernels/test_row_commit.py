@@ -29,19 +29,19 @@ def test_commit_rows_matches_the_reference(device, topk, hidden_width):
     )
     last = torch.arange(bs) * width + accept_lens - 1
     starts = {
-        "prefix_lens": torch.randint(1, 50, (num_rows,), generator=gen),
+        "committed_lens": torch.randint(1, 50, (num_rows,), generator=gen),
         "newest": torch.randint(0, 1000, (num_rows,), generator=gen),
         "topk_p": torch.rand(num_rows, topk, generator=gen),
         "topk_index": torch.randint(0, 1000, (num_rows, topk), generator=gen),
         "hidden": torch.randn(num_rows, hidden_width, generator=gen),
     }
-    for name in ("prefix_lens", "newest"):
+    for name in ("committed_lens", "newest"):
         starts[name][0] = 0  # the dummy row as the worker keeps it
     results = []
     for commit in (commit_rows_reference, commit_rows):
         s = {name: value.clone().to(device) for name, value in starts.items()}
         state = RowState(num_rows, torch.device(device))
-        state.prefix_lens, state.tokens = s["prefix_lens"], s["newest"]
+        state.committed_lens, state.tokens = s["committed_lens"], s["newest"]
         draft = DraftState(s["topk_p"], s["topk_index"], s["hidden"])
         args = [t.to(device) for t in (rows, accept_lens, tokens)]
         commit(
@@ -53,12 +53,12 @@ def test_commit_rows_matches_the_reference(device, topk, hidden_width):
         )
         results.append({name: value.cpu() for name, value in s.items()})
     want, got = results
-    for name in ("prefix_lens", "newest"):
+    for name in ("committed_lens", "newest"):
         assert torch.equal(got[name], want[name]), name
     live_rows = rows[:live]
     for name in ("topk_p", "topk_index", "hidden"):  # the reference also wrote the dummy row
         assert torch.equal(got[name][1:], want[name][1:]), name
         assert not torch.equal(got[name][live_rows], starts[name][live_rows]), name
     assert torch.equal(
-        got["prefix_lens"][live_rows], starts["prefix_lens"][live_rows] + accept_lens[:live]
+        got["committed_lens"][live_rows], starts["committed_lens"][live_rows] + accept_lens[:live]
     )

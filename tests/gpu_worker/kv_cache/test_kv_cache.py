@@ -8,7 +8,7 @@ from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 def test_req_to_token_write_scatters_each_request_at_its_start():
     pool = ReqToTokenPool(num_rows=3, max_context_len=8, device="cpu")
     pool.write(
-        req_pool_indices=torch.tensor([2, 1, 3]),
+        rows=torch.tensor([2, 1, 3]),
         start_positions=torch.tensor([0, 5, 2]),
         slots=torch.tensor([11, 12, 13, 21, 22, 31]),
         lens=torch.tensor([3, 2, 1]),

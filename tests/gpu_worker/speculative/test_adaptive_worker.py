@@ -158,7 +158,7 @@ def test_step_costs_are_measured_on_the_dummy_row_without_a_trace(models):
     for table in (costs.plain, costs.speculative):
         assert all(t > 0 for times in table.values() for t in times)
     assert costs.break_even(1, False) > 0
-    assert int(worker.rows.prefix_lens[0]) == 0 and int(worker.rows.tokens[0]) == 0
+    assert int(worker.rows.committed_lens[0]) == 0 and int(worker.rows.tokens[0]) == 0
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

@@ -14,9 +14,9 @@ def apply_moves(kv: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> torch
     return out
 
 
-def check_moved(before, after, table, pool_idx, prefix_lens, accept_index, accept_lens, nd):
+def check_moved(before, after, table, pool_idx, committed_lens, accept_index, accept_lens, nd):
     moved_dst = set()
-    for b, seq in enumerate(prefix_lens):
+    for b, seq in enumerate(committed_lens):
         row = table[pool_idx[b]]
         for j in range(accept_lens[b]):
             node = accept_index[b][j] - b * nd
@@ -43,11 +43,11 @@ def test_move_accepted_kv_sizes():
         accept_index=torch.tensor([[0, 2, 5, -1], [6, 7, 9, -1]]),  # paths [0,2,5] and [0,1,3]
         accept_lens=torch.tensor([3, 3]),
     )
-    prefix_lens = [5, 9]
+    committed_lens = [5, 9]
     pool_idx = [2, 1]
     table = paged_table(3, 16, 1, seed=0)
     dst, src = compaction_moves(
-        result, torch.tensor(prefix_lens), table, torch.tensor(pool_idx), nd, steps
+        result, torch.tensor(committed_lens), table, torch.tensor(pool_idx), nd, steps
     )
     assert dst.shape == src.shape == (2 * (steps + 1),)
     assert dst.dtype == src.dtype == torch.int64
@@ -55,14 +55,16 @@ def test_move_accepted_kv_sizes():
     kv = torch.randn(int(table.max()) + 1, 2, 3)
     kv[0] = 0.0
     after = apply_moves(kv, dst, src)
-    check_moved(kv, after, table, pool_idx, prefix_lens, result.accept_index.tolist(), [3, 3], nd)
+    check_moved(
+        kv, after, table, pool_idx, committed_lens, result.accept_index.tolist(), [3, 3], nd
+    )
 
 
 def test_compaction_several_requests():
     bs, topk, steps, nd, vocab, page = 4, 3, 4, 10, 40, 4
-    prefix_lens = [3, 8, 5, 13]
+    committed_lens = [3, 8, 5, 13]
     tree = random_tree(
-        bs, topk, steps, nd, vocab=vocab, seed=11, prefix_lens=prefix_lens, sharpness=3.0
+        bs, topk, steps, nd, vocab=vocab, seed=11, committed_lens=committed_lens, sharpness=3.0
     )
     targets = [0, int(tree.depth[1].argmax()), int(tree.depth[2].argmax()), nd - 1]
     paths = [path_to(tree, b, node) for b, node in enumerate(targets)]
@@ -75,7 +77,7 @@ def test_compaction_several_requests():
     table = paged_table(6, 32, page, seed=1)
     pool_idx = [4, 1, 5, 2]
     dst, src = compaction_moves(
-        result, torch.tensor(prefix_lens), table, torch.tensor(pool_idx), nd, steps
+        result, torch.tensor(committed_lens), table, torch.tensor(pool_idx), nd, steps
     )
     width = steps + 1
     assert dst.shape == (bs * width,)
@@ -90,7 +92,7 @@ def test_compaction_several_requests():
         after,
         table,
         pool_idx,
-        prefix_lens,
+        committed_lens,
         result.accept_index.tolist(),
         result.accept_lens.tolist(),
         nd,

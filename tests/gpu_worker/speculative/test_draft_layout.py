@@ -30,11 +30,11 @@ def test_draft_alloc_len():
 
 
 def test_draft_cache_layout_single_owner():
-    prefix_lens = torch.tensor(SEQ)
+    committed_lens = torch.tensor(SEQ)
     pool_idx = torch.tensor([3, 1, 5])
     table = make_req_to_token()
-    positions = draft_step_positions(prefix_lens, TOPK, STEPS)
-    locs = draft_cache_locs(table, pool_idx, prefix_lens, TOPK, STEPS)
+    positions = draft_step_positions(committed_lens, TOPK, STEPS)
+    locs = draft_cache_locs(table, pool_idx, committed_lens, TOPK, STEPS)
     assert positions.shape == locs.shape == (STEPS, len(SEQ) * TOPK)
     assert positions.dtype == locs.dtype == torch.int64
     for b, seq in enumerate(SEQ):
@@ -46,10 +46,10 @@ def test_draft_cache_layout_single_owner():
     # Every branch slot is distinct and lies inside the per-request headroom.
     assert len(set(locs.flatten().tolist())) == locs.numel()
     assert bool(
-        (positions < prefix_lens.repeat_interleave(TOPK) + draft_alloc_len(TOPK, STEPS, 4)).all()
+        (positions < committed_lens.repeat_interleave(TOPK) + draft_alloc_len(TOPK, STEPS, 4)).all()
     )
 
-    seq_lens = draft_seq_lens(prefix_lens, TOPK, STEPS)
+    seq_lens = draft_seq_lens(committed_lens, TOPK, STEPS)
     assert seq_lens.tolist() == [s + TOPK * STEPS for s in SEQ]
     for step in range(STEPS):
         mask = draft_decode_mask(len(SEQ), TOPK, STEPS, step, "cpu")  # [bs, topk, topk*S]
@@ -63,15 +63,15 @@ def test_draft_cache_layout_single_owner():
 
 
 def test_draft_positions():
-    prefix_lens = torch.tensor(SEQ)
+    committed_lens = torch.tensor(SEQ)
     steps = 4
-    first = draft_run_positions(prefix_lens, TOPK, 0)
+    first = draft_run_positions(committed_lens, TOPK, 0)
     assert first.tolist() == [s for s in SEQ for _ in range(TOPK)]  # step 0 runs at seq, not seq+1
-    last = draft_run_positions(prefix_lens, TOPK, steps - 2)  # the last step that is forwarded
+    last = draft_run_positions(committed_lens, TOPK, steps - 2)  # the last step that is forwarded
     assert last.tolist() == [s + steps - 2 for s in SEQ for _ in range(TOPK)]
     # Branch 0 writes its KV at the position it runs at; other branches at their own block.
-    written = draft_step_positions(prefix_lens, TOPK, steps)
+    written = draft_step_positions(committed_lens, TOPK, steps)
     for i in range(steps - 1):
-        run = draft_run_positions(prefix_lens, TOPK, i)
+        run = draft_run_positions(committed_lens, TOPK, i)
         assert torch.equal(written[i, 0::TOPK], run[0::TOPK])
         assert torch.equal(written[i, 1::TOPK], run[1::TOPK] + steps)

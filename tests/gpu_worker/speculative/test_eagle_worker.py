@@ -326,17 +326,17 @@ def test_draft_positions(models, monkeypatch):
     original_tree = worker.spec.draft_tree
     checked = []
 
-    def tree_spy(rows, prefix_lens, seq_cpu, bonus):
+    def tree_spy(rows, committed_lens, seq_cpu, bonus):
         seen.clear()
-        before = prefix_lens.clone()
-        tree = original_tree(rows, prefix_lens, seq_cpu, bonus)
-        assert torch.equal(prefix_lens, before)
+        before = committed_lens.clone()
+        tree = original_tree(rows, committed_lens, seq_cpu, bonus)
+        assert torch.equal(committed_lens, before)
         locs = draft_layout.draft_cache_locs(
-            worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, prefix_lens, 2, 4
+            worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, committed_lens, 2, 4
         )
         assert len(seen) == 3  # S - 1 forwards
         for step, (positions, slots) in enumerate(seen):
-            assert positions.tolist() == (prefix_lens.repeat_interleave(2) + step).tolist()
+            assert positions.tolist() == (committed_lens.repeat_interleave(2) + step).tolist()
             assert torch.equal(slots, locs[step])
         checked.append(True)
         return tree

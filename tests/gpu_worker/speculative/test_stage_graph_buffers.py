@@ -18,17 +18,21 @@ def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
     def fn(bs, inputs, seq_cpu):
         seen.append((bs, inputs["rows"].tolist(), list(seq_cpu)))
         return {
-            "out": inputs["rows"] * 10 + inputs["prefix_lens"],
+            "out": inputs["rows"] * 10 + inputs["committed_lens"],
             "pair": inputs["tokens"].flatten(),
         }
 
-    inputs = {"rows": StageInput(), "prefix_lens": StageInput(), "tokens": StageInput((2,), pad=7)}
+    inputs = {
+        "rows": StageInput(),
+        "committed_lens": StageInput(),
+        "tokens": StageInput((2,), pad=7),
+    }
     stage = StageGraph("test", fn, inputs, 6, torch.device("cpu"), capture=False)
     assert stage.buckets == [1, 2, 4, 6]
     out = stage(
         {
             "rows": torch.tensor([3, 1, 2, 5, 4]),
-            "prefix_lens": torch.tensor([9] * 5),
+            "committed_lens": torch.tensor([9] * 5),
             "tokens": torch.arange(10).view(5, 2),
         },
         [9] * 5,
@@ -39,7 +43,7 @@ def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
     out = stage(
         {
             "rows": torch.tensor([8, 6]),
-            "prefix_lens": torch.tensor([1, 2]),
+            "committed_lens": torch.tensor([1, 2]),
             "tokens": torch.ones(2, 2, dtype=torch.int64),
         },
         [1, 2],
@@ -52,7 +56,7 @@ def test_stage_graph_pads_with_the_dummy_row_and_resets_old_rows():
     big = stage(
         {
             "rows": torch.arange(1, 8),
-            "prefix_lens": torch.zeros(7, dtype=torch.int64),
+            "committed_lens": torch.zeros(7, dtype=torch.int64),
             "tokens": torch.zeros(7, 2, dtype=torch.int64),
         },
         [0] * 7,

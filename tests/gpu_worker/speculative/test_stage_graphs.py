@@ -56,8 +56,8 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
     spec = worker.spec
     rows = worker._write_slots(parse_plan(plan, worker.max_running_requests))
     inputs = {"rows": rows}
-    seq_cpu = worker.rows.prefix_lens[rows].tolist()
-    state = worker.rows.prefix_lens.clone(), worker.rows.tokens.clone()
+    seq_cpu = worker.rows.committed_lens[rows].tolist()
+    state = worker.rows.committed_lens.clone(), worker.rows.tokens.clone()
     before = {k: v.clone() for k, v in inputs.items()}
     eager = {k: v.clone() for k, v in spec.propose(len(seq_cpu), inputs, seq_cpu).items()}
     for _ in range(3):
@@ -69,7 +69,7 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
         torch.testing.assert_close(replayed["logits"], eager["logits"], atol=1e-4, rtol=1e-4)
         assert all(torch.equal(inputs[k], before[k]) for k in inputs)
         # the proposal reads the rows' lengths and tokens; only the extend advances them
-        assert torch.equal(worker.rows.prefix_lens, state[0])
+        assert torch.equal(worker.rows.committed_lens, state[0])
         assert torch.equal(worker.rows.tokens, state[1])
 
 
@@ -141,9 +141,9 @@ def serve_mixed(config, prompts, requests, inspect=None):
             if plan.mode == "decode":
                 assert worker.rows.tokens[row].item() == ids[end - 1]
                 prompt_len = len(prompts[int(rid[1:])])
-                assert worker.rows.prefix_lens[row].item() == prompt_len + emitted[rid] - 1
+                assert worker.rows.committed_lens[row].item() == prompt_len + emitted[rid] - 1
         # padded rows of a graph bucket commit into the dummy row 0, which must be reset
-        assert worker.rows.prefix_lens[0].item() == 0 == worker.rows.tokens[0].item()
+        assert worker.rows.committed_lens[0].item() == 0 == worker.rows.tokens[0].item()
         collect(plan, result, sched.apply_result(plan, result))
     assert sched.allocator.is_whole()
     return tokens, logprobs

@@ -21,7 +21,7 @@ def rows_of(bits: list[str]) -> torch.Tensor:
 
 def test_build_tree_golden():
     # The vector of SGLang's test_build_eagle_tree.py: bs=2, topk=4, S=4, ND=8.
-    prefix_lens = [5, 10]
+    committed_lens = [5, 10]
     top_scores_index = torch.tensor([[0, 1, 4, 8, 20, 24, 36], [0, 4, 5, 6, 7, 24, 36]])
     parent_list = torch.tensor(
         [
@@ -40,7 +40,7 @@ def test_build_tree_golden():
         parent_list,
         top_scores_index,
         draft,
-        torch.tensor(prefix_lens),
+        torch.tensor(committed_lens),
         4,
         4,
         8,
@@ -197,10 +197,10 @@ def test_chain_tree_equals_the_general_construction(steps):
 
     bs = 3
     record = run_draft_loop(bs, 1, steps, 30, seed=steps)
-    bonus, prefix_lens = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 17])
+    bonus, committed_lens = torch.tensor([1, 2, 3]), torch.tensor([4, 9, 17])
     top, draft_tokens, parent_list = organize_draft(record, steps + 1, 1, steps)
-    general = build_tree(bonus, parent_list, top, draft_tokens, prefix_lens, 1, steps, steps + 1)
-    chain = tree_from_draft(record, bonus, prefix_lens, DraftShape(1, steps, steps + 1))
+    general = build_tree(bonus, parent_list, top, draft_tokens, committed_lens, 1, steps, steps + 1)
+    chain = tree_from_draft(record, bonus, committed_lens, DraftShape(1, steps, steps + 1))
     for name in (
         "tokens",
         "positions",

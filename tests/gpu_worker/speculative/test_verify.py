@@ -109,7 +109,7 @@ def replicate(tree: DraftTree, copies: int) -> DraftTree:
 def test_spec_sampling_matches_target_distribution(duplicate_siblings):
     vocab, topk, steps, nd, draws = 6, 2, 2, 5, 40000
     gen = torch.Generator().manual_seed(7)
-    base = random_tree(1, topk, steps, nd, vocab=vocab, seed=5, prefix_lens=[1])
+    base = random_tree(1, topk, steps, nd, vocab=vocab, seed=5, committed_lens=[1])
     assert int(base.depth.max()) == 2  # a 2-level tree
     if duplicate_siblings:  # exactness must not depend on distinct sibling tokens
         tokens = base.tokens.clone()

@@ -48,13 +48,13 @@ def random_tree(
     num_draft_tokens: int,
     vocab: int = 50,
     seed: int = 0,
-    prefix_lens: list[int] | None = None,
+    committed_lens: list[int] | None = None,
     sharpness: float = 1.0,
 ) -> DraftTree:
     """A tree built through the real draft bookkeeping from a fake draft."""
     record = run_draft_loop(bs, topk, num_steps, vocab, seed, sharpness)
     top, draft_tokens, parent_list = organize_draft(record, num_draft_tokens, topk, num_steps)
-    seq = torch.tensor(prefix_lens if prefix_lens is not None else [3 + b for b in range(bs)])
+    seq = torch.tensor(committed_lens if committed_lens is not None else [3 + b for b in range(bs)])
     bonus = torch.arange(bs) + vocab  # never a draft token
     return build_tree(bonus, parent_list, top, draft_tokens, seq, topk, num_steps, num_draft_tokens)
 
