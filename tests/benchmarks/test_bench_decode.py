@@ -52,7 +52,7 @@ def test_cli_writes_table_json_and_roofline(bench, tiny_dir: str, tmp_path, caps
         "--warmup-steps",
         "1",
         "--repeats",
-        "2",
+        "1",
         "--batch-size",
         "1,3",
         "--variants",

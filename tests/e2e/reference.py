@@ -36,11 +36,13 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> lis
 NUM_REQUESTS = 16
 
 
-def _requests(vocab: int, seed: int) -> list[tuple[list[int], int]]:
+def _requests(
+    vocab: int, seed: int, num: int = NUM_REQUESTS, max_new: int = 24
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 24))
-        for _ in range(NUM_REQUESTS)
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, max_new))
+        for _ in range(num)
     ]
 
 
@@ -84,11 +86,17 @@ def _generate_batch(url: str, requests: list[tuple[list[int], int]]) -> list[dic
 
 
 def check_parity(
-    model_dir: str, url: str, vocab: int, seed: int, one_batch: bool = False
+    model_dir: str,
+    url: str,
+    vocab: int,
+    seed: int,
+    one_batch: bool = False,
+    num_requests: int = NUM_REQUESTS,
+    max_new: int = 24,
 ) -> list[dict]:
-    """Greedy outputs of NUM_REQUESTS concurrent requests (separate HTTP requests, or one batch
-    with one_batch) equal transformers'; returns the responses."""
-    requests = _requests(vocab, seed)
+    """Greedy outputs of num_requests concurrent requests of up to max_new new tokens (separate
+    HTTP requests, or one batch with one_batch) equal transformers'; returns the responses."""
+    requests = _requests(vocab, seed, num_requests, max_new)
     outputs = (_generate_batch if one_batch else _generate_all)(url, requests)
     for (ids, max_new), got in zip(requests, outputs, strict=True):
         assert got["output_ids"] == hf_greedy(model_dir, ids, max_new), f"prompt {ids}"

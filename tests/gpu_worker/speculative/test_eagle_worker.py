@@ -220,7 +220,7 @@ def test_triton_backend_gives_the_same_speculative_output(
             backend=backend,
             graph_max_bs=4,
         )
-        runs.append(run_engine(config, prompts, 12))
+        runs.append(run_engine(config, prompts, 8))  # the interpreter takes seconds a step
         if backend == "torch_native":
             assert not calls and not in_place
     assert runs[0] == runs[1]
