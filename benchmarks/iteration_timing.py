@@ -111,7 +111,7 @@ def time_plan(
 
 def spin(replay: Replayer, bs: int, name: str, seconds: float) -> None:
     """Run the plan for `seconds` after printing a marker with this process's id, for a host
-    profiler to attach to (tools/device_bench.sh spec-graphs with PYSPY_S)."""
+    profiler to attach to (`python3 -m benchmarks iteration --pyspy-seconds`)."""
     if seconds <= 0:
         return
     print(f"spinning {name} bs={bs} for {seconds} s in pid {os.getpid()}", flush=True)

@@ -25,7 +25,8 @@ from tests.devices import skip_unless_triton_runs_on
 from tests.engine_loop import drive
 
 # AERIE_SPEC_TEST_DEVICE=cuda runs these tests on the GPU, with the Triton backend and the
-# speculative stages in CUDA graphs (tools/device_bench.sh does); CPU runs them directly.
+# speculative stages in CUDA graphs (`python3 -m benchmarks cuda-tests` does); CPU runs them
+# directly.
 DEVICE = os.environ.get("AERIE_SPEC_TEST_DEVICE", "cpu")
 on_cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU memory budget")
 

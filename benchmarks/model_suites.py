@@ -1,0 +1,152 @@
+"""The suites on the real default model and its shipped drafts: `spec-serving` (plain and
+speculative servers as a user meets them, bench_spec_serving.py) and `mtbench` (the drafts on
+MT-bench at batch 1, bench_speculative.py). On the device the model arrives as two GGUF halves
+over two calls; `--setup` joins them and the suite converts the GGUF once, into the directory
+launch.py takes for the default model (so servers pick its shipped drafts from aerie/drafts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from aerie.default_model import GGUF_FILENAME, default_model_dir
+from benchmarks.runner import PYTHON, Command, Step
+from benchmarks.suites import (
+    Suite,
+    bench,
+    int_list,
+    name_list,
+    number_list,
+    out_file,
+    shape_list,
+)
+
+# Where the device staging script joins the carried halves of the default model's GGUF.
+DEVICE_GGUF = os.path.join("~", "aerie-models", GGUF_FILENAME)
+MT_BENCH = ".device-carry/mt_bench_questions.jsonl"
+HALVES = "model1 and model2 (the model's GGUF halves, a call each)"
+
+
+def real_model_steps(model: str, gguf: str) -> list[Step]:
+    """Convert the joined GGUF into `model` when that holds no model yet."""
+    model, gguf = os.path.expanduser(model), os.path.expanduser(gguf)
+    if os.path.isfile(os.path.join(model, "config.json")) or not os.path.isfile(gguf):
+        return []
+    return [Command([PYTHON, "tools/convert_gguf.py", gguf, model], log="convert_gguf.log")]
+
+
+def add_real_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-path",
+        default=default_model_dir(),
+        help="the real default model (where launch.py looks for it, so servers find its "
+        "shipped drafts in aerie/drafts)",
+    )
+    p.add_argument(
+        "--gguf",
+        default=DEVICE_GGUF,
+        help="the joined GGUF (--setup joins the carried halves), converted into --model-path "
+        "first when that has no config.json",
+    )
+
+
+def add_spec_serving(p: argparse.ArgumentParser) -> None:
+    add_real_model(p)
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=["plain", "eagle3", "eagle3-fixed", "mtp"],
+        help="NAME or NAME=ARGS (bench_spec_serving.py --help)",
+    )
+    p.add_argument("--temperatures", type=number_list, default="0,0.7,1.0", help="comma list")
+    p.add_argument("--concurrency", type=int_list, default="1,16,64,256", help="comma list")
+    p.add_argument(
+        "--num-prompts", type=int, default=0, help="per run (0: max(80, 4 x concurrency))"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per request")
+    p.add_argument("--ignore-eos", action="store_true", help="every request runs to the limit")
+    p.add_argument("--prompts", default=MT_BENCH, help="MT-bench questions (.jsonl)")
+    p.add_argument(
+        "--extra-server-args", default="", help="appended to every server (write it with =)"
+    )
+    p.add_argument("--client-processes", type=int, default=0, help="0: 1, or 4 from 64 streams on")
+    p.add_argument("--no-plot", action="store_true", help="no spec_serving.png")
+    p.add_argument("--timeout-s", type=float, default=570, help="for the whole grid")
+
+
+def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
+    argv = bench(
+        "bench_spec_serving",
+        *("--model-path", os.path.expanduser(args.model_path), "--servers", *args.servers),
+        *("--temperatures", ",".join(args.temperatures)),
+        *("--concurrency", ",".join(map(str, args.concurrency))),
+        *(("--num-prompts", args.num_prompts) if args.num_prompts else ()),
+        *("--max-new-tokens", args.max_new_tokens, "--prompts", args.prompts),
+        *(("--ignore-eos",) if args.ignore_eos else ()),
+        *((f"--extra-server-args={args.extra_server_args}",) if args.extra_server_args else ()),
+        *(("--client-processes", args.client_processes) if args.client_processes else ()),
+        *("--output", out_file(args, "spec_serving.json")),
+        *(() if args.no_plot else ("--plot", out_file(args, "spec_serving.png"))),
+    )
+    steps = real_model_steps(args.model_path, args.gguf)
+    return steps + [Command(argv, "spec_serving.txt", timeout_s=args.timeout_s)]
+
+
+def add_mtbench(p: argparse.ArgumentParser) -> None:
+    add_real_model(p)
+    p.add_argument(
+        "--drafts",
+        default="",
+        help="ALGO=DIR,... (e.g. EAGLE3=~/train/eagle3/draft from the train suite); "
+        "default: the shipped drafts",
+    )
+    p.add_argument(
+        "--shapes",
+        type=shape_list,
+        default="3,1,4 5,1,6 5,4,8 6,8,32 MTP:3,1,4 EAGLE:3,1,4",
+        help="S,topk,ND triples, each optionally ALGO: prefixed",
+    )
+    p.add_argument("--temperatures", type=number_list, default="0", help="comma list")
+    p.add_argument("--greedy-only", default="EAGLE S=3 topk=1 ND=4", help="modes run at T = 0 only")
+    p.add_argument("--turns", type=int, default=2, help="turns asked per question")
+    p.add_argument("--num-prompts", type=int, default=80, help="questions")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="per turn")
+    p.add_argument("--prompts", default=MT_BENCH, help="MT-bench questions (.jsonl)")
+    p.add_argument("--timeout-s", type=float, default=540, help="for the whole run")
+
+
+def plan_mtbench(args: argparse.Namespace) -> list[Step]:
+    pairs = [pair.partition("=") for pair in name_list(args.drafts)]
+    drafts = ",".join(f"{algo}{eq}{os.path.expanduser(path)}" for algo, eq, path in pairs)
+    argv = bench(
+        "bench_speculative",
+        *("--model-path", os.path.expanduser(args.model_path)),
+        *(("--draft-path", drafts) if drafts else ()),
+        *("--shapes", args.shapes, "--temperatures", ",".join(args.temperatures)),
+        *(("--greedy-only", args.greedy_only) if args.greedy_only else ()),
+        *("--prompts", args.prompts, "--num-prompts", args.num_prompts),
+        *("--max-running-requests", 1, "--turns", args.turns),
+        *("--max-new-tokens", args.max_new_tokens),
+        *("--output", out_file(args, "bench_mtbench.json")),
+    )
+    steps = real_model_steps(args.model_path, args.gguf)
+    return steps + [Command(argv, "bench_mtbench.txt", timeout_s=args.timeout_s)]
+
+
+SUITES = [
+    Suite(
+        "spec-serving",
+        "served speculation: plain and speculative servers (shipped drafts in the tree)",
+        add_spec_serving,
+        plan_spec_serving,
+        ("wheels", HALVES, "mt_bench_questions.jsonl"),
+    ),
+    Suite(
+        "mtbench",
+        "the drafts on MT-bench at batch 1",
+        add_mtbench,
+        plan_mtbench,
+        ("wheels", HALVES, "mt_bench_questions.jsonl"),
+    ),
+]
