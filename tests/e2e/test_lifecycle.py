@@ -209,9 +209,9 @@ def test_a_worker_step_longer_than_the_watchdog_timeout_completes(tiny_model_dir
     """A step that outlasts --watchdog-timeout-s is not a stuck worker: its heartbeat thread
     answers meanwhile, the request completes, the server stays up and logs the long step."""
     args, env = _interpreted_triton(tiny_model_dirs)
-    # The step takes about 20 s on a 2-core machine; at a 3 s timeout a heartbeat answered late
-    # under the test suite's own load once shut the server down (503).
-    with Server(*args, "--watchdog-timeout-s", "8", env=env) as server:
+    # The step takes 5-20 s on a 2-core machine, depending on its load: the timeout stays well
+    # under that. (Once, under load, the server answered 503 here; the log tail says why.)
+    with Server(*args, "--watchdog-timeout-s", "3", env=env) as server:
         response = httpx.post(server.url + "/generate", json=_prompt(160), timeout=300)
         assert response.status_code == 200, response.text + server.log_text()[-3000:]
         assert response.json()["meta_info"]["completion_tokens"] == 2
