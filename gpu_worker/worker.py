@@ -223,10 +223,8 @@ class GPUWorker:
     def _launch_speculative(self, plan_id: int, arrays: PlanArrays, rows: torch.Tensor) -> Launched:
         assert self.spec is not None
         want = bool(self.return_logprob[arrays.rows].any())
-        if self.runner.attn_backend.reads_host_lengths:
-            committed_lens_cpu = self.rows.committed_lens[
-                rows
-            ].tolist()  # a device read: the reference
+        if self.runner.attn_backend.reads_host_lengths:  # a device read: the reference
+            committed_lens_cpu = self.rows.committed_lens[rows].tolist()
         else:
             committed_lens_cpu = [0] * arrays.batch_size  # placeholders (see `reads_host_lengths`)
         copy: PendingCopy | None = None
