@@ -39,6 +39,7 @@ import torch
 
 from aerie import codec, endpoints
 from aerie.config import AerieConfig
+from aerie.host_profile import HostProfile
 from aerie.messages import ForwardPlan, Shutdown, StepResult
 from aerie.process import Progress, run_process
 from aerie.step_trace import StepTrace
@@ -103,6 +104,8 @@ class WorkerLoop:
         # AERIE_STEP_TRACE (benchmarks only): rank 0's host timestamps of every step.
         self.trace = StepTrace.from_env(self.name) if rank == 0 else None
         self.worker.trace = self.trace
+        # AERIE_HOST_PROFILE (benchmarks only): rank 0's Python profile over a window of plans.
+        self.host_profile = HostProfile.from_env(self.name) if rank == 0 else None
         on_cuda = self.worker.device.type == "cuda"
         self.clock = StepClock() if self.trace is not None and on_cuda else None
         self.handlers: dict[type, Callable[[Any], None]] = {
@@ -133,6 +136,8 @@ class WorkerLoop:
     def handle_plan(self, plan: ForwardPlan) -> None:
         if self.trace is not None:
             self.trace.mark("plan_in", plan.plan_id)
+        if self.host_profile is not None:
+            self.host_profile.at(plan.plan_id)
         started = time.monotonic()
         self.progress.begin((plan, ON_HOST), started)
         self.forward(plan)
@@ -204,6 +209,8 @@ class WorkerLoop:
                     self.profiler.on_finish()
         if self.trace is not None:
             self.trace.write()
+        if self.host_profile is not None:
+            self.host_profile.write()
         self.inbox.close()
         if self.link is not None:
             self.link.close()

@@ -23,6 +23,7 @@ from typing import Any
 
 from aerie import endpoints
 from aerie.config import AerieConfig
+from aerie.host_profile import HostProfile
 from aerie.messages import (
     AbortRequest,
     DebugQuery,
@@ -111,6 +112,7 @@ class SchedulerLoop:
         self.applied: list[RequestDelta] = []  # from results, sent after the next plan
         self.trace = StepTrace.from_env(self.name)  # AERIE_STEP_TRACE (benchmarks only)
         self.traced_results: list[int] = []  # plan ids of the results behind `applied`
+        self.host_profile = HostProfile.from_env(self.name)  # AERIE_HOST_PROFILE (the same)
         self.running = True
         self.progress = Progress()
         self.stalled = False  # has work, but no plan could be made
@@ -148,6 +150,8 @@ class SchedulerLoop:
         self.running = False
         if self.trace is not None:
             self.trace.write()
+        if self.host_profile is not None:
+            self.host_profile.write()
 
     def dispatch(self, message: Any) -> None:
         handler = self._handlers.get(type(message))
@@ -187,6 +191,8 @@ class SchedulerLoop:
                 mode = "speculate" if plan.mode == "decode" and plan.speculate else plan.mode
                 self.trace.plan(plan.plan_id, mode, len(plan.rows) // 4)  # int32 rows
             self.to_worker.send(plan)
+            if self.host_profile is not None:
+                self.host_profile.at(plan.plan_id)
         queued = self.core.take_deltas()
         self.applied.extend(queued.deltas if queued is not None else [])
         if self.applied:

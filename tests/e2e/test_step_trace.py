@@ -1,5 +1,6 @@
 """AERIE_STEP_TRACE in a launched server: the scheduler and the GPU worker each write their
-events, and the summary walks complete chains of overlapped decode steps from them."""
+events, and the summary walks complete chains of overlapped decode steps from them. The same
+server runs AERIE_HOST_PROFILE over a few early plans: both processes write their profiles."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ pytestmark = pytest.mark.e2e
 
 def test_a_traced_server_writes_every_link_of_its_decode_steps(tiny_model_dirs, tmp_path):
     trace_dir = tmp_path / "trace"
-    env = {"AERIE_STEP_TRACE": f"1,1000,{trace_dir}"}  # past the run: written at shutdown
+    profile_dir = tmp_path / "profile"
+    env = {
+        "AERIE_STEP_TRACE": f"1,1000,{trace_dir}",  # past the run: written at shutdown
+        "AERIE_HOST_PROFILE": f"2,4,{profile_dir}",  # written at plan 6
+    }
     with Server("--model-path", tiny_model_dirs["llama"], env=env) as server:
         body = {"sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
 
@@ -28,6 +33,9 @@ def test_a_traced_server_writes_every_link_of_its_decode_steps(tiny_model_dirs, 
             assert list(pool.map(generate, range(8))) == [24] * 8
         server.stop()
     assert sorted(p.name for p in trace_dir.iterdir()) == ["gpu_worker.json", "scheduler.json"]
+    for process, function in (("gpu_worker", "(launch)"), ("scheduler", "(next_plan)")):
+        assert (profile_dir / f"{process}.pstats").stat().st_size > 0
+        assert function in (profile_dir / f"{process}.txt").read_text()
     events, plans = load(str(trace_dir))
     assert {mode for mode, _ in plans.values()} == {"extend", "decode"}
     rows = step_chains(events, plans, "decode")

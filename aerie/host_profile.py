@@ -1,0 +1,92 @@
+"""`HostProfile`: where a served step's host time goes, function by function (benchmarks and
+diagnosis only; off unless the variable is set).
+
+Set `AERIE_HOST_PROFILE=FIRST,COUNT,DIR` in a launched server's environment: the scheduler and
+the GPU worker (rank 0) run Python's deterministic profiler (cProfile) from plan FIRST to plan
+FIRST+COUNT (the scheduler's plan ids) and each writes `DIR/<process>.pstats` and a text
+summary `DIR/<process>.txt`: the functions by own time and by cumulative time, in
+microseconds and calls per plan, so one step's work reads off directly.
+
+A sampling profiler (py-spy) would not slow what it measures, but it does not attach to every
+process (it failed on the GPU worker on the lent machines), and it cannot count calls. The
+deterministic profiler costs about a microsecond per Python call, so its times read high for
+code made of many small calls; the call counts per plan are exact. Compare profiled runs with
+profiled runs only, and take timings from `AERIE_STEP_TRACE`.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import logging
+import os
+import pstats
+
+log = logging.getLogger(__name__)
+
+ENV = "AERIE_HOST_PROFILE"
+TOP = 45  # functions listed per ordering in the text summary
+
+
+class HostProfile:
+    def __init__(self, process: str, first: int, count: int, directory: str) -> None:
+        if first < 1 or count < 1:
+            raise ValueError(f"{ENV}: FIRST and COUNT must be >= 1")
+        self.process, self.directory = process, directory
+        self.first, self.end, self.count = first, first + count, count
+        self.profiler: cProfile.Profile | None = None
+        self.written = False
+
+    @classmethod
+    def from_env(cls, process: str) -> HostProfile | None:
+        """The profile `AERIE_HOST_PROFILE` asks for, or None when it is not set."""
+        value = os.environ.get(ENV)
+        if not value:
+            return None
+        try:
+            first, count, directory = value.split(",", 2)
+            profile = cls(process, int(first), int(count), directory)
+        except ValueError as e:
+            raise ValueError(f"{ENV}={value!r}: expected FIRST,COUNT,DIR ({e})") from None
+        os.makedirs(directory, exist_ok=True)
+        return profile
+
+    def at(self, plan_id: int) -> None:
+        """The process has reached plan `plan_id`: profiling starts at FIRST and ends (the
+        files written, once) at the first plan past the window."""
+        if self.written or plan_id < self.first:
+            return
+        if plan_id >= self.end:
+            self.write()
+        elif self.profiler is None:
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+
+    def write(self) -> None:
+        """Stop and write what was profiled (once; nothing when the window never opened)."""
+        if self.written or self.profiler is None:
+            return
+        self.written = True
+        self.profiler.disable()
+        base = os.path.join(self.directory, self.process)
+        self.profiler.dump_stats(base + ".pstats")
+        with open(base + ".txt", "w") as f:
+            f.write(summary(pstats.Stats(self.profiler), self.count))
+        log.info("host profile of %d plans written to %s.{pstats,txt}", self.count, base)
+
+
+def summary(stats: pstats.Stats, plans: int) -> str:
+    """The top functions by own and by cumulative time, per plan."""
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = f"{os.path.basename(path)}:{line}" if line else path
+        rows.append((own, cumulative, calls, f"{where}({name})"))
+    out = io.StringIO()
+    total = sum(row[0] for row in rows)
+    out.write(f"{plans} plans, {total / plans * 1e6:.1f} us of profiled host time per plan\n")
+    for title, key in (("own time", 0), ("cumulative time", 1)):
+        out.write(f"\nby {title}: us/plan (own, cumulative), calls/plan, function\n")
+        for own, cumulative, calls, name in sorted(rows, key=lambda r: -r[key])[:TOP]:
+            per = 1e6 / plans
+            out.write(f"{own * per:9.1f} {cumulative * per:9.1f} {calls / plans:8.2f}  {name}\n")
+    return out.getvalue()
