@@ -309,7 +309,10 @@ class Bench:
         log_path = os.path.join(self.log_dir, f"{setting.name}.log")
         self.say(f"{setting.name}: starting `{entry['command']}` (log {log_path})")
         try:
-            server = LaunchedServer(cmd, log_path, args.startup_timeout_s)
+            env = server_env(args.server_env, setting.name)
+            if env:
+                entry["env"] = env
+            server = LaunchedServer(cmd, log_path, args.startup_timeout_s, env)
         except LaunchError as e:
             entry["error"] = str(e)
             self.save()
@@ -430,6 +433,18 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def server_env(items: list[str], server: str) -> dict[str, str]:
+    """--server-env KEY=VALUE items as a dict, "{server}" in a value replaced by the server's
+    name (so each server writes its own AERIE_STEP_TRACE or AERIE_HOST_PROFILE files)."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--server-env: expected KEY=VALUE, got {item!r}")
+        env[key] = value.replace("{server}", server)
+    return env
+
+
 def default_num_prompts(args: argparse.Namespace, concurrency: int) -> int:
     """Requests in a run at this concurrency: --num-prompts, else enough for a steady state."""
     return args.num_prompts or max(80, PROMPTS_PER_STREAM * concurrency)
@@ -454,6 +469,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="every request runs to the limit")
     p.add_argument("--prompts", help="MT-bench questions (.jsonl); default: " + DEFAULT_PROMPTS)
     p.add_argument("--extra-server-args", default="", help="appended to every server's command")
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for every server (repeatable); {server} in VALUE is the server's name",
+    )
     p.add_argument("--port", type=int, default=30000, help="0: any free port")
     p.add_argument("--output", default="results.json")
     p.add_argument("--plot", metavar="PNG", help="ratios and acceptance (needs matplotlib)")

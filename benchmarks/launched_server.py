@@ -29,7 +29,10 @@ class LaunchError(RuntimeError):
 class LaunchedServer:
     """`python launch.py ...` in the repository, its output in `log_path`; `url` once healthy."""
 
-    def __init__(self, cmd: list[str], log_path: str, timeout_s: float) -> None:
+    def __init__(
+        self, cmd: list[str], log_path: str, timeout_s: float, env: dict[str, str] | None = None
+    ) -> None:
+        """env: more environment for the server's processes."""
         self.log_path = log_path
         self.url = ""
         port = int(cmd[cmd.index("--port") + 1])
@@ -39,7 +42,7 @@ class LaunchedServer:
                     raise LaunchError(f"something already listens on port {p}: pass --port")
         # NOTE: a key in the environment would make the server refuse this client; it serves
         # loopback only, so none is needed.
-        env = {k: v for k, v in os.environ.items() if k != "AERIE_API_KEY"}
+        env = {**{k: v for k, v in os.environ.items() if k != "AERIE_API_KEY"}, **(env or {})}
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env

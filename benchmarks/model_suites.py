@@ -11,7 +11,7 @@ import argparse
 import os
 
 from aerie.default_model import GGUF_FILENAME, default_model_dir
-from benchmarks.runner import PYTHON, Command, Step
+from benchmarks.runner import PYTHON, Command, Step, SuiteError
 from benchmarks.suites import (
     Suite,
     bench,
@@ -73,9 +73,46 @@ def add_spec_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-processes", type=int, default=0, help="0: 1, or 4 from 64 streams on")
     p.add_argument("--no-plot", action="store_true", help="no spec_serving.png")
     p.add_argument("--timeout-s", type=float, default=570, help="for the whole grid")
+    p.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="AERIE_STEP_TRACE on every server (into ~/trace_NAME), then each summarised "
+        "(trace_NAME_MODE.json: plain steps and speculative iterations, at the smallest "
+        "concurrency)",
+    )
+    p.add_argument(
+        "--host-profile",
+        metavar="FIRST,COUNT",
+        help="AERIE_HOST_PROFILE of plans FIRST .. FIRST+COUNT-1 on every server "
+        "(profile_NAME/{gpu_worker,scheduler}.txt in --out)",
+    )
+
+
+def server_names(servers: list[str]) -> list[str]:
+    """The names bench_spec_serving.py gives its servers: plain first, then NAME of NAME=ARGS."""
+    names = [item.partition("=")[0] for item in servers]
+    return ["plain", *(name for name in names if name != "plain")]
 
 
 def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
+    env, summaries = [], []
+    if args.step_trace:
+        traces = os.path.join(os.path.expanduser("~"), "trace_{server}")  # large: not in --out
+        env += ["--server-env", f"AERIE_STEP_TRACE=1,10000000,{traces}"]
+        batch = str(min(args.concurrency))
+        for name in server_names(args.servers):
+            trace = traces.replace("{server}", name)
+            for mode in ("decode", "speculate"):
+                summary = out_file(args, f"trace_{name}_{mode}.json")
+                argv = [PYTHON, "tools/step_trace_summary.py", trace, "--mode", mode]
+                argv += ["--batch-size", batch, "--json", summary]
+                summaries.append(Command(argv, f"trace_{name}_{mode}.txt"))
+    if args.host_profile:
+        first, _, count = args.host_profile.partition(",")
+        if not (first.isdigit() and count.isdigit()):
+            raise SuiteError(f"--host-profile takes FIRST,COUNT, not {args.host_profile!r}")
+        profiles = out_file(args, "profile_{server}")
+        env += ["--server-env", f"AERIE_HOST_PROFILE={first},{count},{profiles}"]
     argv = bench(
         "bench_spec_serving",
         *("--model-path", os.path.expanduser(args.model_path), "--servers", *args.servers),
@@ -88,9 +125,10 @@ def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
         *(("--client-processes", args.client_processes) if args.client_processes else ()),
         *("--output", out_file(args, "spec_serving.json")),
         *(() if args.no_plot else ("--plot", out_file(args, "spec_serving.png"))),
+        *env,
     )
     steps = real_model_steps(args.model_path, args.gguf)
-    return steps + [Command(argv, "spec_serving.txt", timeout_s=args.timeout_s)]
+    return [*steps, Command(argv, "spec_serving.txt", timeout_s=args.timeout_s), *summaries]
 
 
 def add_mtbench(p: argparse.ArgumentParser) -> None:

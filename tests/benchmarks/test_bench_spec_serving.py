@@ -101,6 +101,13 @@ def test_servers_take_builtin_names_and_custom_settings_with_plain_first():
     assert default.temperatures == [0.0, 0.7] and default.concurrency == [1, 16, 64, 256]
 
 
+def test_server_env_names_each_server_and_rejects_a_bare_key():
+    env = bench.server_env(["AERIE_HOST_PROFILE=5,10,/out/{server}", "X=a=b"], "eagle3")
+    assert env == {"AERIE_HOST_PROFILE": "5,10,/out/eagle3", "X": "a=b"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench.server_env(["AERIE_STEP_TRACE"], "plain")
+
+
 def test_a_run_sends_several_requests_per_stream_unless_told():
     default = bench.parse_args([])
     assert [bench.default_num_prompts(default, c) for c in (1, 16, 64, 256)] == [80, 80, 256, 1024]
@@ -215,9 +222,15 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
             " ".join(device_args()),
             "--output",
             str(out),
+            "--server-env",
+            f"AERIE_STEP_TRACE=1,100000,{tmp_path}/trace_{{server}}",
         ]
     )
     report = json.loads(out.read_text())
+    for name in ("plain", "spec"):  # each server traced into its own directory
+        trace = tmp_path / f"trace_{name}"
+        assert report["servers"][name]["env"] == {"AERIE_STEP_TRACE": f"1,100000,{trace}"}
+        assert sorted(p.name for p in trace.iterdir()) == ["gpu_worker.json", "scheduler.json"]
     assert report["machine"] and len(report["date"]) == 10
     assert set(report["servers"]) == {"plain", "spec"}
     for server in report["servers"].values():

@@ -171,6 +171,27 @@ def test_spec_serving_converts_the_joined_gguf_first_and_passes_the_grid(capsys,
     assert "tools/convert_gguf.py" not in dry_run(capsys, tmp_path, *argv)[1]
 
 
+def test_spec_serving_traces_and_profiles_each_server_apart(capsys, tmp_path):
+    model = tmp_path / "model"
+    (model / "config.json").parent.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = ["spec-serving", "--model-path", str(model), "--servers", "eagle3-fixed", "s5=--x 5"]
+    commands = dry_run(capsys, tmp_path, *argv, "--concurrency", "16,1", "--step-trace")
+    bench, summaries = commands[1], commands[2:]
+    home = os.path.expanduser("~")
+    assert flag(bench, "--server-env") == f"AERIE_STEP_TRACE=1,10000000,{home}/trace_{{server}}"
+    assert [(c[2], flag(c, "--mode"), flag(c, "--batch-size")) for c in summaries] == [
+        (f"{home}/trace_{name}", mode, "1")
+        for name in ("plain", "eagle3-fixed", "s5")
+        for mode in ("decode", "speculate")
+    ]
+    bench = dry_run(capsys, tmp_path, *argv, "--host-profile", "500,200")[1]
+    assert flag(bench, "--server-env").startswith("AERIE_HOST_PROFILE=500,200,")
+    assert flag(bench, "--server-env").endswith("/profile_{server}")
+    with pytest.raises(SystemExit):
+        dry_run(capsys, tmp_path, *argv, "--host-profile", "500")
+
+
 def test_mtbench_and_train_step_and_kernels_pass_their_flags(capsys, tmp_path):
     model = tmp_path / "model"
     argv = ["mtbench", "--model-path", str(model), "--drafts", "EAGLE3=~/eagle3,MTP=/d/mtp"]
