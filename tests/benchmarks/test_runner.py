@@ -159,11 +159,14 @@ def test_spec_serving_converts_the_joined_gguf_first_and_passes_the_grid(capsys,
     gguf.write_bytes(b"GGUF")
     argv = ["spec-serving", "--model-path", str(model), "--gguf", str(gguf)]
     argv += ["--servers", "plain", "eagle3", "--temperatures", "0,1.0", "--concurrency", "1,16"]
-    commands = dry_run(capsys, tmp_path, *argv, "--extra-server-args=--cuda-graph-max-bs 8")
+    commands = dry_run(
+        capsys, tmp_path, *argv, "--turns", "1,2", "--extra-server-args=--cuda-graph-max-bs 8"
+    )
     assert commands[1] == [PYTHON, "tools/convert_gguf.py", str(gguf), str(model)]
     bench = commands[2]
     assert bench[bench.index("--servers") + 1 : bench.index("--servers") + 3] == ["plain", "eagle3"]
     assert flag(bench, "--temperatures") == "0,1.0" and flag(bench, "--concurrency") == "1,16"
+    assert flag(bench, "--turns") == "1,2"
     assert "--extra-server-args=--cuda-graph-max-bs 8" in bench
     assert flag(bench, "--plot").endswith("spec_serving.png")
     (model / "config.json").parent.mkdir()

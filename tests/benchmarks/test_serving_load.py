@@ -141,14 +141,18 @@ def test_client_reads_events_split_anywhere_and_reuses_the_connection():
             pool = ConnectionPool(server.url)
             first = await send_request(pool, payload(chunked_sse(events, split=7)))
             second = await send_request(pool, payload(chunked_sse(events, split=0)))
+            kept = Payload("/generate", {"script": chunked_sse(events, split=3)}, 1, True)
+            third = await send_request(pool, kept)
             pool.close()
-            return first, second
+            return first, second, third
 
         results = uvloop.run(run())
         assert server.connections == 1
     for result in results:
         assert result.success and not result.error
         assert result.output_len == 5 and result.itl_tokens == [1, 3] and len(result.itl) == 2
+    # The last event's output ids (cumulative), kept only when the payload asks.
+    assert [r.output_ids for r in results] == [[], [], [0, 1, 2, 3, 4]]
 
 
 def test_client_reads_a_content_length_body_and_reports_errors():

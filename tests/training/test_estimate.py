@@ -196,15 +196,19 @@ def test_a_shorter_chain_is_estimated_as_a_draft_of_that_depth(bigram_target, gr
 
 def test_repeated_share_counts_tokens_that_close_an_earlier_ngram():
     """Response [1 2 3 1 2 3 4] after a 2-token prompt, trigrams: (1 2 3) comes back once, so 1
-    of 7 response tokens repeats; a prompt's n-grams do not count."""
-    from training.estimate import repeated_share
+    of 7 response tokens repeats; a prompt's n-grams do not count, nor another response's."""
+    from training.estimate import answers_repeated_share
+    from training.repetition import repeated_share
 
     data = TokenFile.from_sequences([[1, 2, 1, 2, 3, 1, 2, 3, 4], [5, 6, 7, 8]], [2, 1])
-    assert repeated_share(data, np.array([0]), n=3) == pytest.approx(1 / 7)
-    assert repeated_share(data, np.array([1]), n=3) == 0.0
-    assert repeated_share(data, np.array([0, 1]), n=3) == pytest.approx(1 / 10)
+    assert answers_repeated_share(data, np.array([0]), n=3) == pytest.approx(1 / 7)
+    assert answers_repeated_share(data, np.array([1]), n=3) == 0.0
+    assert answers_repeated_share(data, np.array([0, 1]), n=3) == pytest.approx(1 / 10)
     echo = TokenFile.from_sequences([[1, 2, 3, 1, 2, 3, 4]], [3])  # the prompt's trigram again
-    assert repeated_share(echo, np.array([0]), n=3) == 0.0
+    assert answers_repeated_share(echo, np.array([0]), n=3) == 0.0
+    assert repeated_share([[1, 2, 3], [1, 2, 3]], n=3) == 0.0  # each response on its own
+    assert repeated_share([[7] * 5], n=2) == pytest.approx(3 / 5)
+    assert repeated_share([]) == 0.0
 
 
 def test_estimate_walks_the_answers_asked_for(bigram_target, greedy_data, trained, tmp_path):
