@@ -93,7 +93,15 @@ async def wait_all_or_abort(
         gone.cancel()
         if not done.done():
             done.cancel()
+            # A cancelled gather ends holding a CancelledError, which asyncio logs as "exception
+            # was never retrieved" once the future is collected unless someone reads it.
+            done.add_done_callback(read_outcome)
         frontend.abort_unfinished(states)
+
+
+def read_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def sse(data: Any) -> str:

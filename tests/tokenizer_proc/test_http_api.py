@@ -208,3 +208,44 @@ def test_health_turns_503_as_soon_as_an_engine_process_is_gone(live):
     r = httpx.post(server.url + "/generate", json={"input_ids": [5]})
     assert r.status_code == 503  # and new requests are refused, not left hanging
     victim.wait()
+
+
+def test_a_client_gone_mid_request_aborts_it_and_leaves_no_unretrieved_error():
+    """The waits of a request whose client disconnects are cancelled: the requests are aborted,
+    and no "exception was never retrieved" is logged once the cancelled wait is collected (the
+    soak's tokenizer log showed one per disconnected client)."""
+    import asyncio
+    import gc
+
+    from tokenizer_proc.http_api import wait_all_or_abort
+
+    class State:
+        async def wait_finished(self) -> None:
+            await asyncio.sleep(60)
+
+    class Request:
+        async def receive(self) -> dict:
+            await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+    class Frontend:
+        aborted: list = []
+
+        def abort_unfinished(self, states: list) -> None:
+            self.aborted.extend(states)
+
+    async def run() -> tuple[bool, list, list]:
+        loop = asyncio.get_running_loop()
+        logged: list = []
+        loop.set_exception_handler(lambda _, context: logged.append(context["message"]))
+        states, frontend = [State(), State()], Frontend()
+        finished = await wait_all_or_abort(frontend, Request(), states)
+        for _ in range(3):  # the cancellation runs its callbacks, then the wait is collected
+            await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+        return finished, frontend.aborted == states, logged
+
+    finished, aborted, logged = asyncio.run(run())
+    assert not finished and aborted
+    assert logged == []
