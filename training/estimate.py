@@ -10,12 +10,14 @@ iteration starts that many positions later. On the same sequence and the same we
 gives exactly the served accept lengths of batch-1 greedy decoding (a test checks it).
 
     python3 -m training estimate eagle3 --model DIR --draft DIR --data FILE [--depth 5]
-        [--answers all|ended|cut]
+        [--answers all|ended|cut] [--response-tokens 256]
 
 It also reports how much of the chosen answers repeats itself (`repeated_share`): a small target
 decoding greedily often loops late in a long answer, and a loop is easy for any draft to
 predict, so accept lengths over long answers depend on it. `--answers ended` or `cut` walks only
-the answers that ended by a stop token, or only those cut at the token limit.
+the answers that ended by a stop token, or only those cut at the token limit;
+`--response-tokens 256` walks only each answer's first 256 tokens, as the served benchmark
+(`benchmarks/bench_spec_serving.py`, 256 new tokens a request) serves them.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class EstimateConfig:
     max_len: int = 2048
     device: str = "auto"
     answers: str = "all"  # all | ended (by a stop token) | cut (at the token limit): `finished`
+    # Walk only each answer's first N tokens (0: all), as a server cutting answers at
+    # max_new_tokens = N would serve them; the repeated share covers the same tokens.
+    response_tokens: int = 0
 
 
 def walk(run: np.ndarray, first: int, last: int) -> list[int]:
@@ -79,6 +84,7 @@ def estimate_accept_length(
     depth: int,
     tokens_per_batch: int,
     max_len: int,
+    response_tokens: int = 0,
 ) -> dict:
     """The walked greedy chain accept length of `depth` draft steps (at most the recipe's)
     over the sequences at `indices`, and P(accept length >= k + 1) for k = 1..depth."""
@@ -92,7 +98,7 @@ def estimate_accept_length(
             with torch.autocast(target.device.type, torch.bfloat16, target.device.type == "cuda"):
                 agree = recipe.chain_agreement(rows, teacher, depth)
             run = chain_runs(agree, depth).reshape(rows.shape).cpu().numpy()
-            accepts += walk_rows(rows, run, depth)
+            accepts += walk_rows(rows, run, depth, response_tokens)
     finally:
         recipe.training = True
     counts = np.bincount(np.asarray(accepts, dtype=np.int64), minlength=depth + 2)
@@ -106,19 +112,28 @@ def estimate_accept_length(
     }
 
 
-def walk_rows(rows: Rows, run: np.ndarray, depth: int) -> list[int]:
+def walk_rows(rows: Rows, run: np.ndarray, depth: int, response_tokens: int = 0) -> list[int]:
     """The walked accept lengths of every row (run [B, T] from `chain_runs`): a chain after t
-    compares its last step with the token at t + depth + 1, which must exist."""
+    compares its last step with the token at t + depth + 1, which must exist. With
+    response_tokens N > 0 only the iterations that start inside the first N response tokens
+    are walked (the last may run past them, as a served iteration runs past max_new_tokens)."""
     out: list[int] = []
     for r in range(rows.shape[0]):
         length, prompt = int(rows.lengths[r]), int(rows.prompt_lens[r])
-        out += walk(run[r], prompt - 1, length - depth - 2)
+        last = length - depth - 2
+        if response_tokens > 0:
+            last = min(last, prompt + response_tokens - 2)
+        out += walk(run[r], prompt - 1, last)
     return out
 
 
-def answers_repeated_share(data: TokenFile, indices: np.ndarray, n: int = REPEAT_NGRAM) -> float:
-    """`repeated_share` of the response tokens of the sequences at `indices`."""
-    responses = (data.sequence(int(i))[int(data.prompt_lens[i]) :].tolist() for i in indices)
+def answers_repeated_share(
+    data: TokenFile, indices: np.ndarray, n: int = REPEAT_NGRAM, response_tokens: int = 0
+) -> float:
+    """`repeated_share` of the response tokens of the sequences at `indices` (the first
+    response_tokens of each when > 0)."""
+    end = response_tokens or None
+    responses = (data.sequence(int(i))[int(data.prompt_lens[i]) :][:end].tolist() for i in indices)
     return repeated_share(responses, n)
 
 
@@ -129,9 +144,11 @@ def describe_estimate(result: dict) -> str:
         f"P(accept >= k+1) for k=1..S: {at_least}; {result['iterations']} iterations)"
     )
     if "repeated_share" in result:
+        cut = result.get("response_tokens")
         text += (
-            f"; {result['sequences']} answers ({result['answers']}), "
-            f"{100 * result['repeated_share']:.1f}% of their tokens repeat an earlier "
+            f"; {result['sequences']} answers ({result['answers']}"
+            + (f", first {cut} tokens" if cut else "")
+            + f"), {100 * result['repeated_share']:.1f}% of their tokens repeat an earlier "
             f"{REPEAT_NGRAM}-gram of the same answer"
         )
     return text
@@ -174,12 +191,17 @@ def estimate(cfg: EstimateConfig) -> dict:
             depth = int(json.load(f).get("num_nextn_predict_layers") or 0)
     depth = depth or DEFAULT_ESTIMATE_DEPTH
     recipe = build_recipe(cfg.algorithm, target, data, depth, init_from=cfg.draft)
+    if cfg.response_tokens < 0:
+        raise ValueError(f"--response-tokens must be >= 0, not {cfg.response_tokens}")
     result = estimate_accept_length(
-        recipe, target, data, indices, depth, cfg.tokens_per_batch, cfg.max_len
+        recipe, target, data, indices, depth, cfg.tokens_per_batch, cfg.max_len, cfg.response_tokens
     )
     return {
         **result,
         "answers": cfg.answers,
+        "response_tokens": cfg.response_tokens,
         "sequences": len(indices),
-        "repeated_share": answers_repeated_share(data, indices),
+        "repeated_share": answers_repeated_share(
+            data, indices, response_tokens=cfg.response_tokens
+        ),
     }

@@ -83,3 +83,7 @@ def test_rows_are_walked_from_the_end_of_their_prompt():
     rows = Rows(torch.zeros(1, 10, dtype=torch.int64), torch.tensor([10]), torch.tensor([3]))
     run = np.array([[9, 9, 2, 0, 0, 1, 2, 0, 0, 0]])
     assert walk_rows(rows, run, depth=2) == [3, 2]  # t = 2, then 5, then 7 > 6
+    # the first 3 response tokens (positions 3..5): iterations start at t <= 3 + 3 - 2 = 4
+    assert walk_rows(rows, run, depth=2, response_tokens=3) == [3]
+    assert walk_rows(rows, run, depth=2, response_tokens=1) == [3]  # t = 2 holds token 3
+    assert walk_rows(rows, run, depth=2, response_tokens=100) == [3, 2]

@@ -206,6 +206,9 @@ def test_repeated_share_counts_tokens_that_close_an_earlier_ngram():
     assert answers_repeated_share(data, np.array([0, 1]), n=3) == pytest.approx(1 / 10)
     echo = TokenFile.from_sequences([[1, 2, 3, 1, 2, 3, 4]], [3])  # the prompt's trigram again
     assert answers_repeated_share(echo, np.array([0]), n=3) == 0.0
+    # the first 5 response tokens [1 2 3 1 2] hold no repeated trigram; 6 hold (1 2 3) again
+    assert answers_repeated_share(data, np.array([0]), n=3, response_tokens=5) == 0.0
+    assert answers_repeated_share(data, np.array([0]), n=3, response_tokens=6) == 1 / 6
     assert repeated_share([[1, 2, 3], [1, 2, 3]], n=3) == 0.0  # each response on its own
     assert repeated_share([[7] * 5], n=2) == pytest.approx(3 / 5)
     assert repeated_share([]) == 0.0
@@ -247,6 +250,20 @@ def test_estimate_walks_the_answers_asked_for(bigram_target, greedy_data, traine
     walked = {a: r["accept_length"] * r["iterations"] for a, r in results.items()}
     assert walked["ended"] + walked["cut"] == pytest.approx(walked["all"])
     assert 0.0 <= results["all"]["repeated_share"] <= 1.0
+    # The first 4 tokens of each answer: at most 4 iterations an answer, fewer in all.
+    first = estimate(
+        EstimateConfig(
+            "eagle3",
+            bigram_target,
+            trained["eagle3"]["draft"],
+            marked,
+            depth=2,
+            device="cpu",
+            response_tokens=4,
+        )
+    )
+    assert first["sequences"] == len(dev) and first["response_tokens"] == 4
+    assert len(dev) <= first["iterations"] <= 4 * len(dev) < every
 
 
 def test_estimate_refuses_answers_it_cannot_choose(greedy_data, tmp_path, capsys):
