@@ -1,60 +1,9 @@
 """The external ZMQ frontend: a ROUTER socket that serves `aerie.client` (DEALER) peers.
 
-Wire protocol (plain msgpack maps, never pickle; one frame per message on the DEALER side):
-
-    client -> server  {"op": "generate", "req_id": <int|str>, "body": <a /generate body>,
-                       "api_key": <str, when the server has a key>}
-                      {"op": "abort", "req_id": <int|str>}
-    server -> client  {"req_id": ..., "event": "delta", "data": <delta dict>}   (stream only)
-                      {"req_id": ..., "event": "done",  "data": <the /generate response>}
-                      {"req_id": ..., "event": "error", "data": {"message", "param", "code"}}
-                      {"req_id": None, "event": "ping"}   (liveness probe; clients ignore it)
-
-A delta dict is INCREMENTAL: `text` / `output_ids` (and `meta_info.output_token_logprobs` with
-return_logprob) hold only what is new; `meta_info` is otherwise current, and the last delta's
-`meta_info.finish_reason` is set. A batch body adds `"index"` to each delta. `done` carries
-the same dict (or list, for a batch) as POST /generate. `code` is an HTTP-like status
-(400 bad request, 401 missing or wrong api_key, 429 too many unfinished requests on this
-connection, 503 draining / not ready / overloaded).
-With --zmq-curve the socket is a CURVE server (clients pass its public key); frames larger
-than --max-request-bytes make libzmq drop the connection before buffering them.
-
-req_ids are scoped per client connection, and so are the `rid`s a client puts in bodies (the
-engine keys requests on ids of its own). Every frame is checked field by field before use
-(`client_messages`); anything malformed gets an error reply (req_id None when none could be
-read), and nothing a client sends can end the receive loop.
-
-Limits, so that a flood costs the flooder and not everyone else (CURVE changes none of this:
-anyone holding the server's public key reaches the same loop):
-- The receive loop handles at most `RECV_BATCH` frames, then yields to the event loop, so HTTP
-  and running requests are served between batches however fast frames arrive.
-- Each connection queues at most `RECV_HWM` frames in libzmq (each at most
-  --max-request-bytes); beyond that libzmq stops reading it, and TCP makes the client wait.
-  Fair queuing across connections serves other clients in between. The number of connections
-  is not bounded here: put the port behind a firewall or a proxy that limits them.
-- A frame is refused before any work: the envelope is scanned without building the body, and
-  a generate without the key is refused before its body is read (aborts need no key: they only
-  reach the requests of their own connection).
-- A connection may have --max-zmq-requests-per-connection generates unfinished; one more gets
-  a 429 error.
-- Error replies (400, 401, 429) come from a per-connection budget (`zmq_limits`: a burst of 64,
-  then 64 a second); beyond it the frame is dropped unanswered. Warnings about frames are
-  aggregated: one line per interval, not one per frame.
-- Each connection has at most `SEND_HWM` replies queued (after what its TCP buffers hold). A
-  client that leaves that many unread is treated as gone: its requests are aborted and replies
-  that do not fit are dropped (ROUTER cannot close one peer's connection).
-
-The ROUTER socket has one owner, the asyncio integration of zmq.asyncio: every receive and
-every send goes through it. (Sending through a blocking shadow of the same socket consumes the
-edge-triggered readiness notification the asyncio side waits for, so messages could sit unread
-until another peer sent something.)
-
-A client that disconnects has all its requests aborted. Detection: the ROUTER is
-ROUTER_MANDATORY, so a send to a peer whose connection is gone fails with EHOSTUNREACH; every
-`PROBE_INTERVAL_S` each client with requests in flight is sent a ping, so a silent
-non-streaming request is noticed too. ZMTP heartbeats close connections to peers that vanished
-without closing TCP. (ROUTER_NOTIFY would be neater but is
-a libzmq draft API, absent from the pyzmq wheels.)
+Its wire protocol, its limits and how it notices a client that went away are in
+`docs/serving.md`, "The ZMQ protocol". The ROUTER socket has one owner, the asyncio
+integration of zmq.asyncio: every receive and every send goes through it (a blocking shadow
+of the socket would consume the edge-triggered readiness the asyncio side waits for).
 """
 
 from __future__ import annotations
