@@ -15,6 +15,7 @@ import numpy as np
 
 from aerie.codec import pack_ids
 from aerie.messages import ForwardPlan, RequestStart
+from aerie.plans import decode_plan, extend_plan
 from scheduler_proc.request import Request
 
 
@@ -38,39 +39,18 @@ def _take_starts(requests: list[Request]) -> list[RequestStart]:
     return starts
 
 
-def _slot_columns(assigned: list[tuple[int, np.ndarray]]) -> dict[str, bytes]:
-    """(first position, slots int32) per request -> the plan's slot columns."""
-    return {
-        "slot_starts": pack_ids([start for start, _ in assigned]),
-        "slot_lens": pack_ids([len(slots) for _, slots in assigned]),
-        "slots": pack_ids(np.concatenate([s for _, s in assigned]) if assigned else []),
-    }
-
-
 def build_extend_plan(plan_id: int, chunks: list[tuple[Request, int, np.ndarray]]) -> ForwardPlan:
     """chunks: (request, chunk_len, slots int32 [chunk_len]), before committed_len advances.
 
     Clears `needs_start` on the requests it starts.
     """
     requests = [req for req, _, _ in chunks]
-    input_ids, sample, next_ids = [], [], []
-    for req, chunk_len, _ in chunks:
+    columns, next_ids = [], []
+    for req, chunk_len, slots in chunks:
         start, end = req.committed_len, req.committed_len + chunk_len
-        input_ids.extend(req.fill_ids[start:end])
-        sample.append(int(end == len(req.fill_ids)))
+        columns.append((req.row, start, req.fill_ids[start:end], slots, end == len(req.fill_ids)))
         next_ids.append(req.fill_ids[end] if end < len(req.fill_ids) else -1)
-    return ForwardPlan(
-        plan_id=plan_id,
-        mode="extend",
-        rows=pack_ids([req.row for req in requests]),
-        **_slot_columns([(req.committed_len, slots) for req, _, slots in chunks]),
-        committed_lens=pack_ids([req.committed_len for req in requests]),
-        extend_lens=pack_ids([chunk_len for _, chunk_len, _ in chunks]),
-        input_ids=pack_ids(input_ids),
-        sample=pack_ids(sample),
-        next_input_ids=pack_ids(next_ids),
-        starts=_take_starts(requests),
-    )
+    return extend_plan(plan_id, columns, _take_starts(requests), next_ids)
 
 
 def build_decode_plan(
@@ -84,13 +64,7 @@ def build_decode_plan(
     """A decode step for `requests`, with the slot columns as `KVAllocator.grow_rows` returns
     them (per request the first new position and how many; the new slots back to back);
     speculate False: a plain step of a speculative server."""
-    return ForwardPlan(
-        plan_id=plan_id,
-        mode="decode",
-        rows=pack_ids([req.row for req in requests]),
-        slot_starts=pack_ids(slot_starts),
-        slot_lens=pack_ids(slot_lens),
-        slots=pack_ids(slots),
-        starts=_take_starts(requests),
-        speculate=speculate,
+    rows = [req.row for req in requests]
+    return decode_plan(
+        plan_id, rows, slot_starts, slot_lens, slots, _take_starts(requests), speculate
     )

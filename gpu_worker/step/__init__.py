@@ -2,6 +2,6 @@
 
 `plan_arrays` reads a `ForwardPlan`'s columns, `host_batch` packs them for one upload,
 `forward_batch` is the `ForwardBatch` every model forward takes, `row_state` what the device
-keeps per request row between steps, `decode_step` the plain decode step as one stage, and
-`plan_builders` plans built by hand (the warm-up's, and tests').
+keeps per request row between steps, and `decode_step` the plain decode step as one stage.
+Plans are assembled in `aerie/plans.py`.
 """

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import ForwardPlan, RequestStart, SamplingParams
+from aerie.plans import extend_plan
 from gpu_worker.attention.triton import TritonBackend
 from gpu_worker.kernels.few_query_attention import MAX_ROWS, fits
-from gpu_worker.step.plan_builders import extend_plan
 
 if TYPE_CHECKING:
     from gpu_worker.worker import GPUWorker

@@ -79,7 +79,7 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     from aerie.codec import pack_ids
     from aerie.config import AerieConfig
     from aerie.messages import RequestStart, SamplingParams
-    from gpu_worker.step.plan_builders import decode_plan, extend_plan
+    from aerie.plans import decode_plan, extend_plan, slot_columns
     from gpu_worker.worker import GPUWorker
 
     config = AerieConfig().replace(
@@ -109,7 +109,9 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     try:
         launched = []
         for step in range(3):  # two steps in flight, like the overlap schedule
-            launched.append(worker.launch(decode_plan(2 + step, [1], [(3 + step, [4 + step])])))
+            launched.append(
+                worker.launch(decode_plan(2 + step, [1], *slot_columns([(3 + step, [4 + step])])))
+            )
             if step == 1:
                 launched.append(
                     worker.launch(extend_plan(9, [(2, 0, [8, 9], [10, 11], True)], [second]))
@@ -134,7 +136,7 @@ def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
     from aerie.codec import pack_ids, unpack_floats, unpack_ids
     from aerie.config import AerieConfig
     from aerie.messages import RequestStart, SamplingParams
-    from gpu_worker.step.plan_builders import decode_plan, extend_plan
+    from aerie.plans import decode_plan, extend_plan, slot_columns
     from gpu_worker.worker import GPUWorker
 
     params = [
@@ -171,7 +173,9 @@ def test_sampled_decode_graphs_give_the_direct_steps_tokens(tiny_dirs):
             lengths = {i: len(prompts[i]) for i in batch}
             for step in range(6):
                 new = [(lengths[i], [64 * i + 1 + lengths[i]]) for i in batch]
-                result = worker.execute(decode_plan(2 + step, [i + 1 for i in batch], new))
+                result = worker.execute(
+                    decode_plan(2 + step, [i + 1 for i in batch], *slot_columns(new))
+                )
                 seen.append((unpack_ids(result.token_ids), unpack_floats(result.logprobs)))
                 for i in batch:
                     lengths[i] += 1

@@ -19,9 +19,9 @@ from aerie.messages import (
     StepResult,
     TokenizedRequest,
 )
+from aerie.plans import decode_plan, extend_plan, slot_columns
 from aerie.transport import Inbox, Sender, StepLink
 from gpu_worker.process import WorkerLoop
-from gpu_worker.step.plan_builders import decode_plan, extend_plan
 from gpu_worker.tooling.warm_up import run_warm_up, warm_up_plans
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.policy import NewTokenEstimate
@@ -103,7 +103,7 @@ def test_execute_chunked_prefill_and_decode_gives_hf_greedy(tiny_dirs, reference
     for step in range(4):
         positions = [len(p) + len(out[rid]) - 1 for rid, p in (("a", a), ("b", b))]
         new = [(n, sched.slots_for(rid, n, 1)) for rid, n in zip("ab", positions, strict=True)]
-        result = worker.execute(decode_plan(3 + step, [2, 3], new))
+        result = worker.execute(decode_plan(3 + step, [2, 3], *slot_columns(new)))
         assert codec.unpack_ids(result.num_tokens) == [1, 1]
         token_a, token_b = codec.unpack_ids(result.token_ids)
         out["a"].append(token_a)
@@ -166,7 +166,7 @@ def test_decode_step_commits_each_rows_own_token(tiny_dirs, graph_max_bs):
     lengths = {r: len(ids) for r, ids in prompts.items()}
     for step in range(4):
         new = [(lengths[r], sched.slots_for(str(r), lengths[r], 1)) for r in prompts]
-        result = worker.execute(decode_plan(2 + step, list(prompts), new))
+        result = worker.execute(decode_plan(2 + step, list(prompts), *slot_columns(new)))
         newest = dict(zip(prompts, codec.unpack_ids(result.token_ids), strict=True))
         for r in prompts:
             lengths[r] += 1
@@ -198,7 +198,7 @@ def test_decode_steps_record_their_new_slots_however_many(
             position = len(ids) + len(out[r]) - 1
             n = headroom[r] if step == 0 else (1 if r == 1 else 0)
             new.append((position, sched.slots_for(str(r), position, n) if n else []))
-        result = worker.execute(decode_plan(2 + step, list(prompts), new))
+        result = worker.execute(decode_plan(2 + step, list(prompts), *slot_columns(new)))
         for r, token in zip(prompts, codec.unpack_ids(result.token_ids), strict=True):
             out[r].append(token)
     reference = reference_models("llama")
@@ -224,7 +224,9 @@ def test_decode_steps_count_the_tokens_of_penalised_rows(tiny_dirs, graph_max_bs
     emitted = codec.unpack_ids(result.token_ids)
     for step in range(3):
         position = len(prompt) + len(emitted) - 1
-        plan = decode_plan(2 + step, [1], [(position, sched.slots_for("r", position, 1))])
+        plan = decode_plan(
+            2 + step, [1], *slot_columns([(position, sched.slots_for("r", position, 1))])
+        )
         emitted += codec.unpack_ids(worker.execute(plan).token_ids)
     expected = torch.zeros_like(worker.sampling.counts[1])
     for token in emitted:
