@@ -22,6 +22,8 @@ import logging
 import os
 import pstats
 
+from aerie.step_trace import window_from_env
+
 log = logging.getLogger(__name__)
 
 ENV = "AERIE_HOST_PROFILE"
@@ -40,16 +42,8 @@ class HostProfile:
     @classmethod
     def from_env(cls, process: str) -> HostProfile | None:
         """The profile `AERIE_HOST_PROFILE` asks for, or None when it is not set."""
-        value = os.environ.get(ENV)
-        if not value:
-            return None
-        try:
-            first, count, directory = value.split(",", 2)
-            profile = cls(process, int(first), int(count), directory)
-        except ValueError as e:
-            raise ValueError(f"{ENV}={value!r}: expected FIRST,COUNT,DIR ({e})") from None
-        os.makedirs(directory, exist_ok=True)
-        return profile
+        window = window_from_env(ENV)
+        return None if window is None else cls(process, *window)
 
     def at(self, plan_id: int) -> None:
         """The process has reached plan `plan_id`: profiling starts at FIRST and ends (the

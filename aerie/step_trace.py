@@ -50,6 +50,21 @@ log = logging.getLogger(__name__)
 ENV = "AERIE_STEP_TRACE"
 
 
+def window_from_env(env: str) -> tuple[int, int, str] | None:
+    """FIRST,COUNT,DIR from the variable `env` (DIR created), or None when it is not set: the
+    window of plans a benchmark-only recorder covers (this trace, `aerie.host_profile`)."""
+    value = os.environ.get(env)
+    if not value:
+        return None
+    try:
+        first, count, directory = value.split(",", 2)
+        window = int(first), int(count), directory
+    except ValueError as e:
+        raise ValueError(f"{env}={value!r}: expected FIRST,COUNT,DIR ({e})") from None
+    os.makedirs(directory, exist_ok=True)
+    return window
+
+
 class StepTrace:
     def __init__(self, process: str, first: int, count: int, directory: str) -> None:
         if first < 1 or count < 1:
@@ -63,16 +78,8 @@ class StepTrace:
     @classmethod
     def from_env(cls, process: str) -> StepTrace | None:
         """The trace `AERIE_STEP_TRACE` asks for, or None when it is not set."""
-        value = os.environ.get(ENV)
-        if not value:
-            return None
-        try:
-            first, count, directory = value.split(",", 2)
-            trace = cls(process, int(first), int(count), directory)
-        except ValueError as e:
-            raise ValueError(f"{ENV}={value!r}: expected FIRST,COUNT,DIR ({e})") from None
-        os.makedirs(directory, exist_ok=True)
-        return trace
+        window = window_from_env(ENV)
+        return None if window is None else cls(process, *window)
 
     def mark(self, event: str, plan_id: int) -> None:
         """Record `event` of plan `plan_id` now; past the window, write the file once."""

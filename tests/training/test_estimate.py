@@ -228,40 +228,23 @@ def test_estimate_walks_the_answers_asked_for(bigram_target, greedy_data, traine
     TokenFile(
         data.tokens, data.offsets, data.prompt_lens, {**data.extra, "finished": finished}
     ).save(marked)
-    results = {
-        answers: estimate(
-            EstimateConfig(
-                "eagle3",
-                bigram_target,
-                trained["eagle3"]["draft"],
-                marked,
-                depth=2,
-                device="cpu",
-                answers=answers,
-            )
-        )
-        for answers in ("all", "ended", "cut")
-    }
+
+    def walked(**options) -> dict:
+        draft = trained["eagle3"]["draft"]
+        config = EstimateConfig("eagle3", bigram_target, draft, marked, 2, device="cpu", **options)
+        return estimate(config)
+
+    results = {answers: walked(answers=answers) for answers in ("all", "ended", "cut")}
     assert results["ended"]["sequences"] == len(dev[::3]) > 0
     assert results["ended"]["sequences"] + results["cut"]["sequences"] == len(dev)
     assert results["ended"]["iterations"] > 0 and results["cut"]["iterations"] > 0
     ended, cut, every = (results[a]["iterations"] for a in ("ended", "cut", "all"))
     assert ended + cut == every
-    walked = {a: r["accept_length"] * r["iterations"] for a, r in results.items()}
-    assert walked["ended"] + walked["cut"] == pytest.approx(walked["all"])
+    tokens = {a: r["accept_length"] * r["iterations"] for a, r in results.items()}
+    assert tokens["ended"] + tokens["cut"] == pytest.approx(tokens["all"])
     assert 0.0 <= results["all"]["repeated_share"] <= 1.0
     # The first 4 tokens of each answer: at most 4 iterations an answer, fewer in all.
-    first = estimate(
-        EstimateConfig(
-            "eagle3",
-            bigram_target,
-            trained["eagle3"]["draft"],
-            marked,
-            depth=2,
-            device="cpu",
-            response_tokens=4,
-        )
-    )
+    first = walked(response_tokens=4)
     assert first["sequences"] == len(dev) and first["response_tokens"] == 4
     assert len(dev) <= first["iterations"] <= 4 * len(dev) < every
 
