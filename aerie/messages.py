@@ -221,6 +221,7 @@ class SchedulerStats:
     num_requests: int = 0  # requests received since start
     replica: int = 0  # the data-parallel replica whose scheduler reports
     num_plain_steps: int = 0  # decode steps a speculative server ran plainly (adaptive)
+    num_decode_steps: int = 0  # decode steps run: plain steps and speculative iterations
     # Adaptive speculation's last choice (-1: none yet), the accept length it expected of the
     # batch and the break-even it compared that with (0: unknown).
     speculating: int = -1

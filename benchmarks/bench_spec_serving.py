@@ -18,7 +18,10 @@ plain at the same temperature and concurrency, and from the delta of the schedul
 `GET /metrics` over the run: the accept length (sum_k d_k / d_0, where d_k counts the verify steps
 that emitted more than k tokens), acceptance per draft position k >= 1 (d_k / d_0) and the share
 of decode steps adaptive speculation ran plain (`aerie_spec_plain_steps`, 0 where the server has
-no such counter). The JSON (`--output`) is rewritten after every run.
+no such counter); and what a decode step costs as served: the run's wall time over its decode
+steps (`aerie_decode_steps`: plain steps and iterations; the run's prefills and idle moments
+count in it), and that against the plain server's at the same run, which for an iteration is
+its cost in plain steps. The JSON (`--output`) is rewritten after every run.
 
 Prompts (`benchmarks/spec_prompts.py`): first turns (MT-bench and code prompts alternately) and,
 with `--turns 1,2`, MT-bench second turns after the plain server's own greedy answer to the
@@ -75,6 +78,7 @@ BUILTIN_SERVERS = {
 MANY_CLIENTS_CONCURRENCY, MANY_CLIENTS = 64, 4  # one client process falls behind past this
 ACCEPTED = "aerie_spec_accepted_tokens"
 PLAIN_STEPS = "aerie_spec_plain_steps"
+DECODE_STEPS = "aerie_decode_steps"
 BUSY_GAUGES = ("aerie_num_running_requests", "aerie_num_queued_requests")
 # Requests per stream in a run: with two, a run at 64 streams lasted about a second and its ratio
 # moved by 0.2 between runs (arrival burst and tail weigh as much as the steady state).
@@ -114,12 +118,13 @@ def parse_servers(items: list[str]) -> list[ServerSetting]:
 class SpecCounters:
     accepted: tuple[float, ...]  # [position]: verify steps that emitted more than k tokens
     plain_steps: float
+    decode_steps: float = 0.0  # plain steps and iterations alike
 
 
 def parse_counters(text: str) -> SpecCounters:
     """The speculative counters of a /metrics scrape (absent: none, 0)."""
     accepted: dict[int, float] = {}
-    plain = 0.0
+    plain = decode = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
@@ -127,7 +132,9 @@ def parse_counters(text: str) -> SpecCounters:
                 accepted[int(sample.labels["position"])] = sample.value
             elif name == PLAIN_STEPS:
                 plain += sample.value
-    return SpecCounters(tuple(accepted.get(k, 0.0) for k in range(len(accepted))), plain)
+            elif name == DECODE_STEPS:
+                decode += sample.value
+    return SpecCounters(tuple(accepted.get(k, 0.0) for k in range(len(accepted))), plain, decode)
 
 
 def spec_stats(before: SpecCounters, after: SpecCounters, num_steps: int = 0) -> dict:
@@ -140,6 +147,7 @@ def spec_stats(before: SpecCounters, after: SpecCounters, num_steps: int = 0) ->
     plain = after.plain_steps - before.plain_steps
     verify = delta[0] if delta else 0.0
     return {
+        "decode_steps": after.decode_steps - before.decode_steps,
         "verify_steps": verify,
         "plain_steps": plain,
         "accepted_delta": delta,
@@ -212,6 +220,7 @@ class Bench:
         }
         self.start = time.monotonic()
         self.plain_tok_s: dict[tuple[int, float, int], float] = {}  # (turn, T, concurrency)
+        self.plain_step_ms: dict[tuple[int, float, int], float | None] = {}
         self.num_steps = 0  # the draft depth of the server running now
         self.log_dir = tempfile.mkdtemp(prefix="aerie-spec-serving-")
         self.report: dict = {
@@ -323,9 +332,12 @@ class Bench:
         spec = spec_stats(before, scrape_idle(url), self.num_steps)
         summary = summarize(results, wall, None, shares)
         tok_s = summary["output_throughput"]
+        key = turn, temperature, concurrency
+        steps = spec["decode_steps"]
+        step_ms = 1000 * wall / steps if steps else None  # prefills and idle time included
         if name == "plain":
-            self.plain_tok_s[turn, temperature, concurrency] = tok_s
-        plain = self.plain_tok_s.get((turn, temperature, concurrency))
+            self.plain_tok_s[key], self.plain_step_ms[key] = tok_s, step_ms
+        plain, plain_step = self.plain_tok_s.get(key), self.plain_step_ms.get(key)
         ratio = tok_s / plain if plain else None
         errors = sorted({r.error for r in results if r.error})[:3]
         return {
@@ -339,6 +351,8 @@ class Bench:
             "ratio_to_plain": ratio,
             "tpot_ms_mean": summary["tpot_ms"]["mean"],
             "itl_ms_mean": summary["token_itl_ms"]["mean"],
+            "ms_per_decode_step": step_ms,
+            "step_cost_in_plain_steps": step_ms / plain_step if step_ms and plain_step else None,
             **spec,
             "accept_length_by_kind": accept_length_by_kind(prompts, results),
             "repeated_share": repeated_share(r.output_ids for r in results if r.success),
@@ -377,6 +391,8 @@ def print_table(rows: list[dict]) -> None:
         ("x plain", "ratio_to_plain", ".2f"),
         ("TPOT ms", "tpot_ms_mean", ".2f"),
         ("ITL ms", "itl_ms_mean", ".2f"),
+        ("step ms", "ms_per_decode_step", ".3f"),
+        ("x step", "step_cost_in_plain_steps", ".2f"),
         ("accept", "accept_length", ".2f"),
         ("plain", "plain_step_share", ".1%"),
         ("repeat", "repeated_share", ".1%"),

@@ -91,6 +91,7 @@ class Scheduler:
         self._num_verify = 0
         self._accepted_per_position: list[int] = []
         self._num_plain_steps = 0  # decode steps of a speculative server run plainly
+        self._num_decode_steps = 0  # decode steps applied (plain steps and iterations)
         self._stale_drafts: dict[int, set[str]] = {}  # plan id -> rids drafting from old state
         self._num_retractions = 0
         self._num_requests = 0  # requests received since start
@@ -305,6 +306,7 @@ class Scheduler:
         packed = result.token_ids  # ids as int32 bytes: a delta's token_ids are slices of it
         decode = plan.mode == "decode"
         plain_speculative = decode and self.speculative and not plan.speculate
+        self._num_decode_steps += decode
         stale = self._stale_drafts.pop(plan.plan_id, ())
         if plain_speculative:  # one target forward each: counted like a verify of no drafts
             verify = [1] * len(requests)
@@ -483,6 +485,7 @@ class Scheduler:
             num_retractions=self._num_retractions,
             num_requests=self._num_requests,
             num_plain_steps=self._num_plain_steps,
+            num_decode_steps=self._num_decode_steps,
             **self._adaptive_stats(),
         )
 

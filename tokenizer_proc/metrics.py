@@ -171,6 +171,7 @@ def stats_dict(s: SchedulerStats) -> dict[str, Any]:
         "accepted_per_position": list(s.accepted_per_position),
         "num_retractions": s.num_retractions,
         "num_requests": s.num_requests,
+        "num_decode_steps": s.num_decode_steps,
         # Adaptive speculation: decode steps run plainly, and the last step's choice and why.
         "spec_plain_steps": s.num_plain_steps,
         "spec_speculating": None if s.speculating < 0 else bool(s.speculating),
@@ -201,6 +202,7 @@ def combine_stats(reports: list[SchedulerStats]) -> SchedulerStats:
         num_retractions=sum(r.num_retractions for r in reports),
         num_requests=sum(r.num_requests for r in reports),
         num_plain_steps=sum(r.num_plain_steps for r in reports),
+        num_decode_steps=sum(r.num_decode_steps for r in reports),
     )
 
 
@@ -227,14 +229,21 @@ class SchedulerTotals(Collector):
             "Decode steps a speculative server ran as plain decoding, because adaptive "
             "speculation expected them to be faster for their batch.",
         )
+        decode = CounterMetricFamily(
+            "aerie_decode_steps",
+            "Decode steps run: plain decode steps and speculative iterations (with the run's "
+            "wall time, what a step costs as served).",
+        )
         if stats is not None:
             for position, count in enumerate(stats.accepted_per_position):
                 accepted.add_metric([str(position)], count)
             retractions.add_metric([], stats.num_retractions)
             plain.add_metric([], stats.num_plain_steps)
+            decode.add_metric([], stats.num_decode_steps)
         yield accepted
         yield retractions
         yield plain
+        yield decode
 
 
 def kv_usage(stats: SchedulerStats) -> float:

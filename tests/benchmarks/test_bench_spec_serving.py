@@ -15,7 +15,9 @@ from tests.gpu_worker.draft_checkpoints import make_tiny_eagle3_draft
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
 
-def scrape(accepted: list[float], plain_steps: float | None = None) -> str:
+def scrape(
+    accepted: list[float], plain_steps: float | None = None, decode_steps: float | None = None
+) -> str:
     """/metrics text as the server writes it (counters end in _total), with other metrics."""
     lines = [
         "# HELP aerie_num_running_requests Requests running.",
@@ -37,13 +39,20 @@ def scrape(accepted: list[float], plain_steps: float | None = None) -> str:
             "# TYPE aerie_spec_plain_steps counter",
             f"aerie_spec_plain_steps_total {plain_steps}",
         ]
+    if decode_steps is not None:
+        lines += [
+            "# HELP aerie_decode_steps Decode steps run.",
+            "# TYPE aerie_decode_steps counter",
+            f"aerie_decode_steps_total {decode_steps}",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def test_accept_length_per_position_and_plain_share_come_from_counter_deltas():
-    before = bench.parse_counters(scrape([10, 6, 3], plain_steps=5))
-    after = bench.parse_counters(scrape([30, 20, 11, 4], plain_steps=15))
+    before = bench.parse_counters(scrape([10, 6, 3], plain_steps=5, decode_steps=15))
+    after = bench.parse_counters(scrape([30, 20, 11, 4], plain_steps=15, decode_steps=45))
     stats = bench.spec_stats(before, after)
+    assert stats["decode_steps"] == 30  # the 10 plain steps and the 20 iterations
     # deltas 20 verify steps, 14 / 8 / 4 of them accepted draft 1 / 2 / 3
     assert stats["accepted_delta"] == [20, 14, 8, 4]
     assert stats["accept_length"] == pytest.approx((20 + 14 + 8 + 4) / 20)
@@ -228,8 +237,17 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
         kinds = row["accept_length_by_kind"]
         assert set(kinds) == ({"mt-bench", "code"} if turn == 1 else {"mt-bench"})
         assert all((v is None) == (name == "plain") for v in kinds.values())
-        plain = rows["plain", turn, concurrency]["output_tok_s"]
-        assert row["ratio_to_plain"] == pytest.approx(row["output_tok_s"] / plain)
+        plain = rows["plain", turn, concurrency]
+        assert row["ratio_to_plain"] == pytest.approx(row["output_tok_s"] / plain["output_tok_s"])
+        # A decode step serves every running request: one stream runs 7 plain steps a request
+        # (the first token comes from prefill), or one iteration per verify; two share steps.
+        per_request = 4 * 7 if name == "plain" else row["verify_steps"]
+        if concurrency == 1:
+            assert row["decode_steps"] == per_request
+        else:
+            assert per_request / 2 <= row["decode_steps"] < per_request
+        cost = row["ms_per_decode_step"] / plain["ms_per_decode_step"]
+        assert row["step_cost_in_plain_steps"] == pytest.approx(cost)
         if name == "plain":
             assert row["accept_length"] is None and row["verify_steps"] == 0
         else:

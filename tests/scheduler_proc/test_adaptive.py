@@ -267,6 +267,7 @@ def test_the_scheduler_plans_plain_steps_when_the_draft_misses(accept, expect_pl
     assert (plain > len(decodes) // 2) is expect_plain
     stats = sched.stats()
     assert stats.num_plain_steps == plain == worker.plain_plans
+    assert stats.num_decode_steps == len(decodes)  # plain steps and iterations alike
     assert stats.break_even_accept_length == 2.0 and stats.speculating in (0, 1)
     # Acceptance counts speculative iterations only: position 0 counts every one of them.
     assert sched.stats().accepted_per_position[0] == 2 * (len(decodes) - plain)

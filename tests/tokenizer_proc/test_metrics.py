@@ -18,6 +18,7 @@ def report(replica: int, running: int, accepted: list[int], kv_used: int) -> Sch
         num_retractions=replica,
         num_requests=10 * (replica + 1),
         replica=replica,
+        num_decode_steps=100 * (replica + 1),
     )
 
 
@@ -27,6 +28,7 @@ def test_replicas_combine_into_sums_and_the_accept_length_of_all_verify_steps():
     total = combine_stats([a, b])
     assert (total.num_running, total.num_waiting, total.kv_used_tokens) == (5, 2, 50)
     assert total.kv_total_tokens == 200 and total.num_requests == 30
+    assert total.num_decode_steps == 300
     assert total.accepted_per_position == [40, 18, 12]
     assert total.avg_accept_length == 70 / 40  # not the mean of 2.5 and 1.5
     assert combine_stats([a]) is a
@@ -45,3 +47,5 @@ def test_server_info_and_metrics_show_each_replica():
     assert 'aerie_replica_num_running_requests{replica="0"} 2.0' in text
     assert 'aerie_replica_kv_cache_usage{replica="0"} 0.4' in text
     assert "aerie_num_running_requests 5.0" in text
+    assert "aerie_decode_steps_total 300.0" in text  # the replicas' steps, summed
+    assert info["num_decode_steps"] == 200  # replica 1 alone: 0 has not reported
