@@ -5,7 +5,8 @@ Set `AERIE_HOST_PROFILE=FIRST,COUNT,DIR` in a launched server's environment: the
 the GPU worker (rank 0) run Python's deterministic profiler (cProfile) from plan FIRST to plan
 FIRST+COUNT (the scheduler's plan ids) and each writes `DIR/<process>.pstats` and a text
 summary `DIR/<process>.txt`: the functions by own time and by cumulative time, in
-microseconds and calls per plan, so one step's work reads off directly.
+microseconds and calls per plan of the window seen, so one step's work reads off directly (a
+process's waits for its next message count in its time, listed as the poll they block in).
 
 A sampling profiler (py-spy) would not slow what it measures, but it does not attach to every
 process (it failed on the GPU worker on the lent machines), and it cannot count calls. The
@@ -37,6 +38,7 @@ class HostProfile:
         self.process, self.directory = process, directory
         self.first, self.end, self.count = first, first + count, count
         self.profiler: cProfile.Profile | None = None
+        self.plans: set[int] = set()  # the window's plans seen (a shutdown may cut it short)
         self.written = False
 
     @classmethod
@@ -52,7 +54,9 @@ class HostProfile:
             return
         if plan_id >= self.end:
             self.write()
-        elif self.profiler is None:
+            return
+        self.plans.add(plan_id)
+        if self.profiler is None:
             self.profiler = cProfile.Profile()
             self.profiler.enable()
 
@@ -65,8 +69,8 @@ class HostProfile:
         base = os.path.join(self.directory, self.process)
         self.profiler.dump_stats(base + ".pstats")
         with open(base + ".txt", "w") as f:
-            f.write(summary(pstats.Stats(self.profiler), self.count))
-        log.info("host profile of %d plans written to %s.{pstats,txt}", self.count, base)
+            f.write(summary(pstats.Stats(self.profiler), len(self.plans)))
+        log.info("host profile of %d plans written to %s.{pstats,txt}", len(self.plans), base)
 
 
 def summary(stats: pstats.Stats, plans: int) -> str:

@@ -61,8 +61,8 @@ def window_from_env(env: str) -> tuple[int, int, str] | None:
         window = int(first), int(count), directory
     except ValueError as e:
         raise ValueError(f"{env}={value!r}: expected FIRST,COUNT,DIR ({e})") from None
-    if window[0] < 1 or window[1] < 1:  # before anything is created
-        raise ValueError(f"{env}={value!r}: FIRST and COUNT must be >= 1")
+    if window[0] < 1 or window[1] < 1 or not directory:  # before anything is created
+        raise ValueError(f"{env}={value!r}: FIRST and COUNT must be >= 1, DIR not empty")
     os.makedirs(directory, exist_ok=True)
     return window
 

@@ -20,8 +20,9 @@ that emitted more than k tokens), acceptance per draft position k >= 1 (d_k / d_
 of decode steps adaptive speculation ran plain (`aerie_spec_plain_steps`, 0 where the server has
 no such counter); and what a decode step costs as served: the run's wall time over its decode
 steps (`aerie_decode_steps`: plain steps and iterations; the run's prefills and idle moments
-count in it), and that against the plain server's at the same run, which for an iteration is
-its cost in plain steps. The JSON (`--output`) is rewritten after every run.
+count in it; with several data-parallel replicas their steps add up), and that against the
+plain server's at the same run, which for an iteration is its cost in plain steps. The JSON
+(`--output`) is rewritten after every run.
 
 Prompts (`benchmarks/spec_prompts.py`): first turns (MT-bench and code prompts alternately) and,
 with `--turns 1,2`, MT-bench second turns after the plain server's own greedy answer to the
@@ -314,7 +315,8 @@ class Bench:
         results, _, _ = send_load(url, payloads, len(payloads), 1)
         failed = [r.error for r in results if not r.success]
         if failed:
-            raise RuntimeError(f"{len(failed)} first-turn answers failed: {failed[0]}")
+            # Fatal: the second turns must follow the plain server's own answers.
+            raise SystemExit(f"{len(failed)} first-turn answers failed: {failed[0]}")
         answers = [r.output_ids for r in results]
         self.prompts[2] = second_turns(self.tokenizer, self.questions, answers, self.num)
 

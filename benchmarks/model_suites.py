@@ -98,7 +98,7 @@ def add_spec_serving(p: argparse.ArgumentParser) -> None:
 
 def server_names(servers: list[str]) -> list[str]:
     """The names bench_spec_serving.py gives its servers: plain first, then NAME of NAME=ARGS."""
-    names = [item.partition("=")[0] for item in servers]
+    names = [item.partition("=")[0].strip() for item in servers]
     return ["plain", *(name for name in names if name != "plain")]
 
 
@@ -117,7 +117,7 @@ def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
                 summaries.append(Command(argv, f"trace_{name}_{mode}.txt"))
     if args.host_profile:
         first, _, count = args.host_profile.partition(",")
-        if not (first.isdigit() and count.isdigit()):
+        if not (first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):
             raise SuiteError(f"--host-profile takes FIRST,COUNT, not {args.host_profile!r}")
         profiles = out_file(args, "profile_{server}")
         env += ["--server-env", f"AERIE_HOST_PROFILE={first},{count},{profiles}"]

@@ -91,6 +91,7 @@ async def wait_all_or_abort(
         return done.done()
     finally:
         gone.cancel()
+        gone.add_done_callback(read_outcome)  # a receive that raised, read
         if not done.done():
             done.cancel()
             # A cancelled gather ends holding a CancelledError, which asyncio logs as "exception

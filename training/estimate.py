@@ -178,6 +178,8 @@ def select_answers(data: TokenFile, indices: np.ndarray, answers: str) -> np.nda
 def estimate(cfg: EstimateConfig) -> dict:
     """The estimate of an exported draft over the greedy sequences of a data file (only its
     dev split when it marks one: the rest trained the draft)."""
+    if cfg.response_tokens < 0:
+        raise ValueError(f"--response-tokens must be >= 0, not {cfg.response_tokens}")
     data = TokenFile.load(cfg.data)
     _, indices = split_indices(data)
     if "dev" not in data.extra:
@@ -191,8 +193,6 @@ def estimate(cfg: EstimateConfig) -> dict:
             depth = int(json.load(f).get("num_nextn_predict_layers") or 0)
     depth = depth or DEFAULT_ESTIMATE_DEPTH
     recipe = build_recipe(cfg.algorithm, target, data, depth, init_from=cfg.draft)
-    if cfg.response_tokens < 0:
-        raise ValueError(f"--response-tokens must be >= 0, not {cfg.response_tokens}")
     result = estimate_accept_length(
         recipe, target, data, indices, depth, cfg.tokens_per_batch, cfg.max_len, cfg.response_tokens
     )

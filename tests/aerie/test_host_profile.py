@@ -47,7 +47,7 @@ def test_profiles_its_window_of_plans_and_writes_once(tmp_path, monkeypatch):
 def test_from_env_is_off_without_the_variable_and_rejects_bad_values(monkeypatch):
     monkeypatch.delenv("AERIE_HOST_PROFILE", raising=False)
     assert HostProfile.from_env("scheduler") is None
-    for bad in ("10,5", "a,5,/tmp/x", "0,5,/tmp/x"):
+    for bad in ("10,5", "a,5,/tmp/x", "0,5,/tmp/x", "1,5,"):
         monkeypatch.setenv("AERIE_HOST_PROFILE", bad)
         with pytest.raises(ValueError, match="AERIE_HOST_PROFILE"):
             HostProfile.from_env("scheduler")
@@ -58,3 +58,12 @@ def test_a_window_never_reached_writes_nothing(tmp_path):
     profile.at(3)
     profile.write()  # at shutdown
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_window_cut_short_counts_the_plans_it_saw(tmp_path):
+    profile = HostProfile("gpu_worker", 1, 10, str(tmp_path))
+    for plan_id in (1, 2):
+        profile.at(plan_id)
+        work(10)
+    profile.write()  # shutdown before plan 11
+    assert (tmp_path / "gpu_worker.txt").read_text().startswith("2 plans,")

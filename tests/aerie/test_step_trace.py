@@ -31,7 +31,7 @@ def test_records_only_its_window_and_writes_once(tmp_path, monkeypatch):
 def test_from_env_is_off_without_the_variable_and_rejects_bad_values(monkeypatch):
     monkeypatch.delenv("AERIE_STEP_TRACE", raising=False)
     assert StepTrace.from_env("gpu_worker") is None
-    for bad in ("10,5", "a,5,/tmp/x", "0,5,/tmp/x"):
+    for bad in ("10,5", "a,5,/tmp/x", "0,5,/tmp/x", "1,5,"):
         monkeypatch.setenv("AERIE_STEP_TRACE", bad)
         with pytest.raises(ValueError, match="AERIE_STEP_TRACE"):
             StepTrace.from_env("gpu_worker")

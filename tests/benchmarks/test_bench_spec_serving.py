@@ -241,7 +241,7 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
         assert row["ratio_to_plain"] == pytest.approx(row["output_tok_s"] / plain["output_tok_s"])
         # A decode step serves every running request: one stream runs 7 plain steps a request
         # (the first token comes from prefill), or one iteration per verify; two share steps.
-        per_request = 4 * 7 if name == "plain" else row["verify_steps"]
+        per_request = 4 * 7 if name == "plain" else row["verify_steps"] + row["plain_steps"]
         if concurrency == 1:
             assert row["decode_steps"] == per_request
         else:

@@ -191,8 +191,9 @@ def test_spec_serving_traces_and_profiles_each_server_apart(capsys, tmp_path):
     bench = dry_run(capsys, tmp_path, *argv, "--host-profile", "500,200")[1]
     assert flag(bench, "--server-env").startswith("AERIE_HOST_PROFILE=500,200,")
     assert flag(bench, "--server-env").endswith("/profile_{server}")
-    with pytest.raises(SystemExit):
-        dry_run(capsys, tmp_path, *argv, "--host-profile", "500")
+    for bad in ("500", "0,200", "500,0"):
+        with pytest.raises(SystemExit):
+            dry_run(capsys, tmp_path, *argv, "--host-profile", bad)
 
 
 def test_mtbench_and_train_step_and_kernels_pass_their_flags(capsys, tmp_path):
