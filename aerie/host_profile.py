@@ -33,10 +33,9 @@ TOP = 45  # functions listed per ordering in the text summary
 
 class HostProfile:
     def __init__(self, process: str, first: int, count: int, directory: str) -> None:
-        if first < 1 or count < 1:
-            raise ValueError(f"{ENV}: FIRST and COUNT must be >= 1")
+        """first, count: a window `window_from_env` checked (first and count >= 1)."""
         self.process, self.directory = process, directory
-        self.first, self.end, self.count = first, first + count, count
+        self.first, self.end = first, first + count
         self.profiler: cProfile.Profile | None = None
         self.plans: set[int] = set()  # the window's plans seen (a shutdown may cut it short)
         self.written = False

@@ -69,8 +69,7 @@ def window_from_env(env: str) -> tuple[int, int, str] | None:
 
 class StepTrace:
     def __init__(self, process: str, first: int, count: int, directory: str) -> None:
-        if first < 1 or count < 1:
-            raise ValueError(f"{ENV}: FIRST and COUNT must be >= 1")
+        """first, count: a window `window_from_env` checked (first and count >= 1)."""
         self.process, self.directory = process, directory
         self.first, self.end = first, first + count
         self.events: list[tuple[str, int, float]] = []  # (event, plan id, monotonic ns)

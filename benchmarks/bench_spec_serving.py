@@ -59,6 +59,7 @@ from benchmarks.process_cpu import CpuMeter  # noqa: E402
 from benchmarks.serving_load import Payload, run_load, run_load_processes  # noqa: E402
 from benchmarks.spec_prompts import (  # noqa: E402
     DEFAULT_PROMPTS,
+    MT_BENCH,
     Prompt,
     accept_length_by_kind,
     first_turns,
@@ -66,6 +67,7 @@ from benchmarks.spec_prompts import (  # noqa: E402
     load_tokenizer,
     make_payloads,
     second_turns,
+    user_turn,
     with_second_turns,
 )
 from training.repetition import repeated_share  # noqa: E402
@@ -220,8 +222,8 @@ class Bench:
             1: first_turns(self.tokenizer, questions, self.num)
         }
         self.start = time.monotonic()
-        self.plain_tok_s: dict[tuple[int, float, int], float] = {}  # (turn, T, concurrency)
-        self.plain_step_ms: dict[tuple[int, float, int], float | None] = {}
+        # (turn, T, concurrency) -> the plain server's (tok/s, ms per decode step) there
+        self.plain: dict[tuple[int, float, int], tuple[float, float | None]] = {}
         self.num_steps = 0  # the draft depth of the server running now
         self.log_dir = tempfile.mkdtemp(prefix="aerie-spec-serving-")
         self.report: dict = {
@@ -310,7 +312,7 @@ class Bench:
         if not asked:
             raise SystemExit("--turns 2: no question in --prompts has a second turn")
         self.say(f"answering {len(asked)} first turns greedily for the second turns")
-        first = first_turns(self.tokenizer, asked, 2 * len(asked))[::2]  # the MT-bench ones
+        first = [Prompt(user_turn(self.tokenizer, q[0]), MT_BENCH) for q in asked]
         payloads = make_payloads(first, 0.0, self.args.max_new_tokens, False)
         results, _, _ = send_load(url, payloads, len(payloads), 1)
         failed = [r.error for r in results if not r.success]
@@ -338,8 +340,8 @@ class Bench:
         steps = spec["decode_steps"]
         step_ms = 1000 * wall / steps if steps else None  # prefills and idle time included
         if name == "plain":
-            self.plain_tok_s[key], self.plain_step_ms[key] = tok_s, step_ms
-        plain, plain_step = self.plain_tok_s.get(key), self.plain_step_ms.get(key)
+            self.plain[key] = tok_s, step_ms
+        plain, plain_step = self.plain.get(key, (None, None))
         ratio = tok_s / plain if plain else None
         errors = sorted({r.error for r in results if r.error})[:3]
         return {

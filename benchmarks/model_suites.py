@@ -97,9 +97,10 @@ def add_spec_serving(p: argparse.ArgumentParser) -> None:
 
 
 def server_names(servers: list[str]) -> list[str]:
-    """The names bench_spec_serving.py gives its servers: plain first, then NAME of NAME=ARGS."""
-    names = [item.partition("=")[0].strip() for item in servers]
-    return ["plain", *(name for name in names if name != "plain")]
+    """The names bench_spec_serving.py gives its servers (plain first), by its own parser."""
+    from benchmarks.bench_spec_serving import parse_servers
+
+    return [setting.name for setting in parse_servers(servers)]
 
 
 def plan_spec_serving(args: argparse.Namespace) -> list[Step]:

@@ -103,11 +103,16 @@ def render(tokenizer, chat: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
 
 
+def user_turn(tokenizer, text: str) -> list[int]:
+    """A chat of one user turn, the assistant's turn opened."""
+    return render(tokenizer, [{"role": "user", "content": text}])
+
+
 def first_turns(tokenizer, questions: list[list[str]], num: int) -> list[Prompt]:
     """`num` prompts: MT-bench first turns and CODE_PROMPTS alternately, each list cycled."""
     pools = ([(q[0], MT_BENCH) for q in questions], [(c, CODE) for c in CODE_PROMPTS])
     picked = [pools[i % 2][i // 2 % len(pools[i % 2])] for i in range(num)]
-    ids = {text: render(tokenizer, [{"role": "user", "content": text}]) for text, _ in picked}
+    ids = {text: user_turn(tokenizer, text) for text, _ in picked}
     return [Prompt(ids[text], kind) for text, kind in picked]
 
 
