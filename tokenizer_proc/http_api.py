@@ -90,8 +90,7 @@ async def wait_all_or_abort(
         await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
         return done.done()
     finally:
-        gone.cancel()
-        gone.add_done_callback(read_outcome)  # a receive that raised, read
+        gone.cancel()  # on a finished task this marks its exception, if any, as read
         if not done.done():
             done.cancel()
             # A cancelled gather ends holding a CancelledError, which asyncio logs as "exception

@@ -210,10 +210,12 @@ def test_health_turns_503_as_soon_as_an_engine_process_is_gone(live):
     victim.wait()
 
 
-def test_a_client_gone_mid_request_aborts_it_and_leaves_no_unretrieved_error():
+@pytest.mark.parametrize("receive_fails", [False, True])
+def test_a_client_gone_mid_request_aborts_it_and_leaves_no_unretrieved_error(receive_fails):
     """The waits of a request whose client disconnects are cancelled: the requests are aborted,
     and no "exception was never retrieved" is logged once the cancelled wait is collected (the
-    soak's tokenizer log showed one per disconnected client)."""
+    soak's tokenizer log showed one per disconnected client), nor when reading the
+    disconnect itself failed."""
     import asyncio
     import gc
 
@@ -226,6 +228,8 @@ def test_a_client_gone_mid_request_aborts_it_and_leaves_no_unretrieved_error():
     class Request:
         async def receive(self) -> dict:
             await asyncio.sleep(0.01)
+            if receive_fails:
+                raise RuntimeError("the connection broke")
             return {"type": "http.disconnect"}
 
     class Frontend:
