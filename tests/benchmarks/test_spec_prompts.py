@@ -88,3 +88,18 @@ def test_questions_load_with_their_turns_and_a_missing_file_says_where_to_get_on
     monkeypatch.setattr(spec_prompts, "DEFAULT_PROMPTS", str(tmp_path / "absent.jsonl"))
     with pytest.raises(SystemExit, match="FastChat's question.jsonl"):
         load_questions(None)
+
+
+def test_the_plot_draws_first_turns_only():
+    from benchmarks.plot_spec_serving import lines
+
+    rows = [
+        {"server": "plain", "temperature": 0.0, "concurrency": 1},
+        {"server": "eagle3", "temperature": 0.0, "concurrency": 16, "turn": 1},
+        {"server": "eagle3", "temperature": 0.0, "concurrency": 1},  # a report without turns
+        {"server": "eagle3", "temperature": 0.0, "concurrency": 1, "turn": 2},
+    ]
+    drawn = lines({"rows": rows})
+    assert list(drawn) == [("eagle3", 0.0)]
+    assert [r["concurrency"] for r in drawn["eagle3", 0.0]] == [1, 16]
+    assert all(r.get("turn", 1) == 1 for r in drawn["eagle3", 0.0])
