@@ -61,8 +61,11 @@ def stage_split(
     variant = spec.accept_variant(arrays.rows, False)
     committed_lens_cpu = worker.rows.committed_lens[rows].tolist()
     totals = {"propose_ms": 0.0, "accept_ms": 0.0, "extend_ms": 0.0}
-    stages = spec.propose_stage, spec.extend_stage, dict(spec.accept_stages)
-    spec.propose_stage = _Timed(stages[0], "propose_ms", totals, worker.device)
+    stages = dict(spec.propose_stages), spec.extend_stage, dict(spec.accept_stages)
+    spec.propose_stages = {
+        name: _Timed(stage, "propose_ms", totals, worker.device)
+        for name, stage in stages[0].items()
+    }
     spec.extend_stage = _Timed(stages[1], "extend_ms", totals, worker.device)
     spec.accept_stages = {
         name: _Timed(stage, "accept_ms", totals, worker.device) for name, stage in stages[2].items()
@@ -72,7 +75,7 @@ def stage_split(
             restore()
             spec.iterate(rows, committed_lens_cpu, variant)
     finally:
-        spec.propose_stage, spec.extend_stage, spec.accept_stages = stages
+        spec.propose_stages, spec.extend_stage, spec.accept_stages = stages
         restore()
     split = {name: ms / iters for name, ms in totals.items()}
     return {**split, "stages_ms": sum(split.values())}

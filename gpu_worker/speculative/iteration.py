@@ -24,7 +24,8 @@ emitted token `bonus` (no KV yet) in `RowState`:
               `RowState` advance by its accepted run.
 The propose stage reads its rows' lengths and tokens from `RowState` itself, so a greedy
 iteration costs the host one input copy (the rows) and two replays: the propose graph writes
-the extend stage's inputs in place (`StageGraph` output buffers), and a sampled one a third
+the extend stage's inputs in place (`StageGraph` output buffers; a greedy batch replays a
+capture of it that writes nothing else), and a sampled one a third
 replay, the accept graph, which reads the propose stage's outputs in place and overwrites the
 extend stage's inputs with its own. No stage reads the device from the host; the only
 synchronisation of a step is the caller's single copy of its results. Stages run through
@@ -139,7 +140,8 @@ class SpeculativeWorker:
         }
         self.graph_pool = None
         if graph_max_bs <= 0:
-            self.propose_stage = DirectStage(self.propose)
+            direct = DirectStage(functools.partial(self.propose, True))
+            self.propose_stages = {"greedy": direct, "accept": direct}
             self.accept_stages = {name: DirectStage(fn) for name, fn in accept.items()}
             self.extend_stage = DirectStage(self._extend)
             return
@@ -187,22 +189,36 @@ class SpeculativeWorker:
             )
             accept_buffers = self.accept_stages[name].inputs
         self.accept_stages["penalize"] = DirectStage(accept["penalize"])
-        chained = {
+        greedy_into = {
             "greedy_accept_lens": into["accept_lens"],
             "greedy_tokens": into["tokens"],
             "greedy_features": into["features"],
+        }
+        chained = {
+            **greedy_into,
             **{key: accept_buffers[key] for key in ACCEPT_INPUTS},
         }
-        self.propose_stage = StageGraph(
-            "draft and verify",
-            self.propose,
-            {"rows": PER_REQUEST},
-            graph_max_bs,
-            device,
-            capture,
-            pool,
-            output_buffers=chained,
-        )
+        # Two captures of the one propose function: a greedy batch's graph writes only the
+        # extend stage's inputs; the other also hands the tree, logits and features (a dozen
+        # copies, one of [bs * ND, V] floats) to whichever accept stage runs next.
+        greedy_out = {
+            "rows": into["rows"],
+            "committed_lens": into["committed_lens"],
+            **greedy_into,
+        }
+        self.propose_stages = {
+            variant: StageGraph(
+                f"draft and verify, {variant}",
+                functools.partial(self.propose, variant == "accept"),
+                {"rows": PER_REQUEST},
+                graph_max_bs,
+                device,
+                capture,
+                pool,
+                output_buffers=buffers,
+            )
+            for variant, buffers in (("greedy", greedy_out), ("accept", chained))
+        }
         if capture:
             self.extend_stage.capture_all(pool)
             for name in GRAPHED_ACCEPT:
@@ -213,10 +229,15 @@ class SpeculativeWorker:
         raise NotImplementedError
 
     def propose(
-        self, bs: int, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
+        self,
+        for_accept: bool,
+        bs: int,
+        inputs: dict[str, torch.Tensor],
+        committed_lens_cpu: list[int],
     ) -> dict[str, torch.Tensor]:
         """The draft's tree and the target's verify forward over it (one stage), for the rows'
-        committed lengths and last tokens in `RowState`."""
+        committed lengths and last tokens in `RowState`, accepted greedily; for_accept: also
+        the tree, logits and features an accept stage reads."""
         rows = inputs["rows"]
         committed_lens, bonus = self.state.committed_lens[rows], self.state.tokens[rows]
         tree = self.draft_tree(rows, committed_lens, committed_lens_cpu, bonus)
@@ -234,6 +255,8 @@ class SpeculativeWorker:
         }
         if self.topk > 1:  # the accepted path's KV moves (`compact`); a chain's stays
             greedy.update(greedy_predict=predict, greedy_accept_index=accept_index)
+        if not for_accept:
+            return {"rows": rows, "committed_lens": committed_lens, **greedy}
         return {
             **tree_tensors(tree),
             "logits": out.next_token_logits,
@@ -298,7 +321,8 @@ class SpeculativeWorker:
         on_accepted: Callable[[SpecStepOutput], None] | None = None,
     ) -> SpecStepOutput:
         """`decode` with the accept variant given (None: greedy, inside the propose stage)."""
-        proposed = self.propose_stage({"rows": rows}, committed_lens_cpu)
+        propose = self.propose_stages["greedy" if variant is None else "accept"]
+        proposed = propose({"rows": rows}, committed_lens_cpu)
         committed_lens = proposed["committed_lens"]
         if variant is None:  # accepted inside the propose stage
             accept_lens = proposed["greedy_accept_lens"]

@@ -59,14 +59,19 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
     seq_cpu = worker.rows.committed_lens[rows].tolist()
     state = worker.rows.committed_lens.clone(), worker.rows.tokens.clone()
     before = {k: v.clone() for k, v in inputs.items()}
-    eager = {k: v.clone() for k, v in spec.propose(len(seq_cpu), inputs, seq_cpu).items()}
+    eager = {k: v.clone() for k, v in spec.propose(True, len(seq_cpu), inputs, seq_cpu).items()}
     for _ in range(3):
-        replayed = spec.propose_stage(inputs, seq_cpu)
+        replayed = spec.propose_stages["accept"](inputs, seq_cpu)
         for name in (*TREE_TENSORS, "features"):
             assert torch.equal(replayed[name], eager[name]) or torch.allclose(
                 replayed[name].float(), eager[name].float(), atol=1e-4
             ), name
         torch.testing.assert_close(replayed["logits"], eager["logits"], atol=1e-4, rtol=1e-4)
+        # a greedy batch's capture accepts the same way and hands an accept stage nothing
+        greedy = spec.propose_stages["greedy"](inputs, seq_cpu)
+        assert not set(greedy) & {*TREE_TENSORS, "logits", "features"}
+        for name in ("greedy_tokens", "greedy_accept_lens", "rows", "committed_lens"):
+            assert torch.equal(greedy[name], eager[name]), name
         assert all(torch.equal(inputs[k], before[k]) for k in inputs)
         # the proposal reads the rows' lengths and tokens; only the extend advances them
         assert torch.equal(worker.rows.committed_lens, state[0])
