@@ -26,6 +26,7 @@ import torch
 from gpu_worker.attention import create_attention_backend
 from gpu_worker.graphs.cuda_graph import CudaGraphRunner
 from gpu_worker.graphs.prefill_graph import graph_bytes as prefill_graph_bytes
+from gpu_worker.kernels import greedy_head
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.layers.layernorm import set_use_triton
 from gpu_worker.layers.rotary import init_cos_sin_caches
@@ -55,11 +56,14 @@ class LogitsOutput:
     hidden_states: [num_tokens, hidden] for every token run: after the final norm for a target,
     the draft's pass-back hidden for a draft runner.
     aux_hidden_states: [num_tokens, len(aux_hidden_layers) * hidden] for a target runner with
-    aux_hidden_layers (the residual stream entering those layers), else None."""
+    aux_hidden_layers (the residual stream entering those layers), else None.
+    next_token_ids: [num_sampled] int64, the logits' argmax in the target's vocabulary, instead
+    of the logits (None) for a batch with `greedy_ids`."""
 
-    next_token_logits: torch.Tensor
+    next_token_logits: torch.Tensor | None
     hidden_states: torch.Tensor | None  # None from a graph that keeps only the logits
     aux_hidden_states: torch.Tensor | None = None
+    next_token_ids: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,13 @@ class ModelRunner:
         self.model = self._load_model(spec.load_format, spec.seed, draft_of)
         init_cos_sin_caches(self.model, row_width, self.device)
         set_use_triton(self.model, spec.attention_backend == "triton")
+        # The fused LM head reads the whole vocabulary (one rank holds a block under TP).
+        self.fused_greedy_head = spec.attention_backend == "triton" and self.tp.size == 1
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 8
+        )
         self.aux_hidden_layers = self._check_aux_layers(list(spec.aux_hidden_layers))
         graph_tokens = max(spec.cuda_graph_max_bs, spec.graph_tokens)
         self.graph_reserve_bytes = (
@@ -310,8 +321,21 @@ class ModelRunner:
             hidden = self.model(batch)  # [num_tokens, hidden]
         every = batch.mode.samples_every_token() and batch.logits_indices is None
         sampled = hidden if every else hidden[batch.sample_indices()]
+        if batch.greedy_ids:
+            return LogitsOutput(None, hidden, aux, self.next_token_ids(sampled))
         logits = self.model.compute_logits(sampled)  # [num_sampled, V]
         return LogitsOutput(next_token_logits=logits, hidden_states=hidden, aux_hidden_states=aux)
+
+    def next_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> the argmax of its logits [n] int64, in the target's vocabulary: the
+        LM head and the argmax in two launches (`greedy_head`) for a few rows on one GPU."""
+        if self.fused_greedy_head and greedy_head.fits(hidden.shape[0]):
+            x = self.model.logits_input(hidden)
+            return greedy_head.greedy_head(
+                x, self.model.lm_head.weight, self.hot_token_id, self.num_sms
+            )
+        ids = self.model.compute_logits(hidden).argmax(dim=-1)
+        return ids if self.hot_token_id is None else self.hot_token_id[ids]
 
 
 def estimate_graph_bytes(config: ArchConfig, max_tokens: int, dtype: torch.dtype) -> int:

@@ -249,6 +249,10 @@ class LlamaForCausalLM(nn.Module):
         assert aux is not None, "forward_with_aux needs at least one aux layer"
         return hidden, aux
 
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads: the final norm is the model's last layer."""
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
         return self.lm_head(hidden).float()

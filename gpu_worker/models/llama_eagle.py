@@ -114,6 +114,10 @@ class LlamaForCausalLMEagle(nn.Module):
         x, residual, _ = run_layers(self.layers, x, batch, self.rotary.cos_sin_cache)
         return x + residual
 
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads: the hidden itself (no final norm)."""
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, vocab] float32 through the target's LM head."""
         return self.lm_head(hidden).float()

@@ -200,6 +200,10 @@ class LlamaForCausalLMEagle3(nn.Module):
                 hidden_in = self.fc(hidden_in)  # [num_tokens, H]
         return self.midlayer(embeds, hidden_in, batch, self.rotary.cos_sin_cache)
 
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads: the pass-back hidden after the final norm."""
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, draft_vocab] float32 (map argmax ids by hot_token_id)."""
-        return self.lm_head(self.norm(hidden)).float()
+        return self.lm_head(self.logits_input(hidden)).float()

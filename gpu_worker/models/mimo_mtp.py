@@ -180,6 +180,10 @@ class MiMoMTPLayer(nn.Module):
         x, residual = self.block(x, None, batch, self.rotary.cos_sin_cache)
         return self.final_layernorm(x, residual)[0]
 
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads: the layer's output, after its final norm."""
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, vocab] float32 through the target's LM head."""
         return self.lm_head(hidden).float()

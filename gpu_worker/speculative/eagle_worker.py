@@ -100,17 +100,17 @@ class EagleWorker(SpeculativeWorker):
         layers = len(self.target.aux_hidden_layers or ()) if self.use_aux else 1
         return layers * self.target.config.hidden_size
 
-    def draft_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [n, V_draft] -> (probs [n, topk] float32, token ids [n, topk] in target vocab).
-        A chain (topk 1) takes the argmax and reports probability 1: nothing reads a chain's
-        path scores (its tree is fixed), so the softmax would be two kernels per draft step
-        for nothing."""
-        if self.topk == 1:  # an argmax is one reduction; a top-k over the vocabulary several
-            topk_index = logits.argmax(dim=-1, keepdim=True)
-            topk_p = constants.ones_float(logits.shape[0], logits.device)[:, None]
-        else:
-            probs = torch.softmax(logits.float(), dim=-1)
-            topk_p, topk_index = probs.topk(self.topk, dim=-1)
+    def draft_top_k(self, out: LogitsOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's logits [n, V_draft] -> (probs [n, topk] float32, token ids [n, topk] in
+        target vocab). A chain (topk 1) runs its draft batches with `greedy_ids` (the runner's
+        argmax, already in target ids) and reports probability 1: nothing reads a chain's path
+        scores (its tree is fixed), so a softmax would be kernels for nothing."""
+        if self.topk == 1:
+            ids = out.next_token_ids
+            assert ids is not None, "a chain's draft batches ask for greedy_ids"
+            return constants.ones_float(ids.shape[0], ids.device)[:, None], ids[:, None]
+        probs = torch.softmax(out.next_token_logits.float(), dim=-1)
+        topk_p, topk_index = probs.topk(self.topk, dim=-1)
         if self.draft.hot_token_id is not None:
             topk_index = self.draft.hot_token_id[topk_index]
         return topk_p, topk_index
@@ -121,7 +121,7 @@ class EagleWorker(SpeculativeWorker):
     def new_draft_state(self, out: LogitsOutput) -> DraftState:
         """The draft's first-level drafts per request and its pass-back hidden states (all
         tokens': `last` picks each row's)."""
-        return DraftState(*self.draft_top_k(out.next_token_logits), out.hidden_states)
+        return DraftState(*self.draft_top_k(out), out.hidden_states)
 
     def store_draft_state(self, rows: torch.Tensor, out: LogitsOutput, last: torch.Tensor) -> None:
         """Keep each row's first-level drafts and pass-back hidden (last: token index per row)."""
@@ -141,6 +141,7 @@ class EagleWorker(SpeculativeWorker):
             mode=ForwardMode.DRAFT_EXTEND,
             input_ids=rotate_prefill_inputs(batch.input_ids, batch.extend_seq_lens, tails),
             spec_info=SpecInput(self.target_features(target_out)),
+            greedy_ids=self.topk == 1,
         )
         out = self.draft.forward(draft_batch)
         last = torch.cumsum(batch.extend_seq_lens.long(), 0) - 1  # [bs]
@@ -179,9 +180,10 @@ class EagleWorker(SpeculativeWorker):
                 spec_info=SpecInput(hidden),
                 seq_lens=seq_lens,
                 extend_seq_lens=constants.full(bs, topk, rows.device),
+                greedy_ids=topk == 1,
             )
             out = self.draft.forward(batch)
-            topk_p, topk_index = self.draft_top_k(out.next_token_logits)  # [bs*topk, topk]
+            topk_p, topk_index = self.draft_top_k(out)  # [bs*topk, topk]
             input_ids, hidden, scores = select_next_level(
                 scores, topk_p, topk_index, out.hidden_states, step + 1, record
             )
@@ -231,5 +233,6 @@ class EagleWorker(SpeculativeWorker):
             seq_lens=committed_lens + width,
             extend_seq_lens=constants.full(bs, width, rows.device),
             logits_indices=last,
+            greedy_ids=self.topk == 1,
         )
         return self.new_draft_state(self.draft.forward(batch)), last

@@ -241,12 +241,15 @@ class SpeculativeWorker:
         rows = inputs["rows"]
         committed_lens, bonus = self.state.committed_lens[rows], self.state.tokens[rows]
         tree = self.draft_tree(rows, committed_lens, committed_lens_cpu, bonus)
-        out = verify_tree(self.target, tree, rows, committed_lens, committed_lens_cpu)
+        out = verify_tree(
+            self.target, tree, rows, committed_lens, committed_lens_cpu, not for_accept
+        )
         features = self.target_features(out)
         # Greedy acceptance without penalties needs nothing from the host: done here, in the
         # graph, and used whenever the whole batch is plain greedy.
+        target_predict = out.next_token_logits.argmax(dim=-1) if for_accept else out.next_token_ids
         predict, accept_index, accept_lens, tokens, path_features = self.accept_greedy(
-            tree, out.next_token_logits.argmax(dim=-1), features
+            tree, target_predict, features
         )
         greedy = {
             "greedy_accept_lens": accept_lens,

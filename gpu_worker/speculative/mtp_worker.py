@@ -180,8 +180,9 @@ class MTPWorker(SpeculativeWorker):
                 seq_lens=window.seq_lens,
                 extend_seq_lens=window.extend_lens,
                 logits_indices=window.last,
+                greedy_ids=True,
             )
-            prediction = runner.forward(batch).next_token_logits.argmax(dim=-1)  # [bs]
+            prediction = runner.forward(batch).next_token_ids  # [bs]
             self.chain[rows, layer] = prediction
             column = (known_lens + layer).clamp(max=width - 1)[:, None]
             line.scatter_(1, column, prediction[:, None])

@@ -41,10 +41,12 @@ def verify_tree(
     rows: torch.Tensor,
     committed_lens: torch.Tensor,
     committed_lens_cpu: list[int],
+    greedy_ids: bool = False,
 ) -> LogitsOutput:
     """One target forward over all ND nodes of every tree; node k's KV goes to the slot of
     position prefix + k (its rotary position is prefix + depth). Fixed shapes, device lengths
-    (committed_lens_cpu only feeds host-planned backends)."""
+    (committed_lens_cpu only feeds host-planned backends); greedy_ids: each node's argmax
+    instead of its logits."""
     nd, bs = tree.num_draft_tokens, rows.shape[0]
     offsets = constants.arange(nd, committed_lens.device)
     positions = committed_lens.long()[:, None] + offsets  # [bs, ND]
@@ -60,6 +62,7 @@ def verify_tree(
         custom_mask=tree.custom_mask,
         seq_lens=committed_lens + nd,
         extend_seq_lens=constants.full(bs, nd, committed_lens.device),
+        greedy_ids=greedy_ids,
     )
     return target.forward(batch)
 

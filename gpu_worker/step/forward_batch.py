@@ -65,6 +65,8 @@ class ForwardBatch:
     logits_indices: [bs] token indices whose logits the runner computes, when they are not
         the default ones (see `sample_indices`): a fixed-shape draft extend runs S+1 tokens
         per request but wants the logits at each request's last accepted one.
+    greedy_ids: the runner returns each sampled row's argmax token (`next_token_ids`) and no
+        logits: a chain's draft steps and a plain greedy batch's verify read nothing else.
     attn_backend / attn_metadata: set by the runner on its own copy of the batch.
     """
 
@@ -81,6 +83,7 @@ class ForwardBatch:
     custom_mask: torch.Tensor | None = None
     spec_info: object | None = None
     logits_indices: torch.Tensor | None = None
+    greedy_ids: bool = False
     attn_backend: Any = None
     attn_metadata: Any = None
 
@@ -138,6 +141,7 @@ def make_batch(
     seq_lens: torch.Tensor | None = None,
     extend_seq_lens: torch.Tensor | None = None,
     logits_indices: torch.Tensor | None = None,
+    greedy_ids: bool = False,
 ) -> ForwardBatch:
     """The one ForwardBatch constructor: device tensors, plus the lengths on the host (and on
     the device when the caller already has them there; otherwise they are copied)."""
@@ -163,4 +167,5 @@ def make_batch(
         custom_mask=custom_mask,
         spec_info=spec_info,
         logits_indices=logits_indices,
+        greedy_ids=greedy_ids,
     )

@@ -39,6 +39,6 @@ def test_draft_top_k_maps_draft_vocab_ids_to_target_ids():
     hot = torch.tensor([70, 30, 90])  # draft id -> target id
     stub = SimpleNamespace(topk=2, draft=SimpleNamespace(hot_token_id=hot))
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
-    probs, ids = EagleWorker.draft_top_k(stub, logits)
+    probs, ids = EagleWorker.draft_top_k(stub, SimpleNamespace(next_token_logits=logits))
     assert ids.tolist() == [[30, 90], [70, 90]]
     torch.testing.assert_close(probs.sum(-1) < 1, torch.tensor([True, True]))

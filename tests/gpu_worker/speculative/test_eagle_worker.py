@@ -8,6 +8,7 @@ takes the next prompt token as a non-final chunk's tail (SGLang #26329).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -189,7 +190,9 @@ def test_triton_backend_gives_the_same_speculative_output(
     """Draft decode (branch-local keys), tree verify, greedy acceptance and draft extend in
     the Triton kernels (interpreter on CPU): the same tokens and accept lengths as the
     torch_native reference. The EAGLE-3 draft layer runs its own Triton path
-    (`Eagle3DecoderLayer._forward_triton`); acceptance writes the extend stage's inputs."""
+    (`Eagle3DecoderLayer._forward_triton`); acceptance writes the extend stage's inputs; a
+    chain's draft steps and the greedy verify take the fused LM head and argmax."""
+    from gpu_worker import model_runner
     from gpu_worker.models.llama_eagle3 import Eagle3DecoderLayer
     from gpu_worker.speculative import iteration
 
@@ -203,6 +206,13 @@ def test_triton_backend_gives_the_same_speculative_output(
     accept = iteration.greedy_accept
     monkeypatch.setattr(
         iteration, "greedy_accept", lambda *a: in_place.append(a[3] is not None) or accept(*a)
+    )
+    heads = []  # the vocabulary size of each fused LM head + argmax
+    head = model_runner.greedy_head.greedy_head
+    monkeypatch.setattr(
+        model_runner.greedy_head,
+        "greedy_head",
+        lambda x, w, *a: heads.append(w.shape[0]) or head(x, w, *a),
     )
     prompts = random_prompts(seed=3, n=3)
     draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
@@ -223,8 +233,15 @@ def test_triton_backend_gives_the_same_speculative_output(
         )
         runs.append(run_engine(config, prompts, 8))  # the interpreter takes seconds a step
         if backend == "torch_native":
-            assert not calls and not in_place
+            assert not calls and not in_place and not heads
     assert runs[0] == runs[1]
+    with open(os.path.join(draft, "config.json")) as f:
+        config = json.load(f)
+    draft_vocab = config.get("draft_vocab_size", config["vocab_size"])
+    assert config["vocab_size"] in heads  # the verify of a greedy batch
+    if algorithm == "EAGLE3":  # a vocabulary of its own: seen where a chain's draft steps ran
+        assert draft_vocab < config["vocab_size"]
+        assert (draft_vocab in heads) == (topk == 1)
     assert bool(calls) == (algorithm == "EAGLE3")
     assert in_place and all(in_place)
 
