@@ -5,7 +5,8 @@ Owns the fused element-wise kernels (`norm`: RMSNorm and residual-add + RMSNorm;
 on q and k fused with the K/V store into the KV pool; `activation`: SiLU-and-multiply) and the
 paged-attention kernels (`decode_attention`, `few_query_attention`, `extend_attention`), and
 the projections of one to four rows, fused with the norm or SiLU-and-multiply before them or,
-for one row of a large weight, alone as a GEMV (`small_m_linear`); and when they launch with
+for one row of a large weight, alone as a GEMV (`small_m_linear`); the LM head fused with the
+argmax for rows that need only their greedy token (`greedy_head`); and when they launch with
 programmatic dependent launch (`pdl`: in launches of up to four rows each starts while the
 kernel before it runs). Each module exposes the
 kernel (`name`) and its torch reference (`name_reference`), which defines the result; callers
