@@ -38,7 +38,8 @@ def draft_run_positions(committed_lens: torch.Tensor, topk: int, step: int) -> t
     token - 1); positions advance only after each forward (SGLang PR #25015 put step 0 at prefix+1).
     """
     positions = committed_lens.to(torch.int64)
-    return (positions if topk == 1 else positions.repeat_interleave(topk)) + step
+    positions = positions if topk == 1 else positions.repeat_interleave(topk)
+    return positions + step if step else positions
 
 
 def draft_step_positions(committed_lens: torch.Tensor, topk: int, num_steps: int) -> torch.Tensor:

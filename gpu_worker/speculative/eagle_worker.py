@@ -159,9 +159,15 @@ class EagleWorker(SpeculativeWorker):
         topk, steps = self.topk, self.num_steps
         bs = rows.shape[0]
         record = DraftRecord()
-        input_ids, hidden, scores = select_first_level(
-            self.topk_p[rows], self.topk_index[rows], self.hidden[rows], record
-        )
+        # A chain's tree is its tokens (`chain_tree`): no path scores, no parents to record.
+        chain = self.shape.is_chain
+        if chain:
+            record.tokens.append(self.topk_index[rows])
+            input_ids, hidden = record.tokens[0].flatten(), self.hidden[rows]
+        else:
+            input_ids, hidden, scores = select_first_level(
+                self.topk_p[rows], self.topk_index[rows], self.hidden[rows], record
+            )
         cache_locs = draft_cache_locs(
             self.draft.req_to_token_pool.req_to_token, rows, committed_lens, topk, steps
         )  # [S, bs*topk]
@@ -184,6 +190,10 @@ class EagleWorker(SpeculativeWorker):
             )
             out = self.draft.forward(batch)
             topk_p, topk_index = self.draft_top_k(out)  # [bs*topk, topk]
+            if chain:
+                record.tokens.append(topk_index)
+                input_ids, hidden = topk_index.flatten(), out.hidden_states
+                continue
             input_ids, hidden, scores = select_next_level(
                 scores, topk_p, topk_index, out.hidden_states, step + 1, record
             )
@@ -220,7 +230,12 @@ class EagleWorker(SpeculativeWorker):
         offsets = constants.arange(width, rows.device)
         positions = committed_lens[:, None] + offsets  # [bs, S+1]
         slots = self.draft.req_to_token_pool.req_to_token[rows[:, None], positions]
-        last = constants.arange(bs, rows.device) * width + accept_lens - 1  # [bs]
+        starts = constants.cached(  # each request's first token, less one
+            ("extend_starts", bs, width),
+            rows.device,
+            lambda: torch.arange(bs, device=rows.device) * width - 1,
+        )
+        last = starts + accept_lens  # [bs]
         batch = make_batch(
             ForwardMode.DRAFT_EXTEND,
             inputs["tokens"].flatten(),

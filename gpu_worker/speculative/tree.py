@@ -121,6 +121,11 @@ class DraftShape:
     num_steps: int
     num_draft_tokens: int
 
+    @property
+    def is_chain(self) -> bool:
+        """One branch, every draft verified: node k is draft k (`chain_tree`)."""
+        return self.topk == 1 and self.num_draft_tokens == self.num_steps + 1
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -257,8 +262,8 @@ def tree_from_draft(
     """The verify trees of a finished draft loop: a chain (topk 1, ND = S+1) directly from
     its tokens, any other shape through `organize_draft` and `build_tree`."""
     topk, steps, nd = shape.topk, shape.num_steps, shape.num_draft_tokens
-    if topk == 1 and nd == steps + 1:
-        return chain_tree(bonus_tokens, torch.cat(record.tokens, dim=1), committed_lens, steps)
+    if shape.is_chain:
+        return chain_tree(bonus_tokens, record.tokens, committed_lens, steps)
     top_scores_index, draft_tokens, parent_list = organize_draft(record, nd, topk, steps)
     return build_tree(
         bonus_tokens, parent_list, top_scores_index, draft_tokens, committed_lens, topk, steps, nd
@@ -267,22 +272,27 @@ def tree_from_draft(
 
 def chain_tree(
     bonus_tokens: torch.Tensor,
-    draft_tokens: torch.Tensor,
+    draft_tokens: torch.Tensor | list[torch.Tensor],
     committed_lens: torch.Tensor,
     num_steps: int,
 ) -> DraftTree:
     """topk == 1, ND == S+1: node k is draft k at depth k, every node's only child is the next
-    one (draft_tokens [bs, S]). What `build_tree` computes for such a tree, from constants."""
+    one (draft_tokens [bs, S] int64, or S [bs, 1] columns). What `build_tree` computes for such
+    a tree, from constants."""
     bs, nd = committed_lens.shape[0], num_steps + 1
-    c = chain_constants(nd, committed_lens.device)
-    tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
-    rows = constants.arange(bs, committed_lens.device)[:, None] * nd
+    device = committed_lens.device
+    c = chain_constants(nd, device)
+    columns = draft_tokens if isinstance(draft_tokens, list) else [draft_tokens]
+    tokens = torch.cat([bonus_tokens.to(torch.int64)[:, None], *columns], 1)  # one launch
+    nodes = constants.cached(  # b * ND + k: the node's row among all the batch's nodes
+        ("chain_nodes", bs, nd), device, lambda: torch.arange(bs * nd, device=device).view(bs, nd)
+    )
     ancestors = c["ancestors"].expand(bs, nd, nd)
     return DraftTree(
         tokens=tokens.flatten(),
         positions=(committed_lens.to(torch.int64)[:, None] + c["node"]).flatten(),
         custom_mask=ancestors,
-        retrieve_index=c["node"] + rows,
+        retrieve_index=nodes,
         next_token=c["next_token"].expand(bs, nd),
         next_sibling=c["next_sibling"].expand(bs, nd),
         depth=c["node"].expand(bs, nd),
