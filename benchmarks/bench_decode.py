@@ -54,7 +54,7 @@ from aerie.resolve import resolve_device, resolve_dtype  # noqa: E402
 from benchmarks.bench_models import resolve_model  # noqa: E402
 from benchmarks.decode_timing import measure_bandwidth, profile_kernels, sync, time_loop  # noqa: E402
 from gpu_worker.build import DTYPES  # noqa: E402
-from gpu_worker.graphs.cuda_graph import CudaGraphRunner  # noqa: E402
+from gpu_worker.graphs.forward_graph import decode_graphs  # noqa: E402
 from gpu_worker.kernels import pdl, small_m_linear  # noqa: E402
 from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec  # noqa: E402
 from gpu_worker.models import read_arch_config  # noqa: E402
@@ -361,10 +361,10 @@ def bench_model(name: str, tmp_dir: str, args, bandwidth: float) -> list[dict]:
                 )
         for config in gemv_configs:  # the same runner, its graphs captured again
             configure_kernels(group, config)
-            runner.graph_runner = None
+            runner.decode_graphs = None
             torch.cuda.empty_cache()
             on_cuda = runner.device.type == "cuda"
-            runner.graph_runner = CudaGraphRunner(runner, graph_bs, capture=on_cuda)
+            runner.decode_graphs = decode_graphs(runner, graph_bs, capture=on_cuda)
             tag = f"{config.block_n},{config.block_k},{config.num_warps}"  # as --gemv-configs
             for bs in sizes:
                 results[(f"triton+graph@{tag}", bs)] = bench_variant(

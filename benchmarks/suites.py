@@ -268,6 +268,7 @@ CUDA_TESTS = (
     "tests/gpu_worker/test_worker.py",
     "tests/gpu_worker/test_cuda.py",
     "tests/gpu_worker/test_cuda_graph.py",
+    "tests/gpu_worker/test_prefill_graph.py",
     "tests/gpu_worker/kernels",
 )
 E2E_TESTS = ("tests/e2e/test_parity.py", "tests/e2e/test_speculative.py")

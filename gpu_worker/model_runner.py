@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.attention import create_attention_backend
-from gpu_worker.graphs.cuda_graph import CudaGraphRunner
-from gpu_worker.graphs.prefill_graph import graph_bytes as prefill_graph_bytes
+from gpu_worker.graphs.forward_graph import decode_graphs
+from gpu_worker.graphs.forward_graph import graph_bytes as prefill_graph_bytes
+from gpu_worker.graphs.stage_graph import StageGraph
 from gpu_worker.kernels import greedy_head
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.layers.layernorm import set_use_triton
@@ -34,7 +35,7 @@ from gpu_worker.models import ArchConfig, build_model, read_arch_config
 from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
 from gpu_worker.parallel import SINGLE, TensorParallel
-from gpu_worker.step.forward_batch import ForwardBatch
+from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
 from gpu_worker.step.host_batch import HostBatch, Staging
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
 
@@ -48,24 +49,6 @@ SAMPLING_BYTES_PER_LOGIT = 128
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 
 
-@dataclass
-class LogitsOutput:
-    """next_token_logits: [num_sampled, vocab] float32, one row per sampled position (each
-    request's last token for EXTEND/DRAFT_EXTEND, every token for DECODE/TARGET_VERIFY/
-    DRAFT_DECODE); an EAGLE-3 draft's vocab is its draft vocabulary (see `hot_token_id`).
-    hidden_states: [num_tokens, hidden] for every token run: after the final norm for a target,
-    the draft's pass-back hidden for a draft runner.
-    aux_hidden_states: [num_tokens, len(aux_hidden_layers) * hidden] for a target runner with
-    aux_hidden_layers (the residual stream entering those layers), else None.
-    next_token_ids: [num_sampled] int64, the logits' argmax in the target's vocabulary, instead
-    of the logits (None) for a batch with `greedy_ids`."""
-
-    next_token_logits: torch.Tensor | None
-    hidden_states: torch.Tensor | None  # None from a graph that keeps only the logits
-    aux_hidden_states: torch.Tensor | None = None
-    next_token_ids: torch.Tensor | None = None
-
-
 @dataclass(frozen=True)
 class RunnerSpec:
     """What one runner loads and how it runs it.
@@ -75,12 +58,13 @@ class RunnerSpec:
     checkpoint (the target's directory or a separate MTP directory, see
     `mimo_mtp.mtp_weights_dir`); a draft. aux_hidden_layers: target layers whose input stream
     `forward` also returns (EAGLE-3, see `eagle3_aux_layer_ids`). cuda_graph_max_bs: run DECODE
-    through a `CudaGraphRunner` for batches up to this size (captured on CUDA when the
-    attention backend supports it; the same padded path eagerly otherwise); 0: always eager.
+    batches of `forward_host` up to this size through `forward_graph.decode_graphs` (captured
+    on CUDA when the attention backend supports it; the same padded path eagerly otherwise);
+    0: always eager.
     graph_tokens: tokens per forward of the CUDA graphs others capture this runner's forwards
     in (the speculative stages: max batch x ND), kept out of the KV budget like its own graphs.
     prefill_graph_tokens: the largest prefill others replay as a graph of this runner's
-    forward (`prefill_graph.PrefillGraphs`), budgeted the same way. graph_sampled_rows: rows
+    forward (`forward_graph.PrefillGraphs`), budgeted the same way. graph_sampled_rows: rows
     others sample from this runner's logits inside CUDA graphs (the plain decode step), whose
     sampling temporaries (probabilities, sorted copies, noise) the graphs keep too.
     tp: the tensor-parallel group the model is sharded over (a draft's must be its target's).
@@ -157,11 +141,6 @@ class ModelRunner:
         set_use_triton(self.model, spec.attention_backend == "triton")
         # The fused LM head reads the whole vocabulary (one rank holds a block under TP).
         self.fused_greedy_head = spec.attention_backend == "triton" and self.tp.size == 1
-        self.num_sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda"
-            else 8
-        )
         self.aux_hidden_layers = self._check_aux_layers(list(spec.aux_hidden_layers))
         graph_tokens = max(spec.cuda_graph_max_bs, spec.graph_tokens)
         self.graph_reserve_bytes = (
@@ -192,7 +171,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             spec.attention_backend, self.req_to_token_pool, self.kv_pool, self.num_heads
         )
-        self.graph_runner: CudaGraphRunner | None = None
+        self.decode_graphs: StageGraph | None = None
         if spec.cuda_graph_max_bs > 0:
             capture = self.device.type == "cuda" and self.attn_backend.supports_cuda_graph
             if self.device.type == "cuda" and not capture:
@@ -200,7 +179,7 @@ class ModelRunner:
                     "%s attention cannot be captured in CUDA graphs: decode runs eagerly",
                     spec.attention_backend,
                 )
-            self.graph_runner = CudaGraphRunner(self, spec.cuda_graph_max_bs, capture=capture)
+            self.decode_graphs = decode_graphs(self, spec.cuda_graph_max_bs, capture)
         log.info(
             "%s on %s (%s): KV pool of %d tokens",
             config.architecture,
@@ -304,8 +283,17 @@ class ModelRunner:
         views of its static buffers, valid until the next call), else eagerly after one copy
         through pinned staging. input_ids: token ids already on the device, instead of
         host.input_ids."""
-        if self.graph_runner is not None and self.graph_runner.can_run(host):
-            return self.graph_runner.run(host, input_ids)
+        bs = host.batch_size
+        graphs = self.decode_graphs
+        if graphs is not None and host.mode == ForwardMode.DECODE and len(host.input_ids) == bs:
+            arrays = {
+                "input_ids": host.input_ids if input_ids is None else input_ids,
+                "positions": host.positions,
+                "out_cache_loc": host.out_cache_loc,
+                "rows": host.rows,
+                "seq_lens": host.seq_lens,
+            }
+            return LogitsOutput(graphs.call_host(bs, arrays)["logits"], None)
         batch = host.to_device(self.device, self.staging)
         if input_ids is not None:
             batch = dataclasses.replace(batch, input_ids=input_ids.long())
@@ -332,7 +320,7 @@ class ModelRunner:
         if self.fused_greedy_head and greedy_head.fits(hidden.shape[0]):
             x = self.model.logits_input(hidden)
             return greedy_head.greedy_head(
-                x, self.model.lm_head.weight, self.hot_token_id, self.num_sms
+                x, self.model.lm_head.weight, self.hot_token_id, self.attn_backend.num_sms
             )
         ids = self.model.compute_logits(hidden).argmax(dim=-1)
         return ids if self.hot_token_id is None else self.hot_token_id[ids]

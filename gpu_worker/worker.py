@@ -33,7 +33,7 @@ from aerie.messages import ForwardPlan, RequestStart, StepResult
 from aerie.step_costs import StepCosts
 from aerie.step_trace import StepTrace
 from gpu_worker.build import build_models, graph_max_bs, prefill_graph_tokens
-from gpu_worker.graphs.prefill_graph import PrefillGraphs
+from gpu_worker.graphs.forward_graph import PrefillGraphs
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.speculative.target_verify import SpecStepOutput
 from gpu_worker.step.decode_step import DecodeStep

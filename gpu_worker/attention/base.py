@@ -13,12 +13,9 @@ the runner calls `init_forward_metadata(batch)` once, then every attention layer
 The base class does 1 with `rope_and_store` and 2 with `forward(q, layer, batch)`; a backend
 may fuse them (triton's decode does, in one kernel).
 
-CUDA-graph hooks (backends with `supports_cuda_graph`): `init_cuda_graph_state(max_bs,
-max_tokens_per_req)` allocates whatever the backend keeps across replays, once;
-`init_forward_metadata_capture(batch)` prepares metadata for a capture (the batch's tensors are
-the graph's static buffers) and `init_forward_metadata_replay(batch)` refreshes it in place
-before a replay, reading only device tensors. Padded rows of a graph batch point at request row
-0 and slot 0 with `cuda_graph_seq_len_fill_value` keys.
+A backend with `supports_cuda_graph` plans its metadata on the device alone, so that a graph
+captures `init_forward_metadata` with the forward and a replay needs no refresh. Padded rows of a
+graph batch point at request row 0 and slot 0 with `cuda_graph_seq_len_fill_value` keys.
 """
 
 from __future__ import annotations
@@ -54,8 +51,8 @@ class RopeArgs:
 
 
 class AttentionBackend:
-    """Base class; subclasses implement `init_forward_metadata`, `rope_and_store` and `forward`
-    (and the graph hooks when `supports_cuda_graph`)."""
+    """Base class; subclasses implement `init_forward_metadata`, `rope_and_store` and
+    `forward`."""
 
     name = "base"
     supports_cuda_graph = False
@@ -104,15 +101,6 @@ class AttentionBackend:
         """q `[num_tokens, num_heads * head_dim]` (rotated) -> o `[num_tokens, num_heads *
         head_dim]` in q's dtype, over the KV already in the pool."""
         raise NotImplementedError
-
-    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
-        raise NotImplementedError(f"{self.name} cannot run in CUDA graphs")
-
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> Any:
-        raise NotImplementedError(f"{self.name} cannot run in CUDA graphs")
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> Any:
-        raise NotImplementedError(f"{self.name} cannot run in CUDA graphs")
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -137,19 +137,6 @@ class TritonBackend(AttentionBackend):
         device = self.kv_pool.device
         return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
-        """Decode scratch for the largest batch, shared by every captured graph."""
-        self._scratch(1, max_bs)
-
-    def init_forward_metadata_capture(
-        self, batch: ForwardBatch
-    ) -> DecodeMetadata | FewQueryMetadata | ExtendMetadata:
-        return self.init_forward_metadata(batch)  # device work only: it is captured too
-
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        """Nothing to refresh: the kernels read lengths and rows from the graph's static input
-        tensors, which the graph runner has already filled."""
-
     # ------------------------------------------------------------------------- attention
 
     def attend(

@@ -1,6 +1,7 @@
-"""CUDA graphs: capture once per batch bucket, replay on static buffers.
+"""CUDA graphs: one mechanism, `stage_graph.StageGraph`, a function of static buffers captured
+once per bucket and replayed.
 
-`stage_graph` (the decode step and the speculative stages), `prefill_graph` (short prefills,
-bucketed by tokens) and `cuda_graph` (the bucket list and warm-up rule they share, and the
-forward graphs of one runner).
+`capture` (the capture loop and the batch-size buckets), `stage_graph` (the mechanism; the
+decode step and every speculative stage are stages), `forward_graph` (a runner's forward as a
+stage: plain decode batches, and short prefills bucketed by tokens).
 """

@@ -33,7 +33,10 @@ before the replay: a step costs the host one copy and one replay whatever its in
 inputs are flat lists of up to `width` values per request (`StageInput.shape` (width,)), not
 necessarily `width` for every request (a step's new KV slots are), and `fn` sees them flat.
 
-Capture follows `CudaGraphRunner`: buckets largest first, one memory pool, eager warm-up runs
+A bucket is a batch size by default; `buckets` may count something else (the prefill stage's
+are token counts, its per-request inputs then flat lists shorter than the bucket), and an
+output whose rows do not grow with the bucket says how many a bucket has (`output_rows`).
+Capture (`capture.capture_buckets`): buckets largest first, one memory pool, eager warm-up runs
 before each capture. Without capture (CPU, or a backend that cannot be captured) the same
 copies, padding and output buffers run eagerly, so CI covers all but the replay.
 """
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.graphs.cuda_graph import batch_size_buckets, capture_buckets
+from gpu_worker.graphs.capture import batch_size_buckets, capture_buckets
 from gpu_worker.step.host_batch import Staging, int64_entries
 
 StageFn = Callable[[int, dict[str, torch.Tensor], list[int]], dict[str, torch.Tensor]]
@@ -93,16 +96,19 @@ class DirectStage:
 
 
 def upload_flat(
-    staging: Staging, specs: dict[str, StageInput], arrays: dict[str, np.ndarray]
+    staging: Staging,
+    specs: dict[str, StageInput],
+    arrays: dict[str, np.ndarray | torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """arrays (flat, of the specs' dtypes) on the device in one copy, unpadded: int32 ones
-    two to an int64 entry and viewed back."""
-    keys = list(specs)
+    two to an int64 entry and viewed back; those on the device already as they are."""
+    keys = [key for key in specs if not isinstance(arrays[key], torch.Tensor)]
     views = staging.upload([int64_entries(arrays[key], specs[key].dtype.itemsize) for key in keys])
-    return {
+    uploaded = {
         key: view.view(torch.int32)[: len(arrays[key])] if specs[key].dtype == torch.int32 else view
         for key, view in zip(keys, views, strict=True)
     }
+    return {key: uploaded.get(key, arrays[key]) for key in specs}
 
 
 class StageGraph:
@@ -119,6 +125,8 @@ class StageGraph:
         host_inputs: bool = False,
         input_buffers: dict[str, torch.Tensor] | None = None,
         capture_max_bs: int | None = None,
+        buckets: list[int] | None = None,
+        output_rows: dict[str, Callable[[int], int]] | None = None,
     ) -> None:
         """pool: a CUDA graph memory pool shared with other stages (default: a new one).
         output_buffers: outputs written into the given tensors (e.g. another stage's `inputs`;
@@ -132,10 +140,14 @@ class StageGraph:
         capture_max_bs: the largest bucket captured (default: all). Larger buckets up to max_bs
         run the same padded path eagerly on the static buffers: for stages whose graphs would
         keep too much memory at large batches, where the host's launches cost little next to
-        the GPU's work anyway."""
+        the GPU's work anyway.
+        buckets: the sizes captured (default: `batch_size_buckets(max_bs)`).
+        output_rows: the rows an output has at a bucket, for outputs not a fixed number of rows
+        per request (a call returns those rows whole)."""
         self.name, self.fn = name, fn
         self.output_buffers = output_buffers or {}
-        self.buckets = batch_size_buckets(max_bs)
+        self.output_rows = output_rows or {}
+        self.buckets = buckets or batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.capture_max_bs = self.max_bs if capture_max_bs is None else capture_max_bs
         self.device = device
@@ -208,21 +220,30 @@ class StageGraph:
         width for wider ones): its bucket's; None when it runs directly, without a bound."""
         return None if bs > self.max_bs else self.bucket_for(bs)
 
-    def call_host(self, bs: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def call_host(
+        self, bs: int, arrays: dict[str, np.ndarray | torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Run the stage for bs requests on host arrays (one per input, flat, of its dtype,
         at most capacity(bs) * width values): one copy of the whole packed buffer, pads
-        included, then the replay. A batch larger than max_bs runs directly, unpadded."""
+        included, then the replay. An input given as a device tensor instead (e.g. tokens fed
+        back from the step before) is copied into its view after that copy. A batch larger
+        than max_bs runs directly, unpadded."""
         assert self.host_inputs, f"{self.name}: a stage made without host_inputs"
         if bs > self.max_bs:
             return self.fn(bs, upload_flat(self.staging, self.specs, arrays), [0] * bs)
         bucket = self.bucket_for(bs)
         for key, values in arrays.items():
-            if len(values) > bucket * self.widths[key]:
+            count = values.numel() if isinstance(values, torch.Tensor) else len(values)
+            if count > bucket * self.widths[key]:
                 raise ValueError(
-                    f"{self.name}: {len(values)} values of {key} for a batch of "
+                    f"{self.name}: {count} values of {key} for a batch of "
                     f"{bs} (at most {bucket * self.widths[key]})"
                 )
-        self.staging.upload_into(self.packed, self._host_regions(arrays))
+        on_device = {k: v for k, v in arrays.items() if isinstance(v, torch.Tensor)}
+        host = {k: np.zeros(0, np.int64) if k in on_device else v for k, v in arrays.items()}
+        self.staging.upload_into(self.packed, self._host_regions(host))
+        for key, values in on_device.items():
+            self.inputs[key][: values.numel()].copy_(values.reshape(-1))
         return self._replay(bs, bucket, [0] * bs)
 
     def __call__(
@@ -261,7 +282,12 @@ class StageGraph:
         else:
             self._run(bucket, [*committed_lens_cpu, *[0] * (bucket - bs)])
         assert self.outputs is not None
-        return {key: out[: bs * self.rows_per_req[key]] for key, out in self.outputs.items()}
+        return {
+            key: out[: self.output_rows[key](bucket)]
+            if key in self.output_rows
+            else out[: bs * self.rows_per_req[key]]
+            for key, out in self.outputs.items()
+        }
 
     def _run(self, bucket: int, committed_lens_cpu: list[int]) -> None:
         """The stage on the bucket's static inputs, its results copied to the static outputs."""
@@ -275,13 +301,16 @@ class StageGraph:
         if self.outputs is None:
             self.outputs = {}
             for key, value in result.items():
-                if value.shape[0] % bucket:
+                if key in self.output_rows:
+                    rows = self.output_rows[key](self.max_bs)
+                elif value.shape[0] % bucket:
                     raise ValueError(
                         f"{self.name}: output {key} has {value.shape[0]} rows, "
                         f"not a multiple of the batch size {bucket}"
                     )
-                self.rows_per_req[key] = value.shape[0] // bucket
-                rows = self.max_bs * self.rows_per_req[key]
+                else:
+                    self.rows_per_req[key] = value.shape[0] // bucket
+                    rows = self.max_bs * self.rows_per_req[key]
                 if key in self.output_buffers:
                     self.outputs[key] = self.output_buffers[key].view(rows, *value.shape[1:])
                 else:

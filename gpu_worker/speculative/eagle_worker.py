@@ -30,7 +30,7 @@ import torch
 from aerie.config import SpeculativeConfig
 from gpu_worker import constants
 from gpu_worker.kernels.row_commit import DraftState, store_rows
-from gpu_worker.model_runner import LogitsOutput, ModelRunner
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.compaction import compaction_moves
 from gpu_worker.speculative.draft_layout import (
@@ -49,7 +49,13 @@ from gpu_worker.speculative.tree import (
     tree_from_draft,
 )
 from gpu_worker.speculative.verify import VerifyResult
-from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
+from gpu_worker.step.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LogitsOutput,
+    SpecInput,
+    make_batch,
+)
 from gpu_worker.step.row_state import RowState
 
 

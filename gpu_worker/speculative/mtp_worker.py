@@ -36,11 +36,17 @@ import torch
 
 from aerie.config import SpeculativeConfig
 from gpu_worker import constants
-from gpu_worker.model_runner import LogitsOutput, ModelRunner
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.iteration import SpeculativeWorker
 from gpu_worker.speculative.tree import DraftShape, DraftTree, chain_tree
-from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, SpecInput, make_batch
+from gpu_worker.step.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LogitsOutput,
+    SpecInput,
+    make_batch,
+)
 from gpu_worker.step.host_batch import Staging
 from gpu_worker.step.row_state import RowState
 

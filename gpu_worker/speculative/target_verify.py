@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker import constants
-from gpu_worker.model_runner import LogitsOutput, ModelRunner
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import (
     STREAM_SPEC_BONUS,
     STREAM_SPEC_COIN,
@@ -32,7 +32,7 @@ from gpu_worker.speculative.verify import (
     verify_greedy,
     verify_sampling,
 )
-from gpu_worker.step.forward_batch import ForwardMode, make_batch
+from gpu_worker.step.forward_batch import ForwardMode, LogitsOutput, make_batch
 
 
 def verify_tree(

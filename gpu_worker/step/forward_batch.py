@@ -1,4 +1,5 @@
-"""The explicit forward context: `ForwardMode` and `ForwardBatch`, passed into `model.forward`.
+"""The explicit forward context: `ForwardMode` and `ForwardBatch`, passed into `model.forward`,
+and what a forward returns (`LogitsOutput`).
 
 There is no global forward context. The runner gives the model a copy of the batch with its
 attention backend and that backend's metadata filled in; nobody mutates a batch it was given.
@@ -169,3 +170,21 @@ def make_batch(
         logits_indices=logits_indices,
         greedy_ids=greedy_ids,
     )
+
+
+@dataclass
+class LogitsOutput:
+    """next_token_logits: [num_sampled, vocab] float32, one row per sampled position (each
+    request's last token for EXTEND/DRAFT_EXTEND, every token for DECODE/TARGET_VERIFY/
+    DRAFT_DECODE); an EAGLE-3 draft's vocab is its draft vocabulary (see `hot_token_id`).
+    hidden_states: [num_tokens, hidden] for every token run: after the final norm for a target,
+    the draft's pass-back hidden for a draft runner.
+    aux_hidden_states: [num_tokens, len(aux_hidden_layers) * hidden] for a target runner with
+    aux_hidden_layers (the residual stream entering those layers), else None.
+    next_token_ids: [num_sampled] int64, the logits' argmax in the target's vocabulary, instead
+    of the logits (None) for a batch with `greedy_ids`."""
+
+    next_token_logits: torch.Tensor | None
+    hidden_states: torch.Tensor | None  # None from a graph that keeps only the logits
+    aux_hidden_states: torch.Tensor | None = None
+    next_token_ids: torch.Tensor | None = None

@@ -94,7 +94,7 @@ def test_a_graphed_decode_step_never_synchronises_the_host(tiny_dirs):
     )
     worker = GPUWorker(config)
     assert all(stage.graphs for stage in worker.decode_step.stages.values())  # captured
-    assert worker.prefill_graphs is not None and worker.prefill_graphs.graphs  # short prefills
+    assert worker.prefill_graphs is not None and worker.prefill_graphs.stage.graphs  # prefills
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3)
     start = RequestStart(1, params, True, pack_ids([5, 6, 7]))
     prefill = extend_plan(1, [(1, 0, [5, 6, 7], [1, 2, 3], True)], [start])
@@ -239,7 +239,7 @@ def test_pdl_graphs_give_the_logits_of_plain_launches_bit_for_bit(tiny_dirs, mon
             max_running_requests=2,
             context_length=128,
         )
-        assert runner.graph_runner is not None and runner.graph_runner.graphs
+        assert runner.decode_graphs is not None and runner.decode_graphs.graphs
         ids = list(range(3, 40, 3))
         slots = shuffled_slots(runner, 1, 100)
         run_step(runner, ForwardMode.EXTEND, [1], [0], [ids[:-1]], slots)

@@ -1,4 +1,4 @@
-"""The CUDA graph runner: buckets, padding to row 0 / slot 0, static buffers and outputs.
+"""A runner's graphed decode forward: buckets, padding to row 0 / slot 0, static buffers.
 
 On CPU the same buffers, padding and copies run eagerly (what CI covers); on CUDA the graphs
 are captured and replayed, and must give what the eager forward gives."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.graphs.cuda_graph import batch_size_buckets
+from gpu_worker.graphs.capture import batch_size_buckets
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.step.forward_batch import ForwardMode
 from gpu_worker.step.host_batch import HostBatch
@@ -49,8 +49,8 @@ def test_graph_path_gives_the_eager_logits_and_touches_only_its_slots(tiny_dirs,
         pytest.skip("torch_native decode is eager-only on CUDA")
     graphed = make_runner(tiny_dirs["qwen3"], device, 6, backend)
     eager = make_runner(tiny_dirs["qwen3"], device, 0, backend)
-    assert graphed.graph_runner is not None and eager.graph_runner is None
-    assert graphed.graph_runner.captures == (device == "cuda")
+    assert graphed.decode_graphs is not None and eager.decode_graphs is None
+    assert bool(graphed.decode_graphs.graphs) == (device == "cuda")
     prompts = [[5, 6, 7, 8, 9], [3] * 11, [40, 41], [7] * 17, [9, 8], [1, 2, 3]]
     slots = shuffled_slots(graphed, len(prompts), 24, seed=1)
     for runner in (graphed, eager):  # the same prefixes in both pools
@@ -69,7 +69,10 @@ def test_graph_path_gives_the_eager_logits_and_touches_only_its_slots(tiny_dirs,
                 torch.tensor([s[0] for s in new_slots], device=device),
                 torch.ones(bs, dtype=torch.int64, device=device),
             )
-        out = graphed.forward_host(host)
+        # Token ids fed back on the device (as the training generator does) or from the host.
+        fed = torch.tensor([i[0] for i in ids], device=device) if bs % 2 else None
+        zeros = HostBatch.from_requests(ForwardMode.DECODE, [[0]] * bs, prefix, new_slots, rows)
+        out = graphed.forward_host(host if fed is None else zeros, input_ids=fed)
         ref = eager.forward_host(host)
         assert out.next_token_logits.shape == ref.next_token_logits.shape == (bs, 256)
         torch.testing.assert_close(
@@ -90,9 +93,7 @@ def test_batches_beyond_the_largest_bucket_run_eagerly(tiny_dirs, device):
     host = HostBatch.from_requests(
         ForwardMode.DECODE, [[5], [6], [7]], [0, 0, 0], [[4], [8], [12]], rows
     )
-    assert not runner.graph_runner.can_run(host)
-    extend = HostBatch.from_requests(ForwardMode.EXTEND, [[5, 6]], [0], [[4, 5]], [1])
-    assert not runner.graph_runner.can_run(extend)
+    assert runner.decode_graphs.capacity(len(rows)) is None  # runs unpadded
     assert runner.forward_host(host).next_token_logits.shape == (3, 256)
 
 
@@ -103,7 +104,7 @@ def test_capture_buckets_warms_up_then_captures_each_bucket_largest_first(monkey
     import contextlib
     from types import SimpleNamespace
 
-    from gpu_worker.graphs import cuda_graph
+    from gpu_worker.graphs import capture as cuda_graph
 
     events = []
 
@@ -150,7 +151,7 @@ def test_captures_run_without_garbage_collection(monkeypatch):
     import gc
     from types import SimpleNamespace
 
-    from gpu_worker.graphs import cuda_graph
+    from gpu_worker.graphs import capture as cuda_graph
 
     state = {"capturing": False}
     seen = []
@@ -187,7 +188,7 @@ def test_a_graph_collected_during_a_capture_does_not_break_it():
     to run at almost every allocation: the capture must not see a collection."""
     import gc
 
-    from gpu_worker.graphs.cuda_graph import capture_buckets
+    from gpu_worker.graphs.capture import capture_buckets
 
     x = torch.zeros(64, device="cuda")
     old = capture_buckets([1], lambda b: x.add_(1), x.device, "old")

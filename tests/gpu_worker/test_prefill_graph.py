@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.graphs.prefill_graph import PrefillGraphs, requests_for, token_buckets
+from gpu_worker.graphs.forward_graph import PrefillGraphs, requests_for, token_buckets
 from gpu_worker.step.forward_batch import ForwardMode
 from gpu_worker.step.host_batch import HostBatch
 from tests.devices import skip_unless_triton_runs_on
@@ -68,7 +68,7 @@ def test_padded_prefills_give_the_eager_outputs_and_touch_only_their_slots(
     graphed = make_runner(tiny_dirs["llama"], device, backend)
     eager = make_runner(tiny_dirs["llama"], device, backend)
     graphs = PrefillGraphs(graphed, 40, capture=device == "cuda", keep_hidden=True)
-    assert graphs.buckets == [16, 32, 40] and bool(graphs.graphs) == (device == "cuda")
+    assert graphs.stage.buckets == [16, 32, 40] and bool(graphs.stage.graphs) == (device == "cuda")
     slots = shuffled_slots(graphed, 4, 60, seed=3)
     gen = torch.Generator().manual_seed(0)
 
