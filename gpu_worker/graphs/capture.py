@@ -26,7 +26,7 @@ def no_collection() -> Iterator[None]:
     destroys its executable graph, which is not permitted while a stream captures: the capture
     is invalidated and fails later with "operation failed due to a previous error during
     capture", at whichever kernel comes next, as often or as rarely as collections happen to
-    run during captures. `torch.cuda.graph` collects once before it starts capturing."""
+    run during captures. Enter it before `torch.cuda.graph`, which begins capturing on entry."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -55,7 +55,8 @@ def capture_buckets(
                 run(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream), no_collection():
+        # The collector off first: torch.cuda.graph begins capturing on entry.
+        with no_collection(), torch.cuda.graph(graph, pool=pool, stream=stream):
             run(bucket)
         graphs[bucket] = graph
     torch.cuda.synchronize(device)

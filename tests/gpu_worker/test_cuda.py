@@ -196,9 +196,11 @@ def test_step_clock_sees_the_device_wait_for_a_late_launch():
     from gpu_worker.tooling.step_profile import StepClock
 
     clock, x = StepClock(), torch.ones(256, 256, device="cuda")
+    x @ x  # the library's first call sets up on the host, longer than a step's device time
+    torch.cuda.synchronize()
     for plan_id in (1, 2):
         clock.begin(plan_id)
-        torch.cuda._sleep(2_000_000)  # a few milliseconds of device time
+        torch.cuda._sleep(10_000_000)  # milliseconds of device time: the host keeps ahead
         x = x @ x
         clock.end(plan_id)
     first_gap, first_span = clock.finished(1)

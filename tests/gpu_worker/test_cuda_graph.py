@@ -158,6 +158,7 @@ def test_captures_run_without_garbage_collection(monkeypatch):
 
     @contextlib.contextmanager
     def graph(g, pool, stream):
+        seen.append(("begin", gc.isenabled()))  # the capture begins on entry
         state["capturing"] = True
         yield
         state["capturing"] = False
@@ -177,6 +178,8 @@ def test_captures_run_without_garbage_collection(monkeypatch):
     cuda_graph.capture_buckets(
         [1, 2], lambda b: seen.append((state["capturing"], gc.isenabled())), "cpu", "test"
     )
+    assert {enabled for kind, enabled in seen if kind == "begin"} == {False}
+    seen = [event for event in seen if event[0] != "begin"]
     assert {enabled for capturing, enabled in seen if capturing} == {False}
     assert {enabled for capturing, enabled in seen if not capturing} == {True}
     assert gc.isenabled()
