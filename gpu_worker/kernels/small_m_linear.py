@@ -24,7 +24,7 @@ product, which accumulates in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -270,6 +270,23 @@ def choose_config(rows: int, n: int, k: int, prologue: bool = False) -> Config |
     return None if prologue else GEMV_CONFIG
 
 
+# Triton's interpreter (CPU) runs a launch's programs one after another in Python, each
+# repeating the prologue over the whole input row: there a default launch of a small weight
+# takes columns in blocks this wide, a few programs per projection. Explicit configs (kernel
+# tests) and the large weights' GEMV_CONFIG are kept.
+INTERPRETER_BLOCK_N = 256
+
+
+def default_config(x: torch.Tensor, n: int, k: int, prologue: bool = False) -> Config | None:
+    """`choose_config` for x's rows, with wide column blocks in the interpreter."""
+    config = choose_config(x.shape[0], n, k, prologue)
+    if config is None or config is GEMV_CONFIG or x.device.type != "cpu":
+        return config
+    return replace(
+        config, block_n=max(config.block_n, min(INTERPRETER_BLOCK_N, next_power_of_2(n)))
+    )
+
+
 def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Config):
     rows = x.shape[0]
     assert x.stride(-1) == 1 and weight.is_contiguous()
@@ -312,7 +329,7 @@ def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Confi
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None):
     """x [m, K] (rows may be strided) @ weight [N, K].T (+ bias) -> [m, N]. config: force the
     fused kernel with this launch shape (tests, benchmarks)."""
-    config = config or choose_config(x.shape[0], *weight.shape)
+    config = config or default_config(x, *weight.shape)
     if config is None:
         return F.linear(x, weight, bias)
     return _launch(_PLAIN, x, weight, bias, None, None, 0.0, config)[0]
@@ -321,7 +338,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=None):
     """-> (rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: the norm of
     x alone, and x itself second."""
-    config = config or choose_config(x.shape[0], *weight.shape, prologue=True)
+    config = config or default_config(x, *weight.shape, prologue=True)
     if config is None:
         if residual is None:
             return linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
@@ -334,7 +351,7 @@ def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=Non
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias=None, config=None):
     """gate_up [m, 2I] -> (silu(gate) * up) @ weight [H, I].T + bias -> [m, H]."""
     assert gate_up.shape[1] == 2 * weight.shape[1]
-    config = config or choose_config(gate_up.shape[0], *weight.shape, prologue=True)
+    config = config or default_config(gate_up, *weight.shape, prologue=True)
     if config is None:
         return linear(activation.silu_and_mul(gate_up), weight, bias)
     return _launch(_SILU_MUL, gate_up, weight, bias, None, None, 0.0, config)[0]

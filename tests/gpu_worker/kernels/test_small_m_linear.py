@@ -148,3 +148,17 @@ def test_a_large_weight_runs_the_separate_step_then_the_gemv(monkeypatch, device
     want = sml.silu_mul_linear_reference(gate_up, w)
     torch.testing.assert_close(sml.silu_mul_linear(gate_up, w), want, **tolerance(dtype))
     assert launches == ([(sml._PLAIN, gemv)] * 2 if gemv else [])
+
+
+def test_the_interpreter_takes_wide_column_blocks_by_default():
+    """On CPU (Triton's interpreter) a small weight's default launch takes up to 256 columns a
+    program, so the prologue runs a few times, not once per 4 or 8 columns; the rest of the
+    launch shape, the large weights' GEMV shape and GPU launches are the chosen ones."""
+    x = torch.zeros(2, 576)
+    chosen = sml.choose_config(2, 960, 576, prologue=True)
+    wide = sml.default_config(x, 960, 576, prologue=True)
+    assert wide == sml.Config(256, chosen.block_k, chosen.num_warps, chosen.block_m)
+    assert sml.default_config(x, 24, 576).block_n == 32  # no wider than the weight
+    assert sml.default_config(x[:1], 6144, 4096) is sml.GEMV_CONFIG
+    if torch.cuda.is_available():
+        assert sml.default_config(x.cuda(), 960, 576, prologue=True) == chosen
