@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpu_worker.graphs.stage_graph import PER_REQUEST, StageGraph, StageInput
-from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, LogitsOutput, make_batch
+from gpu_worker.step.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LogitsOutput,
+    decode_batch,
+    make_batch,
+)
 from gpu_worker.step.host_batch import HostBatch
 
 if TYPE_CHECKING:
@@ -35,8 +41,7 @@ MAX_REQUESTS = 64  # requests one prefill bucket holds at most
 def decode_graphs(runner: ModelRunner, max_bs: int, capture: bool) -> StageGraph:
     """runner's DECODE forward for up to max_bs requests: inputs input_ids, positions,
     out_cache_loc, rows and seq_lens (flat, one per request), output "logits"."""
-    backend = runner.attn_backend
-    fill = backend.cuda_graph_seq_len_fill_value
+    fill = runner.attn_backend.cuda_graph_seq_len_fill_value
     inputs = {
         "input_ids": PER_REQUEST,
         "positions": PER_REQUEST,
@@ -46,20 +51,7 @@ def decode_graphs(runner: ModelRunner, max_bs: int, capture: bool) -> StageGraph
     }
 
     def forward(bs: int, inputs: dict[str, torch.Tensor], _: list[int]) -> dict:
-        seq_lens = inputs["seq_lens"]
-        # The reference backend plans from host lengths and is never captured.
-        lens_cpu = seq_lens.tolist() if backend.reads_host_lengths else [fill] * bs
-        batch = make_batch(
-            ForwardMode.DECODE,
-            inputs["input_ids"],
-            inputs["positions"],
-            inputs["out_cache_loc"],
-            inputs["rows"],
-            lens_cpu,
-            [1] * bs,
-            seq_lens=seq_lens,
-            extend_seq_lens=torch.ones_like(seq_lens),
-        )
+        batch = decode_batch(runner.attn_backend, **inputs)
         return {"logits": runner.forward(batch).next_token_logits}
 
     return StageGraph(

@@ -34,7 +34,7 @@ from gpu_worker.graphs.stage_graph import PER_REQUEST, DirectStage, StageGraph, 
 from gpu_worker.kv_cache.req_to_token import ReqToTokenPool
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import SamplingState, fixed_flags
-from gpu_worker.step.forward_batch import ForwardMode, make_batch
+from gpu_worker.step.forward_batch import decode_batch
 from gpu_worker.step.row_state import RowState
 
 VARIANTS = ("greedy", "sample", "filter")
@@ -134,26 +134,10 @@ class DecodeStep:
         if slot_index.numel():  # (none on a direct step that brings no new slots)
             for pool in self.pools:
                 pool.assign(slot_index, inputs["slot_value"])
-        bs = rows.numel()
         input_ids, positions, out_cache_loc, seq_lens = state.decode_inputs(
             rows, self.runner.req_to_token_pool.req_to_token
         )
-        if backend.reads_host_lengths:  # the reference backend, never captured
-            lens_cpu = seq_lens.tolist()
-        else:
-            lens_cpu = [backend.cuda_graph_seq_len_fill_value] * bs
-        # Every length on the device already: a copy from the host cannot be captured.
-        batch = make_batch(
-            ForwardMode.DECODE,
-            input_ids,
-            positions,
-            out_cache_loc,
-            rows,
-            lens_cpu,
-            [1] * bs,
-            seq_lens=seq_lens,
-            extend_seq_lens=torch.ones_like(seq_lens),
-        )
+        batch = decode_batch(backend, input_ids, positions, out_cache_loc, rows, seq_lens)
         logits = self.runner.forward(batch).next_token_logits.float()
         if variant == "greedy":
             tokens, result = logits.argmax(dim=-1), {}

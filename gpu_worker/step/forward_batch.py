@@ -172,6 +172,35 @@ def make_batch(
     )
 
 
+def decode_batch(
+    backend: Any,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> ForwardBatch:
+    """A DECODE batch whose every length is on the device already (a copy from the host
+    cannot be captured): the host lengths are the real ones only for a backend that plans
+    from them (`reads_host_lengths`, never captured), else the backend's fill value."""
+    bs = rows.numel()
+    if backend.reads_host_lengths:
+        lens_cpu = seq_lens.tolist()
+    else:
+        lens_cpu = [backend.cuda_graph_seq_len_fill_value] * bs
+    return make_batch(
+        ForwardMode.DECODE,
+        input_ids,
+        positions,
+        out_cache_loc,
+        rows,
+        lens_cpu,
+        [1] * bs,
+        seq_lens=seq_lens,
+        extend_seq_lens=torch.ones_like(seq_lens),
+    )
+
+
 @dataclass
 class LogitsOutput:
     """next_token_logits: [num_sampled, vocab] float32, one row per sampled position (each
