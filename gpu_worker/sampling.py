@@ -27,10 +27,9 @@ from torch import Tensor
 
 from aerie.messages import GREEDY_EPS, SamplingParams
 
-# Noise streams: independent randomness for the same (seed, position).
+# Noise streams: independent randomness for the same (seed, position). Speculative decoding
+# draws from the token stream too, so that it emits what plain decoding would.
 STREAM_TOKEN = 0  # the sampled token
-STREAM_SPEC_COIN = 1  # speculative acceptance coins
-STREAM_SPEC_BONUS = 2  # speculative residual / bonus token
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2^31: a 32-bit value times one stays below 2^63 (no int64 overflow).

@@ -8,7 +8,8 @@ torch functions with no model calls, CPU and CUDA alike: the multi-step draft ca
 (`draft_layout`: the one place that says where draft step i of branch j writes its KV), the
 draft-loop bookkeeping and tree construction (`tree`: `DraftRecord`, `DraftTree`, the chain
 fast path), the target's verify forward and reading a step's output (`target_verify`),
-acceptance (`verify`: greedy and exact speculative sampling into a `VerifyResult`) and the
+acceptance (`verify`: the longest path of drafts equal to the target's draws, into a
+`VerifyResult`) and the
 accepted-path compaction for topk > 1 (`compaction`: KV move lists and row reordering).
 `gpu_worker.build` decides which worker runs from the configuration.
 """

@@ -5,9 +5,11 @@ emitted token `bonus` (no KV yet) in `RowState`:
     propose   (stage graph) the draft proposes a tree of ND nodes per request (EAGLE: S draft
               steps of topk branches and the tree selection; MTP: the chain its layers left),
               and the target verifies every node in one TARGET_VERIFY forward;
-    accept    greedy or exact speculative sampling on the device -> accepted tokens and
-              accept lengths. Plain greedy acceptance (no penalties, no logprobs) and its
-              read-off run inside the propose stage. Any other batch runs an accept stage
+    accept    each node's draw (what plain decoding would emit after it: the argmax, or
+              the seeded sample) and the longest path of drafts equal to their parents'
+              draws, on the device -> accepted tokens and accept lengths. Plain greedy
+              acceptance (no penalties, no logprobs) and its read-off run inside the propose
+              stage. Any other batch runs an accept stage
               after it, a variant picked on the host from its rows' sampling flags, each with
               fixed sampling stages (rows that do not use a stage pass through it unchanged):
               "sample" (temperature, min-p), "filter" (and top-k / top-p) and "penalize" (and
@@ -46,7 +48,6 @@ from gpu_worker.kernels.greedy_accept import greedy_accept, greedy_accept_refere
 from gpu_worker.kernels.row_commit import DraftState, commit_rows, commit_rows_reference
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import SamplingState, fixed_flags
-from gpu_worker.speculative.compaction import compact_rows
 from gpu_worker.speculative.target_verify import (
     TREE_MASK_TENSORS,
     TREE_NODE_TENSORS,
@@ -388,12 +389,13 @@ class SpeculativeWorker:
         }
         tree = tree_from_tensors({**inputs, **flat}, self.shape)
         rows = inputs["rows"]
-        result, step = accept_and_read(self.sampling, tree, flat["logits"], rows, flags)
+        result, step, features = accept_and_read(
+            self.sampling, tree, flat["logits"], flat["features"], rows, flags, self.accept_greedy
+        )
         self.compact(result, rows, inputs["committed_lens"])
-        assert step.logprobs is not None
         return {
             "accept_lens": step.accept_lens,
             "tokens": step.tokens,
             "logprobs": step.logprobs,
-            "features": compact_rows(flat["features"], result),
+            "features": features,
         }

@@ -1,11 +1,19 @@
 """The target side of a speculative step, shared by every draft algorithm: one TARGET_VERIFY
-forward over all tree nodes (`verify_tree`) and acceptance (`accept_tree`: greedy, or exact
-speculative sampling of the processed target distribution, seeded by the request's seed).
-Everything here has fixed shapes per batch size and never reads the device from the host."""
+forward over all tree nodes (`verify_tree`) and acceptance (`accept_and_read`).
+
+Acceptance draws at every node the token plain decoding would emit there: the argmax for a
+greedy row; for a sampled row the draw of `SamplingState.sample` (processed distribution,
+noise keyed by the request's seed and the position of the token drawn). A draft is accepted
+when it equals its parent's draw, and the draw after the last accepted node is the bonus. So a
+seeded request emits the same tokens as with plain decoding, whatever the draft, the tree and
+the mix of plain and speculative steps; each token is a sample of the target, and a node's
+children are accepted with the target's probability of their tokens, as in speculative
+sampling with a deterministic draft. Everything here has fixed shapes per batch size and never
+reads the device from the host."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,25 +21,19 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker import constants
+from gpu_worker.kernels.greedy_accept import greedy_accept_reference
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import (
-    STREAM_SPEC_BONUS,
-    STREAM_SPEC_COIN,
     SamplingRows,
     SamplingState,
     apply_penalties,
     pick_logprobs,
-    processed_probs,
-    uniform_noise,
+    process_logits,
+    sample_with_noise,
 )
 from gpu_worker.speculative.compaction import compact_rows
 from gpu_worker.speculative.tree import DraftShape, DraftTree
-from gpu_worker.speculative.verify import (
-    VerifyResult,
-    accepted_tokens,
-    verify_greedy,
-    verify_sampling,
-)
+from gpu_worker.speculative.verify import VerifyResult
 from gpu_worker.step.forward_batch import ForwardMode, LogitsOutput, make_batch
 
 
@@ -97,21 +99,30 @@ class SpecStepOutput:
     logprobs: torch.Tensor | None  # [bs, S+1] float32, or None
 
 
+# (tree, draws [bs*ND], features [bs*ND, F]) -> (predict, accept_index, accept_lens, tokens,
+# features along the path): `kernels.greedy_accept` or its reference.
+AcceptGreedy = Callable[..., tuple[torch.Tensor, ...]]
+
+
 def accept_and_read(
     sampling: SamplingState,
     tree: DraftTree,
     logits: torch.Tensor,
+    features: torch.Tensor,
     rows: torch.Tensor,
     flags: Sequence[bool],
-) -> tuple[VerifyResult, SpecStepOutput]:
+    accept_greedy: AcceptGreedy = greedy_accept_reference,
+) -> tuple[VerifyResult, SpecStepOutput, torch.Tensor]:
     """The target side of one iteration after the verify forward, for every draft algorithm:
-    accept against the verify logits [bs*ND, V] with the sampling stages `flags` (as
-    `SamplingState.gather` takes them) and read off the emitted tokens and their logprobs.
-    No host sync: what the accept stage graphs capture."""
-    result, scores = accept_tree(sampling, tree, logits, rows, flags=flags)
-    tokens = accepted_tokens(result)  # [bs, S+1]
+    each node's draw from the verify logits [bs*ND, V] with the sampling stages `flags` (as
+    `SamplingState.gather` takes them), the accepted path through `accept_greedy`, and the
+    emitted tokens with their logprobs. -> (result, step, the target features [bs*ND, F]
+    along the path). No host sync: what the accept stage graphs capture."""
+    draws, scores = node_draws(sampling, tree, logits, rows, flags=flags)
+    predict, accept_index, accept_lens, tokens, path_features = accept_greedy(tree, draws, features)
+    result = VerifyResult(predict, accept_index, accept_lens)
     logprobs = pick_logprobs(compact_rows(scores, result), tokens.view(-1)).view_as(tokens)
-    return result, SpecStepOutput(tokens, result.accept_lens, logprobs)
+    return result, SpecStepOutput(tokens, accept_lens, logprobs), path_features
 
 
 def penalize_tree(
@@ -135,32 +146,29 @@ def penalize_tree(
     return apply_penalties(logits, counts.view(bs * nd, vocab), prompt_mask, node_params)
 
 
-def accept_tree(
+def node_draws(
     sampling: SamplingState,
     tree: DraftTree,
     logits: torch.Tensor,
     rows: torch.Tensor,
     rows_cpu: np.ndarray | None = None,
     flags: Sequence[bool] | None = None,
-) -> tuple[VerifyResult, torch.Tensor]:
-    """Greedy or exact sampling acceptance of the tree against the verify logits [bs*ND, V].
-    The stages that run are fixed (flags, as `SamplingState.gather` takes them: what the
-    accept stages run) or follow the rows (rows_cpu, their host copy: each batch's own
-    stages, the reference the fixed ones are tested against).
-
-    Returns the result and per-node scores whose log-softmax is the distribution each emitted
-    token was drawn from, for its logprob; a greedy row's are its (penalised) logits, as in
-    plain decoding."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token plain decoding would emit after each node, from the verify logits [bs*ND, V]:
+    (draws [bs*ND] int64, scores [bs*ND, V] whose log-softmax is the distribution each was
+    drawn from, for its logprob; a greedy row's are its (penalised) logits, as in plain
+    decoding). The stages that run are fixed (flags, as `SamplingState.gather` takes them:
+    what the accept stages run) or follow the rows (rows_cpu, their host copy: each batch's
+    own stages, the reference the fixed ones are tested against)."""
     nd = tree.num_draft_tokens
     params = sampling.gather(rows, rows_cpu, flags)
     node_params = params.repeat_interleave(nd)
     logits = logits.float()
     if node_params.use_penalty:
         logits = penalize_tree(sampling, tree, logits, rows, node_params)
+    argmax = logits.argmax(dim=-1)
     if not params.use_sampling:
-        return verify_greedy(tree, logits.argmax(dim=-1)), logits
-    processed, probs = processed_probs(logits, node_params)  # [bs*ND, V] each
-    root_positions = tree.positions.view(-1, nd)[:, 0]  # [bs]
-    coins = uniform_noise(params.seed, root_positions, STREAM_SPEC_COIN, nd)
-    final = uniform_noise(params.seed, root_positions, STREAM_SPEC_BONUS, 1)[:, 0]
-    return verify_sampling(tree, probs, coins, final), processed
+        return argmax, logits
+    processed = process_logits(logits, node_params)  # [bs*ND, V]
+    drawn = sample_with_noise(processed, node_params.seed, tree.positions + 1)
+    return torch.where(node_params.greedy, argmax, drawn), processed

@@ -11,7 +11,6 @@ from scipy.stats import chi2
 
 from aerie.messages import SamplingParams
 from gpu_worker.sampling import (
-    STREAM_SPEC_COIN,
     STREAM_TOKEN,
     SamplingState,
     fixed_flags,
@@ -271,7 +270,7 @@ def test_uniform_noise_range_invariance_and_streams():
     # Row values do not depend on the other rows or on num (beyond the prefix).
     alone = uniform_noise(seeds[2:3], positions[2:3], STREAM_TOKEN, 100)
     torch.testing.assert_close(alone[0], u[2, :100], rtol=0, atol=0)
-    coins = uniform_noise(seeds, positions, STREAM_SPEC_COIN, 4096)
+    coins = uniform_noise(seeds, positions, STREAM_TOKEN + 1, 4096)
     assert (coins != u).float().mean() > 0.99
     # Neighbouring counters are not correlated.
     flat = u[0].double() - 0.5

@@ -8,6 +8,7 @@ takes the next prompt token as a non-final chunk's tail (SGLang #26329).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -85,10 +86,15 @@ def make_config(
 
 
 def run_engine(
-    config: AerieConfig, prompts: list[list[int]], max_new: int | list[int], warm_up: bool = False
+    config: AerieConfig,
+    prompts: list[list[int]],
+    max_new: int | list[int],
+    warm_up: bool = False,
+    sampling: SamplingParams | None = None,
 ):
-    """Serve `prompts` greedily to the end (max_new: for all, or per prompt), after the
-    start-up warm-up where `warm_up`; returns (outputs, verify counts, decode results)."""
+    """Serve `prompts` to the end (max_new: for all, or per prompt), greedily or with
+    `sampling` (request i seeded with i), after the start-up warm-up where `warm_up`;
+    returns (outputs, verify counts, decode results)."""
     worker = GPUWorker(config)
     if warm_up:
         assert run_warm_up(worker) is not None
@@ -96,6 +102,8 @@ def run_engine(
     limits = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         params = SamplingParams(max_new_tokens=limit, temperature=0.0, ignore_eos=True)
+        if sampling is not None:
+            params = dataclasses.replace(sampling, max_new_tokens=limit, seed=i, ignore_eos=True)
         sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params))
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     verify_ct, decode_counts = {}, []
