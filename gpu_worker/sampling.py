@@ -61,21 +61,35 @@ def row_keys(seeds: Tensor, positions: Tensor, stream: int) -> Tensor:
     return hash32(key ^ (positions.long() & _MASK32))
 
 
+def column_hashes(token_ids: Tensor) -> Tensor:
+    """The per-token half of the noise's counter: [n] int64 for token ids [n]. A draft whose
+    vocabulary is a subset of the target's hashes its tokens' target ids, so that its noise
+    for a token is the target's (`gumbel_from_keys`)."""
+    return hash32(token_ids.long() ^ _SALT)
+
+
 @functools.lru_cache(maxsize=16)
 def _index_hashes(num: int, device: torch.device) -> Tensor:
-    """hash32(arange(num)): [num] int64, cached per size and device (never mutate it)."""
-    return hash32(torch.arange(num, device=device, dtype=torch.int64) ^ _SALT)
+    """column_hashes(arange(num)), cached per size and device (never mutate it)."""
+    return column_hashes(torch.arange(num, device=device, dtype=torch.int64))
 
 
-def uniform_from_keys(keys: Tensor, num: int) -> Tensor:
+def uniform_from_keys(keys: Tensor, num: int, columns: Tensor | None = None) -> Tensor:
     """Uniforms in (0, 1): [bs, num] float32 on the device of keys [bs] (from `row_keys`).
 
-    Element (b, i) depends only on (keys[b], i). Values are odd multiples of 2^-24, so never
-    0 or 1 exactly and exactly representable in float32.
+    Element (b, i) depends only on (keys[b], i), or on (keys[b], the token whose
+    `column_hashes` columns[i] is) where columns [num] is given. Values are odd multiples of
+    2^-24, so never 0 or 1 exactly and exactly representable in float32.
     """
-    index = _index_hashes(num, keys.device)  # [num]
+    index = _index_hashes(num, keys.device) if columns is None else columns  # [num]
     bits = hash32(keys[:, None] ^ index[None, :])  # [bs, num]
     return ((bits >> 9) * 2 + 1).float() * (2.0**-24)
+
+
+def gumbel_from_keys(keys: Tensor, columns: Tensor) -> Tensor:
+    """Gumbel noise [bs, n] float32 for row keys [bs] and `column_hashes` [n]: what
+    `sample_with_noise` adds to token i's logit, for the token each column hashes."""
+    return -torch.log(-torch.log(uniform_from_keys(keys, columns.shape[0], columns)))
 
 
 def uniform_noise(seeds: Tensor, positions: Tensor, stream: int, num: int) -> Tensor:
@@ -99,6 +113,28 @@ def sample_with_noise(
     keys = row_keys(seeds, positions, stream).to(logits.device)  # [bs]
     u = uniform_from_keys(keys, logits.shape[-1])  # [bs, V]
     return torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
+
+
+@dataclass(frozen=True)
+class DrawNoise:
+    """Per-row inputs of a draft's coupled proposal (`coupled_reference`): the draft proposes
+    argmax(logits * scale + noise) with the noise plain sampling adds at the same (seed,
+    position), so it proposes the target's own draw whenever their distributions agree.
+    scale [n] float32 (1 / temperature); keys [n] int64 (`row_keys` of the token drawn);
+    noisy [n] bool (False: a greedy row, plain argmax); columns [V] int64 (`column_hashes`
+    of the head's tokens in the target's vocabulary)."""
+
+    scale: Tensor
+    keys: Tensor
+    noisy: Tensor
+    columns: Tensor
+
+
+def coupled_reference(logits: Tensor, noise: DrawNoise) -> Tensor:
+    """argmax of logits [n, V] * scale + Gumbel noise on noisy rows, plain argmax elsewhere:
+    [n] int64 head indices."""
+    scores = logits.float() * noise.scale[:, None] + gumbel_from_keys(noise.keys, noise.columns)
+    return torch.where(noise.noisy, scores.argmax(-1), logits.float().argmax(-1))
 
 
 # --------------------------------------------------------------------------------------------

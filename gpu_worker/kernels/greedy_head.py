@@ -8,6 +8,10 @@ a block of the vocabulary on the tensor cores, rounds the logits to the model dt
 library GEMM's output is, and keeps each row's largest logit and its first index; a second
 launch reduces those per-block maxima and maps the winner through the draft's vocabulary map
 (`hot_token_id`) where there is one. Ties go to the lowest token id, as `torch.argmax`'s do.
+
+With `DrawNoise` (a draft's coupled proposal for sampled rows) each noisy row's logits are
+scaled by 1 / temperature and get plain sampling's Gumbel noise for the same seed, position
+and target token before the argmax, computed in the same program (`sampling.hash32`'s mix).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels import next_power_of_2
+from gpu_worker.sampling import DrawNoise, coupled_reference
 
 BLOCK_M = 16  # rows per program: the smallest tile of a tensor-core dot
 BLOCK_K = 64
@@ -26,12 +31,24 @@ MAX_ROWS = 4 * BLOCK_M
 
 
 def greedy_head_reference(
-    x: torch.Tensor, weight: torch.Tensor, token_map: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    token_map: torch.Tensor | None = None,
+    noise: DrawNoise | None = None,
 ) -> torch.Tensor:
-    """x [M, K], weight [V, K] -> [M] int64: argmax of the logits x @ weight.T (in x's dtype),
-    mapped through token_map [V] where given."""
-    ids = torch.nn.functional.linear(x, weight).float().argmax(dim=-1)
+    """x [M, K], weight [V, K] -> [M] int64: argmax of the logits x @ weight.T (in x's dtype;
+    with `noise`, its coupled proposal), mapped through token_map [V] where given."""
+    logits = torch.nn.functional.linear(x, weight).float()
+    ids = logits.argmax(dim=-1) if noise is None else coupled_reference(logits, noise)
     return ids if token_map is None else token_map[ids]
+
+
+@triton.jit
+def _hash32(x):
+    """`sampling.hash32` on int64 values in [0, 2^32)."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x5BD1E995) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 
 
 def fits(rows: int) -> bool:
@@ -44,6 +61,10 @@ def _block_max_kernel(
     w_ptr,
     max_ptr,
     index_ptr,
+    scale_ptr,
+    keys_ptr,
+    noisy_ptr,
+    columns_ptr,
     M,
     V,
     K: tl.constexpr,
@@ -54,6 +75,7 @@ def _block_max_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    NOISE: tl.constexpr,
 ):
     block, row_block = tl.program_id(0), tl.program_id(1)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -76,6 +98,15 @@ def _block_max_kernel(
         else:
             acc += tl.dot(x, w)
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the GEMM output is
+    if NOISE:
+        scale = tl.load(scale_ptr + rows, mask=rows < M, other=1.0)
+        noisy = tl.load(noisy_ptr + rows, mask=rows < M, other=0) != 0
+        keys = tl.load(keys_ptr + rows, mask=rows < M, other=0)
+        columns = tl.load(columns_ptr + cols, mask=cols < V, other=0)
+        bits = _hash32(keys[:, None] ^ columns[None, :])
+        u = ((bits >> 9) * 2 + 1).to(tl.float32) * (2.0**-24)
+        gumbel = -tl.log(-tl.log(u))
+        logits = tl.where(noisy[:, None], logits * scale[:, None] + gumbel, logits)
     logits = tl.where(cols[None, :] < V, logits, float("-inf"))
     best = tl.max(logits, axis=1)
     first = tl.min(tl.where(logits == best[:, None], cols[None, :], V), axis=1)
@@ -117,6 +148,7 @@ def greedy_head(
     weight: torch.Tensor,
     token_map: torch.Tensor | None = None,
     num_sms: int = 132,
+    noise: DrawNoise | None = None,
 ) -> torch.Tensor:
     """`greedy_head_reference` in two launches; x [M, K] (unit stride along K), M <= MAX_ROWS
     for speed (any M is correct)."""
@@ -135,6 +167,7 @@ def greedy_head(
         weight,
         maxima,
         index,
+        *((noise.scale, noise.keys, noise.noisy, noise.columns) if noise else (maxima,) * 4),
         rows,
         vocab,
         K=k,
@@ -145,6 +178,7 @@ def greedy_head(
         BLOCK_V=bv,
         BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32,
+        NOISE=noise is not None,
     )
     _reduce_kernel[(rows,)](
         maxima,

@@ -9,6 +9,14 @@ import pytest
 import torch
 
 from gpu_worker.kernels.greedy_head import BLOCK_M, greedy_head, greedy_head_reference
+from gpu_worker.sampling import (
+    STREAM_TOKEN,
+    DrawNoise,
+    column_hashes,
+    gumbel_from_keys,
+    row_keys,
+    sample_with_noise,
+)
 from tests.gpu_worker.kernels.test_layer_kernels import CASES
 
 # A logit within this of the row's largest may win: the kernel and the library GEMM may round
@@ -57,3 +65,70 @@ def test_ties_go_to_the_lowest_token_id(device, dtype):
     weight[[40, 41]] = 1.0
     assert greedy_head(x, weight, num_sms=8).tolist() == [40, 40]
     assert greedy_head_reference(x, weight).tolist() == [40, 40]
+
+
+def draw_noise(rows: int, columns: torch.Tensor, device, gen, noisy=None) -> DrawNoise:
+    """Random temperatures and keys; every other row greedy unless `noisy` says."""
+    keys = row_keys(torch.randint(0, 2**40, (rows,), generator=gen), torch.arange(rows) + 9, 0)
+    noisy = torch.arange(rows) % 2 == 0 if noisy is None else noisy
+    scale = 1 / (0.3 + torch.rand(rows, generator=gen))
+    return DrawNoise(scale.to(device), keys.to(device), noisy.to(device), columns.to(device))
+
+
+@CASES
+@pytest.mark.parametrize("rows, k, vocab", [(3, 40, 300), (BLOCK_M + 2, 64, 1000)])
+def test_noisy_rows_take_the_argmax_of_their_scaled_and_perturbed_logits(
+    device, dtype, rows, k, vocab
+):
+    """A draft's coupled proposal: each noisy row's argmax of logits / T + the Gumbel noise of
+    its key and each token's column hash (a mapped head's target ids), greedy rows' plain
+    argmax, as `coupled_reference` computes them."""
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+    weight = (torch.randn(vocab, k, generator=gen) * k**-0.5).to(device, dtype)
+    token_map = torch.randperm(4 * vocab, generator=gen)[:vocab].to(device)
+    noise = draw_noise(rows, column_hashes(token_map), device, gen)
+    ids = greedy_head(x, weight, token_map, num_sms=8, noise=noise)
+    logits = torch.nn.functional.linear(x, weight).float()
+    scores = torch.where(
+        noise.noisy[:, None],
+        logits * noise.scale[:, None] + gumbel_from_keys(noise.keys, noise.columns),
+        logits,
+    )
+    inverse = {int(t): i for i, t in enumerate(token_map.tolist())}
+    picked = torch.tensor([inverse[int(t)] for t in ids.tolist()], device=device)
+    best = scores.max(dim=-1).values
+    margin = MARGIN[dtype] * noise.scale.max()
+    assert (scores.gather(1, picked[:, None])[:, 0] >= best - margin).all()
+    top2 = scores.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > margin
+    expected = greedy_head_reference(x, weight, token_map, noise)
+    assert clear.sum() >= rows // 2 and torch.equal(ids[clear], expected[clear])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_draft_that_agrees_with_the_target_proposes_the_targets_own_draw(device):
+    """When the draft's logits over its vocabulary (a subset of the target's) equal the
+    target's and the target's distribution lies inside it, the coupled proposal is exactly
+    the token plain sampling draws for that seed and position: the draft then never misses."""
+    gen = torch.Generator().manual_seed(3)
+    rows, k, vocab = 6, 32, 400
+    hot = torch.randperm(vocab, generator=gen)[:150].sort().values
+    x = torch.randn(rows, k, generator=gen).to(device)
+    weight = (torch.randn(150, k, generator=gen) * 2 * k**-0.5).to(device)
+    seeds, positions = torch.arange(rows) * 7919 + 1, torch.arange(rows) + 100
+    temperature = torch.tensor([0.5, 0.7, 1.0, 1.3, 0.8, 1.0])
+    target = torch.full((rows, vocab), float("-inf"), device=device)
+    target[:, hot.to(device)] = torch.nn.functional.linear(x, weight) / temperature[:, None].to(
+        device
+    )
+    draws = sample_with_noise(target, seeds.to(device), positions.to(device))
+    noise = DrawNoise(
+        (1 / temperature).to(device),
+        row_keys(seeds, positions, STREAM_TOKEN).to(device),
+        torch.ones(rows, dtype=torch.bool, device=device),
+        column_hashes(hot).to(device),
+    )
+    proposed = greedy_head(x, weight, hot.to(device), num_sms=8, noise=noise)
+    assert torch.equal(proposed, draws)
+    assert len(set(draws.tolist())) > 1  # not one token everywhere
