@@ -35,6 +35,7 @@ from gpu_worker.models import ArchConfig, build_model, read_arch_config
 from gpu_worker.models.mimo_mtp import mtp_arch_config
 from gpu_worker.models.registry import is_draft_architecture
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.sampling import DrawNoise, coupled_reference
 from gpu_worker.step.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
 from gpu_worker.step.host_batch import HostBatch, Staging
 from gpu_worker.weights import init_dummy_weights, list_tensor_names, load_weights
@@ -310,19 +311,21 @@ class ModelRunner:
         every = batch.mode.samples_every_token() and batch.logits_indices is None
         sampled = hidden if every else hidden[batch.sample_indices()]
         if batch.greedy_ids:
-            return LogitsOutput(None, hidden, aux, self.next_token_ids(sampled))
+            return LogitsOutput(None, hidden, aux, self.next_token_ids(sampled, batch.draw_noise))
         logits = self.model.compute_logits(sampled)  # [num_sampled, V]
         return LogitsOutput(next_token_logits=logits, hidden_states=hidden, aux_hidden_states=aux)
 
-    def next_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> the argmax of its logits [n] int64, in the target's vocabulary: the
-        LM head and the argmax in two launches (`greedy_head`) for a few rows on one GPU."""
+    def next_token_ids(self, hidden: torch.Tensor, noise: DrawNoise | None = None) -> torch.Tensor:
+        """hidden [n, H] -> the argmax of its logits [n] int64 (with `noise`, each row's
+        coupled proposal), in the target's vocabulary: the LM head and the argmax in two
+        launches (`greedy_head`) for a few rows on one GPU."""
         if self.fused_greedy_head and greedy_head.fits(hidden.shape[0]):
             x = self.model.logits_input(hidden)
             return greedy_head.greedy_head(
-                x, self.model.lm_head.weight, self.hot_token_id, self.attn_backend.num_sms
+                x, self.model.lm_head.weight, self.hot_token_id, self.attn_backend.num_sms, noise
             )
-        ids = self.model.compute_logits(hidden).argmax(dim=-1)
+        logits = self.model.compute_logits(hidden)
+        ids = logits.argmax(dim=-1) if noise is None else coupled_reference(logits, noise)
         return ids if self.hot_token_id is None else self.hot_token_id[ids]
 
 

@@ -31,7 +31,14 @@ from aerie.config import SpeculativeConfig
 from gpu_worker import constants
 from gpu_worker.kernels.row_commit import DraftState, store_rows
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.sampling import SamplingState
+from gpu_worker.sampling import (
+    STREAM_TOKEN,
+    DrawNoise,
+    SamplingState,
+    column_hashes,
+    fixed_flags,
+    row_keys,
+)
 from gpu_worker.speculative.compaction import compaction_moves
 from gpu_worker.speculative.draft_layout import (
     draft_cache_locs,
@@ -94,6 +101,12 @@ class EagleWorker(SpeculativeWorker):
         self.topk_p = torch.zeros(rows, self.topk, dtype=torch.float32, device=device)
         self.topk_index = torch.zeros(rows, self.topk, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(rows, draft.config.hidden_size, dtype=target.dtype, device=device)
+        # The draft head's tokens in the target's vocabulary, hashed as the sampling noise's
+        # columns: a sampled row's coupled proposal perturbs token i as plain sampling does.
+        head_ids = draft.hot_token_id
+        if head_ids is None:
+            head_ids = torch.arange(draft.config.vocab_size, device=device)
+        self.noise_columns = column_hashes(head_ids)
         self.build_stages([target, draft], graph_max_bs)
 
     # ------------------------------------------------------------------------------ helpers
@@ -159,15 +172,22 @@ class EagleWorker(SpeculativeWorker):
         committed_lens: torch.Tensor,
         committed_lens_cpu: list[int],
         bonus: torch.Tensor,
+        coupled: bool = False,
     ) -> DraftTree:
         """S draft levels with topk branches from the rows' draft state -> the verify tree.
-        Fixed shapes: every draft step runs topk rows per request over the same key layout."""
+        Fixed shapes: every draft step runs topk rows per request over the same key layout.
+        coupled: a chain proposes for its sampled rows the coupled tokens (`coupled_noise`)."""
         topk, steps = self.topk, self.num_steps
         bs = rows.shape[0]
         record = DraftRecord()
         # A chain's tree is its tokens (`chain_tree`): no path scores, no parents to record.
         chain = self.shape.is_chain
-        if chain:
+        noise = self.coupled_noise(rows, committed_lens) if coupled and chain else None
+        if noise is not None:  # the stored first level is the plain argmax: draw it again
+            first = self.draft.next_token_ids(self.hidden[rows], noise(1))
+            record.tokens.append(first[:, None])
+            input_ids, hidden = first, self.hidden[rows]
+        elif chain:
             record.tokens.append(self.topk_index[rows])
             input_ids, hidden = record.tokens[0].flatten(), self.hidden[rows]
         else:
@@ -193,6 +213,7 @@ class EagleWorker(SpeculativeWorker):
                 seq_lens=seq_lens,
                 extend_seq_lens=constants.full(bs, topk, rows.device),
                 greedy_ids=topk == 1,
+                draw_noise=None if noise is None else noise(step + 2),
             )
             out = self.draft.forward(batch)
             topk_p, topk_index = self.draft_top_k(out)  # [bs*topk, topk]
@@ -204,6 +225,22 @@ class EagleWorker(SpeculativeWorker):
                 scores, topk_p, topk_index, out.hidden_states, step + 1, record
             )
         return tree_from_draft(record, bonus, committed_lens, self.shape)
+
+    def coupled_noise(self, rows: torch.Tensor, committed_lens: torch.Tensor):
+        """depth -> the `DrawNoise` of the rows' chain drafts at that depth: a sampled row
+        proposes argmax(logits / T + the noise plain sampling adds to the token at position
+        committed_len + depth), which is the target's own draw there whenever the draft's
+        distribution matches the target's (acceptance draws exactly that token); a greedy
+        row proposes its argmax. Output does not depend on it, only acceptance."""
+        params = self.sampling.gather(rows, flags=fixed_flags(sort=False))
+        greedy = params.greedy
+        scale = torch.where(greedy, 1.0, 1.0 / params.temperature.clamp(min=1e-6))
+
+        def at(depth: int) -> DrawNoise:
+            keys = row_keys(params.seed, committed_lens + depth, STREAM_TOKEN)
+            return DrawNoise(scale, keys, ~greedy, self.noise_columns)
+
+        return at
 
     def compact(
         self, result: VerifyResult, rows: torch.Tensor, committed_lens: torch.Tensor

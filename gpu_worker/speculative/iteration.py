@@ -104,7 +104,10 @@ class SpeculativeWorker:
         committed_lens: torch.Tensor,
         committed_lens_cpu: list[int],
         bonus: torch.Tensor,
+        coupled: bool = False,
     ) -> DraftTree:
+        """The draft's proposal; coupled: the batch may hold sampled rows, for which a draft
+        that can proposes the tokens coupled to the target's draws (`EagleWorker`)."""
         raise NotImplementedError
 
     def draft_extend(
@@ -241,7 +244,7 @@ class SpeculativeWorker:
         the tree, logits and features an accept stage reads."""
         rows = inputs["rows"]
         committed_lens, bonus = self.state.committed_lens[rows], self.state.tokens[rows]
-        tree = self.draft_tree(rows, committed_lens, committed_lens_cpu, bonus)
+        tree = self.draft_tree(rows, committed_lens, committed_lens_cpu, bonus, for_accept)
         out = verify_tree(
             self.target, tree, rows, committed_lens, committed_lens_cpu, not for_accept
         )

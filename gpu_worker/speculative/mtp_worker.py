@@ -240,8 +240,10 @@ class MTPWorker(SpeculativeWorker):
         committed_lens: torch.Tensor,
         committed_lens_cpu: list[int],
         bonus: torch.Tensor,
+        coupled: bool = False,
     ) -> DraftTree:
-        """The chain the stack left for these rows, after the bonus token."""
+        """The chain the stack left for these rows, after the bonus token (always its layers'
+        argmax: MTP does not couple its proposals yet)."""
         return chain_tree(bonus, self.chain[rows], committed_lens, self.num_steps)
 
     def draft_extend(self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]) -> None:

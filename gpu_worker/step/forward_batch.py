@@ -68,6 +68,8 @@ class ForwardBatch:
         per request but wants the logits at each request's last accepted one.
     greedy_ids: the runner returns each sampled row's argmax token (`next_token_ids`) and no
         logits: a chain's draft steps and a plain greedy batch's verify read nothing else.
+    draw_noise: with greedy_ids, each row's coupled proposal instead (`sampling.DrawNoise`):
+        a chain's draft steps for sampled requests.
     attn_backend / attn_metadata: set by the runner on its own copy of the batch.
     """
 
@@ -85,6 +87,7 @@ class ForwardBatch:
     spec_info: object | None = None
     logits_indices: torch.Tensor | None = None
     greedy_ids: bool = False
+    draw_noise: Any = None
     attn_backend: Any = None
     attn_metadata: Any = None
 
@@ -143,6 +146,7 @@ def make_batch(
     extend_seq_lens: torch.Tensor | None = None,
     logits_indices: torch.Tensor | None = None,
     greedy_ids: bool = False,
+    draw_noise: object | None = None,
 ) -> ForwardBatch:
     """The one ForwardBatch constructor: device tensors, plus the lengths on the host (and on
     the device when the caller already has them there; otherwise they are copied)."""
@@ -169,6 +173,7 @@ def make_batch(
         spec_info=spec_info,
         logits_indices=logits_indices,
         greedy_ids=greedy_ids,
+        draw_noise=draw_noise,
     )
 
 

@@ -91,8 +91,8 @@ def served_chains(config: AerieConfig, prompt: list[int]) -> tuple[list[int], li
     sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
     chains, propose = [], worker.spec.draft_tree
 
-    def spy(rows, committed_lens, committed_lens_cpu, bonus):
-        tree = propose(rows, committed_lens, committed_lens_cpu, bonus)
+    def spy(rows, committed_lens, committed_lens_cpu, bonus, coupled=False):
+        tree = propose(rows, committed_lens, committed_lens_cpu, bonus, coupled)
         tokens = tree.tokens.view(rows.shape[0], -1)[0, 1:].tolist()  # node 0 is the bonus
         chains.append((int(committed_lens[0]), tokens))
         return tree

@@ -28,4 +28,6 @@ def models(tmp_path_factory) -> dict[str, str]:
         "eagle3": make_tiny_eagle3_draft(str(root / "eagle3"), target, draft_vocab_size=200),
         "bigram": bigram,
         "agreeing": make_agreeing_eagle_draft(str(root / "agreeing"), bigram),
+        # its distribution is the bigram target's own (logits at the same scale)
+        "matching": make_agreeing_eagle_draft(str(root / "matching"), bigram, confidence=1.0),
     }

@@ -352,10 +352,10 @@ def test_draft_positions(models, monkeypatch):
     original_tree = worker.spec.draft_tree
     checked = []
 
-    def tree_spy(rows, committed_lens, seq_cpu, bonus):
+    def tree_spy(rows, committed_lens, seq_cpu, bonus, coupled=False):
         seen.clear()
         before = committed_lens.clone()
-        tree = original_tree(rows, committed_lens, seq_cpu, bonus)
+        tree = original_tree(rows, committed_lens, seq_cpu, bonus, coupled)
         assert torch.equal(committed_lens, before)
         locs = draft_layout.draft_cache_locs(
             worker.draft_runner_list[0].req_to_token_pool.req_to_token, rows, committed_lens, 2, 4
@@ -457,3 +457,20 @@ def test_greedy_with_penalties_equals_plain_decoding(models):
     for topk, num_draft in ((1, 4), (3, 7)):
         config = make_config(models["bigram"], "EAGLE", models["agreeing"], 3, topk, num_draft)
         assert outputs(config) == plain
+
+
+@pytest.mark.parametrize("graph_max_bs", [0, 4])
+def test_a_chain_couples_its_sampled_proposals_to_the_targets_draws(models, graph_max_bs):
+    """A draft whose distribution is the target's proposes, for sampled requests, the very
+    tokens the target draws (`EagleWorker.coupled_noise`): at T = 1 over a nearly flat
+    distribution (a plain argmax proposal would be accepted about 1% of the time) almost
+    every draft is accepted, and the output stays the plain engine's seeded draws."""
+    sampling = SamplingParams(temperature=1.0)
+    prompts = random_prompts(seed=4, n=3)
+    plain, _, _ = run_engine(make_config(models["bigram"]), prompts, 24, sampling=sampling)
+    config = make_config(
+        models["bigram"], "EAGLE", models["matching"], 3, 1, 4, graph_max_bs=graph_max_bs
+    )
+    outputs, _, counts = run_engine(config, prompts, 24, sampling=sampling)
+    assert outputs == plain
+    assert sum(counts) / len(counts) > 3.0  # of at most 4
