@@ -235,10 +235,12 @@ class EagleWorker(SpeculativeWorker):
         params = self.sampling.gather(rows, flags=fixed_flags(sort=False))
         greedy = params.greedy
         scale = torch.where(greedy, 1.0, 1.0 / params.temperature.clamp(min=1e-6))
+        depths = constants.arange(self.num_steps + 1, rows.device)  # keys of every depth at once
+        positions = committed_lens.long()[None, :] + depths[:, None]  # [S+1, bs]
+        keys = row_keys(params.seed[None, :], positions, STREAM_TOKEN)  # rows contiguous
 
         def at(depth: int) -> DrawNoise:
-            keys = row_keys(params.seed, committed_lens + depth, STREAM_TOKEN)
-            return DrawNoise(scale, keys, ~greedy, self.noise_columns)
+            return DrawNoise(scale, keys[depth], ~greedy, self.noise_columns)
 
         return at
 

@@ -17,6 +17,7 @@ from gpu_worker.sampling import (
     row_keys,
     sample_with_noise,
 )
+from tests.devices import triton_devices
 from tests.gpu_worker.kernels.test_layer_kernels import CASES
 
 # A logit within this of the row's largest may win: the kernel and the library GEMM may round
@@ -106,7 +107,7 @@ def test_noisy_rows_take_the_argmax_of_their_scaled_and_perturbed_logits(
     assert clear.sum() >= rows // 2 and torch.equal(ids[clear], expected[clear])
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", triton_devices())
 def test_a_draft_that_agrees_with_the_target_proposes_the_targets_own_draw(device):
     """When the draft's logits over its vocabulary (a subset of the target's) equal the
     target's and the target's distribution lies inside it, the coupled proposal is exactly
