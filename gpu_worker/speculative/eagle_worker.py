@@ -103,9 +103,10 @@ class EagleWorker(SpeculativeWorker):
         self.hidden = torch.zeros(rows, draft.config.hidden_size, dtype=target.dtype, device=device)
         # The draft head's tokens in the target's vocabulary, hashed as the sampling noise's
         # columns: a sampled row's coupled proposal perturbs token i as plain sampling does.
+        # Without a vocabulary map the draft's head is the target's, over its whole vocabulary.
         head_ids = draft.hot_token_id
         if head_ids is None:
-            head_ids = torch.arange(draft.config.vocab_size, device=device)
+            head_ids = torch.arange(target.vocab_size, device=device)
         self.noise_columns = column_hashes(head_ids)
         self.build_stages([target, draft], graph_max_bs)
 
