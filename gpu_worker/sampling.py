@@ -6,8 +6,8 @@ row without a Python loop over rows. The pure functions below are shared with sp
 decoding, which needs the same processed distribution for the target and the same noise:
 
 - `apply_penalties`: repetition (HF), frequency and presence (OpenAI) penalties.
-- `process_logits` / `processed_probs`: temperature, top-k, top-p, min-p.
-- `uniform_noise` / `sample_with_noise`: counter-based randomness. A draw depends only on
+- `process_logits`: temperature, top-k, top-p, min-p.
+- `row_keys` / `sample_with_noise`: counter-based randomness. A draw depends only on
   (seed, position, vocab index, stream), so a request gets the same token whatever the batch
   composition or order, and again after a retraction and recompute.
 
@@ -74,31 +74,20 @@ def _index_hashes(num: int, device: torch.device) -> Tensor:
     return column_hashes(torch.arange(num, device=device, dtype=torch.int64))
 
 
-def uniform_from_keys(keys: Tensor, num: int, columns: Tensor | None = None) -> Tensor:
-    """Uniforms in (0, 1): [bs, num] float32 on the device of keys [bs] (from `row_keys`).
-
-    Element (b, i) depends only on (keys[b], i), or on (keys[b], the token whose
-    `column_hashes` columns[i] is) where columns [num] is given. Values are odd multiples of
-    2^-24, so never 0 or 1 exactly and exactly representable in float32.
+def uniform_from_keys(keys: Tensor, columns: Tensor) -> Tensor:
+    """Uniforms in (0, 1): [bs, n] float32 on the device of keys [bs] (from `row_keys`), one
+    per `column_hashes` columns [n]. Element (b, i) depends only on keys[b] and the token
+    columns[i] hashes. Values are odd multiples of 2^-24, so never 0 or 1 exactly and exactly
+    representable in float32.
     """
-    index = _index_hashes(num, keys.device) if columns is None else columns  # [num]
-    bits = hash32(keys[:, None] ^ index[None, :])  # [bs, num]
+    bits = hash32(keys[:, None] ^ columns[None, :])  # [bs, n]
     return ((bits >> 9) * 2 + 1).float() * (2.0**-24)
 
 
 def gumbel_from_keys(keys: Tensor, columns: Tensor) -> Tensor:
-    """Gumbel noise [bs, n] float32 for row keys [bs] and `column_hashes` [n]: what
-    `sample_with_noise` adds to token i's logit, for the token each column hashes."""
-    return -torch.log(-torch.log(uniform_from_keys(keys, columns.shape[0], columns)))
-
-
-def uniform_noise(seeds: Tensor, positions: Tensor, stream: int, num: int) -> Tensor:
-    """Uniforms in (0, 1) for each row: [bs, num] float32 on the device of `seeds`.
-
-    Element (b, i) depends only on (seeds[b], positions[b], stream, i): the same draw in any
-    batch, on any device.
-    """
-    return uniform_from_keys(row_keys(seeds, positions, stream), num)
+    """Gumbel noise [bs, n] float32 for row keys [bs] and `column_hashes` [n]: what plain
+    sampling adds to the logit of the token each column hashes."""
+    return -torch.log(-torch.log(uniform_from_keys(keys, columns)))
 
 
 def sample_with_noise(
@@ -111,8 +100,8 @@ def sample_with_noise(
     positions [bs] live on one device (keys move to the logits' device).
     """
     keys = row_keys(seeds, positions, stream).to(logits.device)  # [bs]
-    u = uniform_from_keys(keys, logits.shape[-1])  # [bs, V]
-    return torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
+    columns = _index_hashes(logits.shape[-1], logits.device)  # [V]
+    return torch.argmax(logits + gumbel_from_keys(keys, columns), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -236,21 +225,6 @@ def process_logits(logits: Tensor, rows: SamplingRows) -> Tensor:
     if rows.use_top_k or rows.use_top_p:
         keep &= _keep_top_k_top_p(probs, rows)
     return torch.where(keep | greedy, scaled, float("-inf"))
-
-
-def processed_probs(logits: Tensor, rows: SamplingRows) -> tuple[Tensor, Tensor]:
-    """(processed logits, probs): `process_logits`, and the distribution each row samples from,
-    probs [bs, V] float32 whose rows sum to 1.
-
-    logits should already be penalised. Greedy rows are one-hot at their argmax in the probs,
-    so exact speculative acceptance against them reproduces greedy decoding, while the
-    log-softmax of the processed logits gives every row its logprobs (a greedy row's of its raw
-    distribution, as plain decoding reports them).
-    """
-    processed = process_logits(logits, rows)
-    probs = torch.softmax(processed, dim=-1)
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return processed, torch.where(rows.greedy[:, None], one_hot, probs)
 
 
 def fixed_flags(sort: bool, penalties: bool = True) -> tuple[bool, ...]:

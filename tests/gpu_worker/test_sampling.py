@@ -13,9 +13,11 @@ from aerie.messages import SamplingParams
 from gpu_worker.sampling import (
     STREAM_TOKEN,
     SamplingState,
+    column_hashes,
     fixed_flags,
-    processed_probs,
-    uniform_noise,
+    process_logits,
+    row_keys,
+    uniform_from_keys,
 )
 
 VOCAB = 16
@@ -184,20 +186,17 @@ def test_filters_keep_renormalised_proportions(top_k, top_p, min_p):
         torch.testing.assert_close(logprobs.double(), expected.log()[tokens], atol=1e-5, rtol=0)
 
 
-def test_processed_probs_match_reference_and_greedy_rows_are_one_hot_in_the_probs_only():
+def test_processed_logits_match_reference_and_leave_greedy_rows_alone():
     state = make_state()
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=1)
     state.start(1, params, [1], 0)
     state.start(2, SamplingParams(temperature=0.0), [1], 0)
     logits = torch.randn(2, VOCAB) * 2
     rows = state.gather(torch.tensor([1, 2]))
-    processed, probs = processed_probs(logits, rows)
-    torch.testing.assert_close(probs[0].double(), reference_filter(logits[0], 0.7, 5, 0.9, 0.05))
-    assert probs[1, logits[1].argmax()] == 1.0 and probs[1].sum() == 1.0
-    # the processed logits: the sampled row's log-softmax is log(probs), the greedy row's logits
-    # are its own (its logprobs are those of the raw distribution)
-    kept = probs[0] > 0
-    torch.testing.assert_close(torch.log_softmax(processed[0], -1)[kept], probs[0][kept].log())
+    processed = process_logits(logits, rows)
+    probs = torch.softmax(processed[0], -1)
+    torch.testing.assert_close(probs.double(), reference_filter(logits[0], 0.7, 5, 0.9, 0.05))
+    # the greedy row's logits are its own (its logprobs are those of the raw distribution)
     assert torch.equal(processed[1], logits[1])
     repeated = rows.repeat_interleave(3)
     assert repeated.temperature.tolist() == pytest.approx([0.7] * 3 + [0.0] * 3)
@@ -258,6 +257,11 @@ def test_restart_after_retraction_rebuilds_penalty_state():
     assert torch.equal(state.prompt_mask[2] | (state.counts[2] > 0), seen)
     assert torch.equal(mask | (counts > 0), seen)
     assert state.counts[2, 4].item() == 2
+
+
+def uniform_noise(seeds, positions, stream: int, num: int) -> torch.Tensor:
+    """[bs, num] uniforms of (seed, position, stream) for tokens 0 .. num - 1."""
+    return uniform_from_keys(row_keys(seeds, positions, stream), column_hashes(torch.arange(num)))
 
 
 def test_uniform_noise_range_invariance_and_streams():
