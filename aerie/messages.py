@@ -223,9 +223,11 @@ class SchedulerStats:
     num_plain_steps: int = 0  # decode steps a speculative server ran plainly (adaptive)
     num_decode_steps: int = 0  # decode steps run: plain steps and speculative iterations
     # Adaptive speculation's last choice (-1: none yet), the accept length it expected of the
-    # batch and the break-even it compared that with (0: unknown).
+    # batch, that estimate's standard error, and the break-even it compared their sum with
+    # (0: unknown).
     speculating: int = -1
     expected_accept_length: float = 0.0
+    expected_accept_error: float = 0.0
     break_even_accept_length: float = 0.0
 
 

@@ -5,11 +5,17 @@ What it compares, for a batch of b requests:
 - the step costs the GPU worker measured at start-up (`StepCosts`): per CUDA-graph batch
   bucket, the time of a plain decode step and of a speculative iteration, greedy and sampled;
 - the acceptance: each request's running estimate of the tokens an iteration emits for it (the
-  mean of its accept lengths, starting from its kind's), and one per kind over all requests,
-  which stands in for a request not observed yet.
-The batch speculates when its mean estimate reaches the break-even t_spec(b) / t_plain(b):
-an iteration must emit that many tokens per request to be as fast as plain decoding. A batch of
-one is one request's own choice, so a stream whose draft keeps missing stops drafting.
+  mean of its accept lengths, starting from its kind's), and per kind the mean and spread over
+  all requests, which stand in for a request not observed yet.
+The batch speculates when its mean estimate, plus one standard error of that mean, reaches the
+break-even t_spec(b) / t_plain(b): an iteration must emit that many tokens per request to be as
+fast as plain decoding. The standard error gives an estimate made of few iterations the benefit
+of the doubt: one iteration emits 1..S+1 tokens (a standard deviation of about 1.2 at S = 3),
+and the drafts of one kind agree from 1.5 to 2.8 tokens per iteration from one chat prompt to
+the next, so the first request of a server, or the first iterations of a new one, say little
+about the next. A batch of one is one request's own choice, so a stream whose draft keeps
+missing stops drafting once its own iterations show it; a batch of many has a small standard
+error and follows its mean.
 
 While plain decoding is chosen nothing is observed, so every `probe_interval` plain steps a
 probe of PROBE_ITERATIONS iterations runs anyway. The draft is not run on plainly decoded
@@ -27,6 +33,7 @@ iteration emits only tokens the target verified.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from aerie.messages import SamplingParams
@@ -34,12 +41,11 @@ from aerie.step_costs import StepCosts
 
 FIRST_PROBE, MAX_PROBE = 32, 256  # plain steps between two probes
 PROBE_ITERATIONS = 2  # the first after plain steps catches the draft up, the second measures
-# A request's estimate is the mean of its observed accept lengths, its kind's estimate counted
-# as PRIOR_ITERATIONS observations. A running mean, not a moving average: a request that goes
-# plain rarely comes back (its draft's KV goes stale), so one bad patch must not send it there.
-# One iteration's accept length spreads over 1..S+1 (a standard deviation of about 1.2 at S =
-# 3), so a moving average of weight 0.3 crossed a 5% hysteresis band within about ten
-# iterations for every request of a draft accepting 2.3 against a break-even of 1.8.
+# A request's estimate is the mean of its observed accept lengths, its kind's mean counted as
+# PRIOR_ITERATIONS observations (fewer while the kind has seen fewer). A running mean, not a
+# moving average: one iteration's accept length spreads over 1..S+1, so a moving average of
+# weight 0.3 crossed a 5% hysteresis band within about ten iterations for every request of a
+# draft accepting 2.3 against a break-even of 1.8.
 PRIOR_ITERATIONS = 8
 # From LONG_RUN - PRIOR_ITERATIONS observations on, each new one weighs 1 / LONG_RUN (a moving
 # average that long), so a long request still follows its text (code after prose, or a draft
@@ -49,7 +55,11 @@ LONG_RUN = 32
 # a switch costs (the first iteration after plain steps drafts from a stale state, and the
 # draft's KV stays stale at the plainly decoded positions).
 HYSTERESIS = 0.05
-OVERALL_WEIGHT = 0.05  # ... in the estimate over all requests
+# A kind's statistics stand for the next request, so they span many: a plain mean over their
+# first 1 / OVERALL_WEIGHT iterations, then a moving one that long (about eight requests of 256
+# tokens at one stream). A weight of 0.05 tracked the last request alone at one stream, and a
+# request that started badly sent the next one to plain decoding.
+OVERALL_WEIGHT = 1 / 512
 
 
 def samples(params: SamplingParams) -> bool:
@@ -75,12 +85,56 @@ def kind(params: SamplingParams) -> tuple:
 
 @dataclass
 class Decision:
-    """One step's choice and why: the batch's mean estimate against the break-even."""
+    """One step's choice and why: the batch's mean estimate, give or take its standard error,
+    against the break-even."""
 
     speculate: bool
     expected: float | None  # mean tokens per iteration expected (None: nothing observed yet)
     break_even: float
     probe: bool = False
+    error: float = 0.0  # the standard error of `expected`
+
+
+@dataclass
+class KindStats:
+    """The accept lengths of one kind's iterations, over all requests: a plain mean and
+    variance over the first 1 / OVERALL_WEIGHT, then moving ones of that weight."""
+
+    count: int = 0
+    mean: float = 0.0
+    variance: float = 0.0
+
+    def add(self, accept_length: float) -> None:
+        self.count += 1
+        weight = max(1 / self.count, OVERALL_WEIGHT)
+        delta = accept_length - self.mean
+        self.mean += weight * delta
+        self.variance = (1 - weight) * (self.variance + weight * delta * delta)
+
+    def estimate(self) -> RequestEstimate:
+        """What a request of this kind not observed yet is expected to accept."""
+        return RequestEstimate(self.mean, min(PRIOR_ITERATIONS, self.count))
+
+
+@dataclass
+class RequestEstimate:
+    """One request's expected accept length: the mean of its kind's mean, counted as `prior`
+    iterations, and its own `count` iterations; a moving average of weight 1 / LONG_RUN once
+    they add up to LONG_RUN."""
+
+    mean: float
+    prior: int
+    count: int = 0
+
+    def add(self, accept_length: float) -> None:
+        self.count += 1
+        self.mean += (accept_length - self.mean) / min(self.prior + self.count, LONG_RUN)
+
+    @property
+    def weight(self) -> int:
+        """The iterations the estimate is worth: its variance is one iteration's over this. A
+        moving average of weight 1 / LONG_RUN is worth 2 * LONG_RUN - 1."""
+        return min(self.prior + self.count, 2 * LONG_RUN - 1)
 
 
 @dataclass
@@ -88,30 +142,32 @@ class AdaptiveSpeculation:
     """The per-step choice (see the module docstring)."""
 
     costs: StepCosts
-    # Running accept length over all requests of each kind (`kind`): a request not observed
-    # yet starts from its kind's.
-    overall: dict[tuple, float] = field(default_factory=dict)
+    # The most tokens an iteration emits (S + 1): an accept length's largest possible spread,
+    # (max_accept - 1) / 2, stands in for a kind's until it has been observed.
+    max_accept: int = 4
+    # Accept lengths over all requests of each kind (`kind`): a request not observed yet
+    # starts from its kind's mean.
+    kinds: dict[tuple, KindStats] = field(default_factory=dict)
+    requests: dict[str, RequestEstimate] = field(default_factory=dict)  # the observed ones
     probe_interval: int = FIRST_PROBE
     plain_run: int = 0  # plain steps since the last iteration
     probe_left: int = 0  # iterations of the current probe still to plan
     last: Decision | None = None
     speculating: bool = True  # the last choice but for probes
-    estimates: dict[str, float] = field(default_factory=dict)  # rid -> its running estimate
-    observed: dict[str, int] = field(default_factory=dict)  # rid -> iterations observed
 
     def choose(self, rids: list[str], kinds: list[tuple]) -> Decision:
         """Speculate for this batch of requests (True) or decode plainly (False); kinds: per
         request, its `kind`."""
         break_even = self.costs.break_even(len(rids), any(k[0] for k in kinds))
-        estimates = [
-            self.estimates.get(rid, self.overall.get(k)) for rid, k in zip(rids, kinds, strict=True)
-        ]
-        if None in estimates:  # a request of a kind never observed: speculate to learn
-            decision = Decision(True, None, break_even)
+        unseen = (
+            r not in self.requests and k not in self.kinds for r, k in zip(rids, kinds, strict=True)
+        )
+        if any(unseen):
+            decision = Decision(True, None, break_even)  # a kind never observed: learn it
         else:
-            expected = sum(estimates) / len(estimates)
+            expected, error = self._batch_estimate(rids, kinds)
             threshold = break_even * (1 - HYSTERESIS) if self.speculating else break_even
-            decision = Decision(expected >= threshold, expected, break_even)
+            decision = Decision(expected + error >= threshold, expected, break_even, error=error)
         self.speculating = decision.speculate
         if decision.speculate:
             self.plain_run, self.probe_interval, self.probe_left = 0, FIRST_PROBE, 0
@@ -126,15 +182,34 @@ class AdaptiveSpeculation:
         self.last = decision
         return decision
 
+    def _batch_estimate(self, rids: list[str], kinds: list[tuple]) -> tuple[float, float]:
+        """The batch's mean estimate and its standard error (each request's estimate has
+        variance spread / weight, the spread its kind's)."""
+        total = variance = 0.0
+        for rid, k in zip(rids, kinds, strict=True):
+            stats = self.kinds.get(k, KindStats())
+            estimate = self.requests.get(rid) or stats.estimate()
+            total += estimate.mean
+            variance += self._spread(stats) / max(estimate.weight, 1)
+        return total / len(rids), math.sqrt(variance) / len(rids)
+
+    def _spread(self, stats: KindStats) -> float:
+        """A kind's variance of one iteration's accept length: its observed variance, with the
+        largest possible one counted as PRIOR_ITERATIONS observations (a handful of iterations
+        that all missed say little about the spread)."""
+        prior = ((self.max_accept - 1) / 2) ** 2
+        return (PRIOR_ITERATIONS * prior + stats.count * stats.variance) / (
+            PRIOR_ITERATIONS + stats.count
+        )
+
     def observe(self, rid: str, accept_length: int, kind: tuple = (False,)) -> None:
         """One iteration emitted accept_length tokens for request rid (of this `kind`)."""
-        overall = self.overall.get(kind, accept_length)
-        old = self.estimates.get(rid, overall)
-        n = self.observed[rid] = self.observed.get(rid, 0) + 1
-        self.estimates[rid] = old + (accept_length - old) / min(PRIOR_ITERATIONS + n, LONG_RUN)
-        self.overall[kind] = overall + OVERALL_WEIGHT * (accept_length - overall)
+        stats = self.kinds.setdefault(kind, KindStats())
+        if rid not in self.requests:
+            self.requests[rid] = stats.estimate()
+        self.requests[rid].add(accept_length)
+        stats.add(accept_length)
 
     def forget(self, rid: str) -> None:
         """A request finished (or was retracted and will start afresh)."""
-        self.estimates.pop(rid, None)
-        self.observed.pop(rid, None)
+        self.requests.pop(rid, None)

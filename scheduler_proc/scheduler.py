@@ -103,7 +103,10 @@ class Scheduler:
         # CPU), or with --speculative-adaptive off, every decode step speculates.
         self.adaptive: AdaptiveSpeculation | None = None
         if spec.adaptive and spec.speculative_step_costs:
-            self.adaptive = AdaptiveSpeculation(StepCosts.from_json(spec.speculative_step_costs))
+            self.adaptive = AdaptiveSpeculation(
+                StepCosts.from_json(spec.speculative_step_costs),
+                max_accept=(spec.speculative_num_steps or 1) + 1,
+            )
 
     # ------------------------------------------------------------------ requests in
 
@@ -256,7 +259,7 @@ class Scheduler:
         if before is None or before.speculate != choice.speculate or choice.probe:
             logger.debug(
                 "adaptive speculation: %s for a batch of %d (expected %s tokens per "
-                "iteration, break-even %.2f)",
+                "iteration, give or take %.2f; break-even %.2f)",
                 "a probing iteration"
                 if choice.probe
                 else "speculate"
@@ -264,6 +267,7 @@ class Scheduler:
                 else "plain decoding",
                 len(batch),
                 "unknown" if choice.expected is None else f"{choice.expected:.2f}",
+                choice.error,
                 choice.break_even,
             )
         return choice.speculate
@@ -497,5 +501,6 @@ class Scheduler:
         return {
             "speculating": int(last.speculate),
             "expected_accept_length": last.expected or 0.0,
+            "expected_accept_error": last.error,
             "break_even_accept_length": last.break_even,
         }

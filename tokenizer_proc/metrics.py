@@ -73,6 +73,12 @@ class Metrics:
             "Tokens per iteration adaptive speculation expected of the last decode batch.",
             registry=r,
         )
+        self.expected_error = Gauge(
+            "aerie_spec_expected_accept_error",
+            "The standard error of that expectation: the decode step speculated when the "
+            "expectation plus it reached the break-even.",
+            registry=r,
+        )
         self.break_even = Gauge(
             "aerie_spec_break_even_accept_length",
             "Tokens per iteration at which an iteration would match plain decoding for the "
@@ -140,6 +146,7 @@ class Metrics:
         if stats.speculating >= 0:
             self.speculating.set(stats.speculating)
             self.expected_accept.set(stats.expected_accept_length)
+            self.expected_error.set(stats.expected_accept_error)
             self.break_even.set(stats.break_even_accept_length)
 
     def render(self) -> bytes:
@@ -176,6 +183,7 @@ def stats_dict(s: SchedulerStats) -> dict[str, Any]:
         "spec_plain_steps": s.num_plain_steps,
         "spec_speculating": None if s.speculating < 0 else bool(s.speculating),
         "spec_expected_accept_length": s.expected_accept_length,
+        "spec_expected_accept_error": s.expected_accept_error,
         "spec_break_even_accept_length": s.break_even_accept_length,
     }
 

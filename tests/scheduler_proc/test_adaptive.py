@@ -17,6 +17,8 @@ from scheduler_proc.adaptive import (
     PRIOR_ITERATIONS,
     PROBE_ITERATIONS,
     AdaptiveSpeculation,
+    KindStats,
+    RequestEstimate,
     kind,
     samples,
 )
@@ -24,6 +26,23 @@ from scheduler_proc.scheduler import Scheduler
 from tests.scheduler_proc.fake_worker import Collector, FakeWorker, make_request, reference_output
 
 G, S = (False,), (True, 0.7, 1.0, -1, 0.0)  # request kinds: greedy, sampled at 0.7
+
+
+def settled(mean: float) -> KindStats:
+    """A kind observed so often, with so little spread, that estimates carry no error: the
+    choice is the mean against the break-even alone."""
+    return KindStats(count=10**9, mean=mean, variance=0.0)
+
+
+def known(mean: float) -> RequestEstimate:
+    """A request observed so long that its estimate is its mean, settled."""
+    return RequestEstimate(mean, prior=0, count=10**9)
+
+
+def misses(policy: AdaptiveSpeculation, rid: str, n: int) -> None:
+    """n iterations of rid that emitted one token each (the draft missed)."""
+    for _ in range(n):
+        policy.observe(rid, 1)
 
 
 def costs(break_even: dict[int, float], sampled_factor: float = 1.0) -> StepCosts:
@@ -78,7 +97,7 @@ def test_before_any_observation_every_step_speculates():
 
 def test_a_request_whose_draft_misses_decodes_plainly_and_probes_less_and_less():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
-    policy.observe("a", 1)
+    misses(policy, "a", 16)
     choices = [policy.choose(["a"], [G]) for _ in range(4 * MAX_PROBE)]
     assert all(c.speculate == c.probe for c in choices)  # plain but for the probes
     runs = "".join("s" if c.speculate else "p" for c in choices).split("s" * PROBE_ITERATIONS)
@@ -90,51 +109,95 @@ def test_a_request_whose_draft_misses_decodes_plainly_and_probes_less_and_less()
 
 def test_a_probe_that_finds_agreement_switches_back():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
-    policy.observe("a", 1)
+    misses(policy, "a", 16)
     while not policy.choose(["a"], [G]).probe:
         pass
     agreeing = 0
     while not policy.choose(["a"], [G]).speculate or policy.last.probe:
         policy.observe("a", 4)  # the probes find the draft agreeing in full
         agreeing += 1
-    # mean (8 x 1 + 1 + 4k) / (9 + k) >= 2 from k = 5 on
+    # After k probes of 4: a's estimate (16 + 4k) / (16 + k) and the kind's 16 1s and k 4s,
+    # spread (8 x 1.5^2 + (16 + k) variance) / (24 + k), give or take sqrt(spread / (16 + k)).
+    # k = 2: 1.333 + sqrt(1.31 / 18) = 1.60 < 2; k = 3: 1.474 + sqrt(1.51 / 19) = 1.76 < 2;
+    # k = 4: 1.6 + sqrt(1.67 / 20) = 1.89 < 2; k = 5: 1.714 + sqrt(1.80 / 21) = 2.01 >= 2.
     assert agreeing == 5 and policy.probe_interval == FIRST_PROBE
+
+
+def test_a_servers_first_request_is_not_judged_by_its_first_misses():
+    """The first request of a server (the shipped EAGLE-3 draft on the default model, an
+    MT-bench prompt, T = 0: these are its first 40 accept lengths, mean 1.5) against the H200's
+    break-even of 1.53: its first iterations missed, and the kind's mean started there, which
+    sent this request and every later one to plain decoding. Now it keeps speculating (it is
+    near the break-even), and the next request starts speculating from its own first step."""
+    trace = [int(c) for c in "1112111313121221111111321211113113111111"]
+    policy = AdaptiveSpeculation(costs({1: 1.53}))
+    for accept in trace:
+        assert policy.choose(["r0"], [G]).speculate
+        policy.observe("r0", accept)
+    policy.forget("r0")
+    first = policy.choose(["r1"], [G])
+    assert first.speculate and first.expected == pytest.approx(policy.kinds[G].mean)
+    assert first.expected + first.error >= 1.53 > first.expected
+
+
+def test_many_requests_follow_their_mean_and_one_follows_its_own_evidence():
+    """The standard error shrinks with the batch: 64 new requests of a kind accepting 1.4 on
+    average decode plainly against a break-even of 1.53, where one new request still tries;
+    a request whose own iterations keep missing stops trying."""
+    policy = AdaptiveSpeculation(costs({1: 1.53, 64: 1.53}))
+    policy.kinds[G] = KindStats(count=1000, mean=1.4, variance=0.6)
+    assert not policy.choose([f"r{i}" for i in range(64)], [G] * 64).speculate
+    assert policy.choose(["new"], [G]).speculate
+    misses(policy, "new", 12)
+    assert not policy.choose(["new"], [G]).speculate
 
 
 def test_the_batch_compares_its_mean_estimate_with_its_own_break_even():
     policy = AdaptiveSpeculation(costs({1: 1.5, 2: 1.5, 4: 2.4}))
-    policy.overall[G] = 2.9
-    policy.estimates.update(good=3.0, bad=1.0)
+    policy.kinds[G] = settled(2.9)
+    policy.requests.update(good=known(3.0), bad=known(1.0))
     assert policy.choose(["good"], [G]).speculate
     assert not policy.choose(["bad"], [G]).speculate
     assert policy.choose(["good", "bad"], [G] * 2).speculate  # mean 2 >= 1.5
-    # An unseen request counts at the overall estimate (2.9): 4 rows need 2.4 each.
+    # An unseen request counts at its kind's mean (2.9): 4 rows need 2.4 each.
     decision = policy.choose(["good", "bad", "new1", "new2"], [G] * 4)
     assert decision.speculate and decision.expected == pytest.approx((3 + 1 + 2 * 2.9) / 4)
     assert not policy.choose(["bad", "bad", "bad", "new"], [G] * 4).speculate
-    policy.forget("bad")  # finished: a new request of that id starts from the overall estimate
+    policy.forget("bad")  # finished: a new request of that id starts from its kind's mean
     assert policy.choose(["bad"], [G]).expected == pytest.approx(2.9)
 
 
 def test_a_request_estimate_is_the_mean_of_its_iterations_from_its_kinds():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
-    policy.observe("a", 3)  # the first of its kind: the overall estimate starts there
-    assert policy.overall[G] == 3 and policy.estimates["a"] == 3
-    policy.observe("b", 1)  # b starts from the overall 3, counted as PRIOR_ITERATIONS
-    prior = PRIOR_ITERATIONS * 3
-    assert policy.estimates["b"] == pytest.approx((prior + 1) / (PRIOR_ITERATIONS + 1))
+    policy.observe("a", 3)  # the first of its kind: nothing to start from
+    assert policy.kinds[G].mean == 3 and policy.requests["a"].mean == 3
+    policy.observe("a", 1)
+    assert policy.requests["a"].mean == 2  # its own mean
+    policy.observe("b", 4)  # b starts from its kind's mean 2, counted as the 2 it was made of
+    assert policy.requests["b"].mean == pytest.approx((2 * 2 + 4) / 3)
+    for _ in range(PRIOR_ITERATIONS):
+        policy.observe("c", 4)  # c starts from the mean of a and b, counted as 3
+    c = policy.requests["c"]
+    assert c.mean == pytest.approx((3 * 8 / 3 + PRIOR_ITERATIONS * 4) / (3 + PRIOR_ITERATIONS))
+    overall = policy.kinds[G].mean
+    assert policy.kinds[G].count == 3 + PRIOR_ITERATIONS >= PRIOR_ITERATIONS
+    policy.observe("d", 1)  # from here on a kind's mean counts as PRIOR_ITERATIONS
+    prior = PRIOR_ITERATIONS * overall
+    assert policy.requests["d"].mean == pytest.approx((prior + 1) / (PRIOR_ITERATIONS + 1))
     mean_len = LONG_RUN - PRIOR_ITERATIONS
     for _ in range(mean_len - 1):
-        policy.observe("b", 1)
-    assert policy.estimates["b"] == pytest.approx((prior + mean_len) / LONG_RUN)
-    before = policy.estimates["b"]  # from here on, a moving average of LONG_RUN iterations
-    policy.observe("b", 4)
-    assert policy.estimates["b"] == pytest.approx(before + (4 - before) / LONG_RUN)
-    overall = policy.overall[G]
-    policy.forget("b")  # finished: a new request of that id starts afresh from its kind's
-    policy.observe("b", 1)
-    assert policy.observed["b"] == 1
-    assert policy.estimates["b"] == pytest.approx(overall + (1 - overall) / (PRIOR_ITERATIONS + 1))
+        policy.observe("d", 1)
+    assert policy.requests["d"].mean == pytest.approx((prior + mean_len) / LONG_RUN)
+    before = policy.requests["d"].mean  # from here on, a moving average of LONG_RUN iterations
+    policy.observe("d", 4)
+    assert policy.requests["d"].mean == pytest.approx(before + (4 - before) / LONG_RUN)
+    overall = policy.kinds[G].mean
+    policy.forget("d")  # finished: a new request of that id starts afresh from its kind's
+    policy.observe("d", 1)
+    assert policy.requests["d"].count == 1
+    assert policy.requests["d"].mean == pytest.approx(
+        overall + (1 - overall) / (PRIOR_ITERATIONS + 1)
+    )
 
 
 def test_a_draft_that_pays_on_average_keeps_speculating_through_bad_patches():
@@ -146,7 +209,7 @@ def test_a_draft_that_pays_on_average_keeps_speculating_through_bad_patches():
 
     rng = random.Random(0)
     policy = AdaptiveSpeculation(costs({1: 1.82}))
-    policy.overall[G] = 2.33  # what the kind accepted before
+    policy.kinds[G] = KindStats(count=1000, mean=2.33, variance=1.45)  # accepted before
     kept = 0
     for request in range(20):
         rid, emitted = f"r{request}", 0
@@ -161,7 +224,7 @@ def test_a_draft_that_pays_on_average_keeps_speculating_through_bad_patches():
 
 def test_speculation_holds_within_the_hysteresis_and_returns_at_the_break_even():
     policy = AdaptiveSpeculation(costs({1: 2.0}))
-    policy.overall[G] = 2.0
+    policy.kinds[G] = settled(2.0)
     low = 2.0 * (1 - HYSTERESIS)
     for value, speculate in [
         (low + 0.01, True),
@@ -170,16 +233,15 @@ def test_speculation_holds_within_the_hysteresis_and_returns_at_the_break_even()
         (2.0, True),
         (low + 0.01, True),
     ]:
-        policy.estimates["a"] = value
+        policy.requests["a"] = known(value)
         assert policy.choose(["a"], [G]).speculate is speculate, value
 
 
 def test_sampled_batches_use_the_sampled_costs():
     policy = AdaptiveSpeculation(costs({1: 2.0, 2: 2.0}, sampled_factor=1.5))
-    policy.observe("a", 2.5)
+    policy.kinds.update({G: settled(2.5), S: settled(2.5)})  # new requests: 2.5 each
     assert policy.choose(["a"], [G]).speculate  # 2.5 >= 2
-    assert not policy.choose(["a"], [S]).speculate  # 2.5 < 3
-    policy.observe("b", 2.5, S)
+    assert not policy.choose(["b"], [S]).speculate  # 2.5 < 3
     assert not policy.choose(["a", "b"], [G, S]).speculate  # one samples: 3 needed
 
 
@@ -314,8 +376,8 @@ def test_the_first_iteration_after_plain_steps_is_not_observed():
     observed = []
     real_observe = sched.adaptive.observe
     sched.adaptive.observe = lambda rid, n, k: (observed.append(n), real_observe(rid, n, k))
-    sched.adaptive.overall[G] = 1.0  # learned before: this draft misses
-    sched.adaptive.estimates["a"] = 1.0
+    sched.adaptive.kinds[G] = settled(1.0)  # learned before: this draft misses
+    sched.adaptive.requests["a"] = known(1.0)
     previous_plain = False
     while sched.has_work():
         plan = sched.next_plan()
