@@ -184,13 +184,23 @@ class AdaptiveSpeculation:
 
     def _batch_estimate(self, rids: list[str], kinds: list[tuple]) -> tuple[float, float]:
         """The batch's mean estimate and its standard error (each request's estimate has
-        variance spread / weight, the spread its kind's)."""
+        variance spread / weight, the spread its kind's). Runs every decode step: per kind
+        once, per request a lookup."""
         total = variance = 0.0
+        per_kind: dict[tuple, tuple[float, int, float]] = {}
         for rid, k in zip(rids, kinds, strict=True):
-            stats = self.kinds.get(k, KindStats())
-            estimate = self.requests.get(rid) or stats.estimate()
-            total += estimate.mean
-            variance += self._spread(stats) / max(estimate.weight, 1)
+            if k not in per_kind:
+                stats = self.kinds.get(k) or KindStats()
+                prior = max(min(PRIOR_ITERATIONS, stats.count), 1)
+                per_kind[k] = (stats.mean, prior, self._spread(stats))
+            mean, prior, spread = per_kind[k]
+            estimate = self.requests.get(rid)
+            if estimate is None:
+                total += mean
+                variance += spread / prior
+            else:
+                total += estimate.mean
+                variance += spread / estimate.weight
         return total / len(rids), math.sqrt(variance) / len(rids)
 
     def _spread(self, stats: KindStats) -> float:
@@ -204,10 +214,13 @@ class AdaptiveSpeculation:
 
     def observe(self, rid: str, accept_length: int, kind: tuple = (False,)) -> None:
         """One iteration emitted accept_length tokens for request rid (of this `kind`)."""
-        stats = self.kinds.setdefault(kind, KindStats())
-        if rid not in self.requests:
-            self.requests[rid] = stats.estimate()
-        self.requests[rid].add(accept_length)
+        stats = self.kinds.get(kind)
+        if stats is None:
+            stats = self.kinds[kind] = KindStats()
+        estimate = self.requests.get(rid)
+        if estimate is None:
+            estimate = self.requests[rid] = stats.estimate()
+        estimate.add(accept_length)
         stats.add(accept_length)
 
     def forget(self, rid: str) -> None:
