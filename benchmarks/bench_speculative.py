@@ -49,6 +49,7 @@ from aerie.resolve import (  # noqa: E402
     resolve_device,
     resolve_dtype,
 )
+from aerie.step_costs import StepCosts  # noqa: E402
 from benchmarks.iteration_stages import stage_split  # noqa: E402
 from benchmarks.iteration_timing import (  # noqa: E402
     Replayer,
@@ -332,6 +333,14 @@ def main(argv: list[str] | None = None) -> None:
         "--attention-backend", default="auto", choices=("auto", "torch_native", "triton")
     )
     parser.add_argument("--output", help="write the results as JSON here")
+    parser.add_argument(
+        "--step-costs",
+        default=None,
+        help="--mode requests: step costs as /server_info shows them (e.g. a GPU's): each "
+        "speculative mode runs twice, speculating every step and adaptively at these costs "
+        "(`... adaptive`), and every row reports the speed these costs price its plain steps "
+        "and iterations at (the batch-1 bucket), against plain decoding",
+    )
     parser.add_argument("--mode", default="requests", choices=("requests", "iteration"))
     parser.add_argument("--batch-sizes", default="1", help="--mode iteration: batch sizes")
     parser.add_argument(
@@ -407,6 +416,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.turns < 1:
         parser.error("--turns must be at least 1")
+    if args.step_costs is not None:
+        try:
+            StepCosts.from_json(args.step_costs)
+        except ValueError as error:
+            parser.error(str(error))
     if "plain" in args.greedy_only.split(","):
         parser.error("--greedy-only cannot name plain: every temperature needs its baseline")
     drafts = parse_drafts(args.draft_path, args.algorithm)

@@ -17,6 +17,14 @@ the requests), the accept length (tokens per verify forward, bonus included, as
 `meta_info.spec_accept_length` reports it) and the acceptance per position: the share of
 decode iterations that accepted at least k + 1 tokens (k = 1..S), i.e. whose k-th draft
 token was accepted.
+
+With `--step-costs` (a GPU's, as its `/server_info` shows them) each speculative shape also
+runs with adaptive speculation at those costs (`... adaptive`), and every row gets the speed
+those costs price it at: its decode tokens over (iterations x t_spec + plain steps x t_plain),
+against plain decoding's one token per t_plain (the batch-1 bucket, greedy or sampled). This
+shows on a CPU, with real weights, what adaptive speculation chooses on a GPU and what that
+choice costs, step for step (the steps' content does not depend on the device, only their
+price).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from aerie.config import AerieConfig
 from aerie.messages import SamplingParams, TokenizedRequest
 from aerie.model_info import read_model_info
 from aerie.resolve import resolve_config
+from aerie.step_costs import StepCosts
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.engine_loop import drive
@@ -48,8 +57,9 @@ class RunResult:
     decode_tokens: int
     decode_seconds: float
     verify: int  # verify forwards (0 without speculation)
-    accepts: list[int]  # tokens accepted by each decode iteration
+    accepts: list[int]  # tokens emitted by each target forward (plain steps: 1)
     requests: int = 0
+    plain_steps: int = 0  # decode steps adaptive speculation ran plainly
 
     def summary(self, depth: int) -> dict:
         accepts = np.asarray(self.accepts, dtype=np.int64)
@@ -66,7 +76,15 @@ class RunResult:
             "tokens_per_s": self.decode_tokens / max(self.decode_seconds, 1e-9),
             "accept_length": self.decode_tokens / self.verify if self.verify else None,
             "accept_per_position": per_position if self.verify else None,
+            "plain_steps": self.plain_steps,
         }
+
+    def priced_speedup(self, costs: StepCosts) -> float:
+        """Tokens per second at these step costs (batch 1), over plain decoding's."""
+        ratio = costs.break_even(1, self.temperature > 0)  # an iteration, in plain steps
+        iterations = self.verify - self.plain_steps
+        steps = iterations * ratio + self.plain_steps if self.verify else self.decode_tokens
+        return self.decode_tokens / max(steps, 1e-9)
 
     def add(self, other: RunResult) -> None:
         self.decode_tokens += other.decode_tokens
@@ -74,6 +92,7 @@ class RunResult:
         self.verify += other.verify
         self.accepts += other.accepts
         self.requests += other.requests
+        self.plain_steps += other.plain_steps
 
 
 def served_config(base: AerieConfig, speculative: dict, max_running: int) -> AerieConfig:
@@ -102,11 +121,13 @@ class Engine:
         what the scheduler emits (stop-truncated, the extra token of a step in flight dropped);
         decode time runs from the first token's result."""
         self.sched.add_request(TokenizedRequest("bench", pack_ids(prompt), params))
-        counts = {"tokens": 0, "verify": 0, "first_at": None}
+        counts = {"tokens": 0, "verify": 0, "first_at": None, "plain": 0}
         accepts: list[int] = []
         emitted_ids: list[int] = []
 
         def count(plan, result, deltas) -> None:
+            plain = plan.mode == "decode" and not plan.speculate and self.sched.speculative
+            counts["plain"] += plain and counts["first_at"] is not None
             for delta in deltas.deltas if deltas else []:
                 ids = unpack_ids(delta.token_ids)
                 emitted_ids.extend(ids)
@@ -133,6 +154,7 @@ class Engine:
             counts["verify"],
             accepts,
             requests=1,
+            plain_steps=counts["plain"],
         )
         return result, emitted_ids
 
@@ -186,8 +208,9 @@ def run_requests(
         runner={"attention_backend": args.attention_backend},
     )
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    costs = StepCosts.from_json(args.step_costs) if args.step_costs else None
     results, plain_tps, used, tokenizer = [], {}, {}, None
-    for algorithm, shape in [(None, None), *shapes]:
+    for algorithm, shape, adaptive in runs(shapes, costs is not None):
         spec = {}
         if shape is not None:
             spec = {
@@ -197,11 +220,15 @@ def run_requests(
                 "speculative_eagle_topk": shape[1],
                 "speculative_num_draft_tokens": shape[2],
             }
+            if costs is not None:
+                spec["speculative_adaptive"] = "on" if adaptive else "off"
+                spec["speculative_step_costs"] = args.step_costs if adaptive else None
         engine = Engine(served_config(base, spec, args.max_running_requests))
         tokenizer = tokenizer or Tokenizer(engine.config.model.tokenizer_path)  # the same model
         name = "plain"
         if shape is not None:
             name = f"{algorithm} S={shape[0]} topk={shape[1]} ND={shape[2]}"
+            name += " adaptive" if adaptive else ""
         for temperature in temperatures:
             if temperature > 0 and name in args.greedy_only.split(","):
                 continue
@@ -223,6 +250,8 @@ def run_requests(
             if shape is None:
                 plain_tps[temperature] = summary["tokens_per_s"]
             summary["speedup"] = summary["tokens_per_s"] / max(plain_tps[temperature], 1e-9)
+            if costs is not None:
+                summary["priced_speedup"] = total.priced_speedup(costs)
             results.append(summary)
             print(json.dumps(summary), flush=True)
             if algorithm is not None:
@@ -233,6 +262,13 @@ def run_requests(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print_requests(args, results, len(questions), used)
+
+
+def runs(shapes: list, adaptive_too: bool) -> list[tuple]:
+    """(algorithm, shape, adaptive) of each engine: plain first, then each shape, also
+    adaptively where step costs are given."""
+    twice = [(a, s, adaptive) for a, s in shapes for adaptive in (False, True)[: 1 + adaptive_too]]
+    return [(None, None, False), *twice]
 
 
 def write_results(path: str | None, drafts: dict, results: list[dict]) -> None:
@@ -249,8 +285,8 @@ def print_requests(args, results: list[dict], num_questions: int, drafts: dict) 
         f"{args.max_new_tokens} new tokens per turn, {args.device} {args.dtype}, drafts {drafts}"
     )
     print(
-        f"{'mode':32s} {'temp':>4s} {'tok/s':>8s} {'accept':>7s} {'speedup':>8s}  "
-        f"{'per turn':>11s}  P(accept >= k+1), k = 1..S"
+        f"{'mode':41s} {'temp':>4s} {'tok/s':>8s} {'accept':>7s} {'speedup':>8s}  "
+        f"{'plain':>6s} {'priced':>7s}  {'per turn':>11s}  P(accept >= k+1), k = 1..S"
     )
     for r in results:
         accept = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
@@ -258,7 +294,14 @@ def print_requests(args, results: list[dict], num_questions: int, drafts: dict) 
             f"{t['accept_length']:.2f}" if t["accept_length"] else "-" for t in r["per_turn"]
         )
         per = " ".join(f"{p:.2f}" for p in r["accept_per_position"] or [])
+        steps = (
+            r["decode_tokens"]
+            if r["accept_length"] is None
+            else r["decode_tokens"] / r["accept_length"]
+        )
+        plain = f"{r['plain_steps'] / max(steps, 1):.0%}"
+        priced = f"{r['priced_speedup']:.3f}x" if "priced_speedup" in r else "-"
         print(
-            f"{r['mode']:32s} {r['temperature']:4.1f} {r['tokens_per_s']:8.1f} {accept:>7s} "
-            f"{r['speedup']:7.2f}x  {turns:>11s}  {per}"
+            f"{r['mode']:41s} {r['temperature']:4.1f} {r['tokens_per_s']:8.1f} {accept:>7s} "
+            f"{r['speedup']:7.2f}x  {plain:>6s} {priced:>7s}  {turns:>11s}  {per}"
         )

@@ -61,6 +61,39 @@ def test_bench_speculative_reports_plain_and_speculative_rows(tmp_path, algorith
     assert results[0]["accept_length"] is None and results[0]["speedup"] == 1.0
 
 
+def test_step_costs_price_fixed_and_adaptive_runs_against_plain(tmp_path):
+    """A random draft (accept length about 1) against an iteration that costs two plain steps:
+    the adaptive run decodes mostly plainly once its first iterations missed, the fixed one
+    never does, and the priced speeds say what each choice costs; the tokens are the same."""
+    model = make_tiny_checkpoint(
+        str(tmp_path / "model"), "llama", vocab_size=384, max_position_embeddings=512
+    )
+    make_tiny_tokenizer(model)
+    prompts = write_questions(tmp_path, "Hello?", "Why?")
+    out = tmp_path / "result.json"
+    costs = {
+        "buckets": [1],
+        "plain_ms": {"greedy": [1.0], "sampled": [1.0]},
+        "speculative_ms": {"greedy": [2.0], "sampled": [2.0]},
+    }
+    bench_speculative.main(
+        ["--model-path", model, "--load-format", "dummy", "--prompts", str(prompts)]
+        + ["--num-prompts", "2", "--turns", "1", "--max-new-tokens", "40", "--shapes", "2,1,3"]
+        + ["--device", "cpu", "--output", str(out), "--step-costs", json.dumps(costs)]
+    )
+    plain, fixed, adaptive = json.loads(out.read_text())["results"]
+    assert [fixed["mode"], adaptive["mode"]] == ["EAGLE3 S=2 topk=1 ND=3"] + [
+        "EAGLE3 S=2 topk=1 ND=3 adaptive"
+    ]
+    assert plain["decode_tokens"] == fixed["decode_tokens"] == adaptive["decode_tokens"] == 78
+    assert plain["plain_steps"] == fixed["plain_steps"] == 0
+    iterations = fixed["decode_tokens"] / fixed["accept_length"]
+    assert fixed["priced_speedup"] == pytest.approx(fixed["decode_tokens"] / (2 * iterations))
+    assert adaptive["plain_steps"] > adaptive["decode_tokens"] / 2
+    assert fixed["priced_speedup"] < 0.6 < 0.9 < adaptive["priced_speedup"] <= 1.0
+    assert plain["priced_speedup"] == 1.0
+
+
 def test_a_draft_that_always_agrees_is_accepted_at_every_position(tmp_path):
     """Accounting: S + 1 tokens per verify and every draft position accepted (13 new tokens:
     the first from prefill, then 3 iterations of 4)."""
