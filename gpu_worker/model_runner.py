@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.attention import create_attention_backend
-from gpu_worker.graphs.forward_graph import decode_graphs
+from gpu_worker.graphs.forward_graph import DecodeInputs, decode_graphs
 from gpu_worker.graphs.forward_graph import graph_bytes as prefill_graph_bytes
 from gpu_worker.graphs.stage_graph import StageGraph
 from gpu_worker.kernels import greedy_head
@@ -287,14 +287,14 @@ class ModelRunner:
         bs = host.batch_size
         graphs = self.decode_graphs
         if graphs is not None and host.mode == ForwardMode.DECODE and len(host.input_ids) == bs:
-            arrays = {
-                "input_ids": host.input_ids if input_ids is None else input_ids,
-                "positions": host.positions,
-                "out_cache_loc": host.out_cache_loc,
-                "rows": host.rows,
-                "seq_lens": host.seq_lens,
-            }
-            return LogitsOutput(graphs.call_host(bs, arrays)["logits"], None)
+            arrays = DecodeInputs(
+                host.input_ids if input_ids is None else input_ids,
+                host.positions,
+                host.out_cache_loc,
+                host.rows,
+                host.seq_lens,
+            )
+            return graphs.call_host(bs, arrays)
         batch = host.to_device(self.device, self.staging)
         if input_ids is not None:
             batch = dataclasses.replace(batch, input_ids=input_ids.long())

@@ -1,5 +1,5 @@
-"""CUDA graphs: one mechanism, `stage_graph.StageGraph`, a function of static buffers captured
-once per bucket and replayed.
+"""CUDA graphs: one mechanism, `stage_graph.StageGraph`, a function of static buffers (the
+fields of its input dataclass) captured once per bucket and replayed.
 
 `capture` (the capture loop and the batch-size buckets), `stage_graph` (the mechanism; the
 decode step and every speculative stage are stages), `forward_graph` (a runner's forward as a

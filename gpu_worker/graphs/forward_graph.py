@@ -1,8 +1,9 @@
 """A runner's forward as a `StageGraph`: plain decode batches, and short prefills by tokens.
 
-Both take their inputs from the host in one packed copy (`StageGraph` with `host_inputs`) and
-pad to their bucket with the reserved dummies: token 0 at position 0 in KV slot 0, request row
-0 with no keys. Nothing attends a padded token and no one reads its outputs.
+Both take their inputs from the host in one packed copy (`StageGraph` with `host_inputs`:
+`DecodeInputs`, `PrefillInputs`), return a `LogitsOutput`, and pad to their bucket with the
+reserved dummies: token 0 at position 0 in KV slot 0, request row 0 with no keys. Nothing
+attends a padded token and no one reads its outputs.
 
 - `decode_graphs`: DECODE batches of one token per request, bucketed by batch size, keeping
   the logits: a standalone runner's graphed step (`ModelRunner.forward_host`; the training
@@ -16,11 +17,13 @@ pad to their bucket with the reserved dummies: token 0 at position 0 in KV slot 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic
 
 import torch
 
-from gpu_worker.graphs.stage_graph import PER_REQUEST, StageGraph, StageInput
+from gpu_worker.graphs.stage_graph import PER_REQUEST, Array, StageGraph, StageInput
 from gpu_worker.step.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -38,11 +41,23 @@ MIN_TOKENS = 16  # the smallest prefill bucket
 MAX_REQUESTS = 64  # requests one prefill bucket holds at most
 
 
+@dataclass(frozen=True)
+class DecodeInputs(Generic[Array]):
+    """A DECODE batch's inputs, one per request (host arrays for `call_host`; seq_lens: the
+    KV length after the forward)."""
+
+    input_ids: Array
+    positions: Array
+    out_cache_loc: Array
+    rows: Array
+    seq_lens: Array
+
+
 def decode_graphs(runner: ModelRunner, max_bs: int, capture: bool) -> StageGraph:
-    """runner's DECODE forward for up to max_bs requests: inputs input_ids, positions,
-    out_cache_loc, rows and seq_lens (flat, one per request), output "logits"."""
+    """runner's DECODE forward for up to max_bs requests: `DecodeInputs` -> a `LogitsOutput`
+    of the logits only."""
     fill = runner.attn_backend.cuda_graph_seq_len_fill_value
-    inputs = {
+    specs = {
         "input_ids": PER_REQUEST,
         "positions": PER_REQUEST,
         "out_cache_loc": PER_REQUEST,
@@ -50,12 +65,26 @@ def decode_graphs(runner: ModelRunner, max_bs: int, capture: bool) -> StageGraph
         "seq_lens": StageInput(pad=fill),
     }
 
-    def forward(bs: int, inputs: dict[str, torch.Tensor], _: list[int]) -> dict:
-        batch = decode_batch(runner.attn_backend, **inputs)
-        return {"logits": runner.forward(batch).next_token_logits}
+    def forward(bs: int, inputs: DecodeInputs[torch.Tensor], _: list[int]) -> LogitsOutput:
+        batch = decode_batch(
+            runner.attn_backend,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.out_cache_loc,
+            inputs.rows,
+            inputs.seq_lens,
+        )
+        return LogitsOutput(runner.forward(batch).next_token_logits, None)
 
     return StageGraph(
-        "decode forward", forward, inputs, max_bs, runner.device, capture, host_inputs=True
+        "decode forward",
+        forward,
+        DecodeInputs,
+        specs,
+        max_bs,
+        runner.device,
+        capture,
+        host_inputs=True,
     )
 
 
@@ -90,8 +119,18 @@ def graph_bytes(config: ArchConfig, max_tokens: int, dtype: torch.dtype) -> int:
     return 4 * activations + logits + outputs + (32 << 20)
 
 
-TOKEN_INPUTS = ("input_ids", "positions", "out_cache_loc")
-REQUEST_INPUTS = ("rows", "seq_lens", "extend_seq_lens")
+@dataclass(frozen=True)
+class PrefillInputs(Generic[Array]):
+    """An EXTEND batch's inputs (host arrays for `call_host`): input_ids, positions and
+    out_cache_loc per token, rows, seq_lens (KV length after the forward) and extend_seq_lens
+    per request, each a flat list as long as the bucket (the per-request ones use its head)."""
+
+    input_ids: Array
+    positions: Array
+    out_cache_loc: Array
+    rows: Array
+    seq_lens: Array
+    extend_seq_lens: Array
 
 
 class PrefillGraphs:
@@ -105,18 +144,18 @@ class PrefillGraphs:
             raise ValueError("prefill graphs need max_tokens >= 1")
         self.runner, self.keep_hidden = runner, keep_hidden
         self.max_requests = requests_for(buckets[-1])
-        # Each input is a flat list as long as the bucket; per-request ones use its head.
-        specs = dict.fromkeys(TOKEN_INPUTS + REQUEST_INPUTS, PER_REQUEST)
+        specs = {f.name: PER_REQUEST for f in dataclasses.fields(PrefillInputs)}
         self.stage = StageGraph(
             "prefill, tokens",
             self._forward,
+            PrefillInputs,
             specs,
             buckets[-1],
             runner.device,
             capture,
             host_inputs=True,
             buckets=buckets,
-            output_rows={"logits": requests_for},
+            output_rows={"next_token_logits": requests_for},
         )
 
     @property
@@ -142,41 +181,51 @@ class PrefillGraphs:
         static inputs, with the plan's host lengths) and the outputs (views valid until the
         next run; the hidden states only with keep_hidden)."""
         n, bs = len(host.input_ids), host.batch_size
-        arrays = {key: getattr(host, key) for key in TOKEN_INPUTS + REQUEST_INPUTS}
+        arrays = PrefillInputs(
+            host.input_ids,
+            host.positions,
+            host.out_cache_loc,
+            host.rows,
+            host.seq_lens,
+            host.extend_seq_lens,
+        )
         out = self.stage.call_host(n, arrays)
         inputs = self.stage.inputs
         real = make_batch(
             ForwardMode.EXTEND,
-            *(inputs[key][:n] for key in TOKEN_INPUTS),
-            inputs["rows"][:bs],
+            inputs.input_ids[:n],
+            inputs.positions[:n],
+            inputs.out_cache_loc[:n],
+            inputs.rows[:bs],
             host.seq_lens.tolist(),
             host.extend_seq_lens.tolist(),
-            seq_lens=inputs["seq_lens"][:bs],
-            extend_seq_lens=inputs["extend_seq_lens"][:bs],
+            seq_lens=inputs.seq_lens[:bs],
+            extend_seq_lens=inputs.extend_seq_lens[:bs],
         )
-        logits = out["logits"][:bs]
-        return real, LogitsOutput(logits, out.get("hidden"), out.get("aux"))
+        logits = out.next_token_logits[:bs]
+        return real, LogitsOutput(logits, out.hidden_states, out.aux_hidden_states)
 
-    def _forward(self, tokens: int, inputs: dict[str, torch.Tensor], _: list[int]) -> dict:
+    def _forward(
+        self, tokens: int, inputs: PrefillInputs[torch.Tensor], _: list[int]
+    ) -> LogitsOutput:
         r = requests_for(tokens)
-        seq_lens, extend_lens = inputs["seq_lens"][:r], inputs["extend_seq_lens"][:r]
+        seq_lens, extend_lens = inputs.seq_lens[:r], inputs.extend_seq_lens[:r]
         if self.runner.attn_backend.reads_host_lengths:  # the reference backend: real ones
             lens, extend = seq_lens.tolist(), extend_lens.tolist()
         else:  # the host lengths only size the grid: the longest extend a bucket holds
             lens = extend = [tokens] * r
         batch = make_batch(
             ForwardMode.EXTEND,
-            *(inputs[key] for key in TOKEN_INPUTS),
-            inputs["rows"][:r],
+            inputs.input_ids,
+            inputs.positions,
+            inputs.out_cache_loc,
+            inputs.rows[:r],
             lens,
             extend,
             seq_lens=seq_lens,
             extend_seq_lens=extend_lens,
         )
         out = self.runner.forward(batch)
-        kept = {"logits": out.next_token_logits}
-        if self.keep_hidden:
-            kept["hidden"] = out.hidden_states
-            if out.aux_hidden_states is not None:
-                kept["aux"] = out.aux_hidden_states
-        return kept
+        if not self.keep_hidden:
+            return LogitsOutput(out.next_token_logits, None)
+        return LogitsOutput(out.next_token_logits, out.hidden_states, out.aux_hidden_states)

@@ -2,23 +2,26 @@
 
 The speculative stages (draft loop and tree verify, draft extend, the MTP stack) are functions
 of a few per-request inputs (request rows, committed lengths, tokens, ...) that run with the
-same shapes for every batch of a given size. A `StageGraph` owns static input buffers for the
-largest batch, one per named input, each `[max_bs, *per_request_shape]`; a call copies the
-batch's inputs into their first `bs` rows, resets the padded rows `bs .. bucket` to the input's
-pad value (request row 0, KV slot 0, length 0: the reserved dummies, so a padded row never
-touches a live request's KV), replays the graph of the smallest bucket >= bs, and returns views
-of static output buffers (valid until the next call). Larger batches run `fn` directly.
+same shapes for every batch of a given size. A stage's inputs and outputs are dataclasses whose
+fields are tensors, one dataclass per stage boundary, so the tensors that flow between stages
+are named by their types. A `StageGraph` owns static input buffers for the largest batch, one
+per field of its input type, each `[max_bs, *per_request_shape]`; a call copies the batch's
+inputs into their first `bs` rows, resets the padded rows `bs .. bucket` to the input's pad
+value (request row 0, KV slot 0, length 0: the reserved dummies, so a padded row never touches
+a live request's KV), replays the graph of the smallest bucket >= bs, and returns its output
+type with views of static output buffers (valid until the next call). Larger batches run `fn`
+directly.
 
 The function `fn(bs, inputs, committed_lens_cpu)` receives the bucket's input views and the
 host copy of the committed lengths (padded with 0): kernels that can be captured read only
 device tensors; `committed_lens_cpu` exists for the eager reference backend (torch_native),
-whose metadata is built on the host. Under capture it holds the pad value. `fn` returns a dict
-of tensors whose first dimension is a multiple of bs (rows per request); they are copied into
-static outputs sized for max_bs.
+whose metadata is built on the host. Under capture it holds the pad value. `fn` returns a
+dataclass of tensors (None for a field it does not produce) whose first dimension is a multiple
+of bs (rows per request), or None; they are copied into static outputs sized for max_bs.
 
-Stages can be chained without copies: `output_buffers` makes named outputs of one stage be
-written (inside its graph) straight into buffers it is given, such as the static inputs of the
-next stage, and a call skips the copy of any input that already is its static buffer's view.
+Stages can be chained without copies: `output_buffers` makes outputs of one stage be written
+(inside its graph) straight into buffers it is given, such as the static inputs of the next
+stage, and a call skips the copy of any input that already is its static buffer's view.
 A stage may also write such an output itself, into a view of the buffer at its start (no
 copy then). The producing stage writes every row of the bucket, its padded rows included
 (they hold what the stage computed for the dummy row: valid values of the consumer's pad
@@ -43,9 +46,11 @@ copies, padding and output buffers run eagerly, so CI covers all but the replay.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -53,7 +58,11 @@ import torch
 from gpu_worker.graphs.capture import batch_size_buckets, capture_buckets
 from gpu_worker.step.host_batch import Staging, int64_entries
 
-StageFn = Callable[[int, dict[str, torch.Tensor], list[int]], dict[str, torch.Tensor]]
+In = TypeVar("In")  # a stage's input dataclass
+Out = TypeVar("Out")  # its output dataclass (or None)
+# A field of a host-fed stage's inputs: a host array for `call_host`, a tensor in the stage.
+Array = TypeVar("Array", bound=np.ndarray | torch.Tensor)
+StageFn = Callable[[int, In, list[int]], Out]
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,27 @@ class StageInput:
 PER_REQUEST = StageInput()  # one int64 per request (rows, lengths, tokens); pads to 0
 
 
-class DirectStage:
+def tensor_fields(buffers: Any) -> dict[str, torch.Tensor]:
+    """The fields of a stage dataclass that hold a tensor, by name (those that are None left
+    out): e.g. another stage's static `inputs`, to share as `input_buffers`."""
+    found = ((f.name, getattr(buffers, f.name)) for f in dataclasses.fields(buffers))
+    return {name: value for name, value in found if value is not None}
+
+
+def field_specs(
+    name: str, input_type: type, specs: Mapping[str, StageInput]
+) -> dict[str, StageInput]:
+    """specs in the order of input_type's fields, which they must name exactly."""
+    names = [f.name for f in dataclasses.fields(input_type)]
+    if set(specs) != set(names):
+        raise ValueError(
+            f"{name}: inputs {sorted(specs)} are not the fields of {input_type.__name__}, "
+            f"{sorted(names)}"
+        )
+    return {key: specs[key] for key in names}
+
+
+class DirectStage(Generic[In, Out]):
     """A stage run as plain calls on the real batch (no padding, no graphs)."""
 
     def __init__(
@@ -77,91 +106,95 @@ class DirectStage:
         device: torch.device | None = None,
         host_inputs: dict[str, StageInput] | None = None,
     ) -> None:
-        """host_inputs: the inputs `call_host` takes (device: where they go)."""
+        """host_inputs: the inputs `call_host` takes, by field (device: where they go)."""
         self.fn = fn
         self.host_inputs = host_inputs or {}
         self.staging = Staging(device) if host_inputs and device is not None else None
 
-    def __call__(self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]):
+    def __call__(self, inputs: In, committed_lens_cpu: list[int]) -> Out:
         return self.fn(len(committed_lens_cpu), inputs, committed_lens_cpu)
 
     def capacity(self, bs: int) -> None:
         """No bound on the values `call_host` takes (see `StageGraph.capacity`)."""
         return None
 
-    def call_host(self, bs: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def call_host(self, bs: int, arrays: In) -> Out:
         """Run on host arrays (flat, as `StageGraph.call_host` takes them), in one copy."""
         assert self.staging is not None, "a DirectStage made without host_inputs"
         return self.fn(bs, upload_flat(self.staging, self.host_inputs, arrays), [0] * bs)
 
 
-def upload_flat(
-    staging: Staging,
-    specs: dict[str, StageInput],
-    arrays: dict[str, np.ndarray | torch.Tensor],
-) -> dict[str, torch.Tensor]:
-    """arrays (flat, of the specs' dtypes) on the device in one copy, unpadded: int32 ones
-    two to an int64 entry and viewed back; those on the device already as they are."""
-    keys = [key for key in specs if not isinstance(arrays[key], torch.Tensor)]
-    views = staging.upload([int64_entries(arrays[key], specs[key].dtype.itemsize) for key in keys])
+def upload_flat(staging: Staging, specs: dict[str, StageInput], arrays: In) -> In:
+    """arrays (a stage's inputs, flat, of the specs' dtypes) on the device in one copy,
+    unpadded: int32 ones two to an int64 entry and viewed back; those on the device already
+    as they are."""
+    host = {key: getattr(arrays, key) for key in specs}
+    keys = [key for key, values in host.items() if not isinstance(values, torch.Tensor)]
+    views = staging.upload([int64_entries(host[key], specs[key].dtype.itemsize) for key in keys])
     uploaded = {
-        key: view.view(torch.int32)[: len(arrays[key])] if specs[key].dtype == torch.int32 else view
+        key: view.view(torch.int32)[: len(host[key])] if specs[key].dtype == torch.int32 else view
         for key, view in zip(keys, views, strict=True)
     }
-    return {key: uploaded.get(key, arrays[key]) for key in specs}
+    return dataclasses.replace(arrays, **uploaded)
 
 
-class StageGraph:
+class StageGraph(Generic[In, Out]):
     def __init__(
         self,
         name: str,
         fn: StageFn,
-        inputs: dict[str, StageInput],
+        input_type: type[In],
+        inputs: Mapping[str, StageInput],
         max_bs: int,
         device: torch.device,
         capture: bool,
         pool=None,
-        output_buffers: dict[str, torch.Tensor] | None = None,
+        output_buffers: Out | None = None,
         host_inputs: bool = False,
-        input_buffers: dict[str, torch.Tensor] | None = None,
+        input_buffers: Mapping[str, torch.Tensor] | None = None,
         capture_max_bs: int | None = None,
         buckets: list[int] | None = None,
-        output_rows: dict[str, Callable[[int], int]] | None = None,
+        output_rows: Mapping[str, Callable[[int], int]] | None = None,
     ) -> None:
-        """pool: a CUDA graph memory pool shared with other stages (default: a new one).
-        output_buffers: outputs written into the given tensors (e.g. another stage's `inputs`;
-        viewed as [max_bs * rows per request, ...]) instead of buffers of their own.
+        """input_type: the dataclass `fn` takes; inputs: the spec of each of its fields.
+        pool: a CUDA graph memory pool shared with other stages (default: a new one).
+        output_buffers: an instance of the output type whose fields that are not None are
+        tensors to write those outputs into (e.g. another stage's `inputs`; viewed as
+        [max_bs * rows per request, ...]) instead of buffers of their own.
         host_inputs: the inputs come from the host through `call_host` (int64 or int32, each
         of shape () or (width,)), packed in one buffer.
-        input_buffers: inputs that are given tensors ([max_bs, *shape], e.g. another stage's
-        `inputs`, so that one producer's outputs feed several stages) instead of buffers of
-        their own. Such an input must arrive in its buffer (a call raises otherwise): the
-        padding of a shared buffer is its owner's to keep.
+        input_buffers: inputs, by field, that are given tensors ([max_bs, *shape], e.g.
+        another stage's `inputs`, so that one producer's outputs feed several stages) instead
+        of buffers of their own. Such an input must arrive in its buffer (a call raises
+        otherwise): the padding of a shared buffer is its owner's to keep.
         capture_max_bs: the largest bucket captured (default: all). Larger buckets up to max_bs
         run the same padded path eagerly on the static buffers: for stages whose graphs would
         keep too much memory at large batches, where the host's launches cost little next to
         the GPU's work anyway.
         buckets: the sizes captured (default: `batch_size_buckets(max_bs)`).
-        output_rows: the rows an output has at a bucket, for outputs not a fixed number of rows
-        per request (a call returns those rows whole)."""
+        output_rows: the rows an output field has at a bucket, for outputs not a fixed number
+        of rows per request (a call returns those rows whole)."""
         self.name, self.fn = name, fn
-        self.output_buffers = output_buffers or {}
+        self.output_buffers = output_buffers
         self.output_rows = output_rows or {}
         self.buckets = buckets or batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.capture_max_bs = self.max_bs if capture_max_bs is None else capture_max_bs
         self.device = device
         self.captures = capture
-        self.specs = inputs
+        self.input_type = input_type
+        self.specs = field_specs(name, input_type, inputs)
         self.host_inputs = host_inputs
         given = input_buffers or {}
+        if set(given) - set(self.specs):
+            raise ValueError(f"{name}: no inputs {sorted(set(given) - set(self.specs))} to bind")
         self.bound = set(given)  # inputs whose buffers other stages share
         if host_inputs:
             assert not given, "a stage fed from the host owns its packed inputs"
             self._pack_inputs()
         else:
-            self.inputs = {}
-            for key, spec in inputs.items():
+            self.buffers: dict[str, torch.Tensor] = {}
+            for key, spec in self.specs.items():
                 shape = (self.max_bs, *spec.shape)
                 if key in given:
                     if tuple(given[key].shape) != shape or given[key].dtype != spec.dtype:
@@ -170,11 +203,14 @@ class StageGraph:
                             f"tensor of {tuple(given[key].shape)}, not "
                             f"{spec.dtype} {shape}"
                         )
-                    self.inputs[key] = given[key]
+                    self.buffers[key] = given[key]
                 else:
-                    self.inputs[key] = torch.full(shape, spec.pad, dtype=spec.dtype, device=device)
-        self.pads = {key: spec.pad for key, spec in inputs.items()}
-        self.outputs: dict[str, torch.Tensor] | None = None
+                    self.buffers[key] = torch.full(shape, spec.pad, dtype=spec.dtype, device=device)
+        self.inputs: In = input_type(**self.buffers)  # the static inputs, at max_bs
+        self.pads = {key: spec.pad for key, spec in self.specs.items()}
+        self.outputs: dict[str, torch.Tensor] | None = None  # by field, once a run made them
+        self.output_type: Any = None
+        self.absent: dict[str, None] = {}  # the output fields `fn` leaves None
         self.rows_per_req: dict[str, int] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.filled = 0  # rows holding a real request since the last reset
@@ -185,7 +221,7 @@ class StageGraph:
         return next(b for b in self.buckets if b >= bs)
 
     def _pack_inputs(self) -> None:
-        """One int64 device buffer holding every input at max_bs (`inputs`: flat views of
+        """One int64 device buffer holding every input at max_bs (`buffers`: flat views of
         it), the host-side pads of each, and the staging that fills it."""
         self.widths = {key: math.prod(spec.shape) for key, spec in self.specs.items()}
         self._pads = {
@@ -195,11 +231,13 @@ class StageGraph:
             for key, spec in self.specs.items()
         }
         self.packed = torch.from_numpy(np.concatenate(list(self._pads.values()))).to(self.device)
-        self.inputs, start = {}, 0
+        self.buffers, start = {}, 0
         for (key, spec), pad in zip(self.specs.items(), self._pads.values(), strict=True):
             view = self.packed[start : start + len(pad)]
             count = self.max_bs * self.widths[key]
-            self.inputs[key] = view.view(torch.int32)[:count] if spec.dtype == torch.int32 else view
+            self.buffers[key] = (
+                view.view(torch.int32)[:count] if spec.dtype == torch.int32 else view
+            )
             start += len(pad)
         self.staging = Staging(self.device, capacity=self.packed.numel())
 
@@ -220,44 +258,41 @@ class StageGraph:
         width for wider ones): its bucket's; None when it runs directly, without a bound."""
         return None if bs > self.max_bs else self.bucket_for(bs)
 
-    def call_host(
-        self, bs: int, arrays: dict[str, np.ndarray | torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Run the stage for bs requests on host arrays (one per input, flat, of its dtype,
-        at most capacity(bs) * width values): one copy of the whole packed buffer, pads
-        included, then the replay. An input given as a device tensor instead (e.g. tokens fed
-        back from the step before) is copied into its view after that copy. A batch larger
-        than max_bs runs directly, unpadded."""
+    def call_host(self, bs: int, arrays: In) -> Out:
+        """Run the stage for bs requests on host arrays (the input type with, in each field, a
+        flat array of its dtype, at most capacity(bs) * width values): one copy of the whole
+        packed buffer, pads included, then the replay. An input given as a device tensor
+        instead (e.g. tokens fed back from the step before) is copied into its view after that
+        copy. A batch larger than max_bs runs directly, unpadded."""
         assert self.host_inputs, f"{self.name}: a stage made without host_inputs"
         if bs > self.max_bs:
             return self.fn(bs, upload_flat(self.staging, self.specs, arrays), [0] * bs)
         bucket = self.bucket_for(bs)
-        for key, values in arrays.items():
+        host = {key: getattr(arrays, key) for key in self.specs}
+        for key, values in host.items():
             count = values.numel() if isinstance(values, torch.Tensor) else len(values)
             if count > bucket * self.widths[key]:
                 raise ValueError(
                     f"{self.name}: {count} values of {key} for a batch of "
                     f"{bs} (at most {bucket * self.widths[key]})"
                 )
-        on_device = {k: v for k, v in arrays.items() if isinstance(v, torch.Tensor)}
-        host = {k: np.zeros(0, np.int64) if k in on_device else v for k, v in arrays.items()}
+        on_device = {k: v for k, v in host.items() if isinstance(v, torch.Tensor)}
+        host = {k: np.zeros(0, np.int64) if k in on_device else v for k, v in host.items()}
         self.staging.upload_into(self.packed, self._host_regions(host))
         for key, values in on_device.items():
-            self.inputs[key][: values.numel()].copy_(values.reshape(-1))
+            self.buffers[key][: values.numel()].copy_(values.reshape(-1))
         return self._replay(bs, bucket, [0] * bs)
 
-    def __call__(
-        self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
-    ) -> dict[str, torch.Tensor]:
-        """Run the stage for len(committed_lens_cpu) requests on `inputs` (each [bs, ...]); a
-        batch larger than max_bs runs directly (eager, unpadded)."""
+    def __call__(self, inputs: In, committed_lens_cpu: list[int]) -> Out:
+        """Run the stage for len(committed_lens_cpu) requests on `inputs` (each field [bs,
+        ...]); a batch larger than max_bs runs directly (eager, unpadded)."""
         assert not self.host_inputs, f"{self.name}: its inputs come through call_host"
         bs = len(committed_lens_cpu)
         if bs > self.max_bs:
             return self.fn(bs, inputs, committed_lens_cpu)
         bucket = self.bucket_for(bs)
-        for key, value in inputs.items():
-            static = self.inputs[key]
+        for key, static in self.buffers.items():
+            value = getattr(inputs, key)
             if value.data_ptr() == static.data_ptr():
                 # Written in place by the stage bound to this buffer, which has just run for
                 # the same batch (its bucket's rows, padded ones included).
@@ -273,54 +308,72 @@ class StageGraph:
         self.filled = bs
         return self._replay(bs, bucket, committed_lens_cpu)
 
-    def _replay(
-        self, bs: int, bucket: int, committed_lens_cpu: list[int]
-    ) -> dict[str, torch.Tensor]:
+    def _replay(self, bs: int, bucket: int, committed_lens_cpu: list[int]) -> Out:
         """The bucket's graph on the static inputs (eager when not captured); output views."""
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
             self._run(bucket, [*committed_lens_cpu, *[0] * (bucket - bs)])
-        assert self.outputs is not None
-        return {
+        if self.outputs is None:  # a stage that returns None
+            return None
+        views = {
             key: out[: self.output_rows[key](bucket)]
             if key in self.output_rows
             else out[: bs * self.rows_per_req[key]]
             for key, out in self.outputs.items()
         }
+        return self.output_type(**views, **self.absent)
 
     def _run(self, bucket: int, committed_lens_cpu: list[int]) -> None:
         """The stage on the bucket's static inputs, its results copied to the static outputs."""
         if self.host_inputs:  # flat: up to width values per request of the bucket
             views = {
-                key: buffer[: bucket * self.widths[key]] for key, buffer in self.inputs.items()
+                key: buffer[: bucket * self.widths[key]] for key, buffer in self.buffers.items()
             }
         else:
-            views = {key: buffer[:bucket] for key, buffer in self.inputs.items()}
-        result = self.fn(bucket, views, committed_lens_cpu)
+            views = {key: buffer[:bucket] for key, buffer in self.buffers.items()}
+        result = self.fn(bucket, self.input_type(**views), committed_lens_cpu)
+        if result is None:
+            return
         if self.outputs is None:
-            self.outputs = {}
-            for key, value in result.items():
-                if key in self.output_rows:
-                    rows = self.output_rows[key](self.max_bs)
-                elif value.shape[0] % bucket:
-                    raise ValueError(
-                        f"{self.name}: output {key} has {value.shape[0]} rows, "
-                        f"not a multiple of the batch size {bucket}"
-                    )
-                else:
-                    self.rows_per_req[key] = value.shape[0] // bucket
-                    rows = self.max_bs * self.rows_per_req[key]
-                if key in self.output_buffers:
-                    self.outputs[key] = self.output_buffers[key].view(rows, *value.shape[1:])
-                else:
-                    self.outputs[key] = torch.empty(
-                        (rows, *value.shape[1:]), dtype=value.dtype, device=value.device
-                    )
-        for key, value in result.items():
-            static = self.outputs[key][: value.shape[0]]
+            self._make_outputs(result, bucket)
+        assert self.outputs is not None
+        for key, out in self.outputs.items():
+            value = getattr(result, key)
+            static = out[: value.shape[0]]
             if value.data_ptr() != static.data_ptr():  # (else the stage wrote it in place)
                 static.copy_(value)
+
+    def _make_outputs(self, result: Any, bucket: int) -> None:
+        """Static outputs, by field, for the tensors of `fn`'s first result: the given
+        `output_buffers`, else buffers of their own."""
+        produced = tensor_fields(result)
+        self.output_type = type(result)
+        self.absent = {f.name: None for f in dataclasses.fields(result) if f.name not in produced}
+        given = {} if self.output_buffers is None else tensor_fields(self.output_buffers)
+        if set(given) - set(produced) or set(self.output_rows) - set(produced):
+            raise ValueError(
+                f"{self.name}: outputs {sorted({*given, *self.output_rows} - set(produced))} "
+                f"bound or sized, but {self.output_type.__name__} does not produce them"
+            )
+        self.outputs = {}
+        for key, value in produced.items():
+            if key in self.output_rows:
+                rows = self.output_rows[key](self.max_bs)
+            elif value.shape[0] % bucket:
+                raise ValueError(
+                    f"{self.name}: output {key} has {value.shape[0]} rows, "
+                    f"not a multiple of the batch size {bucket}"
+                )
+            else:
+                self.rows_per_req[key] = value.shape[0] // bucket
+                rows = self.max_bs * self.rows_per_req[key]
+            if key in given:
+                self.outputs[key] = given[key].view(rows, *value.shape[1:])
+            else:
+                self.outputs[key] = torch.empty(
+                    (rows, *value.shape[1:]), dtype=value.dtype, device=value.device
+                )
 
     def capture_all(self, pool=None) -> None:
         """Capture every bucket up to capture_max_bs (the larger ones replay eagerly)."""

@@ -12,11 +12,16 @@ bonus). Tree tensors as `DraftTree` holds them: tokens [bs*ND], next_token and n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from gpu_worker.kernels import next_power_of_2
+
+if TYPE_CHECKING:
+    from gpu_worker.speculative.stage_buffers import Accepted
 
 BLOCK_F = 512  # feature elements copied per loop iteration
 
@@ -120,20 +125,20 @@ def greedy_accept(
     tree,
     target_predict: torch.Tensor,
     features: torch.Tensor,
-    out: dict[str, torch.Tensor] | None = None,
+    out: Accepted | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`greedy_accept_reference` in one launch. tree: a `DraftTree`; target_predict [bs*ND]
     int64, the target's argmax at every node; features [bs*ND, F] (rows contiguous).
-    out: where to write "accept_lens" [bs], "tokens" [bs, S+1] and "features" [bs, S+1, F]
-    (e.g. the next stage's input buffers; all made here when None)."""
+    out: where to write accept_lens [bs], tokens [bs, S+1] and features [bs, S+1, F] (e.g.
+    the next stage's input buffers; its logprobs unused; all made here when None)."""
     bs, nd = tree.next_token.shape
     width, feature_width = tree.num_steps + 1, features.shape[1]
     assert features.stride(1) == 1 and target_predict.dtype == torch.int64
     device = features.device
     predict = torch.empty(bs * nd, dtype=torch.int64, device=device)
     accept_index = torch.empty(bs, width, dtype=torch.int64, device=device)
-    if out:  # (given all three, as the extend stage's buffers come)
-        accept_lens, emitted, path_features = out["accept_lens"], out["tokens"], out["features"]
+    if out is not None:
+        accept_lens, emitted, path_features = out.accept_lens, out.tokens, out.features
     else:
         accept_lens = torch.empty(bs, dtype=torch.int64, device=device)
         emitted = torch.empty(bs, width, dtype=torch.int64, device=device)

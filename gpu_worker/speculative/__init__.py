@@ -1,9 +1,10 @@
 """Speculative decoding (EAGLE, EAGLE-3, MTP) on the GPU worker, in fixed shapes.
 
 Owns the decode iteration every draft algorithm shares (`iteration.SpeculativeWorker`: propose
--> accept -> compact -> draft extend, each stage a CUDA graph when it fits) and its two draft
-algorithms (`eagle_worker.EagleWorker`: S draft steps of topk branches from per-row draft
-state; `mtp_worker.MTPWorker`: one runner per MTP layer, windows as tensors). Below them, plain
+-> accept -> compact -> draft extend, each stage a CUDA graph when it fits, handing the next
+the dataclasses of `stage_buffers`) and its two draft algorithms (`eagle_worker.EagleWorker`:
+S draft steps of topk branches from per-row draft state; `mtp_worker.MTPWorker`: one runner
+per MTP layer, windows as tensors). Below them, plain
 torch functions with no model calls, CPU and CUDA alike: the multi-step draft cache layout
 (`draft_layout`: the one place that says where draft step i of branch j writes its KV), the
 draft-loop bookkeeping and tree construction (`tree`: `DraftRecord`, `DraftTree`, the chain

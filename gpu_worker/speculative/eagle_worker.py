@@ -47,6 +47,7 @@ from gpu_worker.speculative.draft_layout import (
     draft_seq_lens,
 )
 from gpu_worker.speculative.iteration import SpeculativeWorker
+from gpu_worker.speculative.stage_buffers import ExtendInputs
 from gpu_worker.speculative.tree import (
     DraftRecord,
     DraftShape,
@@ -262,16 +263,12 @@ class EagleWorker(SpeculativeWorker):
         self.target.kv_pool.move_kv(dst, src)
 
     def draft_extend(
-        self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
+        self, inputs: ExtendInputs, committed_lens_cpu: list[int]
     ) -> tuple[DraftState, torch.Tensor]:
         """The draft over positions prefix .. prefix+S: position prefix + k pairs the target
         feature of accepted node k with the token that follows it; the rows' draft state is read
         at position prefix + accept_len - 1 (what runs past it is overwritten next step)."""
-        rows, committed_lens, accept_lens = (
-            inputs["rows"],
-            inputs["committed_lens"],
-            inputs["accept_lens"],
-        )
+        rows, committed_lens, accept_lens = inputs.rows, inputs.committed_lens, inputs.accept_lens
         bs, width = rows.shape[0], self.num_steps + 1
         offsets = constants.arange(width, rows.device)
         positions = committed_lens[:, None] + offsets  # [bs, S+1]
@@ -284,13 +281,13 @@ class EagleWorker(SpeculativeWorker):
         last = starts + accept_lens  # [bs]
         batch = make_batch(
             ForwardMode.DRAFT_EXTEND,
-            inputs["tokens"].flatten(),
+            inputs.tokens.flatten(),
             positions.flatten(),
             slots.flatten(),
             rows,
             [s + width for s in committed_lens_cpu],
             [width] * bs,
-            spec_info=SpecInput(inputs["features"].flatten(0, -2)),
+            spec_info=SpecInput(inputs.features.flatten(0, -2)),
             seq_lens=committed_lens + width,
             extend_seq_lens=constants.full(bs, width, rows.device),
             logits_indices=last,

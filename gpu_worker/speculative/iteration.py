@@ -32,7 +32,8 @@ replay, the accept graph, which reads the propose stage's outputs in place and o
 extend stage's inputs with its own. No stage reads the device from the host; the only
 synchronisation of a step is the caller's single copy of its results. Stages run through
 `StageGraph` (CUDA graphs bucketed by batch size, padded rows on request row 0 / slot 0) when
-`graph_max_bs` > 0, else directly.
+`graph_max_bs` > 0, else directly. What each stage hands the next is a dataclass of
+`stage_buffers` (`GreedyProposal` / `Proposal`, `Accepted`, `ExtendInputs`).
 """
 
 from __future__ import annotations
@@ -43,21 +44,22 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gpu_worker.graphs.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
+from gpu_worker.graphs.stage_graph import PER_REQUEST, DirectStage, StageGraph, tensor_fields
 from gpu_worker.kernels.greedy_accept import greedy_accept, greedy_accept_reference
 from gpu_worker.kernels.row_commit import DraftState, commit_rows, commit_rows_reference
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import SamplingState, fixed_flags
-from gpu_worker.speculative.target_verify import (
-    TREE_MASK_TENSORS,
-    TREE_NODE_TENSORS,
-    TREE_TENSORS,
-    SpecStepOutput,
-    accept_and_read,
-    tree_from_tensors,
-    tree_tensors,
-    verify_tree,
+from gpu_worker.speculative.stage_buffers import (
+    Accepted,
+    AcceptInputs,
+    ExtendInputs,
+    GreedyProposal,
+    Proposal,
+    ProposeInputs,
+    accept_specs,
+    extend_specs,
 )
+from gpu_worker.speculative.target_verify import SpecStepOutput, accept_and_read, verify_tree
 from gpu_worker.speculative.tree import DraftShape, DraftTree
 from gpu_worker.speculative.verify import VerifyResult
 from gpu_worker.step.row_state import RowState
@@ -71,8 +73,6 @@ ACCEPT_FLAGS = {
     "penalize": fixed_flags(sort=True, penalties=True),
 }
 GRAPHED_ACCEPT = ("sample", "filter")
-# What an accept stage reads of the propose stage's outputs.
-ACCEPT_INPUTS = ("rows", "committed_lens", *TREE_TENSORS, "logits", "features")
 # The most tree nodes (batch x ND) an accept graph is captured for: its sampling temporaries,
 # a few float32 [nodes, V] copies, a sort and int64 indices, stay in the graph pool (budgeted
 # as `RunnerSpec.graph_sampled_rows`). Larger batches replay the same stage eagerly, where the
@@ -94,7 +94,7 @@ class SpeculativeWorker:
         # (the torch functions are their references); acceptance writes the extend stage's
         # inputs in place once they exist.
         self.use_triton = target.spec.attention_backend == "triton"
-        self.greedy_buffers: dict[str, torch.Tensor] = {}
+        self.greedy_buffers: Accepted | None = None
 
     # ------------------------------------------------------------------------ subclass API
 
@@ -111,11 +111,9 @@ class SpeculativeWorker:
         raise NotImplementedError
 
     def draft_extend(
-        self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
+        self, inputs: ExtendInputs, committed_lens_cpu: list[int]
     ) -> tuple[DraftState, torch.Tensor] | None:
-        """inputs: rows, committed_lens, accept_lens [bs]; tokens [bs, S+1] (accepted drafts, then
-        the bonus); features [bs*(S+1), H_f] (the target feature of each accepted node).
-        -> the rows' new draft state (top-k per request, hidden states read at `last` [bs])
+        """-> the rows' new draft state (top-k per request, hidden states read at `last` [bs])
         for `commit` to store, or None where the draft keeps its own (MTP)."""
         raise NotImplementedError
 
@@ -149,71 +147,61 @@ class SpeculativeWorker:
             self.accept_stages = {name: DirectStage(fn) for name, fn in accept.items()}
             self.extend_stage = DirectStage(self._extend)
             return
-        width, nd = self.num_steps + 1, self.num_draft_tokens
-        extend_inputs = {
-            "rows": PER_REQUEST,
-            "committed_lens": PER_REQUEST,
-            "accept_lens": StageInput(pad=1),
-            "tokens": StageInput((width,)),
-            "features": StageInput((width, self.feature_width()), self.target.dtype),
-        }
+        width, nd, features = self.num_steps + 1, self.num_draft_tokens, self.feature_width()
         device = self.target.device
         capture = device.type == "cuda" and all(r.attn_backend.supports_cuda_graph for r in runners)
         pool = torch.cuda.graph_pool_handle() if capture else None
         self.graph_pool = pool  # (adaptive speculation's plain decode step captures into it)
         self.extend_stage = StageGraph(
-            "draft extend", self._extend, extend_inputs, graph_max_bs, device, capture=False
+            "draft extend",
+            self._extend,
+            ExtendInputs,
+            extend_specs(width, features, self.target.dtype),
+            graph_max_bs,
+            device,
+            capture=False,
         )
         into = self.extend_stage.inputs
-        accept_inputs = {
-            "rows": PER_REQUEST,
-            "committed_lens": PER_REQUEST,
-            **{name: StageInput((nd,)) for name in TREE_NODE_TENSORS},
-            **{name: StageInput((nd, nd), torch.bool) for name in TREE_MASK_TENSORS},
-            "logits": StageInput((nd, self.target.vocab_size), torch.float32),
-            "features": StageInput((nd, self.feature_width()), self.target.dtype),
-        }
+        self.greedy_buffers = into.accepted()
         # The first graphed variant owns the buffers of the tree, logits and features, the
         # extend stage those of the rows and lengths; every graphed variant reads them all.
-        accept_buffers = {"rows": into["rows"], "committed_lens": into["committed_lens"]}
-        extend_outputs = {key: into[key] for key in ("accept_lens", "tokens", "features")}
-        self.greedy_buffers = extend_outputs
+        shared = {"rows": into.rows, "committed_lens": into.committed_lens}
+        specs = accept_specs(nd, self.target.vocab_size, features, self.target.dtype)
         self.accept_stages: dict[str, StageGraph | DirectStage] = {}
         for name in GRAPHED_ACCEPT:
-            self.accept_stages[name] = StageGraph(
+            self.accept_stages[name] = stage = StageGraph(
                 f"accept, {name}",
                 accept[name],
-                accept_inputs,
+                AcceptInputs,
+                specs,
                 graph_max_bs,
                 device,
                 capture=False,
-                output_buffers=extend_outputs,
-                input_buffers=accept_buffers,
+                output_buffers=self.greedy_buffers,
+                input_buffers=shared,
                 capture_max_bs=ACCEPT_GRAPH_ROWS // nd,
             )
-            accept_buffers = self.accept_stages[name].inputs
+            shared = tensor_fields(stage.inputs)
         self.accept_stages["penalize"] = DirectStage(accept["penalize"])
-        greedy_into = {
-            "greedy_accept_lens": into["accept_lens"],
-            "greedy_tokens": into["tokens"],
-            "greedy_features": into["features"],
-        }
-        chained = {
-            **greedy_into,
-            **{key: accept_buffers[key] for key in ACCEPT_INPUTS},
-        }
         # Two captures of the one propose function: a greedy batch's graph writes only the
         # extend stage's inputs; the other also hands the tree, logits and features (a dozen
         # copies, one of [bs * ND, V] floats) to whichever accept stage runs next.
-        greedy_out = {
-            "rows": into["rows"],
-            "committed_lens": into["committed_lens"],
-            **greedy_into,
-        }
+        greedy = GreedyProposal(
+            into.rows, into.committed_lens, into.accept_lens, into.tokens, into.features, None, None
+        )
+        chained = Proposal(
+            **shared,
+            greedy_accept_lens=into.accept_lens,
+            greedy_tokens=into.tokens,
+            greedy_features=into.features,
+            greedy_predict=None,
+            greedy_accept_index=None,
+        )
         self.propose_stages = {
             variant: StageGraph(
                 f"draft and verify, {variant}",
                 functools.partial(self.propose, variant == "accept"),
+                ProposeInputs,
                 {"rows": PER_REQUEST},
                 graph_max_bs,
                 device,
@@ -221,7 +209,7 @@ class SpeculativeWorker:
                 pool,
                 output_buffers=buffers,
             )
-            for variant, buffers in (("greedy", greedy_out), ("accept", chained))
+            for variant, buffers in (("greedy", greedy), ("accept", chained))
         }
         if capture:
             self.extend_stage.capture_all(pool)
@@ -233,16 +221,12 @@ class SpeculativeWorker:
         raise NotImplementedError
 
     def propose(
-        self,
-        for_accept: bool,
-        bs: int,
-        inputs: dict[str, torch.Tensor],
-        committed_lens_cpu: list[int],
-    ) -> dict[str, torch.Tensor]:
+        self, for_accept: bool, bs: int, inputs: ProposeInputs, committed_lens_cpu: list[int]
+    ) -> GreedyProposal | Proposal:
         """The draft's tree and the target's verify forward over it (one stage), for the rows'
         committed lengths and last tokens in `RowState`, accepted greedily; for_accept: also
         the tree, logits and features an accept stage reads."""
-        rows = inputs["rows"]
+        rows = inputs.rows
         committed_lens, bonus = self.state.committed_lens[rows], self.state.tokens[rows]
         tree = self.draft_tree(rows, committed_lens, committed_lens_cpu, bonus, for_accept)
         out = verify_tree(
@@ -252,26 +236,35 @@ class SpeculativeWorker:
         # Greedy acceptance without penalties needs nothing from the host: done here, in the
         # graph, and used whenever the whole batch is plain greedy.
         target_predict = out.next_token_logits.argmax(dim=-1) if for_accept else out.next_token_ids
-        predict, accept_index, accept_lens, tokens, path_features = self.accept_greedy(
+        predict, accept_index, accept_lens, emitted, path_features = self.accept_greedy(
             tree, target_predict, features
         )
-        greedy = {
-            "greedy_accept_lens": accept_lens,
-            "greedy_tokens": tokens,
-            "greedy_features": path_features,
-        }
-        if self.topk > 1:  # the accepted path's KV moves (`compact`); a chain's stays
-            greedy.update(greedy_predict=predict, greedy_accept_index=accept_index)
+        if self.topk == 1:  # a chain's KV stays; a tree's accepted path moves (`compact`)
+            predict = accept_index = None
         if not for_accept:
-            return {"rows": rows, "committed_lens": committed_lens, **greedy}
-        return {
-            **tree_tensors(tree),
-            "logits": out.next_token_logits,
-            "features": features,
-            "rows": rows,
-            "committed_lens": committed_lens,
-            **greedy,
-        }
+            return GreedyProposal(
+                rows, committed_lens, accept_lens, emitted, path_features, predict, accept_index
+            )
+        assert tree.ancestors is not None
+        return Proposal(
+            rows=rows,
+            committed_lens=committed_lens,
+            tokens=tree.tokens,
+            positions=tree.positions,
+            custom_mask=tree.custom_mask,
+            retrieve_index=tree.retrieve_index,
+            next_token=tree.next_token,
+            next_sibling=tree.next_sibling,
+            depth=tree.depth,
+            ancestors=tree.ancestors,
+            logits=out.next_token_logits,
+            features=features,
+            greedy_accept_lens=accept_lens,
+            greedy_tokens=emitted,
+            greedy_features=path_features,
+            greedy_predict=predict,
+            greedy_accept_index=accept_index,
+        )
 
     def accept_greedy(
         self, tree: DraftTree, target_predict: torch.Tensor, features: torch.Tensor
@@ -281,24 +274,22 @@ class SpeculativeWorker:
         extend stage's input buffers when the batch fits them."""
         if not self.use_triton:
             return greedy_accept_reference(tree, target_predict, features)
-        bs = target_predict.shape[0] // self.num_draft_tokens
-        fits = self.greedy_buffers and bs <= self.greedy_buffers["accept_lens"].shape[0]
-        out = {key: buffer[:bs] for key, buffer in self.greedy_buffers.items()} if fits else None
+        bs, buffers = target_predict.shape[0] // self.num_draft_tokens, self.greedy_buffers
+        out = None
+        if buffers is not None and bs <= buffers.accept_lens.shape[0]:
+            out = Accepted(buffers.accept_lens[:bs], buffers.tokens[:bs], buffers.features[:bs])
         return greedy_accept(tree, target_predict, features, out)
 
-    def _extend(
-        self, bs: int, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]
-    ) -> dict[str, torch.Tensor]:
+    def _extend(self, bs: int, inputs: ExtendInputs, committed_lens_cpu: list[int]) -> None:
         """The draft extend, then each row's committed length and last token advance (and its
         draft state is stored: in one launch on the triton backend)."""
         new = self.draft_extend(inputs, committed_lens_cpu)
-        rows, accept_lens, tokens = inputs["rows"], inputs["accept_lens"], inputs["tokens"]
+        rows, accept_lens, tokens = inputs.rows, inputs.accept_lens, inputs.tokens
         if new is None:
             self.state.commit_accepted(rows, accept_lens, tokens)
         else:
             commit = commit_rows if self.use_triton else commit_rows_reference
             commit(self.state, self.row_draft_state(), rows, accept_lens, tokens, *new)
-        return {}
 
     # ------------------------------------------------------------------------ an iteration
 
@@ -329,36 +320,28 @@ class SpeculativeWorker:
     ) -> SpecStepOutput:
         """`decode` with the accept variant given (None: greedy, inside the propose stage)."""
         propose = self.propose_stages["greedy" if variant is None else "accept"]
-        proposed = propose({"rows": rows}, committed_lens_cpu)
-        committed_lens = proposed["committed_lens"]
+        proposed = propose(ProposeInputs(rows), committed_lens_cpu)
+        committed_lens = proposed.committed_lens
         if variant is None:  # accepted inside the propose stage
-            accept_lens = proposed["greedy_accept_lens"]
+            accept_lens = proposed.greedy_accept_lens
             if self.topk > 1:
                 result = VerifyResult(
-                    proposed["greedy_predict"], proposed["greedy_accept_index"], accept_lens
+                    proposed.greedy_predict, proposed.greedy_accept_index, accept_lens
                 )
                 self.compact(result, rows, committed_lens)
-            step = SpecStepOutput(proposed["greedy_tokens"], accept_lens, None)
-            features = proposed["greedy_features"]  # [bs*(S+1), H_f]
-        else:
-            accepted = self.accept_stages[variant](
-                {k: proposed[k] for k in ACCEPT_INPUTS}, committed_lens_cpu
-            )
-            logprobs = accepted["logprobs"] if want_logprobs else None
-            step = SpecStepOutput(accepted["tokens"], accepted["accept_lens"], logprobs)
-            features = accepted["features"]
+            step = SpecStepOutput(proposed.greedy_tokens, accept_lens, None)
+            features = proposed.greedy_features  # [bs*(S+1), H_f]
+        else:  # a `Proposal` is the accept stage's `AcceptInputs`
+            accepted = self.accept_stages[variant](proposed, committed_lens_cpu)
+            logprobs = accepted.logprobs if want_logprobs else None
+            step = SpecStepOutput(accepted.tokens, accepted.accept_lens, logprobs)
+            features = accepted.features
         if on_accepted is not None:
             on_accepted(step)
-        self.extend_stage(
-            {
-                "rows": proposed["rows"],
-                "committed_lens": committed_lens,
-                "accept_lens": step.accept_lens,
-                "tokens": step.tokens,
-                "features": features,
-            },
-            committed_lens_cpu,
+        extend = ExtendInputs(
+            proposed.rows, committed_lens, step.accept_lens, step.tokens, features
         )
+        self.extend_stage(extend, committed_lens_cpu)
         return step
 
     def accept_variant(self, rows_cpu: np.ndarray, want_logprobs: bool) -> str | None:
@@ -376,29 +359,19 @@ class SpeculativeWorker:
         self,
         flags: tuple[bool, ...],
         bs: int,
-        inputs: dict[str, torch.Tensor],
+        inputs: AcceptInputs,
         committed_lens_cpu: list[int],
-    ) -> dict[str, torch.Tensor]:
+    ) -> Accepted:
         """An accept stage: acceptance with the sampling stages `flags`, the accepted path's
         KV compacted, and the extend stage's inputs (tokens, accept lengths, features)."""
         # A graph's static inputs come per request ([bs, ND, ...]), a direct call's as the
         # propose stage made them: node rows flat ([bs*ND, ...]) where the tree keeps them so.
         nodes = bs * self.num_draft_tokens
-        flat = {
-            "tokens": inputs["tokens"].reshape(nodes),
-            "positions": inputs["positions"].reshape(nodes),
-            "logits": inputs["logits"].reshape(nodes, -1),
-            "features": inputs["features"].reshape(nodes, -1),
-        }
-        tree = tree_from_tensors({**inputs, **flat}, self.shape)
-        rows = inputs["rows"]
-        result, step, features = accept_and_read(
-            self.sampling, tree, flat["logits"], flat["features"], rows, flags, self.accept_greedy
+        tree = inputs.tree(self.shape)
+        logits, features = inputs.logits.reshape(nodes, -1), inputs.features.reshape(nodes, -1)
+        rows = inputs.rows
+        result, step, path_features = accept_and_read(
+            self.sampling, tree, logits, features, rows, flags, self.accept_greedy
         )
-        self.compact(result, rows, inputs["committed_lens"])
-        return {
-            "accept_lens": step.accept_lens,
-            "tokens": step.tokens,
-            "logprobs": step.logprobs,
-            "features": features,
-        }
+        self.compact(result, rows, inputs.committed_lens)
+        return Accepted(step.accept_lens, step.tokens, path_features, step.logprobs)

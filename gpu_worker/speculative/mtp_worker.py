@@ -39,6 +39,7 @@ from gpu_worker import constants
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import SamplingState
 from gpu_worker.speculative.iteration import SpeculativeWorker
+from gpu_worker.speculative.stage_buffers import ExtendInputs
 from gpu_worker.speculative.tree import DraftShape, DraftTree, chain_tree
 from gpu_worker.step.forward_batch import (
     ForwardBatch,
@@ -246,16 +247,12 @@ class MTPWorker(SpeculativeWorker):
         argmax: MTP does not couple its proposals yet)."""
         return chain_tree(bonus, self.chain[rows], committed_lens, self.num_steps)
 
-    def draft_extend(self, inputs: dict[str, torch.Tensor], committed_lens_cpu: list[int]) -> None:
+    def draft_extend(self, inputs: ExtendInputs, committed_lens_cpu: list[int]) -> None:
         """The stack over the accepted positions, in fixed windows."""
-        rows, committed_lens, accept_lens = (
-            inputs["rows"],
-            inputs["committed_lens"],
-            inputs["accept_lens"],
-        )
+        rows, committed_lens, accept_lens = inputs.rows, inputs.committed_lens, inputs.accept_lens
         bs, steps = rows.shape[0], self.num_steps
         line = torch.zeros(bs, 2 * steps + 1, dtype=torch.int64, device=rows.device)
-        line[:, : steps + 1] = inputs["tokens"]
+        line[:, : steps + 1] = inputs.tokens
         windows = [
             fixed_window(committed_lens, accept_lens, committed_lens_cpu, k, steps)
             for k in range(steps)
@@ -266,7 +263,7 @@ class MTPWorker(SpeculativeWorker):
             committed_lens,
             line,
             accept_lens,
-            inputs["features"].flatten(0, -2),
+            inputs.features.flatten(0, -2),
             offsets,
             windows,
         )

@@ -32,7 +32,7 @@ from gpu_worker.sampling import (
     sample_with_noise,
 )
 from gpu_worker.speculative.compaction import compact_rows
-from gpu_worker.speculative.tree import DraftShape, DraftTree
+from gpu_worker.speculative.tree import DraftTree
 from gpu_worker.speculative.verify import VerifyResult
 from gpu_worker.step.forward_batch import ForwardMode, LogitsOutput, make_batch
 
@@ -67,27 +67,6 @@ def verify_tree(
         greedy_ids=greedy_ids,
     )
     return target.forward(batch)
-
-
-# The tree's tensors by shape per request: [ND] int64 and [ND, ND] bool.
-TREE_NODE_TENSORS = ("tokens", "positions", "retrieve_index", "next_token", "next_sibling", "depth")
-TREE_MASK_TENSORS = ("custom_mask", "ancestors")
-TREE_TENSORS = TREE_NODE_TENSORS + TREE_MASK_TENSORS
-
-
-def tree_tensors(tree: DraftTree) -> dict[str, torch.Tensor]:
-    """The tree's tensors by name (a stage graph's outputs)."""
-    return {name: getattr(tree, name) for name in TREE_TENSORS}
-
-
-def tree_from_tensors(tensors: dict[str, torch.Tensor], like: DraftShape) -> DraftTree:
-    """The tree back from `tree_tensors` (e.g. views of a stage graph's static outputs)."""
-    return DraftTree(
-        **{name: tensors[name] for name in TREE_TENSORS},
-        topk=like.topk,
-        num_steps=like.num_steps,
-        num_draft_tokens=like.num_draft_tokens,
-    )
 
 
 @dataclass(frozen=True)

@@ -240,18 +240,28 @@ def build_tree(
     )
 
 
-def chain_constants(nd: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A chain's structure, the same for every request ([1, ND] / [1, ND, ND]), made once per
-    device so a chain tree costs no kernels to describe."""
+@dataclass(frozen=True)
+class ChainConstants:
+    """A chain's structure, the same for every request: node (its index and depth),
+    next_token, next_sibling [1, ND] int64; ancestors [1, ND, ND] bool."""
 
-    def make() -> dict[str, torch.Tensor]:
+    node: torch.Tensor
+    ancestors: torch.Tensor
+    next_token: torch.Tensor
+    next_sibling: torch.Tensor
+
+
+def chain_constants(nd: int, device: torch.device) -> ChainConstants:
+    """`ChainConstants` made once per device, so a chain tree costs no kernels to describe."""
+
+    def make() -> ChainConstants:
         node = torch.arange(nd, device=device, dtype=torch.int64)[None, :]
-        return {
-            "node": node,
-            "ancestors": torch.ones(nd, nd, dtype=torch.bool, device=device).tril()[None],
-            "next_token": torch.where(node + 1 < nd, node + 1, -1),
-            "next_sibling": torch.full_like(node, -1),
-        }
+        return ChainConstants(
+            node=node,
+            ancestors=torch.ones(nd, nd, dtype=torch.bool, device=device).tril()[None],
+            next_token=torch.where(node + 1 < nd, node + 1, -1),
+            next_sibling=torch.full_like(node, -1),
+        )
 
     return constants.cached(("chain", nd), device, make)
 
@@ -287,15 +297,15 @@ def chain_tree(
     nodes = constants.cached(  # b * ND + k: the node's row among all the batch's nodes
         ("chain_nodes", bs, nd), device, lambda: torch.arange(bs * nd, device=device).view(bs, nd)
     )
-    ancestors = c["ancestors"].expand(bs, nd, nd)
+    ancestors = c.ancestors.expand(bs, nd, nd)
     return DraftTree(
         tokens=tokens.flatten(),
-        positions=(committed_lens.to(torch.int64)[:, None] + c["node"]).flatten(),
+        positions=(committed_lens.to(torch.int64)[:, None] + c.node).flatten(),
         custom_mask=ancestors,
         retrieve_index=nodes,
-        next_token=c["next_token"].expand(bs, nd),
-        next_sibling=c["next_sibling"].expand(bs, nd),
-        depth=c["node"].expand(bs, nd),
+        next_token=c.next_token.expand(bs, nd),
+        next_sibling=c.next_sibling.expand(bs, nd),
+        depth=c.node.expand(bs, nd),
         topk=1,
         num_steps=num_steps,
         num_draft_tokens=nd,

@@ -4,11 +4,11 @@ The stage records the step's new KV slots in every runner's req_to_token table (
 flat indices and slots), reads each row's newest token and committed length from `RowState`,
 runs the target forward on them, picks each row's next token and commits it: the row's length
 grows by one and the token becomes its newest. Its inputs come from the host (`StageGraph`
-with `host_inputs`: the rows, and up to `slots_per_row` new slots per row of the bucket), so on
-CUDA a decode step costs the host one input copy and one graph replay (buckets up to
-`--cuda-graph-max-bs`), then one result copy, whatever the model's depth and its sampling. A
-step with more new slots than its bucket holds (rare: a row whose headroom grew by more than
-one step's) has them written before it (`slot_capacity`).
+with `host_inputs`: `DecodeStepInputs`, the rows and up to `slots_per_row` new slots per row
+of the bucket), so on CUDA a decode step costs the host one input copy and one graph replay
+(buckets up to `--cuda-graph-max-bs`), then one result copy (`DecodeOutput`), whatever the
+model's depth and its sampling. A step with more new slots than its bucket holds (rare: a row
+whose headroom grew by more than one step's) has them written before it (`slot_capacity`).
 
 How the token is picked is a variant of the stage, each with its own graphs (one memory pool):
 - "greedy": the argmax of the logits, for batches of plain greedy rows that want no logprobs;
@@ -26,11 +26,18 @@ entries write slot 0 at row 0's position 0, where it already is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic
 
 import numpy as np
 import torch
 
-from gpu_worker.graphs.stage_graph import PER_REQUEST, DirectStage, StageGraph, StageInput
+from gpu_worker.graphs.stage_graph import (
+    PER_REQUEST,
+    Array,
+    DirectStage,
+    StageGraph,
+    StageInput,
+)
 from gpu_worker.kv_cache.req_to_token import ReqToTokenPool
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampling import SamplingState, fixed_flags
@@ -38,6 +45,17 @@ from gpu_worker.step.forward_batch import decode_batch
 from gpu_worker.step.row_state import RowState
 
 VARIANTS = ("greedy", "sample", "filter")
+
+
+@dataclass(frozen=True)
+class DecodeStepInputs(Generic[Array]):
+    """A step's inputs, host arrays for `StageGraph.call_host` and flat tensors in the stage:
+    rows [bs] int64; slot_index [n] int64 and slot_value [n] int32, the new KV slots to record
+    (`ReqToTokenPool.flat_index`)."""
+
+    rows: Array
+    slot_index: Array
+    slot_value: Array
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,7 @@ class DecodeStep:
                 self.stages[variant] = StageGraph(
                     f"decode step, {variant}",
                     step,
+                    DecodeStepInputs,
                     inputs,
                     graph_max_bs,
                     device,
@@ -123,31 +142,28 @@ class DecodeStep:
         """One step for request rows [bs] (host int64) that first records slot_value[i] (int32)
         at flat index slot_index[i] (`ReqToTokenPool.flat_index`) of every pool, at most
         `slot_capacity(bs)` of them."""
-        out = self.stages[variant].call_host(
-            len(rows), {"rows": rows, "slot_index": slot_index, "slot_value": slot_value}
-        )
-        return DecodeOutput(out["tokens"], out.get("logprobs"))
+        inputs = DecodeStepInputs(rows, slot_index, slot_value)
+        return self.stages[variant].call_host(len(rows), inputs)
 
-    def _step(self, variant: str, inputs: dict[str, torch.Tensor]) -> dict:
+    def _step(self, variant: str, inputs: DecodeStepInputs[torch.Tensor]) -> DecodeOutput:
         state, backend = self.state, self.runner.attn_backend
-        rows, slot_index = inputs["rows"], inputs["slot_index"]
+        rows, slot_index = inputs.rows, inputs.slot_index
         if slot_index.numel():  # (none on a direct step that brings no new slots)
             for pool in self.pools:
-                pool.assign(slot_index, inputs["slot_value"])
+                pool.assign(slot_index, inputs.slot_value)
         input_ids, positions, out_cache_loc, seq_lens = state.decode_inputs(
             rows, self.runner.req_to_token_pool.req_to_token
         )
         batch = decode_batch(backend, input_ids, positions, out_cache_loc, rows, seq_lens)
         logits = self.runner.forward(batch).next_token_logits.float()
         if variant == "greedy":
-            tokens, result = logits.argmax(dim=-1), {}
+            tokens, logprobs = logits.argmax(dim=-1), None
         else:
             flags = fixed_flags(sort=variant == "filter")
             tokens, logprobs = self.sampling.sample(logits, rows, positions + 1, flags=flags)
             # Penalties count the token (rows without penalties count harmlessly: a request
             # that uses them resets its row's counts when it starts).
             self.sampling.observe(rows, tokens, always=True)
-            result = {"logprobs": logprobs}
         state.commit_decode(rows, 1, tokens)
         state.reset_dummy()
-        return {"tokens": tokens, **result}
+        return DecodeOutput(tokens, logprobs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpu_worker.kernels.greedy_accept import greedy_accept, greedy_accept_reference
+from gpu_worker.speculative.stage_buffers import Accepted
 from gpu_worker.speculative.tree import chain_tree
 from tests.devices import triton_devices
 from tests.gpu_worker.speculative.trees import greedy_target_for_paths, path_to, random_tree
@@ -32,18 +33,18 @@ def check(tree, target, features, device):
     target, features = target.to(device), features.to(device)
     want = greedy_accept_reference(tree, target, features)
     bs, width = want[3].shape
-    given = {
-        "accept_lens": torch.full_like(want[2], 99),
-        "tokens": torch.full_like(want[3], 99),
-        "features": torch.full(
+    given = Accepted(
+        accept_lens=torch.full_like(want[2], 99),
+        tokens=torch.full_like(want[3], 99),
+        features=torch.full(
             (bs, width, features.shape[1]), 7.0, dtype=features.dtype, device=device
         ),
-    }
+    )
     got = greedy_accept(tree, target, features, out=given)
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert torch.equal(a.cpu(), b.cpu()), name
-    for name, index in (("accept_lens", 2), ("tokens", 3), ("features", 4)):
-        assert got[index].data_ptr() == given[name].data_ptr(), name  # written in place
+    for buffer, index in ((given.accept_lens, 2), (given.tokens, 3), (given.features, 4)):
+        assert got[index].data_ptr() == buffer.data_ptr(), NAMES[index]  # written in place
     return got
 
 

@@ -5,15 +5,17 @@ whole iteration runs under `torch.cuda.set_sync_debug_mode("error")`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
-from gpu_worker.graphs.stage_graph import StageGraph
+from gpu_worker.graphs.stage_graph import StageGraph, tensor_fields
 from gpu_worker.speculative import iteration
-from gpu_worker.speculative.target_verify import TREE_TENSORS
+from gpu_worker.speculative.stage_buffers import GreedyProposal, Proposal, ProposeInputs
 from gpu_worker.step.plan_arrays import parse_plan
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
@@ -25,6 +27,7 @@ from tests.gpu_worker.speculative.test_eagle_worker import (
     random_prompts,
     run_engine,
 )
+from tests.gpu_worker.speculative.trees import TREE_FIELDS
 
 
 def serve_until_decode(config, prompts, extra=None, logprobs=False):
@@ -55,24 +58,29 @@ def test_replayed_proposal_never_drifts(models, topk, num_draft):
     worker, _, plan = serve_until_decode(config, random_prompts(seed=8, n=3))
     spec = worker.spec
     rows = worker._write_slots(parse_plan(plan, worker.max_running_requests))
-    inputs = {"rows": rows}
+    inputs = ProposeInputs(rows)
     seq_cpu = worker.rows.committed_lens[rows].tolist()
     state = worker.rows.committed_lens.clone(), worker.rows.tokens.clone()
-    before = {k: v.clone() for k, v in inputs.items()}
-    eager = {k: v.clone() for k, v in spec.propose(True, len(seq_cpu), inputs, seq_cpu).items()}
+    before = rows.clone()
+    proposal = spec.propose(True, len(seq_cpu), inputs, seq_cpu)
+    eager = {k: v.clone() for k, v in tensor_fields(proposal).items()}
     for _ in range(3):
         replayed = spec.propose_stages["accept"](inputs, seq_cpu)
-        for name in (*TREE_TENSORS, "features"):
-            assert torch.equal(replayed[name], eager[name]) or torch.allclose(
-                replayed[name].float(), eager[name].float(), atol=1e-4
+        assert type(replayed) is Proposal
+        for name in (*TREE_FIELDS, "features"):
+            value = getattr(replayed, name)
+            assert torch.equal(value, eager[name]) or torch.allclose(
+                value.float(), eager[name].float(), atol=1e-4
             ), name
-        torch.testing.assert_close(replayed["logits"], eager["logits"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(replayed.logits, eager["logits"], atol=1e-4, rtol=1e-4)
         # a greedy batch's capture accepts the same way and hands an accept stage nothing
         greedy = spec.propose_stages["greedy"](inputs, seq_cpu)
-        assert not set(greedy) & {*TREE_TENSORS, "logits", "features"}
+        assert type(greedy) is GreedyProposal
+        handed = {f.name for f in dataclasses.fields(greedy)}
+        assert not handed & {*TREE_FIELDS, "logits", "features"}
         for name in ("greedy_tokens", "greedy_accept_lens", "rows", "committed_lens"):
-            assert torch.equal(greedy[name], eager[name]), name
-        assert all(torch.equal(inputs[k], before[k]) for k in inputs)
+            assert torch.equal(getattr(greedy, name), eager[name]), name
+        assert torch.equal(inputs.rows, before)
         # the proposal reads the rows' lengths and tokens; only the extend advances them
         assert torch.equal(worker.rows.committed_lens, state[0])
         assert torch.equal(worker.rows.tokens, state[1])

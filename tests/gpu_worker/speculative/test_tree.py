@@ -12,7 +12,7 @@ from gpu_worker.speculative.tree import (
     select_next_level,
 )
 from gpu_worker.speculative.verify import accepted_tokens, verify_greedy
-from tests.gpu_worker.speculative.trees import parents_of, run_draft_loop
+from tests.gpu_worker.speculative.trees import TREE_FIELDS, parents_of, run_draft_loop
 
 
 def rows_of(bits: list[str]) -> torch.Tensor:
@@ -201,16 +201,7 @@ def test_chain_tree_equals_the_general_construction(steps):
     top, draft_tokens, parent_list = organize_draft(record, steps + 1, 1, steps)
     general = build_tree(bonus, parent_list, top, draft_tokens, committed_lens, 1, steps, steps + 1)
     chain = tree_from_draft(record, bonus, committed_lens, DraftShape(1, steps, steps + 1))
-    for name in (
-        "tokens",
-        "positions",
-        "custom_mask",
-        "retrieve_index",
-        "next_token",
-        "next_sibling",
-        "depth",
-        "ancestors",
-    ):
+    for name in TREE_FIELDS:
         assert torch.equal(getattr(chain, name), getattr(general, name)), name
     for b in range(bs):
         assert parents_of(chain, b) == list(range(-1, steps))

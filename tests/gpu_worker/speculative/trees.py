@@ -17,6 +17,18 @@ from gpu_worker.speculative.tree import (
     select_next_level,
 )
 
+# A tree's tensors, as `DraftTree` (and an accept stage's inputs) name them.
+TREE_FIELDS = (
+    "tokens",
+    "positions",
+    "custom_mask",
+    "retrieve_index",
+    "next_token",
+    "next_sibling",
+    "depth",
+    "ancestors",
+)
+
 
 def draft_topk(
     num_rows: int, topk: int, vocab: int, gen: torch.Generator, sharpness: float = 1.0
