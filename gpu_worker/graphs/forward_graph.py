@@ -41,7 +41,7 @@ MIN_TOKENS = 16  # the smallest prefill bucket
 MAX_REQUESTS = 64  # requests one prefill bucket holds at most
 
 
-@dataclass(frozen=True)
+@dataclass
 class DecodeInputs(Generic[Array]):
     """A DECODE batch's inputs, one per request (host arrays for `call_host`; seq_lens: the
     KV length after the forward)."""
@@ -119,7 +119,7 @@ def graph_bytes(config: ArchConfig, max_tokens: int, dtype: torch.dtype) -> int:
     return 4 * activations + logits + outputs + (32 << 20)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefillInputs(Generic[Array]):
     """An EXTEND batch's inputs (host arrays for `call_host`): input_ids, positions and
     out_cache_loc per token, rows, seq_lens (KV length after the forward) and extend_seq_lens

@@ -47,7 +47,7 @@ from gpu_worker.step.row_state import RowState
 VARIANTS = ("greedy", "sample", "filter")
 
 
-@dataclass(frozen=True)
+@dataclass
 class DecodeStepInputs(Generic[Array]):
     """A step's inputs, host arrays for `StageGraph.call_host` and flat tensors in the stage:
     rows [bs] int64; slot_index [n] int64 and slot_value [n] int32, the new KV slots to record
