@@ -148,15 +148,17 @@ def spec_stats(before: SpecCounters, after: SpecCounters, num_steps: int = 0) ->
     before_at, after_at = (dict(enumerate(c.accepted)) for c in (before, after))
     delta = [after_at.get(k, 0.0) - before_at.get(k, 0.0) for k in range(positions)]
     plain = after.plain_steps - before.plain_steps
-    verify = delta[0] if delta else 0.0
+    verify = delta[0] if delta else 0.0  # one a request an iteration
+    decode = after.decode_steps - before.decode_steps  # one a batch a step
+    steps = decode or plain + verify  # (a server without the decode-step counter: batch 1)
     return {
-        "decode_steps": after.decode_steps - before.decode_steps,
+        "decode_steps": decode,
         "verify_steps": verify,
         "plain_steps": plain,
         "accepted_delta": delta,
         "accept_length": sum(delta) / verify if verify else None,
         "accept_per_position": [d / verify for d in delta[1:]] if verify else [],
-        "plain_step_share": plain / (plain + verify) if plain + verify else None,
+        "plain_step_share": plain / steps if steps else None,
     }
 
 

@@ -57,7 +57,17 @@ def test_accept_length_per_position_and_plain_share_come_from_counter_deltas():
     assert stats["accepted_delta"] == [20, 14, 8, 4]
     assert stats["accept_length"] == pytest.approx((20 + 14 + 8 + 4) / 20)
     assert stats["accept_per_position"] == pytest.approx([0.7, 0.4, 0.2])
-    assert stats["plain_step_share"] == pytest.approx(10 / (10 + 20))
+    assert stats["plain_step_share"] == pytest.approx(10 / 30)
+
+
+def test_the_plain_share_counts_batched_steps_not_requests():
+    """The verify counter counts one a request an iteration, the plain one a step a batch: 10
+    plain steps and 20 iterations of 4 requests are a third plain, not a ninth."""
+    before = bench.parse_counters(scrape([0], plain_steps=0, decode_steps=0))
+    after = bench.parse_counters(scrape([80, 40], plain_steps=10, decode_steps=30))
+    stats = bench.spec_stats(before, after)
+    assert stats["plain_step_share"] == pytest.approx(10 / 30)
+    assert stats["accept_length"] == pytest.approx(120 / 80)
 
 
 def test_draft_positions_never_accepted_count_as_zero():
