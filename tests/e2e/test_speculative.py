@@ -240,6 +240,8 @@ def test_adaptive_speculation_decodes_plainly_where_drafts_do_not_pay(
     assert info["speculative_adaptive"] == "on"
     assert info["spec_plain_steps"] == plain
     assert info["spec_break_even_accept_length"] == 3.5
+    error = float(samples["aerie_spec_expected_accept_error"])
+    assert info["spec_expected_accept_error"] == pytest.approx(error) and 0 < error < 1
     assert json.loads(info["speculative_step_costs"])["buckets"] == [1, 2, 4, 8, 16]
     modes = collections.Counter(mode for mode, _ in load(str(trace_dir))[1].values())
     assert modes["decode"] > modes["speculate"] > 0 and modes["extend"] > 0
