@@ -11,11 +11,10 @@ The batch speculates when its mean estimate, plus one standard error of that mea
 break-even t_spec(b) / t_plain(b): an iteration must emit that many tokens per request to be as
 fast as plain decoding. The standard error gives an estimate made of few iterations the benefit
 of the doubt: one iteration emits 1..S+1 tokens (a standard deviation of about 1.2 at S = 3),
-and the drafts of one kind agree from 1.5 to 2.8 tokens per iteration from one chat prompt to
-the next, so the first request of a server, or the first iterations of a new one, say little
-about the next. A batch of one is one request's own choice, so a stream whose draft keeps
-missing stops drafting once its own iterations show it; a batch of many has a small standard
-error and follows its mean.
+and a draft agrees very differently from one chat prompt to the next, so the first request of
+a server, or the first iterations of a new one, say little about the next. A batch of one is
+one request's own choice, so a stream whose draft keeps missing stops drafting once its own
+iterations show it; a batch of many has a small standard error and follows its mean.
 
 While plain decoding is chosen nothing is observed, so every `probe_interval` plain steps a
 probe of PROBE_ITERATIONS iterations runs anyway. The draft is not run on plainly decoded
