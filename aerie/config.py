@@ -21,9 +21,17 @@ def _opt(
     choices: tuple[str, ...] | None = None,
     flag: bool = False,
     secret: bool = False,
+    aliases: dict[str, str] | None = None,
 ):
-    """A config field; secret ones never appear in `to_flat_dict` (logs, /server_info)."""
-    metadata = {"help": help, "choices": choices, "flag": flag, "secret": secret}
+    """A config field; secret ones never appear in `to_flat_dict` (logs, /server_info).
+    aliases (flags only): other spellings and their argparse action on the same field."""
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "flag": flag,
+        "secret": secret,
+        "aliases": aliases or {},
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -55,6 +63,18 @@ class CacheConfig:
     max_total_tokens: int | None = _opt(None, "KV cache capacity in tokens (default: by memory).")
     mem_fraction_static: float | None = _opt(
         None, "Fraction of device memory for weights + KV cache (default 0.85 on CUDA)."
+    )
+    disable_radix_cache: bool = _opt(
+        False,
+        "Prefill every prompt in full: no prefix cache. By default the KV of finished "
+        "requests stays cached (until its pages are needed) and a new request reuses its "
+        "longest cached prefix, for the target and every draft. --enable-prefix-caching / "
+        "--no-enable-prefix-caching are accepted as vLLM spells them.",
+        flag=True,
+        aliases={
+            "--no-enable-prefix-caching": "store_true",
+            "--enable-prefix-caching": "store_false",
+        },
     )
 
 
@@ -157,6 +177,17 @@ class SpeculativeConfig:
             return 1
         steps, topk = self.speculative_num_steps or 1, self.speculative_eagle_topk or 1
         return draft_alloc_len(topk, steps, self.speculative_num_draft_tokens or steps + 1)
+
+    @property
+    def draft_lookahead(self) -> int:
+        """How many later tokens a draft's KV at a position was made with: 0 without a draft,
+        1 for EAGLE (features at p, token p + 1), S for MTP (layer k reads token p + 1 + k).
+        A cached prefix is reused only up to that many tokens short of its match."""
+        if not self.enabled:
+            return 0
+        if self.speculative_algorithm == "MTP":
+            return self.speculative_num_steps or 1
+        return 1
 
 
 def draft_alloc_len(topk: int, num_steps: int, num_draft_tokens: int) -> int:
@@ -357,6 +388,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
             meta = f.metadata
             if meta.get("flag"):
                 group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+                for alias, action in meta["aliases"].items():
+                    group.add_argument(alias, dest=f.name, action=action, help=f"see {flag}")
                 continue
             group.add_argument(
                 flag,

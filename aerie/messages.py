@@ -202,6 +202,7 @@ class RequestDelta:
     completion_tokens: int = 0
     spec_verify_ct: int = 0
     start: DetokenizeStart | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,12 @@ class SchedulerStats:
     expected_accept_length: float = 0.0
     expected_accept_error: float = 0.0
     break_even_accept_length: float = 0.0
+    # Prefix cache: prompt tokens admitted since start and how many of them were cached; what
+    # the cache holds and, of that, what no running request uses (0 without a cache).
+    prefill_tokens: int = 0
+    cached_prefill_tokens: int = 0
+    prefix_cache_tokens: int = 0
+    prefix_cache_evictable_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -256,6 +263,7 @@ class TextDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec_verify_ct: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

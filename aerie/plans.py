@@ -12,7 +12,9 @@ import numpy as np
 from aerie.codec import pack_ids
 from aerie.messages import ForwardPlan, RequestStart
 
-# An extend chunk: (row, committed_len, its token ids, their KV slots, whether it samples).
+# An extend chunk: (row, committed_len, its token ids, the KV slots assigned to the row up to
+# the chunk's end (the chunk's own, or from position 0 for a new row reusing cached KV), whether
+# it samples).
 Chunk = tuple[int, int, Sequence[int], Sequence[int], bool]
 
 
@@ -22,14 +24,16 @@ def extend_plan(
     starts: Sequence[RequestStart] = (),
     next_input_ids: Sequence[int] | None = None,
 ) -> ForwardPlan:
-    """Each chunk runs at positions committed_len, committed_len + 1, ... and is assigned its
-    slots from committed_len on; next_input_ids: the token after each non-final chunk (-1)."""
+    """Each chunk runs at positions committed_len, committed_len + 1, ... and is assigned the
+    slots that end at its end; next_input_ids: the token after each non-final chunk (-1)."""
     slots = [np.asarray(c[3], dtype=np.int32) for c in chunks]
     return ForwardPlan(
         plan_id=plan_id,
         mode="extend",
         rows=pack_ids([c[0] for c in chunks]),
-        slot_starts=pack_ids([c[1] for c in chunks]),
+        slot_starts=pack_ids(
+            [c[1] + len(c[2]) - len(s) for c, s in zip(chunks, slots, strict=True)]
+        ),
         slot_lens=pack_ids([len(s) for s in slots]),
         slots=pack_ids(np.concatenate(slots) if slots else []),
         committed_lens=pack_ids([c[1] for c in chunks]),

@@ -197,6 +197,7 @@ class Detokenizer:
             prompt_tokens=delta.prompt_tokens,
             completion_tokens=delta.completion_tokens,
             spec_verify_ct=delta.spec_verify_ct,
+            cached_tokens=delta.cached_tokens,
         )
 
     def get_state(self, delta: RequestDelta) -> IncrementalDetokenizer | None:

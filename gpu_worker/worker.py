@@ -175,8 +175,11 @@ class GPUWorker:
             self.sampling.observe(rows, token_ids, weights=sampled_ids)
         self.rows.commit_extend(rows, batch.seq_lens, token_ids, sampled)
         if self.spec is not None:
-            # The draft's tail: the next prompt token for a non-final chunk, else the sample.
-            self.spec.draft_prefill(batch, out, torch.where(next_ids >= 0, next_ids, token_ids))
+            # The draft's tail: the next prompt token for a non-final chunk, else the sample. A
+            # new row assigned slots before its chunk starts on a cached prefix.
+            tails = torch.where(next_ids >= 0, next_ids, token_ids)
+            cached_start = arrays.slot_starts < arrays.committed_lens
+            self.spec.draft_prefill(batch, out, tails, arrays.rows, cached_start)
         copy = self.results.start(token_ids, *([logprobs] if logprobs is not None else []))
         keep = arrays.sample  # host mask: requests that sampled this step
 

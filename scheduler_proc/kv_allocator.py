@@ -9,11 +9,17 @@ Per row the allocator keeps its page list and `allocated_len`, the number of pos
 have slots. `grow` extends it (all or nothing), `grow_rows` does so for every row of a decode
 step in one call, `shrink` gives back whole pages beyond a length (speculative headroom that
 was not accepted), `free` releases everything.
+
+With a prefix cache (`RadixCache`) a row may start on cached pages (`alloc_row(prefix)`), and
+`free(row, token_ids)` caches the row's whole pages instead of freeing them. Cached pages no
+running row uses count as free: taking pages evicts them, least recently used first.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from scheduler_proc.radix_cache import Node, RadixCache
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -23,9 +29,22 @@ def ceil_div(a: int, b: int) -> int:
 class KVAllocator:
     """Free lists of request rows and KV pages. Every method is O(pages touched)."""
 
-    def __init__(self, num_pages: int, page_size: int, max_running_requests: int) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_running_requests: int,
+        prefix_cache: bool = False,
+        draft_lookahead: int = 0,
+    ) -> None:
+        """draft_lookahead: how many tokens past a position a draft's KV there depends on (1
+        for EAGLE, the layer count for MTP): a reused prefix stops that many tokens short of
+        the match, so every runner's KV in it was made from the same tokens."""
         if num_pages < 1 or page_size < 1 or max_running_requests < 1:
             raise ValueError("num_pages, page_size and max_running_requests must be >= 1")
+        self.cache = RadixCache(page_size) if prefix_cache else None
+        self.draft_lookahead = draft_lookahead
+        self._locks: dict[int, tuple[Node, int]] = {}  # row -> (cached node, its pages)
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_running_requests = max_running_requests
@@ -40,20 +59,63 @@ class KVAllocator:
 
     # ---------------------------------------------------------------- rows
 
-    def alloc_row(self) -> int | None:
-        """A free row (>= 1) with no pages, or None when every row is taken."""
+    def alloc_row(self, prefix_ids: list[int] | None = None) -> int | None:
+        """A free row (>= 1), or None when every row is taken. prefix_ids (whole pages, all
+        cached: see `cached_prefix`): the row starts holding their cached pages."""
         if not self._free_rows:
             return None
         row = self._free_rows.pop()
         self._pages[row] = []
         self._lens[row] = 0
+        if prefix_ids:
+            assert self.cache is not None
+            pages, node = self.cache.acquire(prefix_ids)
+            self._pages[row] = pages
+            self._lens[row] = len(prefix_ids)
+            self._locks[row] = (node, len(pages))
         return row
 
-    def free(self, row: int) -> None:
-        """Release the row and all of its pages."""
-        self._free_pages.extend(reversed(self._pages.pop(row)))
+    def free(self, row: int, token_ids: list[int] | None = None) -> None:
+        """Release the row and its pages. token_ids (with a prefix cache): the tokens at the
+        row's positions; its whole pages among them are cached rather than freed."""
+        pages = self._pages.pop(row)
         del self._lens[row]
         self._free_rows.append(row)
+        node, num_locked = self._locks.pop(row, (None, 0))
+        num_cached = 0
+        if self.cache is not None and token_ids is not None:
+            num_cached = min(len(token_ids) // self.page_size, len(pages))
+            if num_cached > num_locked:
+                cached = token_ids[: num_cached * self.page_size]
+                self._free_pages += self.cache.insert(cached, pages[:num_cached])
+            else:
+                num_cached = num_locked
+        if node is not None:
+            self.cache.release(node)
+        self._free_pages.extend(reversed(pages[max(num_cached, num_locked) :]))
+
+    def cached_prefix(self, token_ids: list[int]) -> tuple[int, int]:
+        """(n, pages): the first n of token_ids a new row can reuse from the cache (whole
+        pages, `draft_lookahead` short of the match, leaving at least the last token to run)
+        and how many evictable pages reusing them takes. (0, 0) without a cache."""
+        if self.cache is None:
+            return 0, 0
+        matched = self.cache.match_len(token_ids)
+        usable = min(matched - self.draft_lookahead, len(token_ids) - 1)
+        usable -= usable % self.page_size
+        if usable <= 0:
+            return 0, 0
+        return usable, self.cache.evictable_pages_on(token_ids[:usable])
+
+    def releasable_pages(self, row: int) -> int:
+        """Pages that become free (or evictable) when the row is freed: its own and the cached
+        ones no other row uses."""
+        node, num_locked = self._locks.get(row, (None, 0))
+        held = len(self._pages[row]) - num_locked
+        while node is not None and node.parent is not None:
+            held += len(node.pages) if node.lock_ref == 1 else 0
+            node = node.parent
+        return held
 
     # ---------------------------------------------------------------- pages
 
@@ -136,7 +198,12 @@ class KVAllocator:
         return starts, [end - start for start, end in zip(starts, ends, strict=True)], slots
 
     def _take_pages(self, num: int) -> list[int]:
-        """num free pages: given-back ones first (most recent first), then fresh ones."""
+        """num free pages: given-back ones first (most recent first), then fresh ones, then
+        evicted cached ones."""
+        short = num - len(self._free_pages) - (self.num_pages + 1 - self._next_fresh)
+        if short > 0:
+            assert self.cache is not None, "took more pages than are free"
+            self._free_pages[:0] = self.cache.evict(short)  # used after the given-back ones
         reused = min(num, len(self._free_pages))
         pages = self._free_pages[len(self._free_pages) - reused :][::-1]
         del self._free_pages[len(self._free_pages) - reused :]
@@ -154,6 +221,7 @@ class KVAllocator:
             return
         pages = self._pages[row]
         num_keep = ceil_div(keep_len, self.page_size)
+        assert num_keep >= self._locks.get(row, (None, 0))[1], "shrink into cached pages"
         if num_keep < len(pages):
             self._free_pages.extend(reversed(pages[num_keep:]))
             del pages[num_keep:]
@@ -174,7 +242,9 @@ class KVAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages) + self.num_pages + 1 - self._next_fresh
+        """Pages a grow may take: free ones and cached ones no running row uses."""
+        evictable = self.cache.num_evictable_pages if self.cache is not None else 0
+        return len(self._free_pages) + self.num_pages + 1 - self._next_fresh + evictable
 
     @property
     def num_free_rows(self) -> int:
@@ -193,8 +263,14 @@ class KVAllocator:
         return self.num_total_tokens - self.num_free_tokens
 
     def is_whole(self) -> bool:
-        """Every page and row is free, each exactly once (tests check this after a run)."""
+        """Every page and row is free (or cached and unused), each exactly once (tests check
+        this after a run)."""
         free = [*self._free_pages, *range(self._next_fresh, self.num_pages + 1)]
+        if self.cache is not None:
+            self.cache.check()
+            if self.cache.num_evictable_pages != self.cache.num_pages:
+                return False
+            free += self.cache.all_pages()
         return (
             not self._pages
             and sorted(free) == list(range(1, self.num_pages + 1))

@@ -78,6 +78,7 @@ class ExtendDecision:
 
     chunks: list[tuple[Request, int]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
+    cached_lens: list[int] = field(default_factory=list)  # each admitted one's reused prefix
 
 
 @dataclass
@@ -169,10 +170,14 @@ class SchedulePolicy:
         for req in waiting:
             if budget == 0 or len(decision.admitted) >= num_rows:
                 break
-            chunk_len = min(len(req.fill_ids), budget)
-            pages = ceil_div(chunk_len, allocator.page_size)
-            if chunk_len == len(req.fill_ids):  # it decodes next step: keep its headroom too
-                pages = ceil_div(chunk_len + self.decode_alloc_len, allocator.page_size)
+            # A cached prefix takes no new pages, but the evictable ones it reuses stop being free.
+            cached, reused_pages = allocator.cached_prefix(req.fill_ids)
+            chunk_len = min(len(req.fill_ids) - cached, budget)
+            end = cached + chunk_len
+            if end == len(req.fill_ids):  # it decodes next step: keep its headroom too
+                end += self.decode_alloc_len
+            pages = ceil_div(end, allocator.page_size) - cached // allocator.page_size
+            pages += reused_pages
             if pages > free_pages:
                 break  # FCFS: nobody overtakes the head of the queue
             own_future = estimate.future_tokens(req) if estimate else 0
@@ -185,6 +190,7 @@ class SchedulePolicy:
             future += own_future
             decision.chunks.append((req, chunk_len))
             decision.admitted.append(req)
+            decision.cached_lens.append(cached)
             budget -= chunk_len
         return decision
 
@@ -224,7 +230,7 @@ class SchedulePolicy:
             if req in decoding:
                 decoding.remove(req)
                 need -= allocator.pages_needed(req.row, self.decode_end(req))
-            free_pages += allocator.num_held_pages(req.row)
+            free_pages += allocator.releasable_pages(req.row)
             retracted.append(req)
         batch = [r for r in kept if r in decoding]
         ends = list(map(self.decode_end, batch))

@@ -48,6 +48,8 @@ class Request:
     committed_len: int = 0
     fill_ids: list[int] = field(default_factory=list)
     spec_verify_ct: int = 0
+    # Prompt tokens its first admission reused from the prefix cache (None: not admitted yet).
+    cached_tokens: int | None = None
     # What adaptive speculation learns its acceptance with (`adaptive.kind`): its sampling.
     accept_kind: tuple = field(init=False)
     # Whether the draft's state follows the request's last token: false after a plain decode

@@ -69,7 +69,13 @@ class Scheduler:
         reserved per decode step (default: `decode_alloc_len_for(config)`)."""
         page_size = config.cache.page_size
         max_running = config.scheduler.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-        self.allocator = KVAllocator(max_total_tokens // page_size, page_size, max_running)
+        self.allocator = KVAllocator(
+            max_total_tokens // page_size,
+            page_size,
+            max_running,
+            prefix_cache=not config.cache.disable_radix_cache,
+            draft_lookahead=config.speculative.draft_lookahead,
+        )
         self.max_in_flight = 1 if config.scheduler.disable_overlap_schedule else 2
         self.policy = SchedulePolicy(
             chunked_prefill_size=config.scheduler.chunked_prefill_size,
@@ -95,6 +101,8 @@ class Scheduler:
         self._stale_drafts: dict[int, set[str]] = {}  # plan id -> rids drafting from old state
         self._num_retractions = 0
         self._num_requests = 0  # requests received since start
+        self._num_prefill_tokens = 0  # fill tokens of admitted requests, cached or not
+        self._num_cached_tokens = 0  # of them, reused from the prefix cache
         # Admission's estimate of the KV running requests will still take.
         self.new_tokens = NewTokenEstimate(config.scheduler.schedule_conservativeness)
         spec = config.speculative
@@ -204,16 +212,23 @@ class Scheduler:
         )
         if not decision.chunks:
             return None
-        for req in decision.admitted:
+        for req, cached in zip(decision.admitted, decision.cached_lens, strict=True):
             assert self.waiting.popleft() is req
-            row = self.allocator.alloc_row()
+            row = self.allocator.alloc_row(req.fill_ids[:cached])
             assert row is not None
-            req.row, req.state = row, ReqState.RUNNING
+            req.row, req.state, req.committed_len = row, ReqState.RUNNING, cached
+            if req.cached_tokens is None:  # a retracted request reports its first admission
+                req.cached_tokens = cached
+            self._num_prefill_tokens += len(req.fill_ids)
+            self._num_cached_tokens += cached
             self.running.append(req)
         chunks = []
         for req, chunk_len in decision.chunks:
-            slots = self.allocator.grow(req.row, req.committed_len + chunk_len)
+            end = req.committed_len + chunk_len
+            slots = self.allocator.grow(req.row, end)
             assert slots is not None, "policy admitted more than the free KV"
+            if req.needs_start and req.committed_len:  # a new row: its cached slots too
+                slots = self.allocator.slots(req.row, 0, end)
             chunks.append((req, chunk_len, slots))
         plan = build_extend_plan(self._take_plan_id(), chunks)
         samples = []
@@ -276,7 +291,7 @@ class Scheduler:
         """Free its row and KV and put it at the front of the queue; outputs are kept."""
         logger.info("retracting %s (%d tokens) to free KV", req.rid, req.num_tokens)
         self._num_retractions += 1
-        self.allocator.free(req.row)
+        self.allocator.free(req.row, self._kv_token_ids(req))  # cached: re-admission reuses it
         self.running.remove(req)
         req.reset_for_retract()
         self.waiting.appendleft(req)
@@ -401,8 +416,15 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.row:
-            self.allocator.free(req.row)
+            self.allocator.free(req.row, self._kv_token_ids(req))
             req.row = 0
+
+    @staticmethod
+    def _kv_token_ids(req: Request) -> list[int]:
+        """The tokens at the positions with KV: prompt and outputs up to committed_len (a
+        finishing step's KV may run past the outputs it kept)."""
+        tokens = req.prompt_ids + req.output_ids
+        return tokens[: req.committed_len]
 
     # ------------------------------------------------------------------ deltas and stats out
 
@@ -432,6 +454,7 @@ class Scheduler:
                 logprobs=logprobs,
                 finish=req.finish,
                 prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens or 0,
                 completion_tokens=len(req.output_ids),
                 spec_verify_ct=req.spec_verify_ct,
                 start=start,
@@ -490,8 +513,21 @@ class Scheduler:
             num_requests=self._num_requests,
             num_plain_steps=self._num_plain_steps,
             num_decode_steps=self._num_decode_steps,
+            prefill_tokens=self._num_prefill_tokens,
+            cached_prefill_tokens=self._num_cached_tokens,
+            **self._cache_stats(),
             **self._adaptive_stats(),
         )
+
+    def _cache_stats(self) -> dict[str, int]:
+        cache = self.allocator.cache
+        if cache is None:
+            return {}
+        page_size = self.allocator.page_size
+        return {
+            "prefix_cache_tokens": cache.num_pages * page_size,
+            "prefix_cache_evictable_tokens": cache.num_evictable_pages * page_size,
+        }
 
     def _adaptive_stats(self) -> dict[str, float | int]:
         """Adaptive speculation's last choice and why, for /server_info and /metrics."""

@@ -63,6 +63,19 @@ class Metrics:
         self.accept_length = Gauge(
             "aerie_avg_accept_length", "Average speculative accept length.", registry=r
         )
+        self.cache_tokens = Gauge(
+            "aerie_prefix_cache_tokens", "Tokens of KV the prefix cache holds.", registry=r
+        )
+        self.cache_evictable = Gauge(
+            "aerie_prefix_cache_evictable_tokens",
+            "Of them, tokens no running request uses (freed as new requests need KV).",
+            registry=r,
+        )
+        self.cache_hit_rate = Gauge(
+            "aerie_prefix_cache_hit_rate",
+            "Prompt tokens reused from the prefix cache over prompt tokens admitted, since start.",
+            registry=r,
+        )
         self.speculating = Gauge(
             "aerie_spec_speculating",
             "Adaptive speculation's last decode step: 1 an iteration, 0 plain decoding.",
@@ -143,6 +156,9 @@ class Metrics:
         self.num_queued.set(stats.num_waiting)
         self.kv_usage.set(kv_usage(stats))
         self.accept_length.set(stats.avg_accept_length)
+        self.cache_tokens.set(stats.prefix_cache_tokens)
+        self.cache_evictable.set(stats.prefix_cache_evictable_tokens)
+        self.cache_hit_rate.set(cache_hit_rate(stats))
         if stats.speculating >= 0:
             self.speculating.set(stats.speculating)
             self.expected_accept.set(stats.expected_accept_length)
@@ -179,6 +195,12 @@ def stats_dict(s: SchedulerStats) -> dict[str, Any]:
         "num_retractions": s.num_retractions,
         "num_requests": s.num_requests,
         "num_decode_steps": s.num_decode_steps,
+        # Prefix cache: prompt tokens admitted and reused since start, what it holds now.
+        "prefill_tokens": s.prefill_tokens,
+        "cached_prefill_tokens": s.cached_prefill_tokens,
+        "prefix_cache_hit_rate": cache_hit_rate(s),
+        "prefix_cache_tokens": s.prefix_cache_tokens,
+        "prefix_cache_evictable_tokens": s.prefix_cache_evictable_tokens,
         # Adaptive speculation: decode steps run plainly, and the last step's choice and why.
         "spec_plain_steps": s.num_plain_steps,
         "spec_speculating": None if s.speculating < 0 else bool(s.speculating),
@@ -211,6 +233,10 @@ def combine_stats(reports: list[SchedulerStats]) -> SchedulerStats:
         num_requests=sum(r.num_requests for r in reports),
         num_plain_steps=sum(r.num_plain_steps for r in reports),
         num_decode_steps=sum(r.num_decode_steps for r in reports),
+        prefill_tokens=sum(r.prefill_tokens for r in reports),
+        cached_prefill_tokens=sum(r.cached_prefill_tokens for r in reports),
+        prefix_cache_tokens=sum(r.prefix_cache_tokens for r in reports),
+        prefix_cache_evictable_tokens=sum(r.prefix_cache_evictable_tokens for r in reports),
     )
 
 
@@ -237,6 +263,10 @@ class SchedulerTotals(Collector):
             "Decode steps a speculative server ran as plain decoding, because adaptive "
             "speculation expected them to be faster for their batch.",
         )
+        cached = CounterMetricFamily(
+            "aerie_prefix_cache_hit_tokens",
+            "Prompt tokens reused from the prefix cache instead of prefilled.",
+        )
         decode = CounterMetricFamily(
             "aerie_decode_steps",
             "Decode steps run: plain decode steps and speculative iterations (with the run's "
@@ -248,10 +278,16 @@ class SchedulerTotals(Collector):
             retractions.add_metric([], stats.num_retractions)
             plain.add_metric([], stats.num_plain_steps)
             decode.add_metric([], stats.num_decode_steps)
+            cached.add_metric([], stats.cached_prefill_tokens)
+        yield cached
         yield accepted
         yield retractions
         yield plain
         yield decode
+
+
+def cache_hit_rate(stats: SchedulerStats) -> float:
+    return stats.cached_prefill_tokens / stats.prefill_tokens if stats.prefill_tokens else 0.0
 
 
 def kv_usage(stats: SchedulerStats) -> float:

@@ -50,6 +50,7 @@ def usage(state: RequestState) -> dict[str, int]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": state.cached_tokens},
     }
 
 

@@ -94,10 +94,10 @@ class OpenAIEvents:
     def usage(self) -> bytes:
         """The include_usage event: no choices, the request's token counts."""
         prompt, completion = self.state.prompt_tokens, self.state.completion_tokens
-        usage = b'{"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d}' % (
-            prompt,
-            completion,
-            prompt + completion,
+        usage = (
+            b'{"prompt_tokens": %d, "completion_tokens": %d, "total_tokens": %d, '
+            b'"prompt_tokens_details": {"cached_tokens": %d}}'
+            % (prompt, completion, prompt + completion, self.state.cached_tokens)
         )
         return b'%b], "usage": %b}\n\n' % (self.head(), usage)
 

@@ -54,6 +54,7 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec_verify_ct: int = 0
+    cached_tokens: int = 0
     at: float = 0.0
 
 
@@ -75,6 +76,7 @@ class RequestState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec_verify_ct: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     _pending: Chunk | None = None  # what arrived since the consumer last looked
     _event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -125,6 +127,7 @@ class RequestState:
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(delta.completion_tokens, len(self.output_ids))
         self.spec_verify_ct = delta.spec_verify_ct or self.spec_verify_ct
+        self.cached_tokens = delta.cached_tokens or self.cached_tokens
         self._push(delta.text, ids, logprobs, delta.finish)
 
     def _push(
@@ -150,6 +153,7 @@ class RequestState:
         chunk.text_end, chunk.ids_end = len(self.text), len(self.output_ids)
         chunk.prompt_tokens, chunk.completion_tokens = self.prompt_tokens, self.completion_tokens
         chunk.spec_verify_ct, chunk.at = self.spec_verify_ct, now
+        chunk.cached_tokens = self.cached_tokens
 
 
 class RequestTracker:

@@ -36,6 +36,7 @@ def meta_info(
     meta: dict[str, Any] = {
         "id": state.public_id,
         "prompt_tokens": view.prompt_tokens,
+        "cached_tokens": view.cached_tokens,
         "completion_tokens": view.completion_tokens,
         "finish_reason": finish_dict(view.finish),
         "spec_verify_ct": view.spec_verify_ct,
@@ -133,6 +134,7 @@ class GenerateEvents:
         latency = number_json(e2e_latency(self.state, chunk))
         return (
             f'{{"id": {self.id_json}, "prompt_tokens": {chunk.prompt_tokens}, '
+            f'"cached_tokens": {chunk.cached_tokens}, '
             f'"completion_tokens": {chunk.completion_tokens}, "finish_reason": {finish}, '
             f'"spec_verify_ct": {chunk.spec_verify_ct}, "spec_accept_length": {accept}, '
             f'"e2e_latency": {latency}, "seed": {self.seed_json}'

@@ -151,11 +151,17 @@ class EagleWorker(SpeculativeWorker):
     # ------------------------------------------------------------------------------ stages
 
     def draft_prefill(
-        self, batch: ForwardBatch, target_out: LogitsOutput, tails: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        target_out: LogitsOutput,
+        tails: torch.Tensor,
+        rows_cpu: object = None,
+        cached_start: object = None,
     ) -> None:
         """After a target EXTEND: run the draft on the rotated chunks (same positions and slots).
 
         tails [bs]: per request the token after its chunk (next prompt token, or sampled).
+        rows_cpu, cached_start: unused (the draft reads nothing before a chunk, cached or not).
         """
         draft_batch = dataclasses.replace(
             batch,

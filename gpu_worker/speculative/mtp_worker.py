@@ -94,12 +94,17 @@ def fixed_window(
     )
 
 
-def ragged_windows(starts: np.ndarray, ends: np.ndarray, steps: int) -> list[list[np.ndarray]]:
-    """Every layer's window over [max(start - k, 0), end) for a prefill chunk, as host arrays
-    in `StackWindow` order (token_req, positions, last, seq_lens, extend_lens)."""
+def ragged_windows(
+    starts: np.ndarray, ends: np.ndarray, steps: int, floors: np.ndarray | None = None
+) -> list[list[np.ndarray]]:
+    """Every layer's window over [max(start - k, floor), end) for a prefill chunk, as host
+    arrays in `StackWindow` order (token_req, positions, last, seq_lens, extend_lens). floors
+    [bs] (default 0): where each request's reused cached prefix ends (its KV there is shared
+    and already right)."""
     windows = []
+    floors = np.zeros_like(starts) if floors is None else floors
     for layer in range(steps):
-        first = np.maximum(starts - layer, 0)
+        first = np.maximum(starts - layer, floors)
         lens = ends - first
         positions = np.concatenate([np.arange(f, e) for f, e in zip(first, ends, strict=True)])
         windows.append(
@@ -132,6 +137,9 @@ class MTPWorker(SpeculativeWorker):
             rows, self.stash_width, hidden_size, dtype=target.dtype, device=device
         )
         self.staging = Staging(device)  # a prefill's window arrays go over in one copy
+        # Per row, where the cached prefix it started on ends: prefill windows never reach
+        # back before it (that KV is shared, and the stash holds nothing of it).
+        self.cached_len = np.zeros(rows, dtype=np.int64)
         self.build_stages([target, *draft_runner_list], graph_max_bs)
 
     def target_features(self, out: LogitsOutput) -> torch.Tensor:
@@ -201,17 +209,27 @@ class MTPWorker(SpeculativeWorker):
     # ------------------------------------------------------------------------------ stages
 
     def draft_prefill(
-        self, batch: ForwardBatch, target_out: LogitsOutput, tails: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        target_out: LogitsOutput,
+        tails: torch.Tensor,
+        rows_cpu: np.ndarray | None = None,
+        cached_start: np.ndarray | None = None,
     ) -> None:
-        """After a target EXTEND: run the stack over each request's chunk (ragged windows)."""
+        """After a target EXTEND: run the stack over each request's chunk (ragged windows).
+        rows_cpu [bs] host rows; cached_start [bs] host bool: the row is new and starts on a
+        cached prefix (both None: no request does)."""
         lens = np.asarray(batch.extend_seq_lens_cpu, dtype=np.int64)
         starts = np.asarray(batch.committed_lens_cpu, dtype=np.int64)
+        host_rows = batch.rows.cpu().numpy() if rows_cpu is None else rows_cpu
+        fresh = starts == 0 if cached_start is None else (starts == 0) | cached_start
+        self.cached_len[host_rows[fresh]] = starts[fresh]
         bs, width = len(lens), int(lens.max()) + self.num_steps
         offsets = np.cumsum(lens) - lens
         # line[b, i] = t_{start+1+i}: the chunk shifted left by one, then the tail.
         req = np.repeat(np.arange(bs), lens - 1)
         within = np.concatenate([np.arange(n - 1) for n in lens])
-        windows = ragged_windows(starts, starts + lens, self.num_steps)
+        windows = ragged_windows(starts, starts + lens, self.num_steps, self.cached_len[host_rows])
         uploaded = self.staging.upload(
             [req, within, offsets, starts, lens, *[a for w in windows for a in w]]
         )

@@ -78,8 +78,12 @@ class FakeWorker:
         slot_starts, slot_lens = unpack_ids(plan.slot_starts), unpack_ids(plan.slot_lens)
         slots = unpack_ids(plan.slots)
         offset = 0
+        started = {start.row for start in plan.starts}
         for row, first, n in zip(rows, slot_starts, slot_lens, strict=True):
             assert row > 0 and row in self.row_slots, "row used without a RequestStart"
+            if row in started:  # a new row starts on the prefix it was assigned (cached KV)
+                assert first == 0, "a new row's slots start after position 0"
+                self.row_len[row] = unpack_ids(plan.committed_lens)[rows.index(row)]
             for k, slot in enumerate(slots[offset : offset + n]):
                 assert slot != 0
                 self.row_slots[row][first + k] = slot

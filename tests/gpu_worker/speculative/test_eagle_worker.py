@@ -294,6 +294,60 @@ def draft_kv_after_prefill(models, chunk: int, prompt: list[int]) -> torch.Tenso
     return k[torch.tensor(slots)].clone()
 
 
+def serve(
+    sched: Scheduler, worker: GPUWorker, prompt: list[int], max_new: int
+) -> tuple[int, list[int], int]:
+    """One greedy request run alone to its end: (its row, its output, its cached tokens)."""
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    sched.add_request(TokenizedRequest(f"r{len(prompt)}", pack_ids(prompt), params))
+    row, output, cached = 0, [], 0
+    while sched.has_work():
+        plan = sched.next_plan()
+        row = unpack_ids(plan.rows)[0]
+        deltas = sched.apply_result(plan, worker.execute(plan))
+        for d in deltas.deltas if deltas else []:
+            output += unpack_ids(d.token_ids)
+            cached = d.cached_tokens
+    return row, output, cached
+
+
+@pytest.mark.parametrize("algorithm, page_size", [("EAGLE", 1), ("EAGLE3", 4)])
+def test_a_cached_prefix_leaves_the_drafts_kv_as_a_full_prefill_makes_it(
+    models, algorithm, page_size
+):
+    """A second turn reuses the first turn's cached KV, one token short of the match (the
+    draft's KV at a position was made with the next token) and in whole pages: afterwards
+    the draft's KV at every position whose next token is known equals a one-shot prefill's."""
+    draft = models["eagle" if algorithm == "EAGLE" else "eagle3"]
+    config = make_config(models["target"], algorithm, draft, 3, 1, 4, page_size, chunk=5)
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    first = random_prompts(seed=23, n=1)[0] + list(range(40, 50))
+    _, answer, cached = serve(sched, worker, first, 12)
+    assert cached == 0
+    # Diverge right after the cached tokens: the draft's KV at the last cached position was
+    # made with the first turn's next token, not this one.
+    second = first + answer[:-1] + [answer[-1] + 1, 8, 9]
+    row, output, cached = serve(sched, worker, second, 6)
+    matched = (len(first) + len(answer) - 1) // page_size * page_size
+    assert cached == (matched - 1) // page_size * page_size
+    sequence = second + output
+    m = len(sequence) - 1  # positions 0..m-1 have their next token in `sequence`
+    uncached = config.replace(
+        cache={"disable_radix_cache": True}, scheduler={"chunked_prefill_size": 64}
+    )
+    reference = GPUWorker(uncached)
+    ref_sched = Scheduler(uncached, (), max_total_tokens=reference.runner.max_total_tokens)
+    ref_row, _, _ = serve(ref_sched, reference, sequence[:m], 1)
+
+    def draft_kv(w: GPUWorker, r: int) -> torch.Tensor:
+        runner = w.draft_runner_list[0]
+        return runner.kv_pool.get_kv(0)[0][runner.req_to_token_pool.req_to_token[r, :m].long()]
+
+    got, want = draft_kv(worker, row), draft_kv(reference, ref_row)
+    torch.testing.assert_close(got[: m - 1], want[: m - 1], atol=1e-5, rtol=1e-5)
+
+
 def test_chunk_boundary_tail_token(models):
     """SGLang #26329: a non-final chunk's tail is the next prompt token, not the target's
     (meaningless) sample at a mid-prompt position; chunked and one-shot prefill then give the

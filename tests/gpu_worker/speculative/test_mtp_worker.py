@@ -11,8 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aerie.codec import pack_ids
-from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.gpu_worker.checkpoints import make_tiny_checkpoint
@@ -26,6 +24,7 @@ from tests.gpu_worker.speculative.test_eagle_worker import (
     on_cpu_only,
     random_prompts,
     run_engine,
+    serve,
 )
 
 
@@ -96,17 +95,7 @@ def layer_kv(worker: GPUWorker, row: int, length: int) -> list[torch.Tensor]:
 def serve_one(config, prompt: list[int], max_new: int) -> tuple[GPUWorker, int, list[int]]:
     worker = GPUWorker(config)
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    sched.add_request(TokenizedRequest("r", pack_ids(prompt), params))
-    row, output = None, []
-    from aerie.codec import unpack_ids
-
-    while sched.has_work():
-        plan = sched.next_plan()
-        row = unpack_ids(plan.rows)[0]
-        deltas = sched.apply_result(plan, worker.execute(plan))
-        for d in deltas.deltas if deltas else []:
-            output += unpack_ids(d.token_ids)
+    row, output, _ = serve(sched, worker, prompt, max_new)
     return worker, row, output
 
 
@@ -127,6 +116,36 @@ def test_each_layer_uses_its_own_pool_and_recomputes_boundary_kv(mtp_models, chu
     got, want = layer_kv(worker, row, m), layer_kv(reference, ref_row, m)
     for k in range(steps):
         known = m - 1 - k  # positions p <= m-1-k read t_{p+1+k} from the sequence
+        torch.testing.assert_close(
+            got[k][: known + 1], want[k][: known + 1], atol=1e-5, rtol=1e-5, msg=f"MTP layer {k}"
+        )
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_a_cached_prefix_leaves_every_layers_kv_as_a_full_prefill_makes_it(mtp_models, chunk):
+    """A second turn reuses the first turn's cached KV (stopping S tokens short of the match)
+    and prefills only the rest: afterwards every layer's KV at every position whose input
+    tokens are known equals a one-shot prefill's, so no prefill window reached back into the
+    shared prefix with the row's stale hidden stash."""
+    steps = 3
+    config = mtp_config(mtp_models["target"], steps, chunk=chunk)
+    worker = GPUWorker(config)
+    sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
+    first = random_prompts(seed=22, n=1)[0] + list(range(40, 50))
+    _, answer, cached = serve(sched, worker, first, 12)
+    assert cached == 0
+    # Diverge right after the cached tokens: the layers' KV at the last cached positions was
+    # made with the first turn's later tokens, not these.
+    second = first + answer[:-1] + [answer[-1] + 1, 8, 9, 10, 11]
+    row, output, cached = serve(sched, worker, second, 10)
+    assert cached == len(first) + len(answer) - 1 - steps
+    sequence = second + output
+    m = len(sequence) - 1
+    uncached = config.replace(cache={"disable_radix_cache": True})
+    reference, ref_row, _ = serve_one(uncached, sequence[:m], 1)
+    got, want = layer_kv(worker, row, m), layer_kv(reference, ref_row, m)
+    for k in range(steps):
+        known = m - 1 - k
         torch.testing.assert_close(
             got[k][: known + 1], want[k][: known + 1], atol=1e-5, rtol=1e-5, msg=f"MTP layer {k}"
         )
