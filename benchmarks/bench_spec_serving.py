@@ -82,6 +82,7 @@ MANY_CLIENTS_CONCURRENCY, MANY_CLIENTS = 64, 4  # one client process falls behin
 ACCEPTED = "aerie_spec_accepted_tokens"
 PLAIN_STEPS = "aerie_spec_plain_steps"
 DECODE_STEPS = "aerie_decode_steps"
+CACHED_TOKENS = "aerie_prefix_cache_hit_tokens"
 BUSY_GAUGES = ("aerie_num_running_requests", "aerie_num_queued_requests")
 # Requests per stream in a run: with two, a run at 64 streams lasted about a second and its ratio
 # moved by 0.2 between runs (arrival burst and tail weigh as much as the steady state).
@@ -122,12 +123,13 @@ class SpecCounters:
     accepted: tuple[float, ...]  # [position]: verify steps that emitted more than k tokens
     plain_steps: float
     decode_steps: float = 0.0  # plain steps and iterations alike
+    cached_tokens: float = 0.0  # prompt tokens reused from the prefix cache
 
 
 def parse_counters(text: str) -> SpecCounters:
     """The speculative counters of a /metrics scrape (absent: none, 0)."""
     accepted: dict[int, float] = {}
-    plain = decode = 0.0
+    plain = decode = cached = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
@@ -137,7 +139,10 @@ def parse_counters(text: str) -> SpecCounters:
                 plain += sample.value
             elif name == DECODE_STEPS:
                 decode += sample.value
-    return SpecCounters(tuple(accepted.get(k, 0.0) for k in range(len(accepted))), plain, decode)
+            elif name == CACHED_TOKENS:
+                cached += sample.value
+    accepted_list = tuple(accepted.get(k, 0.0) for k in range(len(accepted)))
+    return SpecCounters(accepted_list, plain, decode, cached)
 
 
 def spec_stats(before: SpecCounters, after: SpecCounters, num_steps: int = 0) -> dict:
@@ -159,6 +164,7 @@ def spec_stats(before: SpecCounters, after: SpecCounters, num_steps: int = 0) ->
         "accept_length": sum(delta) / verify if verify else None,
         "accept_per_position": [d / verify for d in delta[1:]] if verify else [],
         "plain_step_share": plain / steps if steps else None,
+        "cached_prompt_tokens": after.cached_tokens - before.cached_tokens,
     }
 
 
@@ -331,6 +337,7 @@ class Bench:
             MANY_CLIENTS if concurrency >= MANY_CLIENTS_CONCURRENCY else 1
         )
         prompts = self.prompts[turn][:num]
+        prompt_tokens = sum(len(p.ids) for p in prompts)
         payloads = make_payloads(prompts, temperature, args.max_new_tokens, args.ignore_eos)
         before, meter = scrape_idle(url), CpuMeter()
         results, wall, client_cpu = send_load(url, payloads, concurrency, clients)
@@ -357,6 +364,10 @@ class Bench:
             "ratio_to_plain": ratio,
             "tpot_ms_mean": summary["tpot_ms"]["mean"],
             "itl_ms_mean": summary["token_itl_ms"]["mean"],
+            "ttft_ms_mean": summary["ttft_ms"]["mean"],
+            "cached_prompt_share": spec["cached_prompt_tokens"] / prompt_tokens
+            if prompt_tokens
+            else 0.0,
             "ms_per_decode_step": step_ms,
             "step_cost_in_plain_steps": step_ms / plain_step if step_ms and plain_step else None,
             **spec,
@@ -397,6 +408,8 @@ def print_table(rows: list[dict]) -> None:
         ("x plain", "ratio_to_plain", ".2f"),
         ("TPOT ms", "tpot_ms_mean", ".2f"),
         ("ITL ms", "itl_ms_mean", ".2f"),
+        ("TTFT ms", "ttft_ms_mean", ".1f"),
+        ("cached", "cached_prompt_share", ".1%"),
         ("step ms", "ms_per_decode_step", ".3f"),
         ("x step", "step_cost_in_plain_steps", ".2f"),
         ("accept", "accept_length", ".2f"),

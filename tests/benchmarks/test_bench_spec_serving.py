@@ -16,7 +16,10 @@ from tests.tokenizer_fixture import make_tiny_tokenizer
 
 
 def scrape(
-    accepted: list[float], plain_steps: float | None = None, decode_steps: float | None = None
+    accepted: list[float],
+    plain_steps: float | None = None,
+    decode_steps: float | None = None,
+    cached: float | None = None,
 ) -> str:
     """/metrics text as the server writes it (counters end in _total), with other metrics."""
     lines = [
@@ -45,7 +48,20 @@ def scrape(
             "# TYPE aerie_decode_steps counter",
             f"aerie_decode_steps_total {decode_steps}",
         ]
+    if cached is not None:
+        lines += [
+            "# HELP aerie_prefix_cache_hit_tokens Prompt tokens reused from the prefix cache.",
+            "# TYPE aerie_prefix_cache_hit_tokens counter",
+            f"aerie_prefix_cache_hit_tokens_total {cached}",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def test_cached_prompt_tokens_come_from_the_counter_delta():
+    before = bench.parse_counters(scrape([1], cached=40))
+    after = bench.parse_counters(scrape([1], cached=100))
+    assert bench.spec_stats(before, after)["cached_prompt_tokens"] == 60
+    assert bench.parse_counters(scrape([1])).cached_tokens == 0  # a server without the cache
 
 
 def test_accept_length_per_position_and_plain_share_come_from_counter_deltas():
