@@ -92,9 +92,11 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class DebugQuery:
-    """Where is each unfinished request? (GET /debug/requests, --enable-debug-info only.)"""
+    """Where is each unfinished request? (GET /debug/requests, --enable-debug-info only.)
+    flush_cache: first drop every cached prefix no running request uses (POST /flush_cache)."""
 
     query_id: int
+    flush_cache: bool = False
 
 
 # --------------------------------------------------------------------------------------------

@@ -107,6 +107,14 @@ class KVAllocator:
             return 0, 0
         return usable, self.cache.evictable_pages_on(token_ids[:usable])
 
+    def flush_cache(self) -> int:
+        """Free every cached page no row uses; -> how many."""
+        if self.cache is None:
+            return 0
+        freed = self.cache.evict(self.cache.num_evictable_pages)
+        self._free_pages += freed
+        return len(freed)
+
     def releasable_pages(self, row: int) -> int:
         """Pages that become free (or evictable) when the row is freed: its own and the cached
         ones no other row uses."""

@@ -141,6 +141,8 @@ class SchedulerLoop:
             self.traced_results.append(result.plan_id)
 
     def handle_debug_query(self, msg: DebugQuery) -> None:
+        if msg.flush_cache:
+            logger.info("flushed %d cached tokens", self.core.flush_cache())
         summary, requests = self.core.describe()
         summary = {**summary, "stalled": self.stalled}
         self.to_tokenizer.send(DebugReport(msg.query_id, self.replica, summary, requests))

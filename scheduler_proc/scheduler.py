@@ -476,6 +476,7 @@ class Scheduler:
             "can_plan": self.can_plan(),
             "plans_in_flight": len(self._in_flight),
             "free_pages": self.allocator.num_free_pages,
+            "prefix_cache_tokens": self._cache_stats().get("prefix_cache_tokens", 0),
             "free_rows": self.allocator.num_free_rows,
             "num_retractions": self._num_retractions,
         }
@@ -499,6 +500,10 @@ class Scheduler:
                 entry["queue_position"] = position[id(req)]
             entries.append(entry)
         return summary, entries
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no running request uses; -> the tokens dropped."""
+        return self.allocator.flush_cache() * self.allocator.page_size
 
     def stats(self) -> SchedulerStats:
         avg = self._num_decode_tokens / self._num_verify if self._num_verify else 0.0

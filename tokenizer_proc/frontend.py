@@ -49,8 +49,9 @@ class Backend(Protocol):
         """rid is done (finished, or aborted after its `abort` was made)."""
         ...
 
-    async def describe(self) -> list[dict[str, Any]]:
-        """Where the engine holds each request, per scheduler (GET /debug/requests)."""
+    async def describe(self, flush_cache: bool = False) -> list[dict[str, Any]]:
+        """Where the engine holds each request, per scheduler (GET /debug/requests); with
+        flush_cache, after each scheduler dropped its unused cached prefixes."""
         ...
 
 

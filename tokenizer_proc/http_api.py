@@ -1,7 +1,8 @@
 """The native HTTP API (`create_app`) over the socket-free `Frontend` core.
 
 Native endpoints: POST /generate, GET /health, /health_generate, /server_info, /get_model_info,
-/metrics, /debug/requests (with --enable-debug-info). The OpenAI routes live in `openai_api`.
+/metrics, /debug/requests (with --enable-debug-info), /flush_cache. The OpenAI routes live in
+`openai_api`.
 
 /generate streaming (SSE): each `data:` event is a full response dict whose `text` and
 `output_ids` are CUMULATIVE (everything so far, as SGLang's /generate does) and whose
@@ -284,6 +285,16 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
             return JSONResponse(error_body(msg, None, 404), status_code=404)
         schedulers = await frontend.backend.describe()
         return JSONResponse({"tokenizer": frontend.tracker.describe(), "schedulers": schedulers})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> JSONResponse:
+        """Drop every cached prefix that no running request uses (SGLang's endpoint; a
+        benchmark's runs then start cold). Answers with what each scheduler still caches."""
+        replicas = await frontend.backend.describe(flush_cache=True)
+        keys = ("replica", "answered", "prefix_cache_tokens", "free_pages")
+        body = [{k: r[k] for k in keys if k in r} for r in replicas]
+        ok = all(r["answered"] for r in replicas)
+        return JSONResponse({"flushed": ok, "replicas": body}, status_code=200 if ok else 503)
 
     @app.get("/get_model_info")
     async def model_info() -> JSONResponse:

@@ -85,15 +85,16 @@ class SchedulerBackend:
         if replica is not None:
             self.load[replica] -= 1
 
-    async def describe(self) -> list[dict[str, Any]]:
+    async def describe(self, flush_cache: bool = False) -> list[dict[str, Any]]:
         """Each replica's scheduler state and requests (`Scheduler.describe`), or
-        `answered: False` for a scheduler that did not answer within DEBUG_QUERY_TIMEOUT_S."""
+        `answered: False` for a scheduler that did not answer within DEBUG_QUERY_TIMEOUT_S;
+        flush_cache: each scheduler first drops its unused cached prefixes."""
         query_id = next(self._query_ids)
         loop = asyncio.get_running_loop()
         futures = self._queries[query_id] = [loop.create_future() for _ in self._senders]
         try:
             for sender in self._senders:
-                await sender.send(DebugQuery(query_id))
+                await sender.send(DebugQuery(query_id, flush_cache))
             await asyncio.wait(futures, timeout=DEBUG_QUERY_TIMEOUT_S)
         finally:
             del self._queries[query_id]

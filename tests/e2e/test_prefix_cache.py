@@ -9,6 +9,7 @@ off."""
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -129,6 +130,68 @@ def test_a_full_cache_evicts_the_least_recently_used_prefix(tiny_model_dirs):
             info = httpx.get(server.url + "/server_info").json()
             assert info["prefix_cache_tokens"] <= 128
     assert cached == {"a": 0, "b": 0, "c": 0, "a again": 0, "c again": 36}
+
+
+def test_a_tiny_pool_retracts_and_evicts_without_changing_outputs(tiny_model_dirs):
+    """12 concurrent requests over three shared stems in a pool of 192 tokens: admission,
+    retraction and eviction all run on cached pages, and every output is still transformers'."""
+    target = tiny_model_dirs["llama"]
+    rng = random.Random(11)
+    stems = [[rng.randrange(3, VOCAB) for _ in range(24)] for _ in range(3)]
+    tails = [[rng.randrange(3, VOCAB) for _ in range(i % 5 + 1)] for i in range(12)]
+    prompts = [stems[i % 3] + tail for i, tail in enumerate(tails)]
+    args = ["--model-path", target, "--page-size", "4", "--max-total-tokens", "192"]
+    args += ["--chunked-prefill-size", "16", "--schedule-conservativeness", "0"]
+    with Server(*args) as server:
+        generate(server.url, stems[0] + [3], 4)  # something cached before the wave
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(lambda ids: generate(server.url, ids, 24), prompts))
+        info = httpx.get(server.url + "/server_info").json()
+    for ids, got in zip(prompts, outs, strict=True):
+        assert got["output_ids"] == hf_greedy(target, ids, 24), f"prompt {ids}"
+    assert info["num_retractions"] > 0 and info["cached_prefill_tokens"] > 0
+
+
+def test_no_page_leaks_after_aborts_and_a_flush_empties_the_cache(tiny_model_dirs):
+    """Streams cut off by their clients and finished requests alike leave only unused cached
+    pages behind; /flush_cache drops them."""
+    target = tiny_model_dirs["llama"]
+    rng = random.Random(5)
+    stem = [rng.randrange(3, VOCAB) for _ in range(30)]
+    with Server("--model-path", target) as server:
+
+        def one(i: int) -> None:
+            body = {
+                "input_ids": stem + [3 + i],
+                "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True},
+                "stream": i % 2 == 0,
+            }
+            if not body["stream"]:
+                generate(server.url, body["input_ids"], 16)
+                return
+            with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n == 3:
+                        break  # the client goes away: the server aborts the request
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(16)))
+        deadline = time.monotonic() + 30
+        while True:  # the scheduler's stats arrive a moment after the last response
+            info = httpx.get(server.url + "/server_info").json()
+            if (
+                info["num_running"] == 0
+                and info["kv_used_tokens"] == 0
+                or (time.monotonic() > deadline)
+            ):
+                break
+            time.sleep(0.2)
+        assert info["kv_used_tokens"] == 0 and info["num_running"] == 0
+        assert 0 < info["prefix_cache_tokens"] == info["prefix_cache_evictable_tokens"]
+        r = httpx.post(server.url + "/flush_cache", json={}, timeout=30)
+        assert r.status_code == 200, r.text
+        flushed = r.json()
+    assert flushed["flushed"] and flushed["replicas"][0]["prefix_cache_tokens"] == 0
 
 
 def test_mtp_reuses_every_layers_kv(tmp_path):

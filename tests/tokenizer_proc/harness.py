@@ -61,7 +61,7 @@ class FakeEngine:
     def finished(self, rid: str) -> None:
         pass
 
-    async def describe(self) -> list[dict]:
+    async def describe(self, flush_cache: bool = False) -> list[dict]:
         """One scheduler that holds every submitted request still in flight."""
         held = [{"rid": r.rid} for r in self.submitted if r.rid in self.frontend.tracker]
         return [{"replica": 0, "answered": True, "requests": held}]
