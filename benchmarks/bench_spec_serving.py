@@ -67,6 +67,7 @@ from benchmarks.spec_prompts import (  # noqa: E402
     load_tokenizer,
     make_payloads,
     second_turns,
+    system_prompt,
     user_turn,
     with_second_turns,
 )
@@ -226,8 +227,9 @@ class Bench:
         self.tokenizer = load_tokenizer(args.model_path)
         self.num = max(default_num_prompts(args, max(args.concurrency)), args.warmup_prompts)
         # turn -> the prompts of every run (second turns once the plain server has answered)
+        self.system = system_prompt(self.tokenizer, questions, args.system_prompt_tokens)
         self.prompts: dict[int, list[Prompt]] = {
-            1: first_turns(self.tokenizer, questions, self.num)
+            1: first_turns(self.tokenizer, questions, self.num, self.system)
         }
         self.start = time.monotonic()
         # (turn, T, concurrency) -> the plain server's (tok/s, ms per decode step) there
@@ -320,7 +322,7 @@ class Bench:
         if not asked:
             raise SystemExit("--turns 2: no question in --prompts has a second turn")
         self.say(f"answering {len(asked)} first turns greedily for the second turns")
-        first = [Prompt(user_turn(self.tokenizer, q[0]), MT_BENCH) for q in asked]
+        first = [Prompt(user_turn(self.tokenizer, q[0], self.system), MT_BENCH) for q in asked]
         payloads = make_payloads(first, 0.0, self.args.max_new_tokens, False)
         results, _, _ = send_load(url, payloads, len(payloads), 1)
         failed = [r.error for r in results if not r.success]
@@ -328,7 +330,22 @@ class Bench:
             # Fatal: the second turns must follow the plain server's own answers.
             raise SystemExit(f"{len(failed)} first-turn answers failed: {failed[0]}")
         answers = [r.output_ids for r in results]
-        self.prompts[2] = second_turns(self.tokenizer, self.questions, answers, self.num)
+        self.prompts[2] = second_turns(
+            self.tokenizer, self.questions, answers, self.num, self.system
+        )
+
+    def prepare_cache(self, url: str, prompts: list[Prompt]) -> None:
+        """Every run starts from a flushed prefix cache (no run reuses an earlier run's
+        prompts); a second turn's run then has its chats' first turns prefilled, as a chat
+        server would have them from answering those turns."""
+        r = httpx.post(url + "/flush_cache", json={}, timeout=60)
+        if r.status_code == 404:
+            return  # a server without a prefix cache
+        r.raise_for_status()
+        histories = {tuple(p.ids[: p.history_len]) for p in prompts if p.history_len}
+        if histories:
+            payloads = make_payloads([Prompt(list(h), MT_BENCH) for h in histories], 0.0, 1, True)
+            send_load(url, payloads, 16, 1)
 
     def run_one(self, name: str, url: str, turn: int, temperature: float, concurrency: int) -> dict:
         args = self.args
@@ -339,6 +356,7 @@ class Bench:
         prompts = self.prompts[turn][:num]
         prompt_tokens = sum(len(p.ids) for p in prompts)
         payloads = make_payloads(prompts, temperature, args.max_new_tokens, args.ignore_eos)
+        self.prepare_cache(url, prompts)
         before, meter = scrape_idle(url), CpuMeter()
         results, wall, client_cpu = send_load(url, payloads, concurrency, clients)
         shares = {**meter.shares(), "client": round(client_cpu / max(wall, 1e-9), 3)}
@@ -457,6 +475,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", nargs="+", default=list(BUILTIN_SERVERS), help="NAME or NAME=ARGS")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--turns", default="1", help="1: first turns; 1,2: and MT-bench second turns")
+    p.add_argument(
+        "--system-prompt-tokens",
+        type=int,
+        default=0,
+        help="a system message of about this many tokens shared by every chat",
+    )
     p.add_argument("--concurrency", default="1,16,64,256")
     p.add_argument(
         "--num-prompts",

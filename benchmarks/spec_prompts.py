@@ -75,6 +75,7 @@ class Prompt:
     ids: list[int]  # chat-templated, ending with the assistant's turn opened
     kind: str  # MT_BENCH or CODE
     turn: int = 1
+    history_len: int = 0  # leading tokens that earlier turns of its chat already ran
 
 
 def load_questions(path: str | None) -> list[list[str]]:
@@ -99,20 +100,36 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def render(tokenizer, chat: list[dict]) -> list[int]:
-    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+def render(tokenizer, chat: list[dict], system: str = "", open_turn: bool = True) -> list[int]:
+    if system:
+        chat = [{"role": "system", "content": system}, *chat]
+    return list(
+        tokenizer.apply_chat_template(chat, add_generation_prompt=open_turn, return_dict=False)
+    )
 
 
-def user_turn(tokenizer, text: str) -> list[int]:
-    """A chat of one user turn, the assistant's turn opened."""
-    return render(tokenizer, [{"role": "user", "content": text}])
+def user_turn(tokenizer, text: str, system: str = "") -> list[int]:
+    """A chat of one user turn (after a system message, if any), the assistant's turn opened."""
+    return render(tokenizer, [{"role": "user", "content": text}], system)
 
 
-def first_turns(tokenizer, questions: list[list[str]], num: int) -> list[Prompt]:
+def system_prompt(tokenizer, questions: list[list[str]], num_tokens: int) -> str:
+    """A system message of about num_tokens tokens shared by every chat (0: none): the
+    questions' own text, which no prompt of a run begins with."""
+    if num_tokens <= 0:
+        return ""
+    text = " ".join(turn for q in reversed(questions) for turn in q)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < num_tokens:
+        ids = ids + ids
+    return "Background material for the conversation:\n" + tokenizer.decode(ids[:num_tokens])
+
+
+def first_turns(tokenizer, questions: list[list[str]], num: int, system: str = "") -> list[Prompt]:
     """`num` prompts: MT-bench first turns and CODE_PROMPTS alternately, each list cycled."""
     pools = ([(q[0], MT_BENCH) for q in questions], [(c, CODE) for c in CODE_PROMPTS])
     picked = [pools[i % 2][i // 2 % len(pools[i % 2])] for i in range(num)]
-    ids = {text: user_turn(tokenizer, text) for text, _ in picked}
+    ids = {text: user_turn(tokenizer, text, system) for text, _ in picked}
     return [Prompt(ids[text], kind) for text, kind in picked]
 
 
@@ -121,7 +138,7 @@ def with_second_turns(questions: list[list[str]]) -> list[list[str]]:
 
 
 def second_turns(
-    tokenizer, questions: list[list[str]], answers: list[list[int]], num: int
+    tokenizer, questions: list[list[str]], answers: list[list[int]], num: int, system: str = ""
 ) -> list[Prompt]:
     """`num` prompts (cycled): each question's second turn after its first turn and `answers`
     (the first turn's answer ids, one per question of `with_second_turns(questions)`)."""
@@ -135,7 +152,10 @@ def second_turns(
             {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
             {"role": "user", "content": question[1]},
         ]
-        rendered.append(Prompt(render(tokenizer, chat), MT_BENCH, turn=2))
+        ids = render(tokenizer, chat, system)
+        history = render(tokenizer, chat[:2], system, open_turn=False)
+        history_len = len(history) if ids[: len(history)] == history else 0
+        rendered.append(Prompt(ids, MT_BENCH, turn=2, history_len=history_len))
     return [rendered[i % len(rendered)] for i in range(num)]
 
 

@@ -20,6 +20,7 @@ from benchmarks.spec_prompts import (
     load_tokenizer,
     make_payloads,
     second_turns,
+    system_prompt,
 )
 from tests.tokenizer_fixture import make_tiny_tokenizer
 
@@ -55,8 +56,24 @@ def test_second_turns_follow_the_first_and_its_answer(tokenizer):
         )
         assert tokenizer.decode(prompt.ids) == expected
         assert (prompt.kind, prompt.turn) == (MT_BENCH, 2)
+        # The history a chat server ran for the first turn: up to the answer's end.
+        history = tokenizer.decode(prompt.ids[: prompt.history_len])
+        assert history == expected[: expected.index(second) - len("<|im_start|>user\n")]
     with pytest.raises(ValueError, match="1 answers for 2 questions"):
         second_turns(tokenizer, questions, answers[:1], 3)
+
+
+def test_a_shared_system_prompt_opens_every_chat(tokenizer):
+    questions = [["Hello there, how are you?", "And then?"], ["Why?", "Really?"]]
+    system = system_prompt(tokenizer, questions, 40)
+    assert len(tokenizer.encode(system, add_special_tokens=False)) >= 40
+    assert system_prompt(tokenizer, questions, 0) == ""
+    opening = TEMPLATE.format(role="system", content=system)
+    for prompt in first_turns(tokenizer, questions, 4, system):
+        assert tokenizer.decode(prompt.ids).startswith(opening)
+    answers = [tokenizer.encode("Fine", add_special_tokens=False)] * 2
+    for prompt in second_turns(tokenizer, questions, answers, 2, system):
+        assert tokenizer.decode(prompt.ids[: prompt.history_len]).startswith(opening)
 
 
 def test_payloads_stream_the_ids_and_keep_the_output():
