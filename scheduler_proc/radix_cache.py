@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Sequence
 
 
 class Node:
     __slots__ = ("children", "parent", "tokens", "pages", "lock_ref", "last_access", "serial")
 
-    def __init__(self, parent: Node | None, tokens: tuple[int, ...], pages: list[int]) -> None:
+    def __init__(self, parent: Node | None, tokens: array, pages: array) -> None:
         self.children: dict[tuple[int, ...], Node] = {}  # keyed by the first page's tokens
         self.parent = parent
+        # int32 arrays, not lists: a cache of millions of tokens costs 8 bytes a token
         self.tokens = tokens  # len(pages) * page_size token ids
         self.pages = pages
         self.lock_ref = 0  # running requests whose reused prefix passes through this node
@@ -29,7 +31,7 @@ class Node:
 class RadixCache:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.root = Node(None, (), [])
+        self.root = Node(None, array("i"), array("i"))
         self.root.lock_ref = 1  # never evicted
         self.num_pages = 0  # pages the tree holds
         self.num_evictable_pages = 0  # of them, on no locked path
@@ -75,13 +77,14 @@ class RadixCache:
         if child is None:
             return None, 0
         edge = child.tokens
-        rest = token_ids[matched : matched + len(edge)]
-        if tuple(rest) == edge:
+        rest = array("i", token_ids[matched : matched + len(edge)])
+        if rest == edge:
             return child, len(child.pages)
         num_pages = 1  # the first page matched by the key
-        while (num_pages + 1) * size <= len(rest) and tuple(
+        while (num_pages + 1) * size <= len(rest) and (
             rest[num_pages * size : (num_pages + 1) * size]
-        ) == edge[num_pages * size : (num_pages + 1) * size]:
+            == edge[num_pages * size : (num_pages + 1) * size]
+        ):
             num_pages += 1
         return child, num_pages
 
@@ -139,9 +142,9 @@ class RadixCache:
             child, num_pages = self._step(node, token_ids, matched)
             if child is None:
                 first = matched // size
-                leaf = Node(node, tuple(token_ids[matched:]), list(pages[first:]))
+                leaf = Node(node, array("i", token_ids[matched:]), array("i", pages[first:]))
                 leaf.last_access = stamp
-                node.children[leaf.tokens[:size]] = leaf
+                node.children[tuple(leaf.tokens[:size])] = leaf
                 self.num_nodes += 1
                 self.num_pages += len(leaf.pages)
                 self.num_evictable_pages += len(leaf.pages)
@@ -171,7 +174,7 @@ class RadixCache:
             self.num_evictable_pages -= len(node.pages)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.tokens[: self.page_size]]
+            del parent.children[tuple(node.tokens[: self.page_size])]
             self.num_nodes -= 1
             node.parent = None
             if parent is not self.root and parent.lock_ref == 0:
@@ -185,9 +188,9 @@ class RadixCache:
         assert parent is not None
         upper = Node(parent, node.tokens[:cut], node.pages[:num_pages])
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
-        parent.children[upper.tokens[: self.page_size]] = upper
+        parent.children[tuple(upper.tokens[: self.page_size])] = upper
         node.tokens, node.pages, node.parent = node.tokens[cut:], node.pages[num_pages:], upper
-        upper.children[node.tokens[: self.page_size]] = node
+        upper.children[tuple(node.tokens[: self.page_size])] = node
         self.num_nodes += 1
         return upper
 
