@@ -58,6 +58,7 @@ from gpu_worker.speculative.stage_buffers import (
     ProposeInputs,
     accept_specs,
     extend_specs,
+    tree_fields,
 )
 from gpu_worker.speculative.target_verify import SpecStepOutput, accept_and_read, verify_tree
 from gpu_worker.speculative.tree import DraftShape, DraftTree
@@ -249,14 +250,7 @@ class SpeculativeWorker:
         return Proposal(
             rows=rows,
             committed_lens=committed_lens,
-            tokens=tree.tokens,
-            positions=tree.positions,
-            custom_mask=tree.custom_mask,
-            retrieve_index=tree.retrieve_index,
-            next_token=tree.next_token,
-            next_sibling=tree.next_sibling,
-            depth=tree.depth,
-            ancestors=tree.ancestors,
+            **tree_fields(tree),
             logits=out.next_token_logits,
             features=features,
             greedy_accept_lens=accept_lens,
