@@ -131,7 +131,7 @@ class MTPWorker(SpeculativeWorker):
         windows: list[StackWindow],
     ) -> None:
         """Run every MTP layer over its window after positions [start, start + known_len) were
-        committed (see the module docstring); updates the rows' chain and hidden stash.
+        committed (`docs/speculation.md`, MTP); updates the rows' chain and hidden stash.
 
         rows, starts, known_lens, hidden_offsets [bs]; line [bs, W] int64 (t_{start+1}, ...;
         predictions are written into it); hidden [N, H]: the target hidden of position

@@ -95,7 +95,7 @@ class KernelTrace:
 def profile_summary(
     steps: int, tracer: str, intervals: list[tuple[float, float]], records: dict[str, int]
 ) -> dict:
-    """The JSON a profiled window writes: see the module docstring."""
+    """The JSON a profiled window writes (idle share: 1 - busy / span)."""
     gaps = device_gaps(intervals)
     busy, span = gaps.busy, gaps.span
     return {
