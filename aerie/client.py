@@ -2,23 +2,9 @@
 
     with Client("tcp://127.0.0.1:30001") as client:
         out = client.generate(text="Hello", sampling_params={"max_new_tokens": 16})
-        for delta in client.stream(text="Hello"):
-            print(delta["text"], end="")
 
-`generate` returns the same dict as POST /generate (a list for a batch prompt); `stream`
-yields incremental deltas (`text` / `output_ids` hold only what is new; the last one has
-`meta_info.finish_reason` set). Server-side errors raise `AerieClientError`; a `timeout`
-that passes aborts the request on the server and raises `AerieTimeoutError`. Leaving a
-stream early aborts its request. One client is one connection: the server refuses more than
---max-zmq-requests-per-connection (256) unfinished requests on it with code 429, and treats a
-client that leaves about a thousand replies unread as gone (`AsyncClient` reads them all).
-
-A server started with --api-key needs `api_key=`; one started with --zmq-curve needs
-`server_public_key=` (its Z85 public key, logged at start). A failed CURVE handshake (a key
-missing on one side, or the wrong one) raises `AerieClientError` instead of waiting forever.
-The wire protocol is documented in `tokenizer_proc/zmq_frontend.py`. Imports only pyzmq and
-msgpack. A `Client` is not thread-safe; use one per thread (or an `AsyncClient` per event
-loop).
+`api_key=` serves --api-key, `server_public_key=` --zmq-curve. One client is one connection,
+not thread-safe; the protocol and its limits: `docs/serving.md`, "The ZMQ protocol".
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """msgpack codec for the messages in `aerie.messages`, with explicit type tags. Never pickle.
 
-A message is encoded as a msgpack ext value (code 1) whose payload is `[type_name, field...]`,
-recursively for nested messages. Only the types in `MESSAGE_TYPES` can be encoded or decoded;
-anything else is a loud `CodecError`. The registry is checked when this module is imported:
-every type must be a frozen dataclass with a unique name whose fields are of supported types.
-
-Token ids travel as raw little-endian int32 bytes (`pack_ids` / `unpack_ids`), float arrays as
-little-endian float32 bytes.
+A message is a msgpack ext value (code 1) holding `[type_name, field...]`. Only the types in
+`MESSAGE_TYPES` encode or decode (else `CodecError`); the registry is checked at import. Token
+ids travel as raw little-endian int32 bytes, float arrays as little-endian float32.
 """
 
 from __future__ import annotations

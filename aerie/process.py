@@ -1,14 +1,8 @@
 """Process bootstrap shared by the four `run_<name>_process` entry points.
 
-`run_process` sets up logging with the process tag, ties the child's life to the launcher's
-(Linux parent-death signal, so no orphans), builds the process's core, starts its heartbeat
-thread, reports `ProcessReady` to the launcher, runs the loop, and on any exception reports
-`ProcessFailed` with the traceback before exiting non-zero.
-
-Liveness: the loop keeps a `Progress` record of what it is doing; a `HeartbeatThread` answers
-the launcher's heartbeats with it on a socket and ZMQ context of its own, so a loop inside a
-long step still answers (a long torch op releases the GIL, and a pure-Python one yields it
-every few milliseconds). The launcher judges from the answers (see `aerie.watchdog.Watchdog`).
+`run_process` sets up logging, ties the child's life to the launcher's, builds its core, starts
+its `HeartbeatThread` (its own socket and ZMQ context, so a loop inside a long step still
+answers), reports `ProcessReady`, runs the loop, and reports `ProcessFailed` on any exception.
 """
 
 from __future__ import annotations

@@ -1,41 +1,7 @@
 """`StepTrace`: when each served step passes through the scheduler and the GPU worker, as host
-timestamps on one clock (benchmarks and diagnosis only; off unless the variable is set).
-
-Set `AERIE_STEP_TRACE=FIRST,COUNT,DIR` in a launched server's environment: the scheduler and
-the GPU worker record the events of plans FIRST .. FIRST+COUNT-1 (the scheduler's plan ids,
-which count from 1 and include prefill steps) and each writes `DIR/<process>.json` once it
-sees a plan past the window, or at shutdown. Times are CLOCK_MONOTONIC nanoseconds, one clock
-for every process on the machine, so the files merge into one timeline
-(`tools/step_trace_summary.py` does that and prints where a step's time goes).
-
-Events, by plan id:
-    scheduler  result_in   its StepResult received, before it is applied
-               applied     applied: outputs, finishes and KV updated, deltas queued
-               plan_out    the plan built, about to be sent (its mode and batch size kept;
-                           "speculate" for a speculative iteration, "decode" for a plain step)
-               done        its result's deltas and the stats sent: the loop is free again
-    worker     plan_in     the plan received
-               parsed, slots_written, stepped
-                           inside a plain decode step's launch: the plan read (rows
-                           started), the slots' indices computed, the one input copy and
-                           the replay queued (in other steps the slots are recorded before
-                           `slots_written`, and there is no `stepped`)
-               launched    its work queued on the device
-               ready       its results found ready (the device is done with it, to within one
-                           poll of the worker's loop)
-               result_out  its StepResult packed, about to be sent
-               gpu_gap_us, gpu_span_us (values, on CUDA)
-                           from CUDA events around the launch: the device's idle time between
-                           the previous step's last operation and this one's first, and the
-                           device time from this step's first operation to its last
-
-With the overlap schedule the scheduler plans step N+2 once step N's result is applied, while
-the device runs step N+1; the device waits whenever `launched(N+2)` comes after `ready(N+1)`.
-The trace shows which link of that chain (the worker's packing, the two socket hops, the
-scheduler's apply and plan, the worker's launch) makes it late. Recording costs a list append
-per event, and on CUDA the worker also records events around each launch; traced one-stream
-servers have run slower than untraced ones (`docs/performance.md`, "Where one stream's served
-step goes"), so compare traced runs with traced runs only.
+timestamps on one clock (benchmarks and diagnosis only; off unless `AERIE_STEP_TRACE` is set).
+The events and how to read them: `docs/serving.md`; `tools/step_trace_summary.py` merges the
+files into one timeline.
 """
 
 from __future__ import annotations

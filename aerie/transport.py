@@ -1,16 +1,9 @@
 """Typed messages between processes, encoded by `aerie.codec`: ZMQ inboxes, and the step link.
 
-`Sender` / `Receiver` are ZMQ PUSH/PULL: a Receiver binds its address (each process owns one
-inbox); Senders connect. `AsyncReceiver` / `AsyncSender` are the same API for the asyncio
-frontend (the tokenizer process) only.
-
-`StepLink` is the one exception, the hot path between a scheduler and its GPU worker (rank 0):
-a plan and its result cross it every step, and a ZMQ message passes through an I/O thread on
-each side, several times slower a hop than a Unix socket the two processes read and write
-themselves (`benchmarks/bench_ipc_hop.py` measures both). Both directions share one Unix
-stream socket, each message framed by its length. The worker
-listens (before it reports ready) and the scheduler connects. `Inbox` reads a process's ZMQ
-inbox and its link as one: a spin or a blocking wait over both.
+`Sender` / `Receiver` are ZMQ PUSH/PULL (each process binds one inbox); the async pair serves
+the tokenizer process. `StepLink`, the hot path between a scheduler and its worker rank 0, is
+one Unix stream socket, length-framed, that the two read and write themselves; `Inbox` reads a
+process's ZMQ inbox and its link as one.
 """
 
 from __future__ import annotations

@@ -3,13 +3,8 @@ docs/drafts.md, each suite a named sequence of benchmark runs on the lent GPU ma
 
     python3 -m benchmarks prepare                  # here, on CPU: builds .device-carry/
     python3 -m benchmarks iteration --dry-run      # the commands, one a line, nothing run
-    python3 -m benchmarks iteration --setup --shapes "3,1,4" --batch-sizes 1,4   # on the device
 
-Each suite's --help lists its flags and their defaults. Every command's output goes to a log in
---out (default $OUT, which the device returns), the end of it printed when the command ends. A
-suite stops at its first failing command unless --keep-going. On the device, --setup first runs
-.device-carry/on_device.sh (carried wheels installed, the model halves joined) and passes on
-the environment it exports.
+Logs go to --out (default $OUT); --setup first runs .device-carry/on_device.sh there.
 """
 
 from __future__ import annotations

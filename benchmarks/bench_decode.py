@@ -1,35 +1,9 @@
 """Decode speed of a `ModelRunner`, variant by variant, next to the bandwidth roofline and a
-compiled static-KV baseline, all measured in the same run.
+compiled static-KV baseline (`static_kv_baseline`), all measured in the same run. Variants:
+torch_native, triton, triton+graph (the serving default), and unfused, nopdl and library, each
+without one fast path; tokens/s, step time, kernels and host time per step, and the roofline.
 
-For each model and batch size it times greedy decode (the argmax fed back on the device, no
-host synchronisation inside the timed loop) for these variants:
-
-  torch_native   the reference attention and torch layers, eager
-  triton         Triton attention and fused layer kernels, eager
-  triton+graph   the same replayed as CUDA graphs (the serving default on CUDA)
-  unfused, unfused+graph
-                 triton without the small-batch fused projections (each norm, SiLU-and-mul
-                 and projection a kernel of its own, projections by the library GEMM)
-  nopdl, nopdl+graph
-                 triton with every kernel launched without programmatic dependent launch
-                 (kernels.pdl: on by default from compute capability 9.0)
-  library, library+graph
-                 triton with the one-row projections of large weights (over
-                 small_m_linear.MAX_FUSED_WEIGHT elements: the 8B shape's) by the library GEMM
-                 instead of the kernel at small_m_linear.GEMV_CONFIG
-  compiled       a gpt-fast-style static-KV decoder on the same weights, compiled with
-                 torch.compile(mode="reduce-overhead") (benchmarks/static_kv_baseline.py)
-
-(--gemv-configs adds triton+graph@<config> variants: the graphs captured again with each
-launch shape as GEMV_CONFIG) and reports tokens/s, step time (device events over the whole
-loop), kernels per step (the profiler's CUDA kernel records over a few steps), host time per
-step (the time the host takes to issue one step) and the roofline: at batch 1 a step reads
-every weight once, so the best possible speed is bandwidth / weight bytes (bandwidth measured
-here by a device-to-device copy). Models: `smollm2` (the default model's shape, random
-weights unless --real-weights), `llama3-8b` (Llama-3.1-8B shape, random weights), or a model
-directory.
-
-  python benchmarks/bench_decode.py --models smollm2,llama3-8b --batch-size 1,64 --output d.json
+  python benchmarks/bench_decode.py --models smollm2,llama3-8b --batch-size 1,64
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Per-launch time of the fused decode attention kernel (RoPE, the K/V store and split-K
-attention over the paged pool) over its tuning knobs: the least number of keys a split covers
-(`min_keys_per_split`), the keys per loop iteration (`block_n`) and the warps per program, at
-the attention shapes of SmolLM2-135M (9 heads, 3 KV heads, head dim 64) and Llama-3.1-8B
-(32, 8, 128), for several batch sizes and sequence lengths. `--queries N` (N > 1) times the
-few-query kernel instead, with its own knobs: N new tokens per request, the speculative
-verify's and draft extend's shape (causal, or `--tree` for a random tree-local mask).
+"""Per-launch time of the fused decode attention kernel over its tuning knobs (min_keys_per_split,
+block_n, warps) at the 135M and 8B attention shapes; `--queries N` times the few-query kernel.
 
-Each measurement replays a CUDA graph of CALLS back-to-back launches (a decode graph runs one
-per layer), so a figure is the kernel's time plus the gap between graph nodes. Every
-configuration's output is first checked against the default configuration's (the knobs
-`choose_launch` picks), which the backend tests check against the torch_native reference.
+Each figure replays a CUDA graph of CALLS back-to-back launches, so it includes the gap between
+graph nodes; every configuration's output is first checked against the default's.
 
   python benchmarks/bench_decode_attention.py --output decode_attention.json
 """

@@ -3,19 +3,8 @@ on the CPU, with no model and no GPU.
 
     python3 benchmarks/bench_delivery.py --streams 64 --step-ms 1.35 --output-len 256
 
-The server is the tokenizer process's own app (`create_app` over a `Frontend`, uvicorn with the
-process's HTTP protocol, the inbox read as `tokenizer_proc.process` reads it) on localhost, in
-this process. A feeder process stands in for scheduler and detokenizer: it takes the
-`TokenizedRequest`s and, every --step-ms while any stream runs, sends one `TextDeltas` with one
-token (a short text piece, some with quotes, backslashes, newlines and non-ASCII) for each
-running stream, as the detokenizer does once per decode step. Client processes
-(`serving_load`) keep --streams requests streaming (--rounds x --streams in all, a new one as
-each finishes).
-
-Reported: events delivered per second (against the feeder's offer, streams / step), tokens per
-event (1.0 when every step reaches the client as its own event), the per-chunk ITL (median,
-p99) and per-token ITL, the server process's CPU time per event and the clients' (a client
-near a full core is itself the limit: add --client-processes), and the feeder's step period.
+The tokenizer's own app serves; a feeder process sends one token per running stream every
+--step-ms, as the detokenizer would. Reported: events/s, tokens per event, ITL, and CPU per event.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Host time per launch of the small operations an eager forward is made of (CUDA).
+"""Host time per launch of the small operations an eager forward is made of (CUDA): the library
+GEMM through F.linear, `@` and torch.mm, a Triton kernel, an allocation and an add, at 8 and
+256 rows of the 135M qkv shape, without synchronising.
 
     python benchmarks/bench_host_launch.py
-
-An eager prefill launches every kernel from Python: its host cost per launch, not the GPU's
-work, sets the time of a short prompt's prefill. For 8 and 256 rows of the SmolLM2-135M qkv
-projection's shape, this times (without synchronising, so the queue never drains) the library
-GEMM through F.linear, `@` and torch.mm, a Triton kernel (RMSNorm), an allocation and an
-elementwise add: microseconds of host time per call.
 """
 
 from __future__ import annotations

@@ -2,12 +2,8 @@
 
     python3 benchmarks/bench_ipc_hop.py --messages 3000 --size 96
 
-Two processes ping-pong a message of --size bytes (about a decode plan's or a step result's
-encoding), each side waiting for the other's message either spinning on a non-blocking receive
-(as the served loops do while a step is in flight) or blocking in the kernel. Transports: the
-ZMQ PUSH/PULL over ipc that `aerie.transport` uses (a message passes through both sides'
-ZMQ I/O threads), and a plain Unix stream socket read and written by the two processes
-themselves. Printed: the one-way time (half the round trip), median and p99, in microseconds.
+Two processes ping-pong a message, spinning or blocking, over ZMQ PUSH/PULL (as
+`aerie.transport`) and over a plain Unix stream socket; printed: one-way time, median and p99.
 """
 
 from __future__ import annotations

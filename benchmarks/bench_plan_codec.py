@@ -1,11 +1,7 @@
 """What one decode plan costs on the host, per stage: the scheduler building it, msgpack
-encoding and decoding it (what crosses the socket), and the worker parsing it into arrays.
+encoding and decoding it, and the worker parsing it into arrays (median microseconds, size).
 
     python3 benchmarks/bench_plan_codec.py --batch-size 256
-
-A decode plan is columnar (rows and the KV slots newly assigned to them, a handful of int32
-byte strings), so its cost barely grows with the batch. Printed and returned: the median
-microseconds of each stage over `--iters` runs, and the encoded size.
 """
 
 from __future__ import annotations

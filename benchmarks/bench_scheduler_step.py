@@ -1,12 +1,7 @@
-"""What one decode step costs the scheduler on the host: applying a step's result to every
-running request (outputs, finish checks, deltas) and planning the next step (KV slots for every
-row, the columnar plan), with a stand-in worker that emits one token per request.
+"""What one decode step costs the scheduler on the host: applying a result and planning the next
+step, with a stand-in worker. Under the overlap schedule it must fit in one GPU step.
 
     python3 benchmarks/bench_scheduler_step.py --batch-size 1,64,256
-
-With the overlap schedule this work runs while the GPU executes the step before, so it must
-fit in one GPU step (about 1 ms for the default model at 64 requests) or the GPU waits for it.
-Printed and returned: the median microseconds per step (and per request) over --steps steps.
 """
 
 from __future__ import annotations

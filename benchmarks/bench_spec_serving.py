@@ -2,35 +2,9 @@
 
     python3 benchmarks/bench_spec_serving.py --output spec_serving.json --plot spec_serving.png
 
-For each `--servers` setting in turn this launches `python launch.py --model-path M --port P
-ARGS` (plus `--extra-server-args`), waits for `GET /health`, warms it up, runs every
-turn x temperature x concurrency, saves its `GET /server_info` and stops it with SIGTERM. Settings:
-`plain`, `eagle3` (the default EAGLE-3 server: the model's shipped draft, picked by the server),
-`eagle3-fixed` (the same with `--speculative-adaptive off`), `mtp` (the shipped MTP draft), or
-`NAME=ARGS` for any other (`"eagle3-s5=--speculative-algorithm EAGLE3 --speculative-num-steps
-5 --speculative-num-draft-tokens 6"`). `plain` always runs first: it is the baseline.
-
-Each run streams `--num-prompts` chat requests (native `/generate` with `input_ids`) through
-`serving_load` at the run's concurrency (all arriving at once; at concurrency >= 64 from 4
-client processes unless `--client-processes` says otherwise) and reports output tokens/s
-(completion tokens over the run's wall time), mean TPOT and per-token ITL, the tokens/s ratio to
-plain at the same temperature and concurrency, and from the delta of the scheduler's counters on
-`GET /metrics` over the run: the accept length (sum_k d_k / d_0, where d_k counts the verify steps
-that emitted more than k tokens), acceptance per draft position k >= 1 (d_k / d_0) and the share
-of decode steps adaptive speculation ran plain (`aerie_spec_plain_steps`, 0 where the server has
-no such counter); and what a decode step costs as served: the run's wall time over its decode
-steps (`aerie_decode_steps`: plain steps and iterations; the run's prefills and idle moments
-count in it; with several data-parallel replicas their steps add up), and that against the
-plain server's at the same run, which for an iteration is its cost in plain steps. The JSON
-(`--output`) is rewritten after every run.
-
-Prompts (`benchmarks/spec_prompts.py`): first turns (MT-bench and code prompts alternately) and,
-with `--turns 1,2`, MT-bench second turns after the plain server's own greedy answer to the
-first (made once, before its runs, and sent to every server). Each run also reports how much
-the answers repeat themselves (`repeated_share`, `training/repetition.py`: tokens that end an
-8-gram seen earlier in the same answer; repetition is easy to predict) and each prompt kind's
-accept length from the requests' own `spec_accept_length` (their tokens over their verifies:
-plain steps of an adaptive server count in it).
+Each `--servers` setting (`plain` first, the baseline; `eagle3`, `eagle3-fixed`, `mtp`, or
+NAME=ARGS) is launched, loaded at every turn x temperature x concurrency and stopped; tokens/s
+against plain, TPOT, ITL, acceptance and a step's served cost (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Speculative decoding speed: MT-bench served at batch 1, and the cost of one iteration.
 
-    python benchmarks/bench_speculative.py [--model-path DIR] [--algorithm EAGLE3]
-        [--draft-path DIR] [--shapes "3,1,4 5,1,6 5,4,8 6,8,32"] [--temperatures 0,0.7]
+    python benchmarks/bench_speculative.py [--model-path DIR] [--shapes "3,1,4 5,4,8"]
     python benchmarks/bench_speculative.py --mode iteration --model-path DIR --load-format dummy
-        [--algorithm EAGLE3] [--shapes "1,1,2 3,1,4 5,1,6 5,4,8 6,8,32"] [--batch-sizes 1,32]
 
---mode requests (the default; `spec_requests.py`): the MT-bench questions (all 80 by default)
-served one at a time by the launched server's engine (configuration resolved as `launch.py`
-does, overlap schedule), plain and with each speculative shape (S,topk,ND), at each
-temperature: decode tokens/s, the accept length, the acceptance per draft position and the
-speedup over plain decoding in the same run. Without --model-path the default model is served,
-and without --draft-path its shipped draft; with --load-format dummy a draft of the right
-architecture with random weights is used (mechanics only: its accept length is about 1).
-
---mode iteration: the cost of one speculative iteration (draft, verify, accept, draft extend;
-graphed on CUDA) in units of one plain graphed decode step of the same batch, both timed as the
-worker process runs steps when served: the same decode plan launched over and over with two steps in
-flight (`GPUWorker.launch`, then `finish` of the step before), so host work overlaps the device's
-and the plain step is the one `bench_decode` times (prompts of --context-len random tokens; the
-median of five loops). Each step timed alone (launched and finished before the next) is printed
-beside it, to show what the host's round trip adds, and each stage alone (`iteration_stages`:
-propose = draft + verify, accept, extend) with the rest of the served iteration, the host's
-(the replay, timing and profiling tools are `iteration_timing.py`'s).
-Each ratio is printed next to its lower bound
-from bytes: 1 + (bytes the draft forwards of one iteration read: draft weights + LM head) / (bytes
-of one target forward). With --profile, each row also gets its kernels, GPU busy time and step
-timeline (`step_timeline`), from profiles taken after all timings. It runs twice: with the random
-draft (accept length about 1), then with a constructed always-agreeing draft (the target's final
-norm zeroed, so its argmax is token 0, and the draft's proposals mapped to token 0: every draft is
-accepted), which gives decode tokens/s at full acceptance against plain decoding's.
+--mode requests (`spec_requests.py`): tokens/s, accept length and speedup over plain; --mode
+iteration: an iteration's cost in plain graphed steps, random and always-agreeing drafts.
 """
 
 from __future__ import annotations

@@ -2,17 +2,9 @@
 
     python3 benchmarks/bench_trace_cost.py --kernels 300 --launches 200
 
-A graph of --kernels small kernels (about a served decode step's count), captured once the
-tracer runs, is replayed --launches times in short bursts, each followed by a host pause, so
-that the device idles between bursts as it does between served steps when the host is late.
-For each tracer, in this order (torch.profiler last: it leaves CUPTI attached to the process):
-- `none`: no tracer;
-- `graphs`: `cupti_trace.GraphTrace`, one record per graph launch (what `StepProfiler` uses);
-- `graphs-no-kernels`: the same without the records of kernels outside graphs;
-- `kernels`: torch.profiler, one record per kernel node;
-printed: host microseconds per `replay()` call (median over rounds), the rounds' wall time,
-the records, and the idle share the tracer reads against the one CUDA events read (device idle
-between each burst's end and the next burst's start, over the same span).
+A graph of --kernels small kernels replays in bursts with host pauses between them, under each
+tracer (none, graphs, graphs-no-kernels, kernels: torch.profiler last, since it stays attached):
+host time per replay, records, and the idle share read against CUDA events'.
 """
 
 from __future__ import annotations

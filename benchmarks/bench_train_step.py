@@ -1,21 +1,10 @@
 """What one training step of `python3 -m training train` costs, and where its GPU time goes.
 
-    python3 benchmarks/bench_train_step.py --model DIR [--load-format dummy] \
-        --algorithms eagle3,mtp,eagle --shapes 16x1024,8x2048 --steps 8 --profile-steps 2
+    python3 benchmarks/bench_train_step.py --model DIR --algorithms eagle3,mtp --shapes 16x1024
 
-For each algorithm and batch shape (ROWSxLENGTH tokens, every row with a prompt of
---prompt-frac of its length and random tokens), a `Trainer` runs its own `train_step` on the
-same rows: --warmup steps, then --steps timed ones, reporting the median wall time of a step,
-the part the target's forward takes, and the response tokens learned per second. With
---profile-steps, torch.profiler records that many more steps and the heaviest GPU kernels and
-the kernel launches per step are printed (what to optimise next); --check-target (CUDA) first
-compares the target's outputs on the server's Triton kernels with its torch references. The
-learning rate is zero: the weights stay the same from step to step, only the timings matter,
-and each variant must give the same loss: --losses (fused or reference soft cross-entropy) and
---windows (`on`: an unrolled chain's later steps only over each row's response window, as
-training runs them; `off`: over every position). --prompt-spread draws each row's prompt
-length uniformly within +-spread x length of the mean, as chat data's vary (a batch's window
-is as wide as its longest response needs).
+For each algorithm and ROWSxLENGTH shape a `Trainer` times its own `train_step` (learning rate
+zero, so every variant must give the same loss): the step, the target's part, tokens learned
+per second; --profile-steps lists the heaviest kernels.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""`python3 -m benchmarks prepare`, run here on CPU before device calls: the files the suites
-read from .device-carry/ (git-ignored, never committed), built from committed code and local
-data:
-
-- smollm2-config/: the default model's config and tokenizer without its weights (its shape,
-  served with --load-format dummy); llama8b/: the Llama-3.1-8B config with that tokenizer;
-- sharegpt_subset.json: 1,500 seeded ShareGPT conversations, bench_serving's prompts;
-- mt_bench_questions.jsonl: the MT-bench questions;
-- wheels/: py-spy, for the host profiles of --pyspy-seconds.
-
-A device call carries at most 64 MiB, and the working tree travels with it: name only the
-.device-carry/ entries a suite reads. The wheels the device lacks, the default model's GGUF in
-halves and on_device.sh (what --setup runs there) come from the device staging script.
+"""`python3 -m benchmarks prepare`, run here on CPU before device calls: the git-ignored files the
+suites read from .device-carry/ (model configs without weights, a ShareGPT subset, MT-bench
+questions, wheels), built from committed code and local data. A device call carries at most
+64 MiB with the working tree: name only the entries a suite reads.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Every launch of one speculative iteration outside the decoder layers, with its source line,
-on CPU: what a profile on the GPU counts as small kernels, found where the code makes them.
+on CPU: each aten kernel and Triton launch of a recorded iteration, tagged with its stage and
+the innermost line of this repository that made it.
 
-    python3 benchmarks/iteration_ops.py --model-path <target dir> --draft-path <draft dir> \\
+    python3 benchmarks/iteration_ops.py --model-path <target dir> --draft-path <draft dir> \
       --algorithm EAGLE3 --shape 3,1,4 [--load-format dummy] [--json ops.json]
-
-The worker is the server's (triton backend, Triton's interpreter on CPU, stage buffers for one
-request, so stages run the padded path a CUDA graph captures). One request is prefilled, one
-iteration warms up (constants cached, buffers made), and the next is recorded: each aten
-kernel (views and allocations left out) and each Triton launch, tagged with its stage (the
-`StageGraph` it runs in, or "host") and the innermost line of this repository that made it.
-Inside the decoder layers the torch references run (the interpreter is slow there) and nothing
-is recorded: their kernels are the projections and attention a plain step has too.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Where a speculative iteration's time goes: each of its stages run alone.
-
-An iteration is three stages (`gpu_worker.speculative.iteration`): propose (the draft's tree
-and the target's verify forward, one CUDA graph), accept (sampled batches only: the accept
-stage's graph) and extend (the draft over the accepted tokens, then the rows advance). Here
-the iteration runs as the worker runs it (`SpeculativeWorker.iterate`), from the same saved
-per-row state each time, but with every stage synchronised before and after and timed with
-device events (on CPU, the wall clock): milliseconds per stage. What an iteration served costs
-beyond their sum, `bench_speculative.py --mode iteration`'s `host_ms`, is the host's
-(launches, the result copy, the gaps between stages) and, for trees accepted greedily, the
-KV compaction that runs between the propose and extend stages.
+"""Where a speculative iteration's time goes: each stage (propose, accept, extend) run as
+`SpeculativeWorker.iterate` runs it, but synchronised and timed alone from the same saved
+per-row state. What a served iteration costs beyond their sum is the host's (and, for greedy
+trees, the compaction between propose and extend).
 """
 
 from __future__ import annotations

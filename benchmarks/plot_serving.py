@@ -1,17 +1,9 @@
 """Plot served throughput and inter-token latency against concurrency, overlap on and off.
 
-    pip install matplotlib   # only this script needs it
     python3 benchmarks/plot_serving.py docs/results/serving_plain_h100.json --out docs
 
-reads a summary written from `bench_serving` runs (`rows` of algorithm, draft (speculative rows:
-which draft, as the legend shows it), overlap, concurrency, output_tok_s, itl_mean_ms,
-tpot_median_ms, ...; see docs/results/serving_plain_h100.json) and writes serving_throughput.png and
-serving_itl.png (rows at a numeric concurrency only; the Poisson runs are left out). The latency
-plot shows each stream's median time per output token (TPOT: the mean inter-token latency of one
-stream): at high concurrency the streamed chunks arrive in bursts, so the median of the raw
-inter-chunk gaps reads near zero and their mean is dominated by the gaps between bursts. The
-compiled static-KV baseline's batch-64 tokens/s, when the summary has it, is drawn as a reference
-line.
+Latency is each stream's median TPOT: at high concurrency chunks arrive in bursts, so raw
+inter-chunk gaps mislead. Needs matplotlib.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Plot a `bench_spec_serving` result: speculation's gain over plain serving, and its acceptance.
 
-    pip install matplotlib   # only plotting needs it
     python3 benchmarks/plot_spec_serving.py results.json --out spec_serving.png
 
-Left: output tokens/s over the plain server's at the same temperature and concurrency, against
-concurrency (one line per speculative server and temperature; solid greedy, dashed sampled).
-Right: the acceptance at each draft position k (the share of verify steps that accepted the
-k-th drafted token) over all of that line's runs, with its accept length in the legend. A
-partial result (an interrupted run) plots what it has.
+Left: tokens/s over plain's against concurrency; right: acceptance per draft position. Needs
+matplotlib.
 """
 
 from __future__ import annotations

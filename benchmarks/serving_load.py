@@ -1,18 +1,9 @@
 """The serving benchmarks' load generator: stream requests at a rate and a concurrency, time
 every event, from one or several client processes.
 
-`send_request` streams one request over a `sse_client.ConnectionPool` and records its TTFT, the
-per-chunk ITL (`itl`: seconds between consecutive events that carry text) and the tokens each
-of those events added (`itl_tokens`: from a native event's cumulative `completion_tokens`; one
-per chunk for OpenAI chunks, which carry no count). `token_itl` spreads each gap evenly over
-its tokens, one entry per token (SGLang's ITL; a gap whose event added no token is carried into
-the next). A native /generate event repeats the whole output so far, so its fields are read
-without parsing its text, ids and logprobs (`event_fields`); anything else is parsed whole.
-
-`run_load` sends requests as a Poisson process at `rate` (inf: all at once) with at most
-`max_concurrency` in flight; `run_load_processes` splits them over N spawned client processes
-(every N-th request, rate / N, a share of the concurrency each; they start together) and merges
-the results in request order, with the clients' CPU time.
+`send_request` records TTFT, the per-chunk ITL and the tokens each event added; `token_itl`
+spreads each gap over its tokens (SGLang's ITL). A native event's counts are read without
+parsing its cumulative text. `run_load_processes` splits the load over N client processes.
 """
 
 from __future__ import annotations

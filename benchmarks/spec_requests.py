@@ -1,30 +1,10 @@
 """`bench_speculative.py --mode requests`: MT-bench questions served one at a time by the engine
-of a launched server, plain and with speculation.
+of a launched server (resolved as `launch.py` does, the real scheduler and worker with the
+overlap schedule, no sockets), plain and with speculation, both turns of each question.
 
-The configuration goes through `resolve_config` like `launch.py`'s (so the default model gets
-its shipped draft, CUDA graphs and the Triton backend on a GPU), and the requests run through
-the real `Scheduler` core and `GPUWorker` in one process, with the server's overlap schedule
-(up to `Scheduler.max_in_flight` plans launched before the oldest result is applied); only the
-sockets are left out (the engine loop is the tests' `tests/engine_loop.drive`, so the benchmark
-runs what the tests check). Each question is a conversation of its turns (MT-bench has two),
-asked in order at batch 1: a turn's request is the chat-templated conversation so far (earlier
-turns with this run's own answers to them), decoded to its end-of-turn token or
-`max_new_tokens`. This is how MT-bench is answered, and how published speculative-decoding
-evaluations on it run (both turns, up to 512 new tokens each).
-
-Per run: decode tokens/s (tokens after the first over the time after the first, summed over
-the requests), the accept length (tokens per verify forward, bonus included, as
-`meta_info.spec_accept_length` reports it) and the acceptance per position: the share of
-decode iterations that accepted at least k + 1 tokens (k = 1..S), i.e. whose k-th draft
-token was accepted.
-
-With `--step-costs` (a GPU's, as its `/server_info` shows them) each speculative shape also
-runs with adaptive speculation at those costs (`... adaptive`), and every row gets the speed
-those costs price it at: its decode tokens over (iterations x t_spec + plain steps x t_plain),
-against plain decoding's one token per t_plain (the batch-1 bucket, greedy or sampled). This
-shows on a CPU, with real weights, what adaptive speculation chooses on a GPU and what that
-choice costs, step for step (the steps' content does not depend on the device, only their
-price).
+With `--step-costs` (a GPU's, from its `/server_info`) each shape also runs adaptive at those
+costs, and every row is priced at them: decode tokens over (iterations x t_spec + plain steps x
+t_plain). So a CPU shows what adaptive speculation chooses on a GPU and what the choice costs.
 """
 
 from __future__ import annotations

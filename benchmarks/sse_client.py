@@ -1,13 +1,7 @@
-"""A minimal asyncio HTTP/1.1 client for streamed (SSE) POST responses, cheap per event.
-
-A load generator that reads tens of thousands of events a second in one Python process must
-not spend more per event than the server does, or it measures itself. `SSEConnection` is an
-`asyncio.Protocol`: the response head, the chunked (or Content-Length, or read-to-close)
-framing and the SSE `data:` lines are parsed inside `data_received`, and each event's payload
-(bytes after `data:`, stripped) goes to a callback with the arrival time of the read that
-completed it; there is no task switch and no copy of the stream per event. `ConnectionPool`
-keeps kept-alive connections to one `http://host:port` (plain HTTP only: no TLS, redirects or
-proxies). A non-200 response is read whole and returned, not parsed as events.
+"""A minimal asyncio HTTP/1.1 client for streamed (SSE) POST responses, cheap per event, so a load
+generator does not measure itself. `SSEConnection` parses the head, the framing and the
+`data:` lines inside `data_received` and hands each payload to a callback with its arrival
+time; `ConnectionPool` keeps connections alive (plain HTTP only).
 """
 
 from __future__ import annotations

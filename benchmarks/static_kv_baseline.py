@@ -1,12 +1,7 @@
 """A gpt-fast-style baseline for `bench_decode`: a minimal static-KV Llama decoder compiled with
-`torch.compile(mode="reduce-overhead")`, on the same weights as an Aerie model.
-
-Like gpt-fast: one KV cache tensor per layer sized [bs, kv_heads, max_seq_len, head_dim],
-updated in place with `index_copy_` at the step's position (a device tensor, so one compiled
-graph serves every step), and attention over the whole cache with a causal mask row (SDPA,
-GQA). torch.compile fuses the element-wise work and, in reduce-overhead mode, replays the step
-as a CUDA graph. It only decodes: the cache starts empty (zeros), which does not change the
-work a step does.
+`torch.compile(mode="reduce-overhead")`, on the same weights as an Aerie model. One KV tensor
+per layer [bs, kv_heads, max_seq_len, head_dim], updated in place at a device-tensor position so
+one compiled graph serves every step; it only decodes, from an empty cache.
 """
 
 from __future__ import annotations

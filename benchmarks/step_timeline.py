@@ -1,15 +1,8 @@
 """Where a step's GPU time goes, from the profiler's device intervals.
 
-A graph replay runs its kernels back to back, but each kernel node still starts a little after
-the previous one ended (about a microsecond on the H100), and eager work between graphs starts
-only once the host has queued it. So a step's GPU span (first start to last end) is its busy
-time plus gaps of two kinds: short ones, the launch latency between consecutive kernels, and
-long ones, where the GPU waited for the host. `step_timeline` splits a step's gaps at
-`short_us` and names the longest, so a profile says whether a step is bound by its kernels'
-count (many short gaps) or by the host (long gaps, or wall time well above the span).
-
-`between_markers` cuts a trace of several steps into one list of intervals per step, bounded by
-marker kernels the caller queues around each step.
+`step_timeline` splits a step's span into busy time, short gaps (launch latency between
+kernels) and long gaps (the GPU waiting for the host), at `short_us`; `between_markers` cuts a
+trace of several steps at marker kernels queued around each.
 """
 
 from __future__ import annotations

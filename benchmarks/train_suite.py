@@ -1,15 +1,9 @@
 """`python3 -m benchmarks train`: the shipped drafts' steps (docs/drafts.md) on the lent GPU
 machine: generate the target's answers, train each draft, estimate it on MT-bench.
 
-A machine is held 30 minutes at most and a call runs 10, so the work spans calls chained on one
-warm machine (files under $HOME outside the tree persist between them). The default model's
-GGUF travels in two halves (64 MiB a call), and with them the token files, split
-(TokenFile.split) into .device-carry/train_a/, train_b/, ...: every call copies what it carries
-into --work, and runs what the files there allow: generation once prompts_?.npz are there and
---generate-minutes is given, MT-bench answers once mtbench.npz is there (`python3 -m training
-prompts --benchmark-first-turns`), training once data.npz or data_?.npz are. Training resumes
-from its checkpoint, so `--algorithms eagle3 --max-minutes 9` again continues the run. Each
-trained draft comes back as draft_ALGO.tar.* in 15 MB pieces (cat them, untar).
+The work spans calls chained on one warm machine: each copies what it carries into --work and
+runs what the files there allow (generation, MT-bench answers, training, which resumes from its
+checkpoint). Each trained draft comes back as draft_ALGO.tar.* in 15 MB pieces (cat, untar).
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Incremental detokenization of one request: token ids in, text deltas out (pure, no sockets).
 
-Decoding uses a surrounding-context window, so whitespace between tokens comes out as the
-whole-sequence decode would produce it: with ids = context + outputs, offsets surr <= read,
-
-    new_text = decode(ids[surr:])[len(decode(ids[surr:read])):]
-
-and once new_text is complete, surr moves to read and read to the end. A new_text ending in
-U+FFFD is an unfinished UTF-8 character (a byte-level BPE splits multi-byte characters across
-tokens): nothing is committed until more ids arrive or the request finishes. The first window
-starts in the prompt tail (`DetokenizeStart.prompt_tail_ids`), so the first output token gets
-the same leading space it would have after the prompt.
-
-`Detokenizer` keeps one `IncrementalDetokenizer` per live rid and turns the scheduler's
-`TokenDeltas` into `TextDeltas` for the tokenizer process.
-
-Invariant: the concatenation of every delta `step` returns equals the request's final text,
-which is the decode of its output ids (without a matched stop token), cut before the matched
-stop string.
+A delta is decode(ids[surr:]) minus decode(ids[surr:read]), so spacing matches the
+whole-sequence decode; a delta ending in U+FFFD (a split UTF-8 character) waits for more ids.
+Invariant: the deltas concatenate to the final text (the output ids decoded, without a matched
+stop token, cut before a matched stop string).
 """
 
 from __future__ import annotations
@@ -66,6 +53,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = start.skip_special_tokens
         self.stops = [stop for stop in start.stop if stop]
         self.stream = start.stream
+        # The window starts in the prompt's tail, so the first output token gets the leading
+        # space it would have after the prompt.
         self.ids: list[int] = unpack_ids(start.prompt_tail_ids)  # context, then output ids
         self.surr_offset = 0
         self.read_offset = len(self.ids)

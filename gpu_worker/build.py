@@ -1,11 +1,8 @@
 """Build what a GPU worker runs from a resolved configuration: the one place that knows how.
 
-`build_models(config)` makes the target runner, the draft runner list (none, one EAGLE /
-EAGLE-3 draft, or one runner per MTP layer, each with its own pools over the target's slot
-ids), the per-row `SamplingState` and the speculative worker that drives the drafts. The
-memory plan lives here too: a draft's KV bytes per slot are budgeted into the target's pool
-sizing (the pools share one slot count), the drafts' weights and activations get a fixed share
-of the static memory fraction, and CUDA-graph memory is reserved for the speculative stages.
+`build_models(config)` makes the target runner, the draft runners, the per-row `SamplingState`
+and the speculative worker, and plans the memory with drafts (`docs/architecture.md`, "How the
+GPU worker is built").
 """
 
 from __future__ import annotations

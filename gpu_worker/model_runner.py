@@ -1,18 +1,8 @@
 """`ModelRunner`: one model with its own KV pool, req_to_token pool and attention backend.
 
-Speculative decoding builds several runners (target, draft, one per MTP layer) that share slot
-ids but never storage, so a runner holds no global state. The scheduler decides which rows and
-slots a request uses; the caller writes them into `req_to_token_pool` and builds the
-`ForwardBatch`; `forward` runs the model and returns logits for the sampled positions.
-
-A runner is described by a `RunnerSpec` (what it loads, how it runs) and a `PoolSpec` (the
-rows and slots its pools hold). A draft runner (`draft_of=target_runner`, given the target's
-`pools`) loads an EAGLE / EAGLE-3 draft: it has its own pools and backend with the target's
-rows and slots (so the same slot ids address both pools), and its model shares the target's
-embedding / LM head Parameters. With `RunnerSpec.mtp_layer=i` the draft is MTP layer i in
-MiMo's layout (`models/mimo_mtp.py`), read from the target's checkpoint or a separate MTP
-directory, with a one-layer KV pool. A target runner with `aux_hidden_layers` also returns the
-EAGLE-3 aux hidden states. `gpu_worker.build` makes the runners of a served configuration.
+The target, an EAGLE draft and each MTP layer are runners that share slot ids but never
+storage, so a runner holds no global state. It is described by a `RunnerSpec` (what it loads,
+how it runs) and a `PoolSpec` (its rows and slots); `gpu_worker.build` makes a server's runners.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Tensor parallelism: the rank's place in its group (`TensorParallel`) and its collectives.
 
-A model sharded over N ranks runs the same forward on every rank, each on its part of the
-weights (`gpu_worker.layers.linear`, `gpu_worker.layers.vocab`):
-
-    merged qkv / gate_up    column-parallel: each rank its heads / its intermediate rows
-    o_proj / down_proj      row-parallel: each rank its input columns, then an all-reduce
-    embedding / LM head     vocabulary-parallel: each rank a contiguous block of token ids;
-                            the embedding all-reduces, the LM head all-gathers the logits
-
-so a layer costs two all-reduces. KV heads are split like the query heads; with fewer KV heads
-than ranks each KV head is replicated on N / num_kv_heads ranks (the ranks whose query heads
-read it).
-
-NOTE: every rank computes the same logits (an all-gather copies, and an all-reduce hands every
-rank the same sum), samples the same tokens from the same seeds and so keeps the same row
-state: only rank 0 reports results, and nothing is broadcast after a step.
-
-`TensorParallel()` (size 1) is what a single-device model gets: every collective is then the
-identity, and the models are exactly the unsharded ones.
+Every rank runs the same forward on its shard of the weights and ends with the same logits,
+so it samples the same tokens and keeps the same row state: nothing is broadcast after a step
+(`docs/gpu.md`, "Tensor and data parallelism"). `TensorParallel()` (size 1) is the identity.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """`run_gpu_worker_process`: moves messages between the scheduler and the `GPUWorker` core.
 
-Loop: a ForwardPlan from the scheduler (over the step link, `aerie.transport.StepLink`) is
-launched at once (`GPUWorker.launch` queues its work on the device); launched steps are
-finished in order (`GPUWorker.finish`) and their StepResults sent back over the link. Shutdown
-comes to the ZMQ inbox. While a step runs on the device the loop keeps reading, so the next
-plan (the scheduler keeps up to two in flight) is queued behind it before it ends: the device
-does not wait for the host between steps. Shutdown ends the loop. Handlers are dispatched by
-message type through a table. On CUDA, before it reports ready, the worker runs a few dummy
-prefills so that Triton compiles the eager paths' kernels at start-up, not during a request
-(`gpu_worker.tooling.warm_up`).
-
-What heartbeats report (`aerie.process.Progress`): the step being launched ("on the host"; on
-a CPU that is all of its work), else the oldest launched step ("on the device") until its
-result is back. Progress moves when a launch ends, when a result is back, when Triton has
-built a kernel and, on a CPU, when a layer is done: host events only, so the record adds no
-wait for the device.
-
-With tensor parallelism (`--tp-size N`) there is one such process per rank. Rank 0 is the
-"gpu_worker" the scheduler talks to: it forwards every plan (and Shutdown) to the other ranks'
-ZMQ inboxes before launching it itself, and only it has a step link and sends results. The
-other ranks run the same loop on what rank 0 forwards, so every rank launches the same steps
-in the same order and their collectives meet; their results are dropped (they are rank 0's,
-see `gpu_worker.parallel`).
+Plans arrive on the step link and are launched at once; launched steps are finished in order
+and their results sent back, so the next plan is queued behind the running step. With tensor
+parallelism rank 0 forwards each plan and Shutdown to the other ranks before launching it;
+only rank 0 has a step link and reports results.
 """
 
 from __future__ import annotations

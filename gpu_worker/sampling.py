@@ -1,18 +1,9 @@
 """Sampling: per-row parameters, penalties, filters and seeded noise, on the worker's device.
 
-`SamplingState` keeps each request row's sampling parameters and penalty state (output token
-counts and a prompt mask) in tensors indexed by `row`, and samples one token per batch
-row without a Python loop over rows. The pure functions below are shared with speculative
-decoding, which needs the same processed distribution for the target and the same noise:
-
-- `apply_penalties`: repetition (HF), frequency and presence (OpenAI) penalties.
-- `process_logits`: temperature, top-k, top-p, min-p.
-- `row_keys` / `sample_with_noise`: counter-based randomness. A draw depends only on
-  (seed, position, vocab index, stream), so a request gets the same token whatever the batch
-  composition or order, and again after a retraction and recompute.
-
-Greedy rows (temperature below `GREEDY_EPS` or top_k == 1) take the argmax of the penalised
-logits, which is exactly the argmax of the raw logits when the row has no penalties.
+`SamplingState` keeps each request row's parameters and penalty state in tensors indexed by
+row and samples a batch without a loop over rows. A draw depends only on (seed, position, vocab
+id, stream), so a request's tokens do not depend on its batch; speculative acceptance shares
+these functions to draw exactly what plain decoding draws.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Weights: load HF safetensors checkpoints (single file or sharded) into a model by parameter
-name, or fill a model with seeded random "dummy" weights (`--load-format dummy`).
-A directory without safetensors may hold `pytorch_model*.bin` files (as the public EAGLE drafts
-do); those are read with torch's weights-only unpickler, which refuses arbitrary objects.
+"""Weights: load HF safetensors (or weights-only `pytorch_model*.bin`) checkpoints into a model by
+parameter name, or fill it with seeded random "dummy" weights.
 
-Name mapping goes through `model.map_weight_name(name)` (None skips a tensor, e.g. a tied
-`lm_head.weight`); names of the projections a model merges (q/k/v_proj into qkv_proj,
-gate/up_proj into gate_up_proj) load into their rows of the merged parameter, and a
-tensor-parallel module loads only its rank's slice (`checkpoint_loaders`). Every parameter
-(shard) must be loaded exactly once and every tensor must map to one; otherwise a
-`WeightLoadError` names the offenders.
+Names map through `model.map_weight_name` and sharded modules' `checkpoint_loaders`; every
+parameter (shard) must load exactly once and every tensor map to one, else `WeightLoadError`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """`GPUWorker`: the socket-free core of the GPU worker process.
 
-It owns what `build.build_models` makes from the configuration: the target `ModelRunner`; with
-speculation the `draft_runner_list` (one EAGLE draft, or one runner per MTP layer) and the
-speculative worker that drives them; the per-row `SamplingState`; and the per-row `RowState`
-(each row's last token and committed length, on the device).
-
-A step is split in two so that the next one can be queued before this one is done:
-- `launch(plan)` applies the plan's slot assignments to the req_to_token pool of every runner
-  (all pools address KV by the same slot ids), queues the step's work on the device, and
-  starts one non-blocking copy of its results to the host:
-    extend: one target forward; requests on their last chunk sample a token; with
-      speculation the draft then runs on the rotated chunk.
-    decode: one target forward and a sample per row, or one speculative iteration (draft
-      tree, verify, accept, draft extend) that emits 1 .. S+1 tokens per row; either reads
-      its inputs from `RowState` and writes the new tokens and lengths back there.
-- `finish(launched)` waits for that copy (with speculation it is started right after
-  acceptance, so it does not wait for the draft extend) and packs the `StepResult`.
-`execute(plan)` does both.
+It owns what `build.build_models` makes (the target runner, any drafts and the speculative
+worker, `SamplingState`) and the per-row `RowState`. A step is split so the next one can be
+queued before it is done: `launch(plan)` writes the plan's slots into every runner's table,
+queues the step on the device and starts the copy of its results; `finish` waits for that copy.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Parse and check what a ZMQ client sends before anything uses it. Pure; no sockets.
 
-A client frame must be one msgpack map `{"op": str, "req_id": int | str, "body": map,
-"api_key": str}` (body only for "generate"; api_key when the server has one). Everything is
-untrusted: the payload may be any bytes, any msgpack value (ext types, timestamps, maps with
-non-string keys, nesting up to msgpack's own limit), or a well-formed envelope with fields of
-the wrong type or size. `parse_client_message` either
-returns a `ClientMessage` whose fields have the documented types, or raises `ProtocolError`
-carrying the req_id when one could be read (so the error reply can name the request).
-
-It runs in two steps so that a frame is refused before it costs anything: `read_envelope`
-reads the top-level map with msgpack's C scanner, unpacking only scalar fields (op, req_id,
-api_key) and skipping every list, map, bin or ext value (the body among them) without building
-it; `read_body` unpacks and checks the body, which the frontend does only for a frame that
-carries the key and fits its connection's budget.
+Everything is untrusted. `read_envelope` scans the top-level map with msgpack's C scanner,
+unpacking only op, req_id and api_key and skipping the body unbuilt, so a frame is refused
+before it costs anything; `read_body` unpacks and checks the body, for frames that pass.
+Errors raise `ProtocolError` with the req_id when one could be read.
 """
 
 from __future__ import annotations

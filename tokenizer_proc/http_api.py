@@ -1,17 +1,6 @@
-"""The native HTTP API (`create_app`) over the socket-free `Frontend` core.
-
-Native endpoints: POST /generate, GET /health, /health_generate, /server_info, /get_model_info,
-/metrics, /debug/requests (with --enable-debug-info), /flush_cache. The OpenAI routes live in
-`openai_api`.
-
-/generate streaming (SSE): each `data:` event is a full response dict whose `text` and
-`output_ids` are CUMULATIVE (everything so far, as SGLang's /generate does) and whose
-`meta_info.finish_reason` is null until the last event; a batch adds `"index"` to each event;
-the stream ends with `data: [DONE]`, after an error event instead of the last one when the
-server stops the request (a non-streamed request then gets a 503). The events are written
-incrementally (`responses.GenerateEvents`: each costs what its chunk added, not the whole
-output again) and sent by `http_stream.EventStream`, straight to the socket where the server
-allows it.
+"""The native HTTP API (`create_app`) over the socket-free `Frontend` core: /generate, health,
+server info, metrics, /flush_cache and /debug/requests; the OpenAI routes are `openai_api`'s. A
+/generate stream's events are cumulative (`docs/serving.md`, "The HTTP APIs").
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The HTTP edge: what every request must pass before a route sees it.
 
-`Guard` (ASGI middleware, outermost) checks, in order: the Host header against the allowed
-names (a web page cannot reach a loopback server through DNS rebinding), the API key
-(`Authorization: Bearer KEY`; /health stays open), a JSON content type on POST bodies (a
-browser's form or text/plain "simple" request cannot drive the API), and the body's size
-(413 before reading when Content-Length says so, and while reading otherwise) and read time
-(408). Errors are JSON bodies in the API's error format.
-
-`header_timeout_protocol` is uvicorn's h11 protocol with a deadline for the request head of a
-new connection (uvicorn arms one only after a first response), so idle and slowloris
-connections are closed, and with our own `--max-connections` cap (503 in JSON, with
-Retry-After); its answer to a malformed request is JSON too. It is built on
-`http_stream.DirectBodyProtocol`, so streamed events reach the socket without the ASGI chain.
+`Guard` (ASGI middleware, outermost) checks the Host header (against DNS rebinding), the API
+key (/health stays open), a JSON content type on POST bodies (so a browser's "simple" request
+cannot drive the API), the body's size and its read time. `header_timeout_protocol` is
+uvicorn's h11 protocol with a deadline for a new connection's request head and our
+`--max-connections` cap. Errors are JSON in the API's format.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Streamed SSE bodies written straight to the connection: `EventStream`, `DirectBody`.
 
-Through ASGI, each event of a stream is a message dict passed down a chain of send wrappers
-(FastAPI's route, Starlette's exception and server-error middleware, `JsonErrors`) to uvicorn,
-whose h11 connection frames it (an event object and a pass of its state machine) before the
-socket write. At tens of thousands of events a second on one core those steps cost more than
-building the event does. So the tokenizer process's HTTP protocol (`DirectBodyProtocol`, the
-base of `http_guard.header_timeout_protocol`) offers each request a `DirectBody` in its ASGI
-scope's extensions, and `EventStream`, the SSE response of /generate and the OpenAI routes,
-writes each event through it: the chunk framing and one transport write.
-
-Everything else still goes through ASGI: the response head, the end of the body, and any
-event the direct path declines (the client gone, the transport's buffer over its high-water
-mark, a connection whose framing is not chunked, a server that offers no `DirectBody`), so
-disconnects, flow control and errors take the paths they always took. The direct events skip
-the middleware, which is right only while no middleware rewrites a streamed body (none here
-does: they look at the response head and the body's end only).
+The process's HTTP protocol offers each request a `DirectBody` in its ASGI scope, and
+`EventStream` writes each event through it (the chunk framing and one transport write), not
+down the ASGI send chain (`docs/serving.md`, "Streaming delivery"). The head, the body's end
+and any event the direct path declines go through ASGI. Direct events skip the middleware,
+which is right only while no middleware rewrites a streamed body.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-Request bodies are mapped onto the native sampling names (`max_tokens` /
-`max_completion_tokens` -> `max_new_tokens`, ...) and checked by `validation`; SGLang/vLLM
-extensions (top_k, min_p, ignore_eos, repetition_penalty, stop_token_ids, skip_special_tokens)
-pass through. One choice per request (n > 1 is a 400). Default max_tokens: 16 for
-completions (OpenAI's default), what is left of the context for chat; both clamped to the
-context. Logprobs carry the sampled token's logprob (top_logprobs lists only that token;
--9999.0 for a token of zero probability). Streaming follows OpenAI's chunk shapes;
-`stream_options.include_usage` adds a final chunk with `usage` and empty `choices`. An aborted
-request reports finish_reason "abort"; one the server stops gets a 503 (in a stream, an error
-event and `[DONE]`). Stream chunks are written by `openai_events.OpenAIEvents` (the bytes of
-`envelope` and `logprobs_body` chunk dicts dumped, without building them) and sent by
-`http_stream.EventStream`.
+Bodies are parsed by `openai_request`; streams follow OpenAI's chunk shapes, written by
+`openai_events.OpenAIEvents` and sent by `http_stream.EventStream` (`docs/serving.md`, "The
+HTTP APIs").
 """
 
 from __future__ import annotations

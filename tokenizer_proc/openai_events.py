@@ -1,11 +1,8 @@
 """The SSE events of an OpenAI stream (/v1/completions, /v1/chat/completions) as UTF-8 bytes.
 
-`OpenAIEvents` writes each chunk of one request from byte templates made once per request:
-the envelope (id, object, model), the choice's constant keys and the closing `usage` field are
-fixed, so an event costs the escaping of its text (and its logprobs), not a dict and a
-`json.dumps` of the whole chunk. The bytes equal `sse(chunk_dict)` of the dicts the stream
-built before (`openai_api`'s envelope, `logprobs_body` and `usage`, in the same key order with
-the same separators; the tests hold the two to the same bytes).
+`OpenAIEvents` writes each chunk from byte templates made once per request, so an event costs
+the escaping of its text and logprobs. The bytes must equal `sse(chunk_dict)` of `openai_api`'s
+dicts (same key order and separators): the tests hold the two to the same bytes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Parse and check an OpenAI completions or chat request into a tokenized native request.
 
-Only what Aerie implements is accepted: the OpenAI parameters it honours, the SGLang/vLLM
-extensions it honours (top_k, min_p, ignore_eos, repetition_penalty, stop_token_ids,
-skip_special_tokens), and `user` (recorded nowhere, as metadata). A parameter Aerie does not
-implement (`tools`, `response_format`, `best_of`, `logit_bias`, ...) is a 400 that names it,
-and so is any unknown field, as OpenAI answers: a caller must never believe JSON mode or tool
-calling took effect. Sampling keys are mapped onto the native names (`max_tokens` /
-`max_completion_tokens` -> `max_new_tokens`) and checked by `validation`. One choice per
-request (n > 1 is a 400). Default max_tokens: 16 for completions (OpenAI's default), what is
-left of the context for chat; both clamped to the context.
+Only what Aerie implements is accepted: a parameter it does not implement (`tools`,
+`response_format`, ...) or an unknown field is a 400 naming it, so a caller never believes
+JSON mode or tool calling took effect (`docs/serving.md`, "The HTTP APIs").
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """`run_tokenizer_process`: wire the frontend to its sockets and run everything on one uvloop.
 
-Build (before ProcessReady, so a taken port fails the launch with a clear error): load the
-tokenizer, bind the HTTP listening socket, the ZMQ client ROUTER and this process's inbox,
-connect senders to the scheduler and the launcher. Run: uvicorn (on the pre-bound socket),
-the ZMQ frontend and the inbox reader as tasks of one asyncio loop. Inbox messages dispatch
-through a table keyed by type: TextDeltas -> tracker, SchedulerStats -> metrics, DebugReport
--> the GET /debug/requests waiting for it, EngineReady -> healthy, BeginDrain -> 503 for new
-requests then DrainDone when idle or at the timeout (unfinished requests are then ended with
-a 503), Shutdown -> end what is still in flight the same way, stop uvicorn and exit 0. What
-heartbeats report (`aerie.process.Progress`): a task restarts "its event loop" every
-TICK_S, so a loop blocked by a callback stands still.
+Everything is bound before ProcessReady, so a taken port fails the launch clearly; uvicorn,
+the ZMQ frontend and the inbox reader then run as tasks of one asyncio loop, the inbox
+dispatching by message type through a table.
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ log = logging.getLogger(__name__)
 
 UVICORN_GRACEFUL_S = 3.0
 DEBUG_QUERY_TIMEOUT_S = 5.0  # a scheduler that does not answer a DebugQuery in time is stuck
-TICK_S = 1.0
+TICK_S = 1.0  # a heartbeat task restarts the loop's unit this often: a blocked loop stands still
 
 
 class SchedulerBackend:

@@ -1,12 +1,7 @@
 """Text <-> token ids for the frontend: a thin wrapper over a Hugging Face tokenizer.
 
-`Tokenizer.encode` tokenizes a prompt (with the tokenizer's own special tokens, e.g. BOS);
-`encode_chat` renders the chat template with `add_generation_prompt=True` and tokenizes the
-result without adding special tokens again, message content as text: a special token's string
-in it (`<|im_start|>`) is tokenized as its characters, so that a user cannot forge a turn; only
-the template's own are special tokens. `decode` turns ids back into text without special
-tokens. `vocab_size` is the largest id range the model can take: max(len(tokenizer), the model
-config's vocab_size).
+`encode_chat` tokenizes message content as text, so a special token's string in it cannot forge
+a turn; `vocab_size` is max(len(tokenizer), the model config's vocab_size).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Pure checks that turn request bodies into prompts and `SamplingParams`, or raise.
-
-Every problem raises `ValidationError(message, param)`; the HTTP layer turns it into a 400 with
-an OpenAI-style body (`error_body`). Nothing here touches sockets or the tokenizer: callers
-tokenize text prompts themselves and pass the ids to `check_prompt_ids` and
-`build_sampling_params`, which need the prompt length for the context-length check.
-
-Sampling keys use the native names (`max_new_tokens`, ...); the OpenAI parsers in
-`openai_api` map their names onto these before calling `build_sampling_params`.
+"""Pure checks that turn request bodies into prompts and `SamplingParams`, or raise
+`ValidationError(message, param)` (a 400 with an OpenAI-style body). Nothing here touches
+sockets or the tokenizer; keys use the native names, onto which the OpenAI parsers map theirs.
 """
 
 from __future__ import annotations

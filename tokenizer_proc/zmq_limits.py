@@ -1,12 +1,8 @@
-"""What one ZMQ client connection may cost the frontend, beyond its running requests. Pure; no
-sockets.
+"""What one ZMQ client connection may cost the frontend beyond its running requests. Pure.
 
-`ErrorReplyBudget`: error replies are the one thing a client gets for frames that start no
-work, so they are what a flood of bad frames would multiply. Each connection has a bucket of
-`ERROR_REPLY_BURST` replies refilled at `ERROR_REPLIES_PER_S`: a client that makes a mistake now
-and then always hears about it; one that sends bad frames faster gets that many answers and
-the rest of its bad frames are dropped unanswered. `FrameLog` aggregates the per-frame
-warnings so that a flood writes a line every `LOG_INTERVAL_S`, not one per frame.
+`ErrorReplyBudget`: a token bucket of error replies per connection, the one thing a flood of
+bad frames could multiply; past it bad frames are dropped unanswered. `FrameLog` sums the
+per-frame warnings into a line every `LOG_INTERVAL_S`.
 """
 
 from __future__ import annotations

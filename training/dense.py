@@ -1,22 +1,9 @@
 """Dense forwards of the server's own models for training: rows of equal length, no KV pool.
 
-The server's models take a `ForwardBatch` and ask its attention backend to rotate q/k, store K/V
-in a paged pool and attend. Training runs the same modules (so a trained draft is exactly what
-the server loads) over a padded batch of B rows x T positions laid out flat ([B * T] tokens),
-with `UnrolledAttention` as the backend: differentiable, no pool, and able to run a draft
-several steps deep (EAGLE's training-time test).
-
-Unrolled draft steps. Step 0 runs the draft over every position t of a row (causal). Step i
-runs it again at positions t + i, each row position t now standing for "the draft i steps
-ahead of a verified prefix ending at t". Its query may attend to the step-0 keys of positions
-<= t (the prefix, which the serving draft extend computes from the target's features) and to
-the keys that position t produced at steps 1..i (the earlier draft steps of the same chain):
-
-    step i, query t:   keys(step 0)[0..t]  +  keys(step 1)[t] + ... + keys(step i)[t]
-
-which is exactly what the serving draft loop attends to after a draft extend ending at t.
-Steps i >= 1 may run over a window of each row instead (`later`: the row positions t they run
-at, [B, W]); their keys are then laid out per window position, and the diagonal is the window's.
+The same modules the server runs (so a trained draft is exactly what it loads), over B rows x T
+positions laid out flat, with `UnrolledAttention` as the backend: differentiable, and able to
+run a draft several steps deep. Step i, query t attends step 0's keys [0..t] and the keys
+position t produced at steps 1..i: what the serving draft loop attends after an extend at t.
 """
 
 from __future__ import annotations

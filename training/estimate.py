@@ -1,23 +1,7 @@
-"""The offline accept estimate: how long a greedy chain of the draft would be accepted, from the
-draft's agreement with the target along the target's own greedy continuations.
-
-On such a sequence the draft's teacher-forced inputs at each step equal what the serving chain
-feeds itself for as long as it is right, so `Recipe.chain_agreement` says, for every position
-t and step s, whether a chain started after a verified prefix ending at t would have its s-th
-token accepted. The estimate walks each sequence the way the verifier does: a decode iteration
-at t accepts 1 + the number of leading agreeing steps (the bonus token included), and the next
-iteration starts that many positions later. On the same sequence and the same weights this
-gives exactly the served accept lengths of batch-1 greedy decoding (a test checks it).
-
-    python3 -m training estimate eagle3 --model DIR --draft DIR --data FILE [--depth 5]
-        [--answers all|ended|cut] [--response-tokens 256]
-
-It also reports how much of the chosen answers repeats itself (`repeated_share`): a small target
-decoding greedily often loops late in a long answer, and a loop is easy for any draft to
-predict, so accept lengths over long answers depend on it. `--answers ended` or `cut` walks only
-the answers that ended by a stop token, or only those cut at the token limit;
-`--response-tokens 256` walks only each answer's first 256 tokens, as the served benchmark
-(`benchmarks/bench_spec_serving.py`, 256 new tokens a request) serves them.
+"""The offline accept estimate: how long a greedy chain of the draft would be accepted, walked
+like the verifier along the target's own greedy continuations (an iteration at t accepts 1 +
+the leading agreeing steps). On the same sequence and weights it equals the served batch-1
+greedy accept lengths (a test checks it). Usage and options: `docs/drafts.md`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Training data from the target itself: its responses to the prompts of a prompt file,
-generated in batches by Aerie's own model runner (paged KV, Triton attention and CUDA-graph
-decode on a GPU; the torch reference on CPU).
-
-A fixed set of request rows decodes together; when rows finish (a stop token or the length
-cap) the next prompts are prefilled into them, so the batch stays full. Finishing is checked
-every `check_every` steps (one host sync per check): tokens a row produced after its stop token
-are dropped. Each prompt is answered once greedily, and `sampled_per_prompt` more times sampled
-at `temperature` (not the dev split, which the accept estimate walks as greedy continuations).
-The output is a token file (`training.tokens`) of prompt + response with extra arrays `dev`,
-`greedy` and `finished` (False: cut at max_new_tokens).
+"""Training data from the target itself: its responses to a prompt file, generated in batches on
+Aerie's own model runner. Finished rows are refilled with the next prompts; finishing is
+checked every `check_every` steps (one host sync), and tokens past a stop token dropped.
+Output: a token file with extra arrays `dev`, `greedy` and `finished`.
 """
 
 from __future__ import annotations

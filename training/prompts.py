@@ -1,15 +1,8 @@
 """Prompt files: ShareGPT chat prompts, decontaminated and tokenised as the server would.
 
-Owns the first stage of draft training data. From each ShareGPT conversation it takes the
-prompt at each of `max_turns_per_conversation` user turns from `first_turn` on (default: the
-first three; a later file can take the turns an earlier one left out), with the earlier turns
-(ShareGPT's own answers) as history; the oldest (user, assistant) pairs are dropped until the
-rendered prompt fits `max_prompt_tokens`. A prompt is removed when any of its user turns shares
-a 13-word n-gram with a benchmark text (MT-bench questions, HumanEval prompts), so the drafts
-are not trained on what they are evaluated on. Ids come from
-`tokenizer_proc.tokenizer.Tokenizer.encode_chat`, the very call the server makes, so the chat
-template matches. The result is a `TokenFile` whose prompt_lens equal its lengths, with a bool
-array `dev` marking the held-out prompts.
+Ids come from `Tokenizer.encode_chat`, the server's own call, so the chat template matches; a
+prompt sharing a 13-word n-gram with a benchmark text is dropped. The result is a `TokenFile`
+(prompt_lens equal to its lengths) with a bool array `dev` marking held-out prompts.
 
     python3 -m training prompts --tokenizer DIR --mt-bench Q.jsonl --out prompts.npz
 """

@@ -1,23 +1,7 @@
-"""What each kind of draft learns: EAGLE-3, EAGLE (EAGLE-1) and MTP layers in MiMo's layout.
-
-A recipe builds the draft with the server's own module classes (`gpu_worker.models`), runs it
-against the target's teacher signals (`Target.run`) and exports it in the format the server
-loads. Every recipe runs its draft `depth` steps deep over a batch (`training.rows` says how step
-s lines up) and returns, per step, the draft's logits and the positions that learn; the loss and
-the offline accept estimate are built from those.
-
-The teacher's distribution (softmax of the target's logits over what the draft's head outputs)
-is computed once per batch, at the positions some step learns from, and each step reads its
-rows from it.
-
-- EAGLE-3: step 1 reads the target's aux features, step s > 1 the draft's own hidden state of
-  step s - 1 (training-time test); soft cross-entropy against the target's distribution
-  renormalised over the draft vocabulary, zero where the target's choice lies outside it (no
-  draft token could match; those positions still count in the mean).
-- EAGLE: the same unroll over the target's final hidden state (uniform noise added to it),
-  loss = SmoothL1 to the target's next hidden state + 0.1 x soft cross-entropy.
-- MTP: layer k is step k + 1 and always reads the target's hidden state (teacher-forced, no
-  unroll); each layer has its own loss weight.
+"""What each kind of draft learns: the `Recipe` base of EAGLE-3, EAGLE and MTP (`eagle3`,
+`eagle`, `mtp`). A recipe builds the draft from the server's own module classes, runs it
+`depth` steps deep against the target's teacher signals, returns each step's logits and
+learning positions, and exports the draft in the format the server loads.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Training rows: a padded batch of sequences, and which positions a draft step learns from.
 
-Every recipe lines its draft up the same way. At draft step s (1-based; an MTP layer k is step
-k + 1) the draft's row position t reads the token ids[t + s] and learns the target's next-token
-distribution at position u = t + s, i.e. it predicts ids[u + 1]. A position counts when that
-predicted token is a response token that exists: prompt_len <= u + 1 <= length - 1.
-
-The helpers take the row positions `at` [B, W] they are asked about (default: every position of
-every row), so that an unrolled chain's later steps can run over a window of each row
-(`Rows.window`): a chain's steps after the first learn nothing from anchors deep in the prompt.
+At draft step s (1-based; MTP layer k is step k + 1) row position t reads ids[t + s] and
+learns the target's distribution at u = t + s (it predicts ids[u + 1]); a position counts when
+prompt_len <= u + 1 <= length - 1. Helpers take the positions `at` [B, W] asked about.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The soft cross-entropy of draft logits against the teacher's distribution, fused on a GPU.
-
-For draft logits z [m, V] and the teacher's distribution p [N, V], of which draft row i learns
-teacher row at[i]:
-
-    loss[i] = -sum_v p[at[i], v] log_softmax(z[i])[v] = lse(z[i]) P_i - sum_v p[at[i], v] z[i, v]
-    d loss[i] / d z[i] = softmax(z[i]) P_i - p[at[i]]       (P_i = sum_v p[at[i], v], about 1)
-
-The torch form (`soft_cross_entropy_reference`) gathers p[at] into a new [m, V] float32 tensor,
-keeps log_softmax(z) [m, V] float32 for the backward and runs a handful of vocabulary-wide
-passes each way, a large share of an MTP layer's training step over the full 49,152-token
-vocabulary. The Triton kernels read the teacher's rows in place and make one pass forward
-(an online logsumexp with the dot product) and one backward (the gradient, written in z's
-dtype), keeping only lse and P per row. On the CPU training uses the reference; the kernels run
-there only under TRITON_INTERPRET=1 (the tests).
+"""The soft cross-entropy of draft logits z [m, V] against teacher rows p[at] [m, V], fused on a
+GPU: loss[i] = lse(z[i]) P_i - sum_v p[at[i], v] z[i, v], gradient softmax(z[i]) P_i - p[at[i]]
+(P_i = sum_v p[at[i], v]). The kernels read teacher rows in place, one pass each way;
+`soft_cross_entropy_reference` is the torch form, used on the CPU.
 """
 
 from __future__ import annotations

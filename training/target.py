@@ -1,13 +1,7 @@
-"""The target model on the training side: the server's own model class and weight loader, run
-densely (`training.dense`) to give a draft its teacher signals.
-
-`Target.run(ids)` returns, for every position of [B, T] token rows, the hidden state after the
-final norm (EAGLE and MTP features) and the EAGLE-3 aux features (the residual stream entering
-the configured layers); and the logits and greedy choice at the positions asked for (the
-training loop asks only for the positions some draft step learns from: `Rows.teaches`; the
-rest, prompt and padding, would cost a vocabulary-wide row each for nothing). Frozen: no
-gradients ever flow into it. On a GPU it runs the server's Triton kernels (fused add + norm,
-SiLU-and-multiply) where they exist, as the server does; on the CPU the torch references.
+"""The target on the training side: the server's own model class and weights, run densely and
+frozen to give a draft its teacher signals. `Target.run(ids)` returns every position's final
+hidden state and EAGLE-3 aux features, and logits and greedy choices only at the positions
+asked for (those some draft step learns from).
 """
 
 from __future__ import annotations

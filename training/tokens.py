@@ -2,13 +2,8 @@
 
     tokens       [total] uint32   every sequence back to back
     offsets      [n + 1] int64    sequence i is tokens[offsets[i]:offsets[i + 1]]
-    prompt_lens  [n]     int32    the first prompt_lens[i] tokens of sequence i are the prompt
-                                  (chat template included); the rest is the response, the only
-                                  part a draft is trained on
-
-A prompt file has prompt_lens == lengths (no responses yet); `generate` writes the same prompts
-with the target's responses appended. Extra arrays (e.g. `dev`, a bool per sequence) travel
-along untouched.
+    prompt_lens  [n]     int32    prompt tokens (chat template included); the rest is trained on
+Extra arrays (e.g. `dev`, a bool per sequence) travel along untouched.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The training loop: batches of target-generated conversations, the target's teacher signals,
-the recipe's loss, AdamW with warm-up and cosine decay, progress, an offline accept estimate,
-checkpoints that resume, and the exported draft.
-
-Everything lands in the output directory:
-    draft/        the exported draft (what `--speculative-draft-model-path` takes)
-    state.pt      the full training state (`--resume` continues from it)
-    train_log.jsonl   one record per logged step and per evaluation
-A run stops at the end of its schedule or when `max_minutes` / `max_steps` is up, whichever
-comes first, and always leaves a state and a draft behind, so a time-limited machine can train
-across calls: a resumed run computes exactly what an uninterrupted one would.
+"""The training loop: batches, teacher signals, the recipe's loss, AdamW (warm-up, cosine decay),
+evaluation, and checkpoints that resume. The output directory holds `draft/` (the export),
+`state.pt` (`--resume` continues from it) and `train_log.jsonl`. A run stopped by its time or
+step limit leaves a state and a draft, and resuming computes what an uninterrupted run would.
 """
 
 from __future__ import annotations

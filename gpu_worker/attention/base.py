@@ -1,21 +1,9 @@
 """The attention backend interface and its registry.
 
-A backend belongs to one ModelRunner and holds references to that runner's pools. Per forward
-the runner calls `init_forward_metadata(batch)` once, then every attention layer calls
-`attend(qkv, layer, batch, rope)`, which
-1. applies RoPE (and Qwen3's per-head q/k norm) to the new tokens' q and k and stores their
-   K/V at `batch.out_cache_loc` in the KV pool (layer `layer.layer_id`), and
-2. attends each request's queries over its KV `req_to_token[row, :seq_len]`: causal for the
-   extend part (query j at position prefix + j sees keys 0..prefix + j), or through
-   `batch.custom_mask` when it is set: a tree-local `[bs, q_len, width]` mask over each
-   request's last `width` keys, every earlier key visible (tree verify: width ND; multi-step
-   draft decode: width topk * S, the branch-local keys).
-The base class does 1 with `rope_and_store` and 2 with `forward(q, layer, batch)`; a backend
-may fuse them (triton's decode does, in one kernel).
-
-A backend with `supports_cuda_graph` plans its metadata on the device alone, so that a graph
-captures `init_forward_metadata` with the forward and a replay needs no refresh. Padded rows of a
-graph batch point at request row 0 and slot 0 with `cuda_graph_seq_len_fill_value` keys.
+A backend belongs to one ModelRunner. Per forward the runner calls
+`init_forward_metadata(batch)` once, then each layer `attend(qkv, layer, batch, rope)`: RoPE
+and the K/V store at `batch.out_cache_loc`, then attention over `req_to_token[row, :seq_len]`,
+causal or through `batch.custom_mask` (tree-local `[bs, q_len, width]` over the last keys).
 """
 
 from __future__ import annotations
@@ -55,6 +43,8 @@ class AttentionBackend:
     `forward`."""
 
     name = "base"
+    # Plans its metadata on the device alone, so a graph captures `init_forward_metadata`
+    # with the forward. Padded graph rows attend this many keys of row 0.
     supports_cuda_graph = False
     cuda_graph_seq_len_fill_value = 1
     # Whether metadata is planned from the host copies of the lengths (`seq_lens_cpu`); a

@@ -1,11 +1,6 @@
-"""`torch_native`: obviously correct paged attention with torch ops.
-
-The reference every other backend is tested against; runs on CPU and CUDA. Per request it
-gathers K/V through the request's req_to_token row and calls scaled_dot_product_attention with
-GQA and an explicit boolean mask (causal, or the request's tree-local `batch.custom_mask`
-over its last keys, every earlier key visible).
-A batch of one query per request (plain decode) takes one padded SDPA call for the whole batch
-instead: keys past a request's seq_len are masked out.
+"""`torch_native`: obviously correct paged attention with torch ops, the reference every other
+backend is tested against. Per request it gathers K/V through req_to_token and calls SDPA with
+an explicit boolean mask; a batch of one query per request takes one padded SDPA call.
 """
 
 from __future__ import annotations

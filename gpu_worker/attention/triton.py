@@ -1,16 +1,9 @@
 """`triton`: paged attention in Triton kernels, the default backend on CUDA.
 
-Decode (one query per request, no custom mask) runs `kernels.decode_attention`: RoPE, the K/V
-store and split-K GQA attention with its combine, in ONE kernel per layer. Every other mode
-runs `kernels.rotary.rope_and_store_kv`, then attention over the pool: a batch in which every
-request runs the same few queries (tree verify, multi-step draft decode through the tree-local
-custom mask, the speculative draft extend over fixed windows) takes
-`kernels.few_query_attention`, split-K and GQA-grouped like decode; anything else (extend /
-prefill over a prefix in the pool, ragged lengths) takes `kernels.extend_attention`. The
-kernels read KV positions through req_to_token on the device and take every length from device
-tensors, so metadata needs no host read of seq_lens and the same launches replay in CUDA
-graphs; the host values they use (`max_extend_len`, the number of queries) come with the plan.
-On CPU the kernels run under TRITON_INTERPRET=1 (slow; how CI checks them).
+Decode runs RoPE, the K/V store and attention in one kernel (`decode_attention`); batches of
+the same few queries per request take `few_query_attention`, anything else the RoPE+store
+kernel and `extend_attention`. Every length comes from device tensors, so the same launches
+replay in CUDA graphs; host values (`max_extend_len`, the query count) come with the plan.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """A runner's forward as a `StageGraph`: plain decode batches, and short prefills by tokens.
 
-Both take their inputs from the host in one packed copy (`StageGraph` with `host_inputs`:
-`DecodeInputs`, `PrefillInputs`), return a `LogitsOutput`, and pad to their bucket with the
-reserved dummies: token 0 at position 0 in KV slot 0, request row 0 with no keys. Nothing
-attends a padded token and no one reads its outputs.
-
-- `decode_graphs`: DECODE batches of one token per request, bucketed by batch size, keeping
-  the logits: a standalone runner's graphed step (`ModelRunner.forward_host`; the training
-  generator, `bench_decode`). The server's decode step is `step.decode_step.DecodeStep`.
-- `PrefillGraphs`: EXTEND batches of up to `max_tokens` tokens (`--cuda-graph-max-prefill-
-  tokens`), bucketed by tokens; a bucket of T tokens holds up to min(T, MAX_REQUESTS) requests.
-  It keeps each request's last-token logits and, with `keep_hidden` (the draft's prefill
-  reads them), every token's hidden and aux hidden states. Under capture the attention sees a
-  longest extend of T tokens, so its grid covers any request the bucket holds.
+Both take their inputs from the host in one packed copy and pad their bucket with the reserved
+dummies (token 0 at position 0 in slot 0, row 0 with no keys), which nothing attends or reads.
+`decode_graphs` serves a standalone runner (the server's step is `DecodeStep`); `PrefillGraphs`
+buckets EXTEND batches by tokens.
 """
 
 from __future__ import annotations
@@ -134,6 +125,10 @@ class PrefillInputs(Generic[Array]):
 
 
 class PrefillGraphs:
+    """EXTEND batches of up to max_tokens tokens, bucketed by tokens: a bucket of T tokens
+    holds up to min(T, MAX_REQUESTS) requests, and under capture its attention grid is sized
+    for one extend of T tokens, which covers any request it holds."""
+
     def __init__(
         self, runner: ModelRunner, max_tokens: int, capture: bool, keep_hidden: bool = False
     ) -> None:

@@ -1,47 +1,9 @@
 """`StageGraph`: a fixed-shape function of per-request device tensors, replayed as CUDA graphs.
 
-The speculative stages (draft loop and tree verify, draft extend, the MTP stack) are functions
-of a few per-request inputs (request rows, committed lengths, tokens, ...) that run with the
-same shapes for every batch of a given size. A stage's inputs and outputs are dataclasses whose
-fields are tensors, one dataclass per stage boundary, so the tensors that flow between stages
-are named by their types. A `StageGraph` owns static input buffers for the largest batch, one
-per field of its input type, each `[max_bs, *per_request_shape]`; a call copies the batch's
-inputs into their first `bs` rows, resets the padded rows `bs .. bucket` to the input's pad
-value (request row 0, KV slot 0, length 0: the reserved dummies, so a padded row never touches
-a live request's KV), replays the graph of the smallest bucket >= bs, and returns its output
-type with views of static output buffers (valid until the next call). Larger batches run `fn`
-directly.
-
-The function `fn(bs, inputs, committed_lens_cpu)` receives the bucket's input views and the
-host copy of the committed lengths (padded with 0): kernels that can be captured read only
-device tensors; `committed_lens_cpu` exists for the eager reference backend (torch_native),
-whose metadata is built on the host. Under capture it holds the pad value. `fn` returns a
-dataclass of tensors (None for a field it does not produce) whose first dimension is a multiple
-of bs (rows per request), or None; they are copied into static outputs sized for max_bs.
-
-Stages can be chained without copies: `output_buffers` makes outputs of one stage be written
-(inside its graph) straight into buffers it is given, such as the static inputs of the next
-stage, and a call skips the copy of any input that already is its static buffer's view.
-A stage may also write such an output itself, into a view of the buffer at its start (no
-copy then). The producing stage writes every row of the bucket, its padded rows included
-(they hold what the stage computed for the dummy row: valid values of the consumer's pad
-kind, such as row 0 or length 0). Consumers that are alternatives to one another (the
-speculative accept variants) share their static inputs through `input_buffers`, so one
-producer feeds them all.
-
-A stage whose inputs come from the host (`host_inputs=True`, e.g. the plain decode step: the
-plan's rows and KV slots) keeps them all in ONE packed int64 device buffer, int32 inputs two
-to an entry, and `call_host` fills all of it, pads included, with one copy from pinned memory
-before the replay: a step costs the host one copy and one replay whatever its inputs. Such
-inputs are flat lists of up to `width` values per request (`StageInput.shape` (width,)), not
-necessarily `width` for every request (a step's new KV slots are), and `fn` sees them flat.
-
-A bucket is a batch size by default; `buckets` may count something else (the prefill stage's
-are token counts, its per-request inputs then flat lists shorter than the bucket), and an
-output whose rows do not grow with the bucket says how many a bucket has (`output_rows`).
-Capture (`capture.capture_buckets`): buckets largest first, one memory pool, eager warm-up runs
-before each capture. Without capture (CPU, or a backend that cannot be captured) the same
-copies, padding and output buffers run eagerly, so CI covers all but the replay.
+A stage's inputs and outputs are dataclasses of tensors, one static buffer [max_bs, *shape] a
+field. A call copies the batch in, pads rows bs .. bucket with the reserved dummies (row 0,
+slot 0, length 0) so they never touch a live request, replays the bucket's graph and returns
+views of static outputs, valid until the next call. Without capture the same path runs eagerly.
 """
 
 from __future__ import annotations
@@ -62,6 +24,10 @@ In = TypeVar("In")  # a stage's input dataclass
 Out = TypeVar("Out")  # its output dataclass (or None)
 # A field of a host-fed stage's inputs: a host array for `call_host`, a tensor in the stage.
 Array = TypeVar("Array", bound=np.ndarray | torch.Tensor)
+# fn(bs, inputs, committed_lens_cpu): the bucket's input views and the host committed lengths
+# (pads 0; only the torch_native reference reads them, and under capture they are pads). It
+# returns a dataclass of tensors (None for a field it leaves out), each with a multiple of bs
+# rows, or None.
 StageFn = Callable[[int, In, list[int]], Out]
 
 
@@ -160,7 +126,9 @@ class StageGraph(Generic[In, Out]):
         pool: a CUDA graph memory pool shared with other stages (default: a new one).
         output_buffers: an instance of the output type whose fields that are not None are
         tensors to write those outputs into (e.g. another stage's `inputs`; viewed as
-        [max_bs * rows per request, ...]) instead of buffers of their own.
+        [max_bs * rows per request, ...]) instead of buffers of their own. The stage writes
+        every row of the bucket there, padded ones included, so the consumer's pads stay valid
+        (row 0, length 0) and its call skips the copy of an input already in its buffer.
         host_inputs: the inputs come from the host through `call_host` (int64 or int32, each
         of shape () or (width,)), packed in one buffer.
         input_buffers: inputs, by field, that are given tensors ([max_bs, *shape], e.g.

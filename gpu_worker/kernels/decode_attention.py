@@ -1,32 +1,9 @@
 """Paged decode attention fused with RoPE and the K/V store: one kernel per layer and step.
 
-    o = decode_attention(qkv, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc,
-                         req_to_token, rows, seq_lens, num_heads, scaling,
-                         num_splits, scratch, q_norm=None, k_norm=None, eps=1e-6)
-
-qkv [bs, (H + 2*KH) * D]: each request's one new token, straight from the merged projection.
-Its q and k heads are (optionally RMS-normalised and) rotated by `positions` [bs] with
-`cos_sin_cache` [max_positions, D] (cos | sin); its k and v are stored into the KV pool
-(k_buffer / v_buffer [num_slots, KH, D], one layer) at out_cache_loc [bs]; then each request
-attends its keys at req_to_token[rows[b], :seq_lens[b]], the last of which is the
-new token itself, taken from registers. Numerics match `rotary.rope_and_store_kv` followed by
-attention over the pool (q and k rounded to the model dtype after rotation).
-
-Work split (split-K, GQA grouped): a program per (request, KV head, split) serves all H / KH
-query heads of its KV head, so K and V are read once per group. A request of n BLOCK_N key
-blocks uses min(num_splits, ceil(n / min_blocks)) splits, min_blocks covering
-MIN_KEYS_PER_SPLIT keys, or one where splitting would save a single loop iteration
-(`active_splits`; programs beyond that return at once), each covering a contiguous run of
-whole blocks. A request served by one split
-writes o directly. Otherwise each program writes its partial output and log-sum-exp, then
-counts itself done on a per-(request, KV head) counter; the program that finishes last
-combines the partials and writes o, and resets the counter (so the same launch replays in a
-CUDA graph). The combine costs three dependent memory round trips (partials out, the atomic,
-partials in), which at a few hundred keys is more than scanning a few blocks in one program:
-hence the minimum run of blocks per split.
-Everything is read from device tensors: no host value of seq_lens is needed.
-
-`DecodeScratch` holds the partials and the counters; size it for the largest batch.
+Split-K and GQA grouped: a program per (request, KV head, split) serves all H / KH query heads
+of its KV head over a contiguous run of key blocks; the last split of a (request, KV head) to
+finish combines the partials and resets its counter, so the launch replays in CUDA graphs.
+Every length is read from device tensors. `DecodeScratch` holds partials and counters.
 """
 
 from __future__ import annotations
@@ -41,6 +18,7 @@ import triton.language as tl
 from gpu_worker.kernels import next_power_of_2, pdl
 from gpu_worker.kernels.rotary import rotate_halves
 
+# A split's least keys: below it the combine's memory round trips cost more than the keys.
 MIN_KEYS_PER_SPLIT = 256
 LOG2E = 1.4426950408889634
 
@@ -409,7 +387,13 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """See the module docstring; returns o [bs, H * D] in qkv's dtype. min_keys_per_split
+    """qkv [bs, (H + 2*KH) * D]: each request's one new token from the merged projection.
+    Its q and k heads are (optionally RMS-normalised and) rotated by positions [bs] with
+    cos_sin_cache [max_positions, D] (cos | sin), its k and v stored into one layer of the pool
+    (k_buffer / v_buffer [num_slots, KH, D]) at out_cache_loc [bs]; then each request attends
+    its keys at req_to_token[rows[b], :seq_lens[b]], the last (its new token) from registers.
+    Numerics: `rotary.rope_and_store_kv`, then attention over the pool. A request served by
+    one split writes o directly. Returns o [bs, H * D] in qkv's dtype. min_keys_per_split
     (default MIN_KEYS_PER_SPLIT), block_n and num_warps (default `choose_launch`) are tuning
     knobs for benchmarks."""
     bs = qkv.shape[0]

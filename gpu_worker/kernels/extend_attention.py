@@ -1,23 +1,7 @@
 """Paged extend attention: several queries per request over its whole KV, causal or masked.
 
-    o = extend_attention(q, k_buffer, v_buffer, req_to_token, rows, seq_lens,
-                         extend_seq_lens, extend_start_loc, max_extend_len, scaling,
-                         custom_mask=None)
-
-q [num_tokens, H * D] (requests' tokens back to back, request b's from extend_start_loc[b]);
-k_buffer / v_buffer [num_slots, KH, D] (one layer of the pool, the new tokens' K/V already
-stored); req_to_token [rows, max_len] int32; rows, seq_lens (keys attended),
-extend_seq_lens, extend_start_loc: [bs] on the device. Request b's queries sit at positions
-seq_len - extend_len + j and read the keys at slots req_to_token[row, :seq_len]: the prefix
-from the pool and the new tokens alike, so page size never reaches the kernel.
-
-Visibility: causal (query j sees keys up to its own position), or a tree-local custom_mask
-[bs, q_len, width] (uint8 or bool) over the last `width` keys, earlier keys always visible
-(tree verify; multi-step draft decode over the branch-local keys).
-
-One program per (request, query head, block of BLOCK_M queries); max_extend_len (a host
-value that comes with the plan, never read back from the device) sizes the grid, and blocks
-past a request's own extend length return at once.
+One program per (request, query head, block of BLOCK_M queries); max_extend_len, a host value
+that comes with the plan, sizes the grid, and blocks past a request's own extend return at once.
 """
 
 from __future__ import annotations
@@ -148,7 +132,14 @@ def extend_attention(
     scaling: float,
     custom_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See the module docstring; returns o [num_tokens, H * D] in q's dtype."""
+    """q [num_tokens, H * D], requests' tokens back to back (request b's from
+    extend_start_loc[b]); k_buffer / v_buffer [num_slots, KH, D], one layer, the new K/V
+    already stored; req_to_token [rows, max_len] int32; rows, seq_lens (keys attended),
+    extend_seq_lens, extend_start_loc [bs] on the device. Request b's query j sits at position
+    seq_len - extend_len + j and reads the keys at req_to_token[row, :seq_len], so page size
+    never reaches the kernel. Visibility: causal, or a tree-local custom_mask [bs, q_len,
+    width] (uint8 or bool) over the last width keys, earlier keys visible. Returns o
+    [num_tokens, H * D] in q's dtype."""
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     num_heads = q.shape[1] // head_dim
     bs = rows.shape[0]

@@ -1,33 +1,9 @@
 """Paged split-K attention for a few queries per request, the same number for every request.
 
-    o = few_query_attention(q, k_buffer, v_buffer, req_to_token, rows, seq_lens,
-                            num_queries, scaling, num_splits, scratch, custom_mask=None)
-
-The speculative forwards have this shape: a tree verify runs ND queries per request, a draft
-decode step topk, a draft extend S+1, each over a request's whole KV. `extend_attention` gives
-such a batch one program per (request, query head, block of queries), so at batch 1 a layer
-runs H programs that each read every key, and the H / KH heads of a KV group read it again.
-This kernel is `decode_attention`'s work split instead: a program per (request, KV head,
-split) serves every query of the request for all heads of its KV group (num_queries x H / KH
-rows of one tile), reads a contiguous run of whole key blocks once, and writes a partial
-output and log-sum-exp; the last program of (request, KV head) to arrive combines the splits
-and resets its counter, so the launch replays in a CUDA graph. As in decode, a split covers
-at least `Knobs.min_keys` keys (decode's MIN_KEYS_PER_SPLIT by default; `active_splits`),
-and a request served by one split writes o directly (launch shape: `choose_launch`).
-
-q [bs * num_queries, H * D] (rotated, request b's queries at rows b*num_queries ..); the new
-tokens' K/V are already in the pool (`rotary.rope_and_store_kv`); request b attends the keys at
-req_to_token[rows[b], :seq_lens[b]]. Visibility is `extend_attention`'s: causal
-(query j sits at position seq_len - num_queries + j) or a tree-local custom_mask
-[bs, num_queries, width] (uint8 or bool) over the last `width` keys, earlier keys visible.
-Every length comes from device tensors. The scratch is decode's `DecodeScratch`, allocated
-with num_queries x H rows per request (`scratch_for`).
-
-`few_query_attend` is the fused form for batches whose new tokens are each request's last
-num_queries keys (tree verify, the draft extend): it takes qkv straight from the projection,
-rotates q and k (after the optional q/k RMSNorm) by the tokens' positions, and the split that
-holds the last position attends the new keys from registers and stores their K/V; the other
-splits read only the keys before them. One kernel per layer, as in decode.
+The speculative forwards' shape (a tree verify's ND queries, a draft step's topk, a draft
+extend's S+1) with `decode_attention`'s work split: a program per (request, KV head, split)
+serves all the request's queries for every head of its KV group, so each key is read once.
+`few_query_attend` is the fused form (RoPE and the K/V store in the same kernel).
 """
 
 from __future__ import annotations
@@ -356,8 +332,12 @@ def few_query_attention(
     custom_mask: torch.Tensor | None = None,
     knobs: Knobs | None = None,
 ) -> torch.Tensor:
-    """See the module docstring; q is rotated and the new K/V stored. Returns o
-    [bs * num_queries, H * D] in q's dtype. knobs: `choose_launch`'s unless given."""
+    """q [bs * num_queries, H * D], rotated (request b's queries from row b*num_queries), the
+    new K/V already in the pool; request b attends the keys at req_to_token[rows[b],
+    :seq_lens[b]], causally (query j at position seq_len - num_queries + j) or through a
+    tree-local custom_mask [bs, num_queries, width] (uint8 or bool) over its last width keys,
+    earlier keys visible. scratch: `scratch_for`. Returns o [bs * num_queries, H * D] in q's
+    dtype. knobs: `choose_launch`'s unless given."""
     return _launch(
         q,
         q.shape[1] // k_buffer.shape[2],

@@ -1,13 +1,7 @@
 """Greedy acceptance of a batch of draft trees in one launch: the accepted path, the tokens it
-emits and the draft's features along it, what `verify_greedy`, `accepted_tokens` and
-`compact_rows` compute in some forty small kernels.
-
-One program per request walks its tree from the root, level by level, trying the current
-node's children in list order (`next_token`, then `next_sibling`) and taking the first whose
-token is the target's argmax at the current node. An accepted child's token is that argmax,
-so the emitted tokens are the argmaxes along the path, then the argmax at its last node (the
-bonus). Tree tensors as `DraftTree` holds them: tokens [bs*ND], next_token and next_sibling
-[bs, ND] (rows may be one row broadcast), all int64.
+emits and the features along it (what `verify_greedy`, `accepted_tokens` and `compact_rows`
+compute in many small kernels). One program per request walks its tree level by level and
+takes the first child (`next_token`, then `next_sibling`) whose token is the target's argmax.
 """
 
 from __future__ import annotations
@@ -127,7 +121,8 @@ def greedy_accept(
     features: torch.Tensor,
     out: Accepted | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`greedy_accept_reference` in one launch. tree: a `DraftTree`; target_predict [bs*ND]
+    """`greedy_accept_reference` in one launch. tree: a `DraftTree` (its next_token and
+    next_sibling rows may be one row broadcast); target_predict [bs*ND]
     int64, the target's argmax at every node; features [bs*ND, F] (rows contiguous).
     out: where to write accept_lens [bs], tokens [bs, S+1] and features [bs, S+1, F] (e.g.
     the next stage's input buffers; its logprobs unused; all made here when None)."""

@@ -1,17 +1,9 @@
-"""The LM head and the argmax over its logits in two launches, for batches that only need each
-row's greedy token: the verify of a plain greedy batch and the draft steps of a chain.
+"""The LM head and the argmax over its logits in two launches, for rows that need only their
+greedy token (a plain greedy batch's verify, a chain's draft steps).
 
-The library path writes [M, V] logits, casts them to float32 and reduces them in one block per
-row: on the default model's 49,152-token vocabulary that block alone takes longer than the
-head's GEMM, and three launches for a few rows. Here each program projects a block of rows onto
-a block of the vocabulary on the tensor cores, rounds the logits to the model dtype as the
-library GEMM's output is, and keeps each row's largest logit and its first index; a second
-launch reduces those per-block maxima and maps the winner through the draft's vocabulary map
-(`hot_token_id`) where there is one. Ties go to the lowest token id, as `torch.argmax`'s do.
-
-With `DrawNoise` (a draft's coupled proposal for sampled rows) each noisy row's logits are
-scaled by 1 / temperature and get plain sampling's Gumbel noise for the same seed, position
-and target token before the argmax, computed in the same program (`sampling.hash32`'s mix).
+Each program projects a block of rows onto a block of the vocabulary, rounds the logits to the
+model dtype as the library GEMM does and keeps each row's largest; a second launch reduces the
+blocks (ties to the lowest id, as `torch.argmax`) and maps the winner through `hot_token_id`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
+"""RMSNorm, alone and fused with the residual add before it in every decoder layer.
 
-    rms_norm(x, w)                     -> w * normalize(x)
-    add_rms_norm(x, residual, w)       -> (w * normalize(x + residual), x + residual)
-
-Numerics follow Llama/Qwen (and transformers): the sum is rounded to the input dtype, the
-normalisation is computed in float32, the normalised value is rounded to the input dtype and
-then multiplied by the weight (one more rounding). One kernel launch per call.
+Numerics follow Llama/Qwen (and transformers): the sum rounded to the input dtype, the
+normalisation in float32, rounded to the input dtype, then multiplied by the weight.
 """
 
 from __future__ import annotations

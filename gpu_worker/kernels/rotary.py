@@ -1,15 +1,4 @@
-"""RoPE on q and k fused with the K/V store: the step between the qkv projection and attention.
-
-    q = rope_and_store_kv(qkv, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc,
-                          num_heads, num_kv_heads, q_norm, k_norm, eps)
-
-qkv [n, (H + 2*KH) * D] is the merged projection's output (q heads, then k heads, then v
-heads). Each q and k head is optionally RMS-normalised with its own weight [D] (Qwen3's q/k
-norm), then rotated (rotate-half layout) by the angles of its token's position, read from
-cos_sin_cache [max_positions, D] (the first D/2 columns cos, the last D/2 sin, float32). The
-rotated k and the untouched v are written into the KV pool at out_cache_loc [n] (in place);
-the rotated q comes back as a new [n, H * D] tensor. Rotation is computed in float32.
-"""
+"""RoPE on q and k fused with the K/V store: the step between the qkv projection and attention."""
 
 from __future__ import annotations
 
@@ -149,7 +138,11 @@ def rope_and_store_kv(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """See the module docstring. k_buffer/v_buffer [num_slots, KH, D] contiguous."""
+    """qkv [n, (H + 2*KH) * D], the merged projection's output (q, k, then v heads). Each q
+    and k head is optionally RMS-normalised with its own weight [D] (Qwen3), then rotated
+    (rotate-half, in float32) by its token's position from cos_sin_cache [max_positions, D]
+    (cos | sin, float32); k and v are stored in place at out_cache_loc [n] in k_buffer /
+    v_buffer [num_slots, KH, D] (contiguous). Returns the rotated q, a new [n, H * D]."""
     n, head_dim = qkv.shape[0], k_buffer.shape[-1]
     q = torch.empty(n, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if n:

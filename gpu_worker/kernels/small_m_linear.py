@@ -1,25 +1,9 @@
-"""Projections of a few rows (decode of small batches, a chain's verify), fused with the step
-before them.
+"""Projections of one to four rows, fused with the step before them: `linear`,
+`rms_norm_linear` (add+RMSNorm first) and `silu_mul_linear` (SiLU-and-multiply first).
 
-    linear(x, w, b)                          -> x @ w.T + b
-    rms_norm_linear(x, residual, nw, eps, w) -> (rms_norm(x + residual) @ w.T, x + residual)
-    silu_mul_linear(gate_up, w, b)           -> silu_and_mul(gate_up) @ w.T + b
-
-With one to four rows a projection reads its whole weight to produce a few outputs: the work is
-the weight's bytes, and a library GEMM call costs a launch and a tail each time, several times
-what reading a SmolLM2-135M weight takes. The kernel gives each
-program a few output columns of a block of rows, computes their dot products on the CUDA cores,
-and does the step before the projection in its prologue, so a decoder layer runs five kernels:
-norm+qkv, attention, o_proj, norm+gate_up, silu+down. The residual add before a norm is computed
-by every program (its input is a few KB) and stored by the first of each row block. Where the
-fused prologue does not pay (`choose_config`): one row of a large weight (the 8B shape's) runs
-the separate norm or SiLU kernel, then this kernel without a prologue, which reads the weight
-closer to the memory bandwidth than the library GEMM does; more rows run the separate kernels
-and the library GEMM.
-
-Numerics are the references' (`norm.add_rms_norm_reference`, `activation.silu_and_mul_reference`
-followed by `F.linear`): the normalised or gated input is rounded to the input dtype before the
-product, which accumulates in float32.
+Each program computes a few output columns of a block of rows; the residual add before a norm
+is computed by every program and stored by the first of each row block. Numerics are the
+references': the input rounded to its dtype after the norm or gate, products summed in float32.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Projections, sharded over tensor-parallel ranks (`gpu_worker.parallel`).
 
-`MergedLinear` (column-parallel): several projections of the same input in one matrix (one
-GEMM launch). `qkv_proj` stacks q_proj, k_proj and v_proj on the output dimension,
-`gate_up_proj` stacks gate_proj and up_proj; under TP each shard keeps this rank's rows (its
-heads, its share of the intermediate size). `RowParallelLinear` (o_proj, down_proj): this
-rank's input columns, the partial products summed over the ranks by `reduce`.
-
-Checkpoints keep the separate, unsharded Hugging Face names: each sharded module lists the
-checkpoint names it loads (`checkpoint_loaders`), and its loader copies this rank's slice of
-the tensor. Size 1 loads the whole tensor and `reduce` is the identity.
+`MergedLinear` (column-parallel) stacks projections of one input in one matrix (`qkv_proj`,
+`gate_up_proj`); `RowParallelLinear` (o_proj, down_proj) sums its ranks' partial products in
+`reduce`. Checkpoints keep the separate, unsharded HF names: each module lists the names it
+loads (`checkpoint_loaders`) and copies this rank's slice.
 """
 
 from __future__ import annotations

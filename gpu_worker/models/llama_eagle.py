@@ -1,24 +1,8 @@
-"""EAGLE-1/2 Llama draft (`LlamaForCausalLMEagle`, the public format of e.g.
-yuhuili/EAGLE-LLaMA3-Instruct-8B), and what every draft model shares.
+"""EAGLE-1/2 Llama draft (`LlamaForCausalLMEagle`, the public EAGLE format), and the contract
+every draft model follows.
 
-A draft model reads, besides the batch's tokens, one hidden state per token from
-`batch.spec_info.hidden_states`. The EAGLE draft computes
-
-    h = fc(cat(embed(ids), hidden))        # fc: 2H -> H
-    h = decoder layers(h)                  # the first layer's input_layernorm is an identity
-    logits = target_lm_head(h)             # no final norm
-
-and passes `h` back to itself as the next draft step's hidden. Embedding and LM head are the
-TARGET's modules (the same Parameters), attached by `attach_target` after loading.
-
-Draft-model contract (also followed by `LlamaForCausalLMEagle3`):
-- `__init__(config, tensor_names, tp)`: tensor_names = the checkpoint's tensor names (None for
-  dummy weights); decides which optional modules the draft owns, so nothing is allocated twice.
-  tp: the target's tensor-parallel group; the draft's decoder layers (and any embedding or LM
-  head of its own) are sharded like the target's, the small input projection is replicated.
-- `forward(batch) -> [num_tokens, H]` pass-back hidden; `compute_logits(hidden) -> [n, V] f32`.
-- `attach_target(target)`: after weights are loaded, share the target's modules the format
-  leaves out and finish derived tensors. Until then the draft cannot run.
+A draft reads one hidden state per token (`batch.spec_info.hidden_states`) besides the tokens,
+and uses the TARGET's embedding and LM head (the same Parameters, `attach_target`).
 """
 
 from __future__ import annotations
@@ -62,6 +46,19 @@ def read_spec_hidden(batch: ForwardBatch) -> torch.Tensor:
 
 
 class LlamaForCausalLMEagle(nn.Module):
+    """h = fc(cat(embed(ids), hidden)) (2H -> H); h = decoder layers(h) (the first layer's
+    input_layernorm an identity); logits = target_lm_head(h), no final norm; h is the next
+    draft step's hidden.
+
+    The draft-model contract (`LlamaForCausalLMEagle3`, `MiMoMTPLayer` follow it):
+    `__init__(config, tensor_names, tp)`: tensor_names (the checkpoint's, None for dummy
+    weights) decides which optional modules the draft owns, so nothing is allocated twice; tp
+    is the target's group (decoder layers and any embedding or LM head of its own sharded like
+    the target's, the small input projection replicated). `forward(batch) -> [num_tokens, H]`
+    pass-back hidden; `compute_logits(hidden) -> [n, V]` float32. `attach_target(target)`,
+    after loading, shares the target's modules and finishes derived tensors: until then the
+    draft cannot run."""
+
     def __init__(
         self,
         config: ArchConfig,

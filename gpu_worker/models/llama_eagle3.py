@@ -1,18 +1,6 @@
-"""EAGLE-3 Llama draft (`LlamaForCausalLMEagle3`, the public format of e.g.
-lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B) and the target layers it reads features from.
-
-The target captures aux hidden states: the residual stream entering a few of its layers,
-concatenated to [num_tokens, num_aux * H]. The draft computes
-
-    hidden_in = fc(hidden) if hidden is aux-wide else hidden    # fc: num_aux*H -> H
-    x = cat(input_layernorm(embed(ids)), hidden_norm(hidden_in))  # [n, 2H]
-    h = hidden_in + o_proj(attention(x))                        # q/k/v: 2H -> heads
-    h = h + mlp(post_attention_layernorm(h))
-    logits = lm_head(norm(h))                                   # over the DRAFT vocabulary
-
-and passes the pre-norm `h` back to itself. Draft token ids map to target ids through
-`hot_token_id = arange(draft_vocab) + d2t`. The embedding is the target's unless the checkpoint
-has its own. The draft-model contract is described in `llama_eagle.py`.
+"""EAGLE-3 Llama draft (`LlamaForCausalLMEagle3`, the public EAGLE-3 format) and the target layers
+it reads features from: the residual stream entering a few target layers (aux hidden states,
+concatenated to [num_tokens, num_aux * H]). Draft-model contract: `llama_eagle.py`.
 """
 
 from __future__ import annotations
@@ -127,6 +115,13 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLMEagle3(nn.Module):
+    """hidden_in = fc(hidden) if hidden is aux-wide (num_aux*H -> H) else hidden;
+    x = cat(input_layernorm(embed(ids)), hidden_norm(hidden_in)) [n, 2H];
+    h = hidden_in + o_proj(attention(x)); h = h + mlp(post_attention_layernorm(h));
+    logits = lm_head(norm(h)) over the DRAFT vocabulary, mapped to target ids by
+    hot_token_id = arange(draft_vocab) + d2t. The pre-norm h is passed back; the embedding is
+    the target's unless the checkpoint has its own."""
+
     use_triton = False  # fc through small_m_linear (see Eagle3DecoderLayer)
 
     def __init__(

@@ -1,26 +1,8 @@
 """MTP layers in MiMo's layout (multi-layer EAGLE): one small model per layer, `MiMoMTPLayer`.
 
-A target with `num_nextn_predict_layers: N` in its config.json ships N extra blocks, either in
-its own safetensors or in a separate directory (same config, same tensor names):
-
-    model.mtp_layers.{i}.token_layernorm.weight     [H]
-    model.mtp_layers.{i}.hidden_layernorm.weight    [H]
-    model.mtp_layers.{i}.input_proj.weight          [H, 2H]
-    model.mtp_layers.{i}.final_layernorm.weight     [H]
-    model.mtp_layers.{i}.{input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}
-                                                    a decoder block like the target's
-
-Layer i computes, per token (target hidden h at the same position, embedding e of the token):
-
-    x = input_proj(cat(hidden_layernorm(h), token_layernorm(e)))   # [n, H]
-    x = decoder block(x)                                           # pre-norm, with residual
-    out = final_layernorm(x)
-    logits = target_lm_head(out)
-
-and passes `out` back as its hidden. Embedding and LM head are the TARGET's modules (shared
-Parameters, `attach_target`); the decoder block has the target's attention options (q/k/v bias
-for Qwen2/MiMo, q/k norm for Qwen3). A runner of one layer has a one-layer KV pool: the block's
-attention is layer 0 of that pool.
+A target with `num_nextn_predict_layers: N` ships N blocks `model.mtp_layers.{i}.*`
+(token_layernorm, hidden_layernorm, input_proj [H, 2H], final_layernorm and a decoder block
+like the target's), in its own safetensors or a separate directory with the same names.
 """
 
 from __future__ import annotations
@@ -118,7 +100,11 @@ def _block_attention_options(config: ArchConfig) -> dict[str, bool]:
 
 
 class MiMoMTPLayer(nn.Module):
-    """MTP layer `mtp_layer` of a MiMo-layout checkpoint (see the module docstring).
+    """MTP layer `mtp_layer` of a MiMo-layout checkpoint. Per token (target hidden h at the
+    same position, embedding e of the token):
+    x = input_proj(cat(hidden_layernorm(h), token_layernorm(e))); x = decoder block(x);
+    out = final_layernorm(x); logits = target_lm_head(out); out is passed back as its hidden.
+    The block has the target's attention options and is layer 0 of its runner's one-layer pool.
 
     Follows the draft-model contract of `llama_eagle.py`; tensor_names is accepted for it and
     unused (the layout has no optional modules)."""

@@ -1,15 +1,9 @@
-"""Accepted-path compaction after verify.
+"""Accepted-path compaction after verify (topk > 1; in a chain node j already sits at prefix + j).
 
-With topk > 1 the accepted nodes of a request are scattered over its verify block
-`prefix .. prefix+ND-1`; accepted node k must end up at position `prefix + j` (j = its index
-along the path, which is also its depth). `compaction_moves` lists the target-pool KV copies that do
-that; `compact_rows` reorders per-node rows (verify hidden states,
-predict) the same way. Moves and rows are sized by `bs*(S+1)` (the accept_index width), never
-`bs*ND`, and unused entries are zero (slot 0 -> slot 0 is a harmless dummy move).
-
-Applying the moves as one gather-then-scatter (`kv[dst] = kv[src]`) is always safe; an
-in-order copy is safe too because node_j >= j, so a destination is only ever the source of an
-earlier entry. topk == 1 needs none of this (node j == j: every move is an identity).
+Accepted node k at depth j moves to position prefix + j: `compaction_moves` lists the KV
+copies, `compact_rows` reorders per-node rows the same way. Both are sized bs*(S+1), unused
+entries zero (slot 0 -> slot 0). An in-order copy is safe too: node_j >= j, so a destination
+is only ever the source of an earlier entry.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The multi-step draft cache layout: the single owner of where draft KV lives.
 
-Each request's draft scratch lives at LOGICAL positions of its `req_to_token` row, starting at
-`prefix` (the committed KV length, i.e. the position of the bonus/root token). Branch `j` owns
-the `num_steps` positions `prefix + j*num_steps + 0..num_steps-1` (branch-major, the
-`[bs*topk*S]` layout viewed as `[S, bs*topk]`), and draft step `i` of branch `j` writes its
-draft KV at `prefix + j*num_steps + i`. The verify tree reuses `prefix .. prefix+ND-1` of the
-same row (draft KV goes to the draft pool, verify KV to the target pool), so the scheduler reserves
-`draft_alloc_len(...)` positions of headroom per request per decode step.
-
-Every user (draft loop, attention metadata, CUDA-graph and eager paths) goes through these
-functions; nothing else computes draft positions or slots. Rows are request-major,
-branch-minor: `row = b*topk + j`. All functions are pure and keep tensors on the input device.
+Draft step i of branch j writes the draft pool at position prefix + j*S + i of the request's
+`req_to_token` row (rows request-major: `row = b*topk + j`); the verify tree reuses prefix ..
+prefix+ND-1 in the target pool. Nothing else computes draft positions or slots.
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ def draft_run_positions(committed_lens: torch.Tensor, topk: int, step: int) -> t
     """Position every row is RUN at in draft decode step `step`: `prefix + step` -> [bs*topk] int64.
 
     Step 0 runs at `prefix` (the bonus position; draft position = target position of the input
-    token - 1); positions advance only after each forward (SGLang PR #25015 put step 0 at prefix+1).
+    token - 1), not prefix+1; positions advance only after each forward.
     """
     positions = committed_lens.to(torch.int64)
     positions = positions if topk == 1 else positions.repeat_interleave(topk)

@@ -1,24 +1,9 @@
-"""`EagleWorker`: one EAGLE / EAGLE-3 decode iteration over a target and a draft runner.
+"""`EagleWorker`: the EAGLE / EAGLE-3 parts of `SpeculativeWorker`'s iteration.
 
-The iteration's flow (propose -> accept -> compact -> extend) is `SpeculativeWorker`'s; this
-class supplies the EAGLE parts:
-    draft_prefill  after a target extend: the draft runs on the rotated chunk (shift left, append
-                   the tail: the next prompt token for a non-final chunk, the sampled token for
-                   the last) and leaves, per request row, its first-level top-k for the next step.
-    draft_tree     S levels of topk branches from that state -> a `DraftTree` of ND nodes.
-    compact        (topk > 1) move the accepted path's target KV to the front of the block.
-    draft_extend   the draft over the fixed S+1 positions after acceptance; refreshes the
-                   per-row draft state from each request's last accepted position.
-
-Memory layout: a request with committed KV length `prefix` owns positions [prefix, prefix +
-decode_alloc_len) of its req_to_token rows for the step (reserved by the scheduler, the same
-slot ids in every runner's pool). Draft scratch KV goes to the draft pool at the positions of
-`draft_step_positions`; the verify nodes to the target pool at prefix .. prefix + ND - 1. After the
-step, positions prefix .. prefix + accept_len - 1 hold the target and draft KV of the root and the
-accepted drafts; the scheduler keeps exactly those (it advances by the accept length).
-
-Draft state per request row (kept between steps, like SGLang's FutureMap indexed by row):
-topk_p [rows, topk], topk_index [rows, topk] (target vocab ids), hidden [rows, H_draft].
+`draft_prefill` (the draft on each target extend's chunk, rotated by one token), `draft_tree`
+(S levels of topk branches from the per-row draft state), `compact` and `draft_extend` (the
+draft over the fixed S+1 positions, refreshing the draft state at the last accepted one).
+Per-row draft state: topk_p, topk_index [rows, topk] (target ids), hidden [rows, H_draft].
 """
 
 from __future__ import annotations

@@ -1,39 +1,9 @@
 """`SpeculativeWorker`: the decode iteration every draft algorithm shares, in fixed shapes.
 
-One iteration for `bs` request rows, each with its committed KV length `prefix` and its last
-emitted token `bonus` (no KV yet) in `RowState`:
-    propose   (stage graph) the draft proposes a tree of ND nodes per request (EAGLE: S draft
-              steps of topk branches and the tree selection; MTP: the chain its layers left),
-              and the target verifies every node in one TARGET_VERIFY forward;
-    accept    each node's draw (what plain decoding would emit after it: the argmax, or
-              the seeded sample) and the longest path of drafts equal to their parents'
-              draws, on the device -> accepted tokens and accept lengths. Plain greedy
-              acceptance (no penalties, no logprobs) and its read-off run inside the propose
-              stage. Any other batch runs an accept stage
-              after it, a variant picked on the host from its rows' sampling flags, each with
-              fixed sampling stages (rows that do not use a stage pass through it unchanged):
-              "sample" (temperature, min-p), "filter" (and top-k / top-p) and "penalize" (and
-              penalties). The first two are stage graphs fed by the propose stage's outputs in
-              place, captured for batches of up to ACCEPT_GRAPH_ROWS tree nodes; "penalize",
-              whose temporaries are [bs, ND, V] several times over, always runs directly;
-    compact   (topk > 1) the accepted path's target KV moved to positions prefix .. prefix+acc-1
-              (inside the accept stage; after the propose stage for plain greedy batches);
-    extend    (stage graph) the draft runs over the fixed S+1 positions prefix .. prefix+S, pairing
-              the target feature of accepted node k with the token after it; its state is
-              read at each request's last accepted position (accept_len - 1). KV written for
-              the rejected positions lies past the new committed length and is overwritten
-              before anything reads it. Then each row's committed length and last token in
-              `RowState` advance by its accepted run.
-The propose stage reads its rows' lengths and tokens from `RowState` itself, so a greedy
-iteration costs the host one input copy (the rows) and two replays: the propose graph writes
-the extend stage's inputs in place (`StageGraph` output buffers; a greedy batch replays a
-capture of it that writes nothing else), and a sampled one a third
-replay, the accept graph, which reads the propose stage's outputs in place and overwrites the
-extend stage's inputs with its own. No stage reads the device from the host; the only
-synchronisation of a step is the caller's single copy of its results. Stages run through
-`StageGraph` (CUDA graphs bucketed by batch size, padded rows on request row 0 / slot 0) when
-`graph_max_bs` > 0, else directly. What each stage hands the next is a dataclass of
-`stage_buffers` (`GreedyProposal` / `Proposal`, `Accepted`, `ExtendInputs`).
+propose (draft tree, verify, greedy acceptance) -> accept (an accept stage, for batches that
+are not plain greedy) -> compact (topk > 1) -> draft extend, each a `StageGraph` that hands the
+next a `stage_buffers` dataclass in place; no stage reads the device from the host
+(`docs/speculation.md`, "The iteration").
 """
 
 from __future__ import annotations
@@ -58,6 +28,7 @@ from gpu_worker.speculative.stage_buffers import (
     ProposeInputs,
     accept_specs,
     extend_specs,
+    tree_fields,
 )
 from gpu_worker.speculative.target_verify import SpecStepOutput, accept_and_read, verify_tree
 from gpu_worker.speculative.tree import DraftShape, DraftTree
@@ -249,14 +220,7 @@ class SpeculativeWorker:
         return Proposal(
             rows=rows,
             committed_lens=committed_lens,
-            tokens=tree.tokens,
-            positions=tree.positions,
-            custom_mask=tree.custom_mask,
-            retrieve_index=tree.retrieve_index,
-            next_token=tree.next_token,
-            next_sibling=tree.next_sibling,
-            depth=tree.depth,
-            ancestors=tree.ancestors,
+            **tree_fields(tree),
             logits=out.next_token_logits,
             features=features,
             greedy_accept_lens=accept_lens,

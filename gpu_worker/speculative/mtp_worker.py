@@ -1,30 +1,8 @@
-"""`MTPWorker`: multi-layer EAGLE with a draft runner list, one runner per MTP layer (chain).
+"""`MTPWorker`: multi-layer EAGLE (a chain), one draft runner per MTP layer.
 
-MTP layer k at position p reads (target hidden h_p, token t_{p+1+k}) and predicts t_{p+2+k}.
-`draft_runner_list[k]` holds layer k with its own KV pool and its own req_to_token_pool (the
-same slot ids as every other runner); every forward of layer k, prefill and draft extend
-alike, runs on runner k (SGLang PR #22954).
-
-One mechanism covers prefill chunks and the draft extend after verify ("run the stack"): when
-positions [start, end) become committed, with the true tokens t_{start+1} .. t_{end} known,
-layer k runs over a window of positions that covers [start - k, end). Its token at position p
-is t_{p+1+k}: a true token while p + 1 + k <= end, else the prediction of layer p + k - end
-made in this same run (layer 0's prediction d_1 = t_{end+1}, and so on). The k positions
-before `start` are recomputed because last time their tokens were predictions (after a
-non-final prefill chunk, guesses for prompt tokens the worker had not seen): layers >= 1 thus
-replace stale boundary KV with KV from the true tokens.
-
-Everything is tensors, the same for every request:
-- the token line [bs, W]: line[b, i] = t_{start+1+i}, the known tokens then each layer's
-  prediction as it is made, so layer k's token at position p is line[b, p + k - start];
-- the hidden stash [rows, S-1, H] per request row: the target hidden at the last S-1 committed
-  positions, so a window reaching before `start` finds its features there.
-A prefill chunk's windows are ragged ([max(start-k, 0), end), host lengths from the plan); the
-draft extend after verify runs fixed windows of S+1+k positions from max(prefix-k, 0) (past the
-new end they compute garbage KV that the next step overwrites before reading), so it can be
-captured in a CUDA graph. The predictions at each request's position end-1 form the chain
-d_1 .. d_S the next decode step verifies (a tree of ND = S+1 nodes); a chain needs no
-compaction: node k already sits at position prefix + k.
+MTP layer k at position p reads (target hidden h_p, token t_{p+1+k}) and predicts t_{p+2+k};
+every forward of layer k runs on runner k. Prefill chunks and the draft extend run the same
+windows of the stack, as tensors (`docs/speculation.md`, "Multi-layer EAGLE (MTP)").
 """
 
 from __future__ import annotations
@@ -161,7 +139,7 @@ class MTPWorker(SpeculativeWorker):
         windows: list[StackWindow],
     ) -> None:
         """Run every MTP layer over its window after positions [start, start + known_len) were
-        committed (see the module docstring); updates the rows' chain and hidden stash.
+        committed (`docs/speculation.md`, MTP); updates the rows' chain and hidden stash.
 
         rows, starts, known_lens, hidden_offsets [bs]; line [bs, W] int64 (t_{start+1}, ...;
         predictions are written into it); hidden [N, H]: the target hidden of position

@@ -1,13 +1,13 @@
 """The typed buffers the speculative stages hand one another, one dataclass a stage boundary.
 
 Fields are tensors per request in batch order (S draft steps, ND tree nodes, V vocabulary, F
-feature width); out of a `StageGraph` they are views of its static buffers, one a field, and
-the specs here give each field's shape in those buffers ([max_bs, *shape]). Not frozen: a
-replay builds one, and a frozen dataclass of 17 fields takes about three times as long.
+feature width); in a `StageGraph` each is a static buffer [max_bs, *shape] given by the specs.
+Not frozen: every replay builds one, and a frozen dataclass is much slower to build.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +73,7 @@ class AcceptInputs:
 
     rows: torch.Tensor
     committed_lens: torch.Tensor
+    # the tree: `DraftTree`'s tensors (`TREE_FIELDS`)
     tokens: torch.Tensor
     positions: torch.Tensor
     custom_mask: torch.Tensor
@@ -87,19 +88,29 @@ class AcceptInputs:
     def tree(self, shape: DraftShape) -> DraftTree:
         """The tree, its tokens and positions flat ([bs*ND]) as `DraftTree` keeps them."""
         nodes = self.rows.shape[0] * shape.num_draft_tokens
+        tensors = {name: getattr(self, name) for name in TREE_FIELDS}
+        tensors["tokens"] = self.tokens.reshape(nodes)
+        tensors["positions"] = self.positions.reshape(nodes)
         return DraftTree(
-            self.tokens.reshape(nodes),
-            self.positions.reshape(nodes),
-            self.custom_mask,
-            self.retrieve_index,
-            self.next_token,
-            self.next_sibling,
-            self.depth,
-            shape.topk,
-            shape.num_steps,
-            shape.num_draft_tokens,
-            self.ancestors,
+            **tensors,
+            topk=shape.topk,
+            num_steps=shape.num_steps,
+            num_draft_tokens=shape.num_draft_tokens,
         )
+
+
+# The fields `AcceptInputs` (and so `Proposal`) shares with `DraftTree`: the tree's tensors,
+# named once, in `AcceptInputs`. Per request two are [ND, ND] bool masks, the rest [ND] int64.
+_DRAFT_TREE_FIELDS = {f.name for f in dataclasses.fields(DraftTree)}
+TREE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(AcceptInputs) if f.name in _DRAFT_TREE_FIELDS
+)
+TREE_MASKS = ("custom_mask", "ancestors")
+
+
+def tree_fields(tree: DraftTree) -> dict[str, torch.Tensor]:
+    """The tree's tensors by field, as `AcceptInputs` and `Proposal` take them."""
+    return {name: getattr(tree, name) for name in TREE_FIELDS}
 
 
 def accept_specs(
@@ -110,14 +121,7 @@ def accept_specs(
     return {
         "rows": PER_REQUEST,
         "committed_lens": PER_REQUEST,
-        "tokens": node,
-        "positions": node,
-        "custom_mask": mask,
-        "retrieve_index": node,
-        "next_token": node,
-        "next_sibling": node,
-        "depth": node,
-        "ancestors": mask,
+        **{name: mask if name in TREE_MASKS else node for name in TREE_FIELDS},
         "logits": StageInput((nd, vocab_size), torch.float32),
         "features": StageInput((nd, feature_width), dtype),
     }

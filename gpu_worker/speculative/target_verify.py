@@ -1,15 +1,9 @@
 """The target side of a speculative step, shared by every draft algorithm: one TARGET_VERIFY
 forward over all tree nodes (`verify_tree`) and acceptance (`accept_and_read`).
 
-Acceptance draws at every node the token plain decoding would emit there: the argmax for a
-greedy row; for a sampled row the draw of `SamplingState.sample` (processed distribution,
-noise keyed by the request's seed and the position of the token drawn). A draft is accepted
-when it equals its parent's draw, and the draw after the last accepted node is the bonus. So a
-seeded request emits the same tokens as with plain decoding, whatever the draft, the tree and
-the mix of plain and speculative steps; each token is a sample of the target, and a node's
-children are accepted with the target's probability of their tokens, as in speculative
-sampling with a deterministic draft. Everything here has fixed shapes per batch size and never
-reads the device from the host."""
+Acceptance draws at every node the token plain decoding would emit there, so a seeded request
+emits plain decoding's tokens whatever the draft (`docs/speculation.md`). Fixed shapes.
+"""
 
 from __future__ import annotations
 

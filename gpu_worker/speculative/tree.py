@@ -1,16 +1,9 @@
 """Draft-loop bookkeeping and draft-tree construction.
 
-The draft loop runs `S = num_steps` levels over `bs*topk` rows (request-major, branch-minor:
-`row = b*topk + j`). Each level records its candidate path scores, tokens and the score-space
-ids of the rows it expands into a `DraftRecord`. `organize_draft` keeps the `ND-1` best
-candidates (ids sorted ascending, so the set is ancestor-closed and shallower levels come
-first) and `build_tree` turns them into a `DraftTree`: node 0 is the root (the bonus token,
-no KV yet), node k >= 1 the k-th selected candidate. A chain (topk 1, ND = S+1) skips both:
-`chain_tree` describes it from constants (`tree_from_draft` picks the way).
-
-Score-space ids per request: level 0 contributes ids `0..topk-1`; level i >= 1 contributes
-`topk + (i-1)*topk^2 + r*topk + c` (r = expanded row, c = child). All functions are pure,
-vectorised over the batch, and keep tensors on the input device.
+The draft loop runs S levels over bs*topk rows (`row = b*topk + j`), recording each level's
+candidates in a `DraftRecord`; `organize_draft` keeps the ND-1 best (ids sorted, so the set is
+ancestor-closed) and `build_tree` makes the `DraftTree` (node 0 the root, the bonus token). A
+chain (topk 1, ND = S+1) is built from constants (`chain_tree`). Functions are pure.
 """
 
 from __future__ import annotations
@@ -24,7 +17,9 @@ from gpu_worker import constants
 
 @dataclass
 class DraftRecord:
-    """What each draft level recorded (one entry per level, in level order).
+    """What each draft level recorded (one entry per level, in level order). Score-space ids
+    per request: level 0 has 0..topk-1, level i >= 1 `topk + (i-1)*topk^2 + r*topk + c`
+    (r: the expanded row, c: the child).
 
     scores[i]: [bs, 1, topk] (level 0) or [bs, topk, topk] (level i >= 1) path scores.
     tokens[i]: [bs, topk] (level 0) or [bs, topk*topk] candidate token ids (int64).
@@ -71,8 +66,7 @@ def select_next_level(
     path_scores [bs, topk] (path probability of each row), topk_p / topk_index [bs*topk, topk]
     (the draft's topk after each row's forward), hidden [bs*topk, H] (the draft's output) ->
     (input_ids [bs*topk], hidden [bs*topk, H] of each chosen child's parent row, path_scores
-    [bs, topk]). Parent rows are gathered with the per-request offset `c//topk + b*topk`
-    (SGLang bug #2730 forgot `b*topk`).
+    [bs, topk]). Parent rows are gathered with the per-request offset `c//topk + b*topk`.
     """
     bs, topk = path_scores.shape
     expand = path_scores[:, :, None] * topk_p.view(bs, topk, topk)  # [bs, topk, topk]

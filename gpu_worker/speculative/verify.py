@@ -1,15 +1,8 @@
 """Target verification of a draft tree: the longest path of drafts that equal the target's
-token at their parent (its argmax, or for a sampled request its seeded draw: see
-`target_verify`).
+token at their parent (its argmax, or a sampled request's seeded draw: `target_verify`).
 
-A tree is walked from the root one level at a time (S levels, vectorised over the batch),
-visiting the current node's children in list order (`next_token`, then `next_sibling`) and
-accepting the first whose token equals the target's at the current node; a chain is read off
-at once.
-
-`predict[b*ND + k]` is the token that follows accepted node k (the next accepted draft, or the
-bonus for the last one); other entries stay 0. `accept_index` lists the accepted nodes' global
-ids `b*ND + k` along the path, -1 padded, with stride `S+1` per request (never ND).
+`predict[b*ND + k]` is the token after accepted node k (0 elsewhere); `accept_index` lists the
+accepted nodes' ids b*ND + k along the path, -1 padded, stride S+1 per request (never ND).
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """`DecodeStep`: one plain (non-speculative) decode step of the target as one stage.
 
-The stage records the step's new KV slots in every runner's req_to_token table (the plan's
-flat indices and slots), reads each row's newest token and committed length from `RowState`,
-runs the target forward on them, picks each row's next token and commits it: the row's length
-grows by one and the token becomes its newest. Its inputs come from the host (`StageGraph`
-with `host_inputs`: `DecodeStepInputs`, the rows and up to `slots_per_row` new slots per row
-of the bucket), so on CUDA a decode step costs the host one input copy and one graph replay
-(buckets up to `--cuda-graph-max-bs`), then one result copy (`DecodeOutput`), whatever the
-model's depth and its sampling. A step with more new slots than its bucket holds (rare: a row
-whose headroom grew by more than one step's) has them written before it (`slot_capacity`).
-
-How the token is picked is a variant of the stage, each with its own graphs (one memory pool):
-- "greedy": the argmax of the logits, for batches of plain greedy rows that want no logprobs;
-- "sample": `SamplingState.sample` with every stage on but the sort (penalties, temperature,
-  min-p), and the logprobs; greedy rows of the batch take the argmax of penalised logits;
-- "filter": the same with top-k / top-p, for batches where a row asks for them.
-Stages a row does not use leave its logits unchanged, so a variant gives each row the token
-(and logprob) the eager sampler gives it; `variant_for` picks the cheapest that serves a batch.
-
-Padded rows point at the reserved row 0 (token 0 at position 0, slot 0); the stage writes the
-commit of those rows into row 0 and then puts row 0 back to token 0 and length 0. Padded slot
-entries write slot 0 at row 0's position 0, where it already is.
+The stage writes the step's new KV slots into every runner's table, reads each row's token
+and length from `RowState`, runs the target, picks the next token (a variant per kind of
+batch, `variant_for`) and commits it. Padded rows run on row 0, which the stage then resets to
+token 0, length 0 (`docs/gpu.md`, "The plain decode step").
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """The explicit forward context: `ForwardMode` and `ForwardBatch`, passed into `model.forward`,
 and what a forward returns (`LogitsOutput`).
 
-There is no global forward context. The runner gives the model a copy of the batch with its
-attention backend and that backend's metadata filled in; nobody mutates a batch it was given.
-
-Glossary (one name per quantity, for a batch of `bs` requests):
-    extend_seq_lens  tokens each request runs in this forward (1 in DECODE).
-    seq_lens         keys each request attends: positions [0, seq_lens) of its req_to_token
-                     row. For EXTEND / DECODE / TARGET_VERIFY / DRAFT_EXTEND this is the KV
-                     length AFTER the forward (= committed_lens + extend_seq_lens); for
-                     DRAFT_DECODE it also covers every branch's draft slots
-                     (prefix + topk * S).
-    committed_lens      seq_lens - extend_seq_lens: keys already in the pool before the forward
-                     (host only, `committed_lens_cpu`). Outside a batch this is the
-                     committed length everywhere: the scheduler's `Request.committed_len`, the
-                     plan's `committed_len`, the speculative worker's `committed_lens`.
-Tokens are concatenated request by request (`[num_tokens]` tensors); `*_cpu` are host copies
-that came with the plan (never read back from the device).
+There is no global forward context: the runner gives the model a copy of the batch with its
+backend's metadata filled in, and nobody mutates a batch it was given. Lengths are named as in
+`docs/architecture.md`, "Names"; `*_cpu` fields are host copies that came with the plan.
 """
 
 from __future__ import annotations
@@ -78,7 +65,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
     rows: torch.Tensor  # [bs] int64
-    seq_lens: torch.Tensor  # [bs] int64, keys attended (see the glossary)
+    # [bs] int64, keys attended: the KV length after the forward (committed_lens +
+    # extend_seq_lens); in DRAFT_DECODE it also covers every branch's draft slots.
+    seq_lens: torch.Tensor
     extend_seq_lens: torch.Tensor  # [bs] int64
     seq_lens_cpu: list[int]
     committed_lens_cpu: list[int]

@@ -1,11 +1,8 @@
 """A batch as the plan gives it, on the host, and the pinned staging that moves it to the device.
 
-`HostBatch` holds a forward's integer inputs as numpy int64 arrays. `Staging.upload` packs any
-number of such arrays into one pinned host buffer and copies it to the device in ONE
-non-blocking copy, returning device views: a step's inputs cost one transfer, not one per
-field. Staging rotates over RING pinned buffers and, before refilling one, waits for the copy
-that last read it (a CUDA event), so the host may run ahead of the GPU safely (by more than
-one step under the overlap schedule). On CPU the copy is a plain memcpy.
+`Staging.upload` packs any number of int64 arrays into one pinned buffer and copies it in ONE
+non-blocking copy; it rotates over RING buffers and waits for the copy that last read one
+before refilling it, so the host may run ahead of the GPU.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`RowState`: what the worker keeps per request row on the device between steps.
 
-For every request row: `tokens[row]`, the newest token (sampled or accepted, no KV yet), and
-`committed_lens[row]`, the committed KV length. Sampling and acceptance write them on the device,
-and the next decode step reads them there, so a decode plan carries no token ids or lengths
-and the scheduler can send it before it has seen the previous step's result (the overlap
-schedule). Row 0, the reserved dummy, stays at token 0 and length 0: a padded row of a CUDA
-graph reads its input token 0 at position 0 from slot 0, with one key.
+`tokens[row]` (the newest token, no KV yet) and `committed_lens[row]`: written by sampling and
+acceptance, read by the next decode step, so a decode plan carries neither (the overlap
+schedule). Row 0, the dummy padded graph rows use, stays at token 0 and length 0.
 """
 
 from __future__ import annotations

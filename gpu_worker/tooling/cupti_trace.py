@@ -1,22 +1,8 @@
-"""`GraphTrace`: when the device was busy, from CUPTI, with each CUDA graph launch traced whole.
+"""`GraphTrace`: when the device was busy, from CUPTI, with each CUDA graph launch one record.
 
-torch.profiler traces every kernel node of every replayed graph, which costs the host more
-per launch than half a one-stream step's host chain, so the idle share it reports is mostly
-its own doing. CUPTI can instead report one record per graph launch
-(`CUPTI_ACTIVITY_KIND_GRAPH_TRACE`, made for exactly this), cheap enough for a served step to
-hide (`benchmarks/bench_trace_cost.py` measures both). `GraphTrace` asks CUPTI's activity
-API for those records, and for kernels
-launched outside graphs, memory copies and memsets, through ctypes on the libcupti that PyTorch
-itself loads (else one from the CUDA wheels); it returns their [start, end) intervals in
-microseconds and how many records of each kind it saw.
-
-Records are read at fixed offsets: every record starts with its 32-bit kind; a graph record's
-start and end timestamps (ns) follow its 32-bit correlation id (offsets 8 and 16), and the
-kernel, memcpy and memset records have them at offsets 16 and 24 (unchanged across the CUPTI
-record versions of CUDA 11-13). Records of other kinds are skipped.
-
-One activity client per process: do not run it together with torch.profiler, which registers
-its own CUPTI buffers.
+Reads CUPTI's activity records (graph launches, kernels outside graphs, copies, memsets)
+through ctypes on the libcupti PyTorch loads, and returns their [start, end) intervals in
+microseconds. One activity client per process: never together with torch.profiler.
 """
 
 from __future__ import annotations
@@ -30,6 +16,8 @@ from collections.abc import Callable
 
 MEMCPY, MEMSET, CONCURRENT_KERNEL, GRAPH_TRACE = 1, 2, 10, 51  # CUpti_ActivityKind
 KIND_NAMES = {GRAPH_TRACE: "graph", CONCURRENT_KERNEL: "kernel", MEMCPY: "memcpy", MEMSET: "memset"}
+# Every record starts with its 32-bit kind; where its start and end (ns) sit, the same in the
+# CUPTI record versions of CUDA 11-13. Other kinds are skipped.
 START_OFFSET = {GRAPH_TRACE: 8, CONCURRENT_KERNEL: 16, MEMCPY: 16, MEMSET: 16}  # end: +8
 BUFFER_BYTES = 8 << 20
 FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED

@@ -1,11 +1,7 @@
 """Start-up measurement of the step costs adaptive speculation compares (`aerie.step_costs`).
 
-For every batch bucket of the decode graphs, the time of a plain decode step and of a
-speculative iteration, each greedy and sampled, measured the way the server runs them: the
-stage replays launched back to back without waiting in between (the overlap schedule keeps
-the device fed the same way), timed with device events. The rows are the reserved dummy row 0,
-which padded rows of every graph already use, so nothing a request owns is touched; its short
-context makes attention a little cheaper than in a served step, for both alike.
+A plain decode step and an iteration, greedy and sampled, per graph bucket: replays launched
+back to back as the overlap schedule runs them, timed with device events on the dummy row 0.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
-"""`StepProfiler`: how busy the GPU is across a window of served steps, from the profiler.
+"""`StepProfiler`: how busy the GPU is across a window of served steps.
 
-Set `AERIE_PROFILE_STEPS=FIRST,COUNT,PATH` in the environment of a launched server: the GPU
-worker traces the device activity of steps FIRST .. FIRST+COUNT-1 (counted from the worker's
-start, prefill steps included) and writes to PATH (JSON) the number of steps and of records of
-each kind, the GPU busy time (the union of the intervals), the span from the first start to
-the last end, the idle share `1 - busy / span`, and the window's steps by mode and their mean
-batch size. Benchmarks use it to compare the overlap schedule with --disable-overlap-schedule;
-it is off unless the variable is set. The window opens on the host at step FIRST's launch and
-closes after step FIRST+COUNT-1 finishes and the device drains: with two steps in flight it
-also holds step FIRST-1 when the device had not started it yet, and step FIRST+COUNT, already
-launched. So with overlap on it can hold a step or two more than COUNT: the idle share (a
-ratio) is not skewed by that, but busy and span divided by COUNT read up to a few percent high.
-
-`AERIE_PROFILE_TRACER` picks the tracer:
-- `graphs` (the default): CUPTI with one record per CUDA graph launch (`cupti_trace`), plus
-  kernels outside graphs, copies and memsets. Its host cost per graph launch is small enough
-  for a served step to hide behind the device, so the idle share is the served one.
-  Gaps inside a graph are not seen, so the idle time is the device waiting for the host
-  (between steps, or inside one).
-- `kernels`: torch.profiler, one interval per kernel, graph nodes included. It shows the short
-  gaps between a graph's kernels too (reported apart from the long ones, where the device
-  waited for the host), but per graph launch it costs the host more than half a one-stream
-  step's host chain (`benchmarks/bench_trace_cost.py`), so the served idle share it reads is
-  mostly its own. It also leaves CUPTI
-  attached once done (PyTorch does not tear it down with CUDA graphs), so the server serves its
-  later requests more slowly.
+`AERIE_PROFILE_STEPS=FIRST,COUNT,PATH` traces steps FIRST .. FIRST+COUNT-1 (counted from the
+worker's start) and writes their busy time, span and idle share to PATH as JSON;
+`AERIE_PROFILE_TRACER` picks `graphs` (CUPTI, one record per graph launch, the default) or
+`kernels` (torch.profiler, which costs the host enough to skew the idle share it reads).
 """
 
 from __future__ import annotations
@@ -116,7 +95,7 @@ class KernelTrace:
 def profile_summary(
     steps: int, tracer: str, intervals: list[tuple[float, float]], records: dict[str, int]
 ) -> dict:
-    """The JSON a profiled window writes: see the module docstring."""
+    """The JSON a profiled window writes (idle share: 1 - busy / span)."""
     gaps = device_gaps(intervals)
     busy, span = gaps.busy, gaps.span
     return {

@@ -1,27 +1,8 @@
 """Start-up warm-up: the eager paths' Triton kernels compiled before the first request.
 
-CUDA graph capture at start-up compiles the kernels of decode, of the speculative stages and
-of short prefills (with --disable-cuda-graph they compile on the first requests instead).
-Longer prefills (and the draft's prefill) run eagerly, so without a warm-up the first request
-with a new kind of prompt waits while Triton compiles a kernel (up to a second on the H100);
-the warm-up's plans therefore run with the prefill graphs set aside. A kernel is
-compiled once per specialization: its constexprs (for the extend attention kernel, a query
-block of 16 tokens for chunks up to 16 tokens and of 64 beyond; for the few-query kernel,
-which the draft's prefill of equal short chunks runs, the chunk length), whether each integer
-argument is 1 or a multiple of 16, and whether each pointer is 16-byte aligned (the staging
-buffer keeps every uploaded array aligned, so that does not vary with the batch).
-
-`run_warm_up` sends the worker extend steps of dummy requests that cover those variants: one
-request of a short chunk, one of a long chunk, then two requests, one of them extending a
-cached prefix; one request of FEW_ROWS tokens (the fused projections of a few rows, with PDL);
-with a draft on the triton backend, one request of each chunk length the few-query kernel
-takes (an eager batch takes that kernel only where it splits and takes PDL as one request of
-its chunk length does: `TritonBackend.init_forward_metadata`). Their rows and KV slots are
-free at start-up, and a request that later runs on those rows starts afresh (its
-RequestStart resets the row's sampling state, its first extend the row's device state, and it
-only reads KV slots it wrote). After it, `watch_compiles` makes every further compile log a
-warning naming the kernel, so a variant the warm-up missed shows in the server's log instead
-of as an unexplained slow request.
+`run_warm_up` runs extend steps of dummy requests over every specialization an eager forward
+can meet (`docs/gpu.md`, "No compile while serving"), on rows and slots free at start-up;
+`watch_compiles` then logs every later compile as a warning naming the kernel.
 """
 
 from __future__ import annotations
@@ -112,6 +93,9 @@ def run_warm_up(worker: GPUWorker) -> float | None:
     else:
         log.info("start-up warm-up skipped: the KV pool holds %d tokens", runner.max_total_tokens)
         return None
+    # The rows and slots are free at start-up; a request that later runs on them starts afresh
+    # (RequestStart resets the row's sampling state, its first extend the row's device state,
+    # and it reads only KV slots it wrote).
     began = time.perf_counter()
     # The prefill graphs compiled their kernels when captured: the plans take the eager path.
     graphs, worker.prefill_graphs = worker.prefill_graphs, None

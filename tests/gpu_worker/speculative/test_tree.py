@@ -205,3 +205,26 @@ def test_chain_tree_equals_the_general_construction(steps):
         assert torch.equal(getattr(chain, name), getattr(general, name)), name
     for b in range(bs):
         assert parents_of(chain, b) == list(range(-1, steps))
+
+
+def test_accept_inputs_carry_every_tensor_of_the_tree():
+    """The stage buffers' tree fields are `DraftTree`'s tensors, and round-trip through
+    `tree_fields` and `AcceptInputs.tree`."""
+    from gpu_worker.speculative import stage_buffers
+    from gpu_worker.speculative.tree import DraftShape, chain_tree
+
+    assert stage_buffers.TREE_FIELDS == TREE_FIELDS
+    assert set(stage_buffers.TREE_MASKS) < set(TREE_FIELDS)
+    tree = chain_tree(torch.tensor([1, 2]), torch.tensor([[3, 4], [5, 6]]), torch.tensor([4, 9]), 2)
+    bs, nd = 2, 3
+    inputs = stage_buffers.AcceptInputs(
+        rows=torch.tensor([1, 2]),
+        committed_lens=torch.tensor([4, 9]),
+        **stage_buffers.tree_fields(tree),
+        logits=torch.zeros(bs * nd, 5),
+        features=torch.zeros(bs * nd, 2),
+    )
+    again = inputs.tree(DraftShape(1, 2, nd))
+    assert (again.topk, again.num_steps, again.num_draft_tokens) == (1, 2, nd)
+    for name in TREE_FIELDS:
+        assert torch.equal(getattr(again, name), getattr(tree, name)), name
