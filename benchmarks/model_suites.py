@@ -70,6 +70,9 @@ def add_spec_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int_list, default="1,16,64,256", help="comma list")
     p.add_argument("--turns", type=int_list, default="1", help="1, or 1,2: and second turns")
     p.add_argument(
+        "--system-prompt-tokens", type=int, default=0, help="a system message every chat shares"
+    )
+    p.add_argument(
         "--num-prompts", type=int, default=0, help="per run (0: max(80, 4 x concurrency))"
     )
     p.add_argument("--max-new-tokens", type=int, default=256, help="per request")
@@ -128,6 +131,11 @@ def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
         *("--temperatures", ",".join(args.temperatures)),
         *("--concurrency", ",".join(map(str, args.concurrency))),
         *("--turns", ",".join(map(str, args.turns))),
+        *(
+            ("--system-prompt-tokens", args.system_prompt_tokens)
+            if args.system_prompt_tokens
+            else ()
+        ),
         *(("--num-prompts", args.num_prompts) if args.num_prompts else ()),
         *("--max-new-tokens", args.max_new_tokens, "--prompts", args.prompts),
         *(("--ignore-eos",) if args.ignore_eos else ()),
