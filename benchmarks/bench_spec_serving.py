@@ -446,7 +446,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("--model-path", default=None, help="default: the default model (launch.py's)")
-    p.add_argument("--servers", nargs="+", default=list(BUILTIN_SERVERS), help="NAME or NAME=ARGS")
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=list(BUILTIN_SERVERS),
+        help="NAME (builtin) or NAME=ARGS (ARGS are the server's whole arguments)",
+    )
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--turns", default="1", help="1: first turns; 1,2: and MT-bench second turns")
     p.add_argument(
