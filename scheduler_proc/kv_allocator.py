@@ -94,10 +94,14 @@ class KVAllocator:
             self.cache.release(node)
         self._free_pages.extend(reversed(pages[max(num_cached, num_locked) :]))
 
-    def cached_prefix(self, token_ids: list[int]) -> tuple[int, int]:
+    def cached_prefix(
+        self, token_ids: list[int], counted: dict[int, int] | None = None
+    ) -> tuple[int, int]:
         """(n, pages): the first n of token_ids a new row can reuse from the cache (whole
         pages, `draft_lookahead` short of the match, leaving at least the last token to run)
-        and how many evictable pages reusing them takes. (0, 0) without a cache."""
+        and how many evictable pages reusing them takes (those not in `counted`, which
+        requests admitted together share: see `RadixCache.evictable_pages_on`). (0, 0)
+        without a cache."""
         if self.cache is None:
             return 0, 0
         matched = self.cache.match_len(token_ids)
@@ -105,7 +109,7 @@ class KVAllocator:
         usable -= usable % self.page_size
         if usable <= 0:
             return 0, 0
-        return usable, self.cache.evictable_pages_on(token_ids[:usable])
+        return usable, self.cache.evictable_pages_on(token_ids[:usable], counted)
 
     def flush_cache(self) -> int:
         """Free every cached page no row uses; -> how many."""

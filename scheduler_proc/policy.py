@@ -167,11 +167,12 @@ class SchedulePolicy:
             decision.chunks.append((req, chunk_len))
             budget -= chunk_len
         num_rows = min(allocator.num_free_rows, self.max_running_requests - len(running))
+        reused: dict[int, int] = {}  # cached pages this decision's admissions lock already
         for req in waiting:
             if budget == 0 or len(decision.admitted) >= num_rows:
                 break
             # A cached prefix takes no new pages, but the evictable ones it reuses stop being free.
-            cached, reused_pages = allocator.cached_prefix(req.fill_ids)
+            cached, reused_pages = allocator.cached_prefix(req.fill_ids, reused)
             chunk_len = min(len(req.fill_ids) - cached, budget)
             end = cached + chunk_len
             if end == len(req.fill_ids):  # it decodes next step: keep its headroom too

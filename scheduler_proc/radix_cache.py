@@ -53,15 +53,22 @@ class RadixCache:
                 return matched
             node = child
 
-    def evictable_pages_on(self, token_ids: Sequence[int]) -> int:
+    def evictable_pages_on(
+        self, token_ids: Sequence[int], counted: dict[int, int] | None = None
+    ) -> int:
         """Evictable pages among those the cached prefix of token_ids spans (what acquiring
-        it takes out of the evictable pool)."""
+        it takes out of the evictable pool). counted (node id -> pages): what earlier calls
+        of one decision took already, skipped and updated."""
         node, matched, pages = self.root, 0, 0
+        counted = {} if counted is None else counted
         while True:
             child, num_pages = self._step(node, token_ids, matched)
             if child is None:
                 return pages
-            pages += num_pages if child.lock_ref == 0 else 0
+            if child.lock_ref == 0:
+                before = counted.get(id(child), 0)
+                pages += max(num_pages - before, 0)
+                counted[id(child)] = max(num_pages, before)
             matched += num_pages * self.page_size
             if num_pages < len(child.pages):
                 return pages

@@ -275,7 +275,7 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
         schedulers = await frontend.backend.describe()
         return JSONResponse({"tokenizer": frontend.tracker.describe(), "schedulers": schedulers})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")  # POST only: the guard's JSON rule keeps other sites out
     async def flush_cache() -> JSONResponse:
         """Drop every cached prefix that no running request uses (SGLang's endpoint; a
         benchmark's runs then start cold). Answers with what each scheduler still caches."""

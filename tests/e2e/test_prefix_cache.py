@@ -188,6 +188,8 @@ def test_no_page_leaks_after_aborts_and_a_flush_empties_the_cache(tiny_model_dir
             time.sleep(0.2)
         assert info["kv_used_tokens"] == 0 and info["num_running"] == 0
         assert 0 < info["prefix_cache_tokens"] == info["prefix_cache_evictable_tokens"]
+        # POST with a JSON body only: a GET (any web page can make one) changes nothing.
+        assert httpx.get(server.url + "/flush_cache", timeout=30).status_code == 405
         r = httpx.post(server.url + "/flush_cache", json={}, timeout=30)
         assert r.status_code == 200, r.text
         flushed = r.json()

@@ -86,3 +86,25 @@ def test_random_requests_share_pages_only_through_the_cache(page_size, lookahead
     for row, (tokens, _) in live.items():
         alloc.free(row, tokens)
     assert alloc.is_whole()
+
+
+def test_requests_admitted_together_count_their_shared_cached_prefix_once():
+    """Two waiting requests reuse one evictable 16-token prefix: locking it takes 16 pages out
+    of the free count once, so both fit in 24 pages (16 + 3 + 3 with their decode headroom)."""
+    from aerie.messages import SamplingParams
+    from scheduler_proc.policy import SchedulePolicy
+    from scheduler_proc.request import Request
+
+    alloc = KVAllocator(24, 1, 8, prefix_cache=True)
+    shared = list(range(100, 116))
+    row = alloc.alloc_row()
+    alloc.grow(row, 16)
+    alloc.free(row, shared)
+    policy = SchedulePolicy(chunked_prefill_size=64, decode_alloc_len=1, max_running_requests=8)
+    waiting = [
+        Request(rid, shared + tail, SamplingParams(max_new_tokens=1))
+        for rid, tail in (("a", [1, 2]), ("b", [3, 4]))
+    ]
+    decision = policy.plan_extend([], waiting, alloc)
+    assert [r.rid for r in decision.admitted] == ["a", "b"]
+    assert decision.cached_lens == [16, 16]
