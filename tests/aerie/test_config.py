@@ -330,3 +330,23 @@ def test_help_states_each_default_once_and_never_as_none():
         text = action.help or ""
         assert "default: None" not in text, action.option_strings
         assert text.lower().count("(default") <= 1, action.option_strings
+
+
+def test_the_prefix_cache_flag_and_vllms_spellings():
+    def disabled(*argv: str) -> bool:
+        return config_from_args(list(argv)).cache.disable_radix_cache
+
+    assert not disabled()  # on by default
+    assert disabled("--disable-radix-cache")
+    assert disabled("--no-enable-prefix-caching")
+    assert not disabled("--enable-prefix-caching")
+    assert "--no-enable-prefix-caching" in build_arg_parser().format_help()
+
+
+def test_the_drafts_lookahead_per_algorithm():
+    def lookahead(*argv: str) -> int:
+        return config_from_args(list(argv)).speculative.draft_lookahead
+
+    assert lookahead() == 0
+    assert lookahead("--speculative-algorithm", "EAGLE3") == 1
+    assert lookahead("--speculative-algorithm", "MTP", "--speculative-num-steps", "2") == 2
