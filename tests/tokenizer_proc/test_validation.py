@@ -79,6 +79,16 @@ def test_bad_json_bodies_raise(raw):
         parse_json_object(raw)
 
 
+def test_every_string_is_checked_however_long_the_list_of_numbers_beside_it():
+    """Lists of numbers are passed over whole; a string among numbers is still checked, at
+    its path."""
+    ids = list(range(5000))
+    assert parse_json_object(b'{"input_ids": %s}' % str(ids).encode())["input_ids"] == ids
+    raw = b'{"input_ids": [1, 2.5, true, null, [3, "\\ud800"]]}'
+    with pytest.raises(ValidationError, match=r"input_ids\[4\]\[1\] holds a lone surrogate"):
+        parse_json_object(raw)
+
+
 def test_good_body_becomes_sampling_params():
     (params,) = validate(
         {
