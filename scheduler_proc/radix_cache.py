@@ -14,6 +14,11 @@ from array import array
 from collections.abc import Sequence
 
 
+def as_ids(token_ids: Sequence[int]) -> array:
+    """token_ids as an int32 array: converted once a call, then sliced and compared in C."""
+    return token_ids if isinstance(token_ids, array) else array("i", token_ids)
+
+
 class Node:
     __slots__ = ("children", "parent", "tokens", "pages", "lock_ref", "last_access", "serial")
 
@@ -43,7 +48,7 @@ class RadixCache:
 
     def match_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of the longest cached prefix of token_ids (a multiple of the page size)."""
-        node, matched = self.root, 0
+        node, matched, token_ids = self.root, 0, as_ids(token_ids)
         while True:
             child, num_pages = self._step(node, token_ids, matched)
             if child is None:
@@ -59,7 +64,7 @@ class RadixCache:
         """Evictable pages among those the cached prefix of token_ids spans (what acquiring
         it takes out of the evictable pool). counted (node id -> pages): what earlier calls
         of one decision took already, skipped and updated."""
-        node, matched, pages = self.root, 0, 0
+        node, matched, pages, token_ids = self.root, 0, 0, as_ids(token_ids)
         counted = {} if counted is None else counted
         while True:
             child, num_pages = self._step(node, token_ids, matched)
@@ -74,9 +79,9 @@ class RadixCache:
                 return pages
             node = child
 
-    def _step(self, node: Node, token_ids: Sequence[int], matched: int) -> tuple[Node | None, int]:
-        """The child of node that continues token_ids at `matched`, and how many of its pages
-        match (None, 0: none does)."""
+    def _step(self, node: Node, token_ids: array, matched: int) -> tuple[Node | None, int]:
+        """The child of node that continues token_ids (`as_ids`) at `matched`, and how many of
+        its pages match (None, 0: none does)."""
         size = self.page_size
         if len(token_ids) - matched < size:
             return None, 0
@@ -84,7 +89,7 @@ class RadixCache:
         if child is None:
             return None, 0
         edge = child.tokens
-        rest = array("i", token_ids[matched : matched + len(edge)])
+        rest = token_ids[matched : matched + len(edge)]
         if rest == edge:
             return child, len(child.pages)
         num_pages = 1  # the first page matched by the key
@@ -102,7 +107,7 @@ class RadixCache:
         running request. -> (its pages in position order, the node to `release` later)."""
         if len(token_ids) % self.page_size:
             raise ValueError(f"{len(token_ids)} tokens are not whole pages of {self.page_size}")
-        node, matched, pages = self.root, 0, []
+        node, matched, pages, token_ids = self.root, 0, [], as_ids(token_ids)
         while matched < len(token_ids):
             child, num_pages = self._step(node, token_ids, matched)
             if child is None:
@@ -143,7 +148,7 @@ class RadixCache:
         size = self.page_size
         if len(token_ids) != len(pages) * size:
             raise ValueError(f"{len(token_ids)} tokens for {len(pages)} pages of {size}")
-        node, matched, duplicates = self.root, 0, []
+        node, matched, duplicates, token_ids = self.root, 0, [], as_ids(token_ids)
         stamp = next(self._clock)
         while matched < len(token_ids):
             child, num_pages = self._step(node, token_ids, matched)
@@ -160,8 +165,9 @@ class RadixCache:
             if num_pages < len(child.pages):
                 child = self._split(child, num_pages)
             first = matched // size
-            given = pages[first : first + num_pages]
-            duplicates += [p for p, held in zip(given, child.pages, strict=True) if p != held]
+            given = array("i", pages[first : first + num_pages])
+            if given != child.pages:  # usually the same pages: a row returning what it reused
+                duplicates += [p for p, held in zip(given, child.pages, strict=True) if p != held]
             child.last_access = stamp
             self._push_if_leaf(child)
             matched += len(child.tokens)
