@@ -482,6 +482,8 @@ class Scheduler:
         }
         held = {id(req): req for _, requests, _ in self._in_flight for req in requests}
         held.update((id(req), req) for req in self._requests.values())
+        if not held:  # idle: every page and row is free or cached, each once, or some leaked
+            summary["kv_whole"] = self.allocator.is_whole()
         position = {id(req): i for i, req in enumerate(self.waiting)}
         entries = []
         for req in held.values():

@@ -278,9 +278,10 @@ def add_native_routes(app: FastAPI, frontend: Frontend) -> None:
     @app.post("/flush_cache")  # POST only: the guard's JSON rule keeps other sites out
     async def flush_cache() -> JSONResponse:
         """Drop every cached prefix that no running request uses (SGLang's endpoint; a
-        benchmark's runs then start cold). Answers with what each scheduler still caches."""
+        benchmark's runs then start cold). Answers with what each scheduler still caches and,
+        when idle, whether its KV is whole (every page free or cached, none leaked)."""
         replicas = await frontend.backend.describe(flush_cache=True)
-        keys = ("replica", "answered", "prefix_cache_tokens", "free_pages")
+        keys = ("replica", "answered", "prefix_cache_tokens", "free_pages", "kv_whole")
         body = [{k: r[k] for k in keys if k in r} for r in replicas]
         ok = all(r["answered"] for r in replicas)
         return JSONResponse({"flushed": ok, "replicas": body}, status_code=200 if ok else 503)

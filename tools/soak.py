@@ -13,9 +13,11 @@ and are a seeded random mix (`KIND_WEIGHTS`) of: HTTP /generate streaming and no
 HTTP clients that disconnect mid-stream or time out, ZMQ streams closed early (an abort) and
 ZMQ generates that time out (an abort). At most `--concurrency` are in flight.
 
-At the end every completed greedy request must equal its prompt's single-request output (a
-prefix of it, cut where a stop string completes), the engine must be idle with no KV in use,
-and no process may have grown its resident memory by more than `--max-rss-growth` since
+The prefix cache is on (the default); the references are taken with it flushed, and most
+prompts share a stem with others. At the end every completed greedy request must equal its
+prompt's single-request output (a prefix of it, cut where a stop string completes), the engine
+must be idle with no KV in use and, after `/flush_cache`, every page free exactly once, and no
+process may have grown its resident memory by more than `--max-rss-growth` since
 warm-up (the first `--warmup-fraction` of the requests). Exit status 1 and a list of problems
 otherwise. tests/e2e/test_soak.py runs a reduced size in CI.
 
@@ -73,6 +75,7 @@ class Report:
     greedy_checked: int = 0
     stopped_by_string: int = 0
     num_retractions: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served
     idle: dict = field(default_factory=dict)
     rss_warm_mib: dict[str, float] = field(default_factory=dict)
     rss_end_mib: dict[str, float] = field(default_factory=dict)
@@ -104,8 +107,10 @@ class Soak:
         self.stuck: dict = {}  # `describe_stuck`, once run stopped on a stuck request
 
     async def take_references(self, http: httpx.AsyncClient) -> None:
-        """Each prompt's greedy output, one request at a time (the single-request output)."""
+        """Each prompt's greedy output, one request at a time (the single-request output),
+        computed from nothing cached: every later output is checked against a full prefill."""
         for ids in self.prompts:
+            (await http.post(self.url + "/flush_cache", json={})).raise_for_status()
             body = {"input_ids": ids, "sampling_params": greedy(MAX_NEW)}
             response = await http.post(self.url + "/generate", json=body)
             response.raise_for_status()
@@ -310,6 +315,19 @@ async def wait_idle(url: str, timeout_s: float) -> dict:
             await asyncio.sleep(0.1)
 
 
+def flush_problems(response: httpx.Response) -> list[str]:
+    """What is wrong with /flush_cache's answer on an idle server: each scheduler must hold no
+    cached KV after it, and every page must be free exactly once (`kv_whole`)."""
+    if response.status_code != 200:
+        return [f"/flush_cache answered {response.status_code}: {response.text[:300]}"]
+    bad = [
+        r
+        for r in response.json()["replicas"]
+        if r.get("prefix_cache_tokens") != 0 or r.get("kv_whole") is not True
+    ]
+    return [f"KV not whole after /flush_cache: {r}" for r in bad]
+
+
 def soak(
     url: str,
     zmq_address: str,
@@ -359,6 +377,10 @@ def soak(
         outcomes = await runner.run(planned, on_progress)
         report.seconds = round(time.monotonic() - start, 1)
         report.idle = await wait_idle(url, timeout_s=5 if runner.stuck else 60)
+        report.cached_prompt_tokens = report.idle.get("cached_prefill_tokens", 0)
+        if not runner.stuck:
+            async with httpx.AsyncClient(timeout=60) as http:
+                report.problems += flush_problems(await http.post(url + "/flush_cache", json={}))
         return outcomes
 
     outcomes = asyncio.run(main())

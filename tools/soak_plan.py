@@ -33,9 +33,26 @@ class Planned:
     stop: str | None = None
 
 
+NUM_STEMS = 4
+
+
 def random_prompts(rng: random.Random, vocab: int, count: int) -> list[list[int]]:
-    """count prompts of 1..60 ids from the non-special range [3, vocab)."""
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(count)]
+    """count prompts of 1..60 ids from the non-special range [3, vocab). A third are random
+    throughout; the rest start with one of NUM_STEMS shared stems (of 4..36 ids), so that the
+    prefix cache matches parts of prompts and splits its tree, not only whole repeats."""
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    stems = [ids(rng.randint(4, 36)) for _ in range(NUM_STEMS)]
+    prompts = []
+    for index in range(count):
+        if index % 3 == 0:
+            prompts.append(ids(rng.randint(1, 60)))
+        else:
+            stem = rng.choice(stems)
+            prompts.append(stem[: rng.randint(1, len(stem))] + ids(rng.randint(1, 24)))
+    return prompts
 
 
 def plan_requests(

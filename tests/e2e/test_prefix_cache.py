@@ -194,6 +194,7 @@ def test_no_page_leaks_after_aborts_and_a_flush_empties_the_cache(tiny_model_dir
         assert r.status_code == 200, r.text
         flushed = r.json()
     assert flushed["flushed"] and flushed["replicas"][0]["prefix_cache_tokens"] == 0
+    assert flushed["replicas"][0]["kv_whole"] is True
 
 
 def test_mtp_reuses_every_layers_kv(tmp_path):

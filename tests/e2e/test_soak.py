@@ -2,9 +2,10 @@
 every kind (HTTP and ZMQ, streaming and not, OpenAI, stop strings, sampled, client
 disconnects, timeouts, aborts) with random prompt and output lengths against a launched server
 whose KV cache forces retraction, with and without speculation, with the overlap schedule and
-without. Every completed greedy request must equal its single-request output, and once idle
-/server_info must show nothing running, waiting or holding KV. `python tools/soak.py` runs the
-full 10,000.
+without, the prefix cache on. Every completed greedy request must equal its single-request
+output (taken with nothing cached), and once idle /server_info must show nothing running,
+waiting or holding KV, and /flush_cache every page free exactly once. `python tools/soak.py`
+runs the full 10,000.
 
 A stuck request stops the soak with a report of it and of where the server holds it (the
 report's problems), and so does a soak that would outlast pytest's timeout on a slow machine;
@@ -78,6 +79,7 @@ def test_soak_every_kind_completes_exactly_and_leaves_nothing_behind(
     assert report.stopped_by_string > 0
     assert report.statuses.get("aborted", 0) > 0
     assert report.num_retractions > 0
+    assert report.cached_prompt_tokens > requests  # the prefix cache served many prompts
     assert (report.idle["num_running"], report.idle["num_waiting"]) == (0, 0)
     assert report.idle["kv_used_tokens"] == 0
     assert set(report.rss_growth) == set(pids)

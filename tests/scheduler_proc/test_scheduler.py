@@ -438,3 +438,15 @@ def test_describe_says_where_each_request_is_held():
     assert by_rid["a"]["row"] > 0 and by_rid["a"]["committed_len"] == 3
     assert by_rid["b"]["state"] == "waiting" and by_rid["b"]["queue_position"] == 0
     assert (by_rid["b"]["row"], by_rid["b"]["fill_len"], by_rid["b"]["output_len"]) == (0, 2, 0)
+
+
+def test_describe_says_whether_an_idle_cache_is_whole():
+    """Idle, the debug view checks that every page is free or cached exactly once: what
+    /flush_cache reports, and the soak checks, after a run."""
+    sched = Scheduler(make_config(max_running=2), (), max_total_tokens=64)
+    sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=4))
+    assert "kv_whole" not in sched.describe()[0]  # a request is held: not asked
+    run_to_end(sched, FakeWorker(), Collector())
+    assert sched.describe()[0]["kv_whole"] is True
+    sched.allocator._take_pages(1)  # a page lost to nobody: a leak
+    assert sched.describe()[0]["kv_whole"] is False
