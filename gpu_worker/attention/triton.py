@@ -24,7 +24,7 @@ from gpu_worker.kernels.decode_attention import (
     choose_num_splits,
     decode_attention,
 )
-from gpu_worker.kernels.extend_attention import extend_attention
+from gpu_worker.kernels.extend_attention import extend_attention, extend_num_splits
 from gpu_worker.kernels.few_query_attention import (
     NewTokens,
     few_query_attend,
@@ -54,6 +54,7 @@ class FewQueryMetadata:
 class ExtendMetadata:
     extend_start_loc: torch.Tensor  # [bs] int64, first token of each request
     max_extend_len: int  # host value from the plan (sizes the grid)
+    num_splits: int = 1  # of each request's keys (`extend_num_splits`)
 
 
 @register_backend
@@ -124,7 +125,9 @@ class TritonBackend(AttentionBackend):
                     return FewQueryMetadata(queries, splits)
         lens = batch.extend_seq_lens.to(torch.int64)
         start_loc = torch.cumsum(lens, 0) - lens  # [bs], on the device
-        return ExtendMetadata(start_loc, max(batch.extend_seq_lens_cpu, default=0))
+        max_len = max(batch.extend_seq_lens_cpu, default=0)
+        splits = extend_num_splits(batch.num_tokens, max_len, self.num_heads, self.num_sms)
+        return ExtendMetadata(start_loc, max_len, splits)
 
     def _capturing(self) -> bool:
         device = self.kv_pool.device
@@ -214,4 +217,5 @@ class TritonBackend(AttentionBackend):
             meta.max_extend_len,
             layer.scaling,
             batch.custom_mask,
+            meta.num_splits,
         )

@@ -1,7 +1,11 @@
 """Paged extend attention: several queries per request over its whole KV, causal or masked.
 
-One program per (request, query head, block of BLOCK_M queries); max_extend_len, a host value
-that comes with the plan, sizes the grid, and blocks past a request's own extend return at once.
+One program per (request, query head, block of BLOCK_M queries, split of the keys);
+max_extend_len, a host value that comes with the plan, sizes the grid, and blocks past a
+request's own extend return at once. A few new tokens over a long prefix (a prompt reusing a
+cached one) would leave most SMs idle while a few programs walk the whole prefix, so a launch
+with few query blocks splits the keys (`extend_num_splits`): each split writes a normalised
+partial and its log-sum-exp, and `_combine_kernel` merges them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,23 @@ from gpu_worker.kernels import next_power_of_2
 from gpu_worker.kernels.decode_attention import dot_precision
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 8
+MIN_SPLIT_KEYS = 256  # a split covers at least this many keys; shorter ranges stay in one
+
+
+def extend_block_m(max_extend_len: int) -> int:
+    """Queries per program."""
+    return 16 if max_extend_len <= 16 else 64
+
+
+def extend_num_splits(num_tokens: int, max_extend_len: int, num_heads: int, num_sms: int) -> int:
+    """Key splits for a launch of num_tokens queries: enough programs to fill the SMs once,
+    where the query blocks alone do not (a host decision from the batch's shape, so a graph
+    captured for a bucket keeps it; whether a request's keys are long enough to split is
+    decided in the kernel)."""
+    programs = triton.cdiv(max(num_tokens, 1), extend_block_m(max_extend_len)) * num_heads
+    wanted = min(MAX_SPLITS, num_sms // programs)
+    return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # a power of two
 
 
 @triton.jit
@@ -32,6 +53,9 @@ def _extend_kernel(
     scale_log2,
     mask_batch_stride,
     mask_width,
+    partial_o_ptr,
+    partial_lse_ptr,
+    min_split_keys,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -40,10 +64,12 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    m_block = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     extend_len = tl.load(extend_seq_lens_ptr + req).to(tl.int32)
     if m_block * BLOCK_M >= extend_len:
         return
@@ -67,12 +93,17 @@ def _extend_kernel(
     else:  # causal: no key past this block's last query
         key_end = tl.minimum(seq_len, committed_len + (m_block + 1) * BLOCK_M)
         mask_start = seq_len
+    # This split's keys: whole BLOCK_N blocks, at least min_split_keys of them, so a short
+    # range is one split's and the others find theirs empty.
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(key_end, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_split_keys)
+    key_start = tl.minimum(split * per_split, key_end)
+    key_stop = tl.minimum(key_start + per_split, key_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for block_start in range(0, key_end, BLOCK_N):
+    for block_start in range(key_start, key_stop, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < key_end
+        pos_mask = pos < key_stop
         slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
         kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
         kv_mask = pos_mask[:, None] & d_mask[None, :]
@@ -101,10 +132,53 @@ def _extend_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
-    tl.store(
-        o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
+    store_mask = m_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
+        tl.store(o_ptr + o_offsets + d[None, :], out.to(o_ptr.dtype.element_ty), mask=store_mask)
+    else:  # every split writes, an empty one lse -inf (a row that saw no key: the same)
+        part = ((token_start + m) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(partial_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + part, lse, mask=m_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    o_ptr,
+    partial_o_ptr,
+    partial_lse_ptr,
+    extend_seq_lens_ptr,
+    extend_start_loc_ptr,
+    bs,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """o[token, head] from the splits' partials; zeros for a token of no request (a prefill
+    graph's padding, past the last request's tokens), whose partials nobody wrote."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    last = bs - 1
+    num_real = tl.load(extend_start_loc_ptr + last) + tl.load(extend_seq_lens_ptr + last)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    splits = tl.arange(0, NUM_SPLITS)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+    real = tl.full([NUM_SPLITS], 0, tl.int64) + token < num_real
+    lse = tl.where(real, tl.load(partial_lse_ptr + part), float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(real, top, 0.0)), 0.0)
+    parts = tl.load(
+        partial_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=(weight > 0)[:, None] & d_mask[None, :],
+        other=0.0,
     )
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_offsets = token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d
+    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
 def kernel_mask(custom_mask: torch.Tensor | None, dummy: torch.Tensor):
@@ -131,6 +205,7 @@ def extend_attention(
     max_extend_len: int,
     scaling: float,
     custom_mask: torch.Tensor | None = None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """q [num_tokens, H * D], requests' tokens back to back (request b's from
     extend_start_loc[b]); k_buffer / v_buffer [num_slots, KH, D], one layer, the new K/V
@@ -138,20 +213,24 @@ def extend_attention(
     extend_seq_lens, extend_start_loc [bs] on the device. Request b's query j sits at position
     seq_len - extend_len + j and reads the keys at req_to_token[row, :seq_len], so page size
     never reaches the kernel. Visibility: causal, or a tree-local custom_mask [bs, q_len,
-    width] (uint8 or bool) over the last width keys, earlier keys visible. Returns o
-    [num_tokens, H * D] in q's dtype."""
+    width] (uint8 or bool) over the last width keys, earlier keys visible. num_splits: key
+    splits (`extend_num_splits`). Returns o [num_tokens, H * D] in q's dtype."""
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     num_heads = q.shape[1] // head_dim
     bs = rows.shape[0]
     # Zeros, not uninitialised memory, for tokens of no request (a prefill graph's padding):
     # their K/V go to the dummy slot, which then holds finite values.
-    o = torch.zeros_like(q)
+    o = torch.zeros_like(q) if num_splits == 1 or bs == 0 else torch.empty_like(q)
     if bs == 0 or q.shape[0] == 0:
         return o
-    block_m = 16 if max_extend_len <= 16 else 64
+    block_m = extend_block_m(max_extend_len)
     has_mask = custom_mask is not None
     mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
-    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m) * num_splits)
+    partial_o = partial_lse = q  # never read with one split
+    if num_splits > 1:
+        partial_o = q.new_empty((q.shape[0], num_heads, num_splits, head_dim), dtype=torch.float32)
+        partial_lse = q.new_empty((q.shape[0], num_heads, num_splits), dtype=torch.float32)
     _extend_kernel[grid](
         q,
         k_buffer,
@@ -167,6 +246,9 @@ def extend_attention(
         scaling * LOG2E,
         mask_batch_stride,
         mask_width,
+        partial_o,
+        partial_lse,
+        MIN_SPLIT_KEYS,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -175,6 +257,20 @@ def extend_attention(
         BLOCK_N=64,
         HAS_MASK=has_mask,
         DOT_PRECISION=dot_precision(q.dtype),
+        NUM_SPLITS=num_splits,
         num_warps=4,
     )
+    if num_splits > 1:
+        _combine_kernel[(q.shape[0], num_heads)](
+            o,
+            partial_o,
+            partial_lse,
+            extend_seq_lens,
+            extend_start_loc,
+            bs,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits,
+        )
     return o

@@ -15,6 +15,7 @@ import torch
 from gpu_worker.attention import RopeArgs, create_attention_backend
 from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata, TritonBackend
 from gpu_worker.kernels import decode_attention as decode_attention_module
+from gpu_worker.kernels import extend_attention as extend_module
 from gpu_worker.kernels import few_query_attention as few_query_module
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool
 from gpu_worker.layers.rotary import RotaryEmbedding
@@ -79,6 +80,11 @@ class Pools:
     def qkv(self, num_tokens: int) -> torch.Tensor:
         width = (self.layer.num_heads + 2 * self.layer.num_kv_heads) * self.layer.head_dim
         return torch.randn(num_tokens, width, generator=self.gen).to(self.device, self.dtype)
+
+    def run_metadata(self, batch: ForwardBatch):
+        """The triton backend's metadata for batch (the launch shape it chooses)."""
+        self.run("triton", batch, self.qkv(batch.num_tokens))  # creates the backend
+        return self.backends["triton"].init_forward_metadata(batch)
 
     def run(self, name: str, batch: ForwardBatch, qkv: torch.Tensor) -> torch.Tensor:
         """One backend per name for the pools' life, so a second launch sees the split-K
@@ -180,6 +186,40 @@ def test_extend_over_a_prefix(device, dtype, heads, kv_heads, head_dim, page_siz
     # a fresh prompt, a chunk after a prefix, one token after a long prefix, a long chunk
     batch = batch_of(pools, ForwardMode.EXTEND, [2, 1, 4, 3], [0, 21, 90, 5], [13, 30, 1, 70])
     check(pools, batch)
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, page_size, min_keys",  # min_keys: a split per key block, 64
+    [(4, 2, 16, 4, 1), (9, 3, 64, 1, 64), (4, 2, 16, 1, None)],  # keys, or the default
+)
+def test_few_new_tokens_over_a_long_prefix_split_the_keys(
+    device, dtype, heads, kv_heads, head_dim, page_size, min_keys, monkeypatch
+):
+    """A prompt reusing a cached prefix: too few query blocks to fill the SMs (64 here), so
+    the keys are split and the partials combined. Causal, and through a tree-local mask too
+    wide for the few-query kernel; with ranges of one split and of several."""
+    if min_keys is not None:
+        monkeypatch.setattr(extend_module, "MIN_SPLIT_KEYS", min_keys)
+    pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=11 * heads)
+    monkeypatch.setattr(TritonBackend, "__init__", with_sms(TritonBackend.__init__, 64))
+    one = batch_of(pools, ForwardMode.EXTEND, [3], [150], [1])
+    few = batch_of(pools, ForwardMode.EXTEND, [1, 4], [120, 33], [5, 2])
+    width = 40  # 40 x (heads / kv heads) rows: more than a few-query tile
+    mask = (torch.rand(1, width, width, generator=pools.gen) < 0.5) | torch.eye(width).bool()
+    tree = batch_of(pools, ForwardMode.TARGET_VERIFY, [2], [100], [width], mask)
+    for batch in (one, few, tree):
+        meta = pools.run_metadata(batch)
+        assert isinstance(meta, ExtendMetadata) and meta.num_splits > 1
+        check(pools, batch)
+
+
+def with_sms(init, num_sms: int):
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.num_sms = num_sms
+
+    return patched
 
 
 @pytest.mark.parametrize("device, dtype", setups())
@@ -365,13 +405,15 @@ def test_outgrown_split_scratch_stays_alive():
 
 
 @pytest.mark.parametrize("device, dtype", setups())
-def test_extend_rows_of_no_request_are_zero(device, dtype):
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_extend_rows_of_no_request_are_zero(device, dtype, num_splits, monkeypatch):
     """Tokens past the last request's (a prefill graph's padding) get zeros, not whatever
     memory the output held: their K/V then go finite into the dummy slot. The output's block
     is first dirtied with a freed tensor of the same size, which an uninitialised allocation
-    would reuse."""
+    would reuse. Split, the combine writes those rows, from partials nobody wrote."""
     from gpu_worker.kernels.extend_attention import extend_attention
 
+    monkeypatch.setattr(extend_module, "MIN_SPLIT_KEYS", 1)
     pools = Pools(device, dtype, 8, 2, 32, 1, seed=9)
     batch = batch_of(pools, ForwardMode.EXTEND, [1, 2], [0, 10], [5, 3])
     q = torch.randn(batch.num_tokens + 6, 8 * 32, generator=pools.gen).to(device, dtype)
@@ -391,6 +433,7 @@ def test_extend_rows_of_no_request_are_zero(device, dtype):
         starts,
         5,
         32**-0.5,
+        num_splits=num_splits,
     )
     assert torch.equal(o[batch.num_tokens :], torch.zeros_like(o[batch.num_tokens :]))
     assert torch.isfinite(o[: batch.num_tokens]).all()
