@@ -119,13 +119,17 @@ class KVAllocator:
         self._free_pages += freed
         return len(freed)
 
-    def releasable_pages(self, row: int) -> int:
+    def releasable_pages(self, row: int, released: dict[int, int] | None = None) -> int:
         """Pages that become free (or evictable) when the row is freed: its own and the cached
-        ones no other row uses."""
+        ones no other row uses. released (node id -> rows): the rows an earlier call of the
+        same decision released too, updated; a cached node they share with this row counts
+        once the last of its rows is released."""
+        released = {} if released is None else released
         node, num_locked = self._locks.get(row, (None, 0))
         held = len(self._pages[row]) - num_locked
         while node is not None and node.parent is not None:
-            held += len(node.pages) if node.lock_ref == 1 else 0
+            released[id(node)] = released.get(id(node), 0) + 1
+            held += len(node.pages) if released[id(node)] == node.lock_ref else 0
             node = node.parent
         return held
 

@@ -223,6 +223,7 @@ class SchedulePolicy:
         decoding = set(decoding_list)
         kept = list(running)
         retracted: list[Request] = []
+        released: dict[int, int] = {}  # cached nodes the retracted rows lock (releasable_pages)
         while need > free_pages:
             req = self._pick_victim(kept, decoding)
             if req is None:
@@ -231,7 +232,7 @@ class SchedulePolicy:
             if req in decoding:
                 decoding.remove(req)
                 need -= allocator.pages_needed(req.row, self.decode_end(req))
-            free_pages += allocator.releasable_pages(req.row)
+            free_pages += allocator.releasable_pages(req.row, released)
             retracted.append(req)
         batch = [r for r in kept if r in decoding]
         ends = list(map(self.decode_end, batch))

@@ -108,3 +108,29 @@ def test_requests_admitted_together_count_their_shared_cached_prefix_once():
     decision = policy.plan_extend([], waiting, alloc)
     assert [r.rid for r in decision.admitted] == ["a", "b"]
     assert decision.cached_lens == [16, 16]
+
+
+def test_rows_retracted_together_release_the_prefix_they_share():
+    """Two rows reuse one cached prefix: freeing either alone releases only its own pages;
+    counted as one decision, the second also releases the shared prefix, and the count is
+    what freeing both does."""
+    alloc = KVAllocator(num_pages=32, page_size=2, max_running_requests=4, prefix_cache=True)
+    stem = [1, 2, 3, 4, 5, 6]
+    first = alloc.alloc_row()
+    alloc.grow(first, 6)
+    alloc.free(first, stem)  # stem cached: 3 evictable pages
+    rows = []
+    for tail in ([7, 8], [9, 10, 11, 12]):
+        reused, _ = alloc.cached_prefix(stem + tail)
+        row = alloc.alloc_row((stem + tail)[:reused])
+        alloc.grow(row, len(stem) + len(tail))
+        rows.append(row)
+    assert [alloc.releasable_pages(r) for r in rows] == [1, 2]  # the shared 3 counted by none
+    released: dict[int, int] = {}
+    counted = [alloc.releasable_pages(r, released) for r in rows]
+    assert counted == [1, 2 + 3]
+    before = alloc.num_free_pages
+    for row in rows:
+        alloc.free(row)
+    assert alloc.num_free_pages - before == sum(counted)
+    assert alloc.is_whole()
