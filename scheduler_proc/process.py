@@ -143,7 +143,7 @@ class SchedulerLoop:
     def handle_debug_query(self, msg: DebugQuery) -> None:
         if msg.flush_cache:
             logger.info("flushed %d cached tokens", self.core.flush_cache())
-        summary, requests = self.core.describe()
+        summary, requests = self.core.describe(check_kv=msg.flush_cache)
         summary = {**summary, "stalled": self.stalled}
         self.to_tokenizer.send(DebugReport(msg.query_id, self.replica, summary, requests))
 

@@ -14,11 +14,6 @@ from array import array
 from collections.abc import Sequence
 
 
-def as_ids(token_ids: Sequence[int]) -> array:
-    """token_ids as an int32 array: converted once a call, then sliced and compared in C."""
-    return token_ids if isinstance(token_ids, array) else array("i", token_ids)
-
-
 class Node:
     __slots__ = ("children", "parent", "tokens", "pages", "lock_ref", "last_access", "serial")
 
@@ -48,7 +43,7 @@ class RadixCache:
 
     def match_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of the longest cached prefix of token_ids (a multiple of the page size)."""
-        node, matched, token_ids = self.root, 0, as_ids(token_ids)
+        node, matched = self.root, 0
         while True:
             child, num_pages = self._step(node, token_ids, matched)
             if child is None:
@@ -64,7 +59,7 @@ class RadixCache:
         """Evictable pages among those the cached prefix of token_ids spans (what acquiring
         it takes out of the evictable pool). counted (node id -> pages): what earlier calls
         of one decision took already, skipped and updated."""
-        node, matched, pages, token_ids = self.root, 0, 0, as_ids(token_ids)
+        node, matched, pages = self.root, 0, 0
         counted = {} if counted is None else counted
         while True:
             child, num_pages = self._step(node, token_ids, matched)
@@ -79,9 +74,10 @@ class RadixCache:
                 return pages
             node = child
 
-    def _step(self, node: Node, token_ids: array, matched: int) -> tuple[Node | None, int]:
-        """The child of node that continues token_ids (`as_ids`) at `matched`, and how many of
-        its pages match (None, 0: none does)."""
+    def _step(self, node: Node, token_ids: Sequence[int], matched: int) -> tuple[Node | None, int]:
+        """The child of node that continues token_ids at `matched`, and how many of its pages
+        match (None, 0: none does). Only the slice compared is converted to int32 (a long
+        prompt that matches nothing costs a dict lookup)."""
         size = self.page_size
         if len(token_ids) - matched < size:
             return None, 0
@@ -90,6 +86,8 @@ class RadixCache:
             return None, 0
         edge = child.tokens
         rest = token_ids[matched : matched + len(edge)]
+        if not isinstance(rest, array):
+            rest = array("i", rest)
         if rest == edge:
             return child, len(child.pages)
         num_pages = 1  # the first page matched by the key
@@ -107,7 +105,7 @@ class RadixCache:
         running request. -> (its pages in position order, the node to `release` later)."""
         if len(token_ids) % self.page_size:
             raise ValueError(f"{len(token_ids)} tokens are not whole pages of {self.page_size}")
-        node, matched, pages, token_ids = self.root, 0, [], as_ids(token_ids)
+        node, matched, pages = self.root, 0, []
         while matched < len(token_ids):
             child, num_pages = self._step(node, token_ids, matched)
             if child is None:
@@ -148,7 +146,7 @@ class RadixCache:
         size = self.page_size
         if len(token_ids) != len(pages) * size:
             raise ValueError(f"{len(token_ids)} tokens for {len(pages)} pages of {size}")
-        node, matched, duplicates, token_ids = self.root, 0, [], as_ids(token_ids)
+        node, matched, duplicates = self.root, 0, []
         stamp = next(self._clock)
         while matched < len(token_ids):
             child, num_pages = self._step(node, token_ids, matched)

@@ -469,9 +469,12 @@ class Scheduler:
         deltas, self._deltas = self._deltas, []
         return TokenDeltas(deltas=deltas)
 
-    def describe(self) -> tuple[dict[str, int | bool], list[dict[str, int | str | bool]]]:
+    def describe(
+        self, check_kv: bool = False
+    ) -> tuple[dict[str, int | bool], list[dict[str, int | str | bool]]]:
         """(summary, one entry per request held): where each request is and why it may not
-        move, for a debug view. Reads only; counts and lengths, no token ids."""
+        move, for a debug view. Reads only; counts and lengths, no token ids. check_kv (after
+        a flush): an idle scheduler also says whether its KV is whole (`kv_whole`)."""
         summary = {
             "can_plan": self.can_plan(),
             "plans_in_flight": len(self._in_flight),
@@ -482,7 +485,7 @@ class Scheduler:
         }
         held = {id(req): req for _, requests, _ in self._in_flight for req in requests}
         held.update((id(req), req) for req in self._requests.values())
-        if not held:  # idle: every page and row is free or cached, each once, or some leaked
+        if check_kv and not held:  # idle: every page and row free or cached, each once
             summary["kv_whole"] = self.allocator.is_whole()
         position = {id(req): i for i, req in enumerate(self.waiting)}
         entries = []

@@ -19,7 +19,9 @@ from gpu_worker.kernels.decode_attention import dot_precision
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 8
+SPLIT_COUNTS = (1, 2, 4, 8)  # what extend_num_splits returns: each a compile of both kernels
 MIN_SPLIT_KEYS = 256  # a split covers at least this many keys; shorter ranges stay in one
+FORCED_SPLITS: int | None = None  # the start-up warm-up compiles each of SPLIT_COUNTS
 
 
 def extend_block_m(max_extend_len: int) -> int:
@@ -32,6 +34,8 @@ def extend_num_splits(num_tokens: int, max_extend_len: int, num_heads: int, num_
     where the query blocks alone do not (a host decision from the batch's shape, so a graph
     captured for a bucket keeps it; whether a request's keys are long enough to split is
     decided in the kernel)."""
+    if FORCED_SPLITS is not None:
+        return FORCED_SPLITS
     programs = triton.cdiv(max(num_tokens, 1), extend_block_m(max_extend_len)) * num_heads
     wanted = min(MAX_SPLITS, num_sms // programs)
     return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # a power of two
@@ -143,7 +147,7 @@ def _extend_kernel(
         tl.store(partial_lse_ptr + part, lse, mask=m_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs"])  # any batch size, one compile
 def _combine_kernel(
     o_ptr,
     partial_o_ptr,

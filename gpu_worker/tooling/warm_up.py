@@ -16,6 +16,7 @@ from aerie.codec import pack_ids, unpack_ids
 from aerie.messages import ForwardPlan, RequestStart, SamplingParams
 from aerie.plans import extend_plan
 from gpu_worker.attention.triton import TritonBackend
+from gpu_worker.kernels import extend_attention
 from gpu_worker.kernels.few_query_attention import MAX_ROWS, fits
 
 if TYPE_CHECKING:
@@ -100,10 +101,15 @@ def run_warm_up(worker: GPUWorker) -> float | None:
     # The prefill graphs compiled their kernels when captured: the plans take the eager path.
     graphs, worker.prefill_graphs = worker.prefill_graphs, None
     try:
-        for plan in plans:
-            worker.execute(plan)
+        # The extend kernel's key split count is a constexpr chosen from the batch's shape:
+        # the plans run once per count it can take.
+        for splits in extend_attention.SPLIT_COUNTS:
+            extend_attention.FORCED_SPLITS = splits
+            for plan in plans:
+                worker.execute(plan)
     finally:
         worker.prefill_graphs = graphs
+        extend_attention.FORCED_SPLITS = None
     return time.perf_counter() - began
 
 

@@ -145,6 +145,30 @@ def test_warm_up_plans_fit_the_pool_or_are_skipped(tiny_dirs):
     assert run_warm_up(GPUWorker(short)) is None  # positions past the context: skipped
 
 
+def test_the_warm_up_runs_its_plans_at_every_key_split_count(tiny_dirs, monkeypatch):
+    """The extend kernel's split count is a constexpr the batch's shape picks: the warm-up
+    compiles each count it can take, then leaves the choice to the shape again."""
+    from gpu_worker.kernels import extend_attention
+
+    worker = GPUWorker(make_config(tiny_dirs["llama"]).replace(cache={"max_total_tokens": 128}))
+    seen = []
+    execute = worker.execute
+
+    def recording(plan):
+        seen.append(extend_attention.FORCED_SPLITS)
+        return execute(plan)
+
+    monkeypatch.setattr(worker, "execute", recording)
+    assert run_warm_up(worker) is not None
+    per_count = len(seen) // len(extend_attention.SPLIT_COUNTS)
+    assert seen == [n for n in extend_attention.SPLIT_COUNTS for _ in range(per_count)]
+    assert extend_attention.FORCED_SPLITS is None
+    shapes = [(t, t, h, sms) for t in (1, 5, 40, 300) for h in (2, 9, 32) for sms in (8, 132)]
+    assert {extend_attention.extend_num_splits(*s) for s in shapes} == set(
+        extend_attention.SPLIT_COUNTS
+    )
+
+
 @pytest.mark.parametrize("graph_max_bs", [0, 4])  # direct, and padded to the bucket
 def test_decode_step_commits_each_rows_own_token(tiny_dirs, graph_max_bs):
     """The decode step commits the argmax in its stage; a sampled row's newest token must then

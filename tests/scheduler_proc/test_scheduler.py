@@ -441,12 +441,17 @@ def test_describe_says_where_each_request_is_held():
 
 
 def test_describe_says_whether_an_idle_cache_is_whole():
-    """Idle, the debug view checks that every page is free or cached exactly once: what
-    /flush_cache reports, and the soak checks, after a run."""
+    """Asked (after a flush) and idle, the debug view checks that every page is free or cached
+    exactly once: what /flush_cache reports, and the soak checks, after a run."""
     sched = Scheduler(make_config(max_running=2), (), max_total_tokens=64)
     sched.add_request(make_request("a", [1, 2, 3], max_new_tokens=4))
-    assert "kv_whole" not in sched.describe()[0]  # a request is held: not asked
+    assert "kv_whole" not in sched.describe(check_kv=True)[0]  # a request is held
     run_to_end(sched, FakeWorker(), Collector())
-    assert sched.describe()[0]["kv_whole"] is True
-    sched.allocator._take_pages(1)  # a page lost to nobody: a leak
-    assert sched.describe()[0]["kv_whole"] is False
+    assert "kv_whole" not in sched.describe()[0]  # not asked
+    assert sched.describe(check_kv=True)[0]["kv_whole"] is True
+    lost = sched.allocator._take_pages(1)  # a page lost to nobody: a leak
+    assert sched.describe(check_kv=True)[0]["kv_whole"] is False
+    sched.allocator._free_pages += lost * 2  # given back twice
+    assert sched.describe(check_kv=True)[0]["kv_whole"] is False
+    sched.allocator._free_pages.pop()
+    assert sched.describe(check_kv=True)[0]["kv_whole"] is True
