@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
+import time
 import uuid
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +62,7 @@ MAX_RID_LEN = 256  # characters of a client-chosen rid (echoed in every stream e
 # Drawn seeds stay below 2^53 so that a client reading JSON numbers as doubles (JavaScript)
 # sends back exactly the seed it was given.
 DRAWN_SEED_BITS = 53
+LIVENESS_TTL_S = 0.05  # requests at most this long after an engine process died get in
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class Frontend:
         self.ready = False
         self.draining = False
         self.pids: dict[str, int] = {}
+        self._gone: str | None = None  # the first engine process found gone (for good)
+        self._alive_at = -math.inf  # when every process was last seen alive
         self.server_info: dict[str, Any] = {}
         self._background: set[asyncio.Task] = set()
         # Tokenization runs here, off the event loop (the tokenizer releases the GIL).
@@ -112,18 +117,29 @@ class Frontend:
         """The engine is up; pids (name -> pid) are the processes it needs alive."""
         self.server_info = dict(server_info)
         self.pids = dict(pids or {})
+        self._gone, self._alive_at = None, -math.inf
         self.ready = True
 
     def begin_drain(self) -> None:
         self.draining = True
 
-    def unhealthy_reason(self) -> str | None:
-        """Why the server cannot serve now (not ready, draining, a process gone), or None."""
+    def gone_process(self, max_age_s: float = 0.0) -> str | None:
+        """The engine process found gone, or None; the processes are looked up (/proc, about
+        40 us each) unless all were seen alive within max_age_s."""
+        now = time.monotonic()
+        if self._gone is None and now - self._alive_at >= max_age_s:
+            self._gone = next((n for n, pid in self.pids.items() if not process_alive(pid)), None)
+            self._alive_at = now
+        return self._gone
+
+    def unhealthy_reason(self, max_age_s: float = 0.0) -> str | None:
+        """Why the server cannot serve now (not ready, draining, a process gone), or None;
+        max_age_s: how old a look at the engine's processes may be (`gone_process`)."""
         if not self.ready:
             return "the engine is not ready yet"
-        gone = [name for name, pid in self.pids.items() if not process_alive(pid)]
-        if gone:
-            return f"the {gone[0]} process is gone; the server is stopping"
+        gone = self.gone_process(max_age_s)
+        if gone is not None:
+            return f"the {gone} process is gone; the server is stopping"
         if self.draining:
             return "the server is draining; no new requests"
         return None
@@ -133,8 +149,10 @@ class Frontend:
         return self.unhealthy_reason() is None
 
     def check_accepting(self, num_new: int = 1) -> None:
-        """Raise a 503 ValidationError unless num_new more requests are accepted now."""
-        reason = self.unhealthy_reason()
+        """Raise a 503 ValidationError unless num_new more requests are accepted now. A
+        request looks at the engine's processes at most every LIVENESS_TTL_S (health checks
+        look every time)."""
+        reason = self.unhealthy_reason(LIVENESS_TTL_S)
         if reason is not None:
             raise ValidationError(reason, status=503)
         limit = self.limits.max_in_flight

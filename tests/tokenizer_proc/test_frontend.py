@@ -1,5 +1,6 @@
 """Frontend: the seed each request runs with (drawn from the server's sequence for a request
-that brings none) and its report in meta_info over HTTP, SSE and ZMQ."""
+that brings none) and its report in meta_info over HTTP, SSE and ZMQ; how often requests look
+at the engine's processes."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from tests.tokenizer_proc.harness import dealer, make_frontend, recv, send
+from tokenizer_proc.validation import ValidationError
 
 
 def prepared_seeds(tokenizer_dir: str, random_seed: int, bodies: list[dict]) -> list[int]:
@@ -68,3 +71,33 @@ def test_meta_info_reports_the_seed_each_request_ran_with(live):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert engine.submitted[-1].sampling.seed not in (None, drawn, *seeds)
+
+
+def test_requests_look_at_the_engine_processes_at_most_every_ttl(tokenizer_dir, monkeypatch):
+    """Health checks look at the engine's processes every time; requests reuse a look that is
+    under LIVENESS_TTL_S old, and a process found gone stays gone."""
+    import tokenizer_proc.frontend as frontend_module
+
+    looks = []
+
+    def alive(pid):
+        looks.append(pid)
+        return pid != 13
+
+    monkeypatch.setattr(frontend_module, "process_alive", alive)
+    clock = [100.0]
+    monkeypatch.setattr(frontend_module.time, "monotonic", lambda: clock[0])
+    frontend, _ = make_frontend(tokenizer_dir)
+    frontend.mark_ready({}, {"scheduler": 11, "gpu_worker": 12})
+    frontend.check_accepting()
+    frontend.check_accepting()
+    assert looks == [11, 12]  # the second request reused the first look
+    clock[0] += 2 * frontend_module.LIVENESS_TTL_S
+    frontend.check_accepting()
+    assert looks == [11, 12, 11, 12]
+    assert frontend.unhealthy_reason() is None and len(looks) == 6  # health: every time
+    frontend.pids["detokenizer"] = 13
+    assert "detokenizer process is gone" in frontend.unhealthy_reason()
+    frontend.pids["detokenizer"] = 14  # gone for good, whatever a later look would say
+    with pytest.raises(ValidationError, match="detokenizer process is gone"):
+        frontend.check_accepting()
