@@ -85,9 +85,7 @@ class RadixCache:
         if child is None:
             return None, 0
         edge = child.tokens
-        rest = token_ids[matched : matched + len(edge)]
-        if not isinstance(rest, array):
-            rest = array("i", rest)
+        rest = array("i", token_ids[matched : matched + len(edge)])
         if rest == edge:
             return child, len(child.pages)
         num_pages = 1  # the first page matched by the key
