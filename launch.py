@@ -1,12 +1,13 @@
-"""Start an Aerie server: spawn the four processes, wait until they are ready, supervise, drain.
+"""Start an Aerie server: spawn its processes, wait until they are ready, supervise, drain.
 
     python launch.py [--model-path DIR] [--port 30000] ...     (python launch.py --help)
 
 Start order: the GPU worker first (it loads weights and measures how much KV fits; with
---tp-size N, one worker process per tensor-parallel rank), then the scheduler, detokenizer and
-tokenizer with the worker's KV capacity filled into the config.
+--tp-size N, one worker process per tensor-parallel rank), then the scheduler and the frontends
+(--tokenizer-worker-num, sharing the HTTP port) with the worker's KV capacity filled into the
+config.
 If any child fails, dies or is stuck (`Watchdog`), every child is stopped and the launcher
-exits non-zero. SIGTERM or SIGINT drains: the tokenizer answers new requests with 503, running
+exits non-zero. SIGTERM or SIGINT drains: the frontends answer new requests with 503, running
 requests finish (bounded by --drain-timeout-s), then children stop in order. Under systemd
 (Type=notify) it reports READY=1 and STOPPING=1 through $NOTIFY_SOCKET.
 """
@@ -52,7 +53,7 @@ class LaunchError(RuntimeError):
 
 
 def _entry_point(name: str) -> Callable[..., None]:
-    if name == "tokenizer":
+    if name.startswith("tokenizer"):  # the frontends: tokenizer, tokenizer1, ...
         from tokenizer_proc.process import run_tokenizer_process
 
         return run_tokenizer_process
@@ -60,13 +61,29 @@ def _entry_point(name: str) -> Callable[..., None]:
         from scheduler_proc.process import run_scheduler_process
 
         return run_scheduler_process
-    if name.endswith("worker"):  # every replica's ranks (gpu_worker, tp1_worker, dp1_worker...)
-        from gpu_worker.process import run_gpu_worker_process
+    # Every replica's ranks (gpu_worker, tp1_worker, dp1_worker...).
+    from gpu_worker.process import run_gpu_worker_process
 
-        return run_gpu_worker_process
-    from detokenizer_proc.process import run_detokenizer_process
+    return run_gpu_worker_process
 
-    return run_detokenizer_process
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to the HTTP port with SO_REUSEPORT and not listening: it holds the port
+    (the one the OS picks for port 0) while the frontends start and bind it too. It never takes
+    a connection: only listening sockets do."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise LaunchError(
+            f"cannot listen on http://{host}:{port}: {e.strerror} "
+            f"(is another server using --port {port}?)"
+        ) from e
+    return sock
 
 
 def sd_notify(state: str) -> None:
@@ -85,8 +102,8 @@ class Launcher:
         self.config = config
         self.inbox = Receiver(endpoints.inbox(config, "launcher"))
         replicas = range(config.parallel.dp_size)
-        # Node 0 serves (frontend, schedulers, detokenizer); with --nnodes the other machines
-        # run worker ranks only.
+        # Node 0 serves (frontends, schedulers); with --nnodes the other machines run worker
+        # ranks only.
         self.serving = config.parallel.node_rank == 0
         self.ranks = endpoints.node_ranks(config)  # the tensor-parallel ranks of this machine
         # Per data-parallel replica: its scheduler and this machine's worker ranks, in order.
@@ -95,9 +112,8 @@ class Launcher:
             tuple(endpoints.worker_name(rank, r) for rank in self.ranks) for r in replicas
         ]
         self.workers = tuple(name for names in self.replica_workers for name in names)
-        frontend = ("tokenizer",) if self.serving else ()
-        backend = ("detokenizer",) if self.serving else ()
-        self.stop_order = (*frontend, *self.schedulers, *self.workers, *backend)
+        self.frontends = endpoints.frontend_names(config) if self.serving else ()
+        self.stop_order = (*self.frontends, *self.schedulers, *self.workers)
         # One long-lived sender per child inbox: a sender dropped right after send() may lose
         # the message before ZMQ has connected.
         self.to = {name: Sender(endpoints.inbox(config, name)) for name in self.stop_order}
@@ -164,14 +180,23 @@ class Launcher:
         info, config = workers_ready["gpu_worker"].info, configs[0]
         for replica, name in enumerate(self.schedulers):
             self.spawn(name, configs[replica], replica)
-        for name in ("detokenizer", "tokenizer"):
-            self.spawn(name, config)
-        ready = self.wait_ready((*self.schedulers, "detokenizer", "tokenizer"))
+        reserved = None
+        if len(self.frontends) > 1:  # one port for all of them, port 0 included
+            reserved = reserve_port(config.server.host, config.server.port)
+            config = config.replace(server={"port": reserved.getsockname()[1]})
+        try:
+            for index, name in enumerate(self.frontends):
+                self.spawn(name, config, index)
+            ready = self.wait_ready((*self.schedulers, *self.frontends))
+        finally:
+            if reserved is not None:
+                reserved.close()
         self.listening = ready["tokenizer"].info  # the addresses actually bound (port 0)
         server_info = {**public_info(config), **info, **self.listening, "version": "0.1.0"}
         pids = {name: proc.pid for name, proc in self.procs.items() if proc.pid is not None}
         pids["launcher"] = os.getpid()
-        self.to["tokenizer"].send(EngineReady(server_info=server_info, pids=pids))
+        for name in self.frontends:
+            self.to[name].send(EngineReady(server_info=server_info, pids=pids))
         return config
 
     # ---------------------------------------------------------------------------- supervision
@@ -271,25 +296,26 @@ class Launcher:
         raise LaunchError(f"the {failure.name} process failed{hint}:\n{failure.error}")
 
     def drain(self) -> None:
-        """Let running requests finish (bounded), with new requests refused by the tokenizer."""
+        """Let running requests finish (bounded), with new requests refused by the frontends."""
         timeout = self.config.server.drain_timeout_s
         log.info("draining: new requests get 503, running requests get up to %.0f s", timeout)
-        self.to["tokenizer"].send(BeginDrain(timeout_s=timeout))
+        for name in self.frontends:
+            self.to[name].send(BeginDrain(timeout_s=timeout))
         deadline = time.monotonic() + timeout + 5
-        while time.monotonic() < deadline:
+        waiting, num_unfinished = len(self.frontends), 0
+        while waiting and time.monotonic() < deadline:
             message = self.inbox.recv(timeout_s=_POLL_S)
             if isinstance(message, DrainDone):
-                if message.num_unfinished:
-                    log.warning(
-                        "drain timed out with %d unfinished requests", message.num_unfinished
-                    )
-                return
+                waiting -= 1
+                num_unfinished += message.num_unfinished
             if any(not p.is_alive() for p in self.procs.values()):
                 return
+        if num_unfinished:
+            log.warning("drain timed out with %d unfinished requests", num_unfinished)
 
     def stop_children(self, reason: str) -> None:
-        """Send Shutdown to every child (the frontend first, so it stops taking requests, then
-        the schedulers, workers and the detokenizer), give them STOP_TIMEOUT_S together to
+        """Send Shutdown to every child (the frontends first, so they stop taking requests,
+        then the schedulers and workers), give them STOP_TIMEOUT_S together to
         exit, then kill whatever is left (no orphans). They exit in parallel: each takes about
         a second to tear down."""
         alive = {n: p for n, p in self.procs.items() if p.is_alive()}

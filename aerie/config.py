@@ -229,6 +229,12 @@ class ServerConfig:
     zmq_port: int | None = _opt(
         None, "TCP port of the ZMQ client frontend (default: port + 1; 0 with --port 0)."
     )
+    tokenizer_worker_num: int = _opt(
+        0,
+        "Frontend processes (HTTP, tokenization, detokenization) sharing --port; each owns its "
+        "connections and requests. ZMQ clients are served by the first. 0: one per 4 CPU cores "
+        "this process may use, 1 to 4.",
+    )
     log_level: str = _opt("info", "Log level.", ("debug", "info", "warning", "error"))
     startup_timeout_s: float = _opt(600.0, "Seconds to wait for every process to be ready.")
     drain_timeout_s: float = _opt(30.0, "Seconds running requests get to finish on SIGTERM.")

@@ -1,7 +1,7 @@
 """The endpoint table: where each process's inbox listens.
 
 Every process binds one PULL inbox (`ipc://` in the per-launch runtime directory) and one for
-its heartbeat thread; the tokenizer also binds a `tcp://` ROUTER for ZMQ clients, and with
+its heartbeat thread; the first frontend also binds a `tcp://` ROUTER for ZMQ clients, and with
 --nnodes > 1 remote worker ranks bind a `tcp://` address for rank 0's plans.
 """
 
@@ -12,7 +12,18 @@ import socket
 
 from aerie.config import AerieConfig
 
-PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
+PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker")
+
+
+def frontend_name(index: int = 0) -> str:
+    """Frontend process `index` (HTTP, ZMQ, tokenization, detokenization): "tokenizer" for the
+    first, then "tokenizer1", "tokenizer2", ..."""
+    return "tokenizer" if index == 0 else f"tokenizer{index}"
+
+
+def frontend_names(config: AerieConfig) -> tuple[str, ...]:
+    """Every frontend's name (one while the count is unresolved)."""
+    return tuple(frontend_name(i) for i in range(max(1, config.server.tokenizer_worker_num)))
 
 
 def scheduler_name(replica: int = 0) -> str:
@@ -82,9 +93,14 @@ def engine_names(config: AerieConfig) -> tuple[str, ...]:
 
 
 def inbox(config: AerieConfig, name: str) -> str:
-    """The ipc:// address of process `name`'s inbox ("launcher", every replica's scheduler and
-    worker ranks included)."""
-    if name not in PROCESS_NAMES and name != "launcher" and name not in engine_names(config):
+    """The ipc:// address of process `name`'s inbox ("launcher", every frontend, every
+    replica's scheduler and worker ranks included)."""
+    if (
+        name not in PROCESS_NAMES
+        and name != "launcher"
+        and name not in engine_names(config)
+        and name not in frontend_names(config)
+    ):
         raise ValueError(f"unknown process {name!r}")
     if not config.runtime_dir:
         raise ValueError("config.runtime_dir is not resolved")

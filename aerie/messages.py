@@ -68,11 +68,14 @@ class FinishReason:
 
 @dataclass(frozen=True)
 class TokenizedRequest:
+    """frontend: the index of the frontend process that owns the request (its outputs go
+    there)."""
+
     rid: str
     input_ids: bytes  # int32 LE [prompt_len]
     sampling: SamplingParams
-    stream: bool = False
     return_logprob: bool = False
+    frontend: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class DebugQuery:
 
     query_id: int
     flush_cache: bool = False
+    frontend: int = 0  # who asked: the report goes there
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,35 +175,33 @@ class StepResult:
 
 
 # --------------------------------------------------------------------------------------------
-# scheduler -> detokenizer
+# scheduler -> frontend
 
 
 @dataclass(frozen=True)
-class DetokenizeStart:
-    """What the detokenizer needs to know about a request, sent with its first delta."""
+class StepOutputs:
+    """What a step produced for the requests of one frontend, column by column (the writer and
+    reader are `aerie.outputs`): request `rids[i]` got `num_tokens[i]` new output tokens, the
+    next ones of `token_ids`.
 
-    skip_special_tokens: bool
-    stop: list[str]
-    stream: bool
-    prompt_tail_ids: bytes  # int32 LE, a few last prompt tokens as decoding context
+    num_tokens, spec_verify_ct, cached_tokens: int32 LE [n]; spec_verify_ct counts the request's
+        verify forwards so far, cached_tokens its prompt tokens taken from the prefix cache.
+    token_ids: int32 LE [sum(num_tokens)], already cut at a stop.
+    logprobs: float32 LE, the tokens' logprobs of the requests that asked for them, back to
+        back (num_tokens[i] each); return_logprob: uint8 [n], 1 for those requests (both empty
+        when none of them asked).
+    finishes: rid -> finish reason, for the requests this step ended (aborts included).
+    """
 
-
-@dataclass(frozen=True)
-class RequestDelta:
-    rid: str
-    token_ids: bytes  # int32 LE, new output tokens (already truncated at a stop)
+    frontend: int
+    rids: list[str]
+    num_tokens: bytes
+    token_ids: bytes
+    spec_verify_ct: bytes
+    cached_tokens: bytes
     logprobs: bytes = b""
-    finish: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    spec_verify_ct: int = 0
-    start: DetokenizeStart | None = None
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-
-
-@dataclass(frozen=True)
-class TokenDeltas:
-    deltas: list[RequestDelta]
+    return_logprob: bytes = b""
+    finishes: dict[str, FinishReason] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -242,25 +244,18 @@ class DebugReport:
 
 
 # --------------------------------------------------------------------------------------------
-# detokenizer -> tokenizer
+# frontend -> frontend
 
 
 @dataclass(frozen=True)
-class TextDelta:
-    rid: str
-    text: str
-    token_ids: bytes
-    logprobs: bytes = b""
-    finish: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    spec_verify_ct: int = 0
-    cached_tokens: int = 0
+class FrontendMetrics:
+    """A frontend's own request counts so far (`Metrics.snapshot`: Prometheus samples, as
+    names, labels and values), shared with the other frontends so that each reports the sums."""
 
-
-@dataclass(frozen=True)
-class TextDeltas:
-    deltas: list[TextDelta]
+    frontend: int
+    names: list[str]
+    labels: list[dict[str, str]]
+    values: list[float]
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,13 +338,10 @@ MESSAGE_TYPES: tuple[type, ...] = (
     RequestStart,
     ForwardPlan,
     StepResult,
-    DetokenizeStart,
-    RequestDelta,
-    TokenDeltas,
+    StepOutputs,
     SchedulerStats,
+    FrontendMetrics,
     DebugReport,
-    TextDelta,
-    TextDeltas,
     ProcessReady,
     ProcessFailed,
     Shutdown,

@@ -93,6 +93,8 @@ def resolve_cuda_graph_max_bs(config: AerieConfig, device: str, default_rows: in
 
 
 DEFAULT_PREFILL_GRAPH_TOKENS = 1024
+CORES_PER_FRONTEND = 4  # the default frontend count: one per this many cores
+MAX_FRONTENDS = 64
 
 
 def resolve_prefill_graph_tokens(config: AerieConfig, device: str) -> int:
@@ -145,6 +147,8 @@ def _validate(config: AerieConfig) -> None:
         _check_positive(name, getattr(limits, name))
     if limits.max_queued_requests < 0:
         raise ConfigError("--max-queued-requests must be >= 0")
+    if not 0 <= config.server.tokenizer_worker_num <= MAX_FRONTENDS:
+        raise ConfigError(f"--tokenizer-worker-num must be in [0, {MAX_FRONTENDS}] (0: automatic)")
     _check_positive("watchdog_timeout_s", config.server.watchdog_timeout_s)
     _check_positive("watchdog_busy_timeout_s", config.server.watchdog_busy_timeout_s)
     for name in ("port", "zmq_port"):
@@ -407,11 +411,20 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
         },
         server={
             "zmq_port": default_zmq_port(server.port, server.zmq_port),
+            "tokenizer_worker_num": server.tokenizer_worker_num or default_frontends(),
             "served_model_name": server.served_model_name or os.path.basename(model_path),
         },
         security=_resolve_security(config),
         runtime_dir=config.runtime_dir or tempfile.mkdtemp(prefix="aerie-"),
     )
+
+
+def default_frontends(num_cores: int | None = None) -> int:
+    """Frontend processes for a machine of num_cores usable cores (default: this process's):
+    one per CORES_PER_FRONTEND, 1 to 4. The scheduler and each GPU worker keep a core each."""
+    if num_cores is None:
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return max(1, min(4, num_cores // CORES_PER_FRONTEND))
 
 
 def _resolve_security(config: AerieConfig) -> dict:

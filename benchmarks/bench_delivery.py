@@ -4,7 +4,12 @@ on the CPU, with no model and no GPU.
     python3 benchmarks/bench_delivery.py --streams 64 --step-ms 1.35 --output-len 256
 
 The tokenizer's own app serves; a feeder process sends one token per running stream every
---step-ms, as the detokenizer would. Reported: events/s, tokens per event, ITL, and CPU per event.
+--step-ms, as the scheduler would (one `StepOutputs` a step). The tokenizer process detokenizes
+the ids itself, so the server CPU per event includes detokenization (a request's
+`IncrementalDetokenizer`, a token at a time). The served tokenizer is a small byte-level BPE
+trained at start (`--tokenizer DIR`: a model's), and each stream's ids are `TEXT` encoded by it,
+so they decode to text, multi-byte characters split across tokens included. Reported: events/s,
+tokens per event, ITL, and CPU per event.
 """
 
 from __future__ import annotations
@@ -26,15 +31,10 @@ import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aerie.codec import pack_floats, pack_ids, unpack_ids  # noqa: E402
-from aerie.messages import (  # noqa: E402
-    AbortRequest,
-    FinishReason,
-    Shutdown,
-    TextDelta,
-    TextDeltas,
-    TokenizedRequest,
-)
+from aerie.codec import pack_floats, pack_ids  # noqa: E402
+from aerie.hf_tokenizer import load_hf_tokenizer  # noqa: E402
+from aerie.messages import AbortRequest, FinishReason, Shutdown, TokenizedRequest  # noqa: E402
+from aerie.outputs import OutputsWriter  # noqa: E402
 from aerie.transport import AsyncReceiver, AsyncSender, Receiver, Sender  # noqa: E402
 from benchmarks.bench_serving import describe_ms  # noqa: E402
 from benchmarks.serving_load import Payload, run_load_processes, token_itl  # noqa: E402
@@ -42,6 +42,7 @@ from tokenizer_proc.frontend import Frontend  # noqa: E402
 from tokenizer_proc.http_api import create_app  # noqa: E402
 from tokenizer_proc.http_guard import header_timeout_protocol  # noqa: E402
 from tokenizer_proc.process import _Server, bind_http_socket  # noqa: E402
+from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
 from tokenizer_proc.validation import Limits  # noqa: E402
 
 PIECES = (
@@ -71,51 +72,101 @@ PIECES = (
     ":",
     " it",
 )
+TEXT = "".join(PIECES)  # what the streams' ids decode to, over and over
+VOCAB_SIZE = 300  # of the trained BPE: 256 bytes, a special token, merges of common pieces
 PROMPT_IDS = [11, 12, 13, 14]
 LOGPROB = -0.25
 
 
 # ----------------------------------------------------------------------------------------------
-# Feeder: scheduler + detokenizer stand-in (its own process)
+# The served tokenizer, and the ids the streams decode
+
+
+def make_bench_tokenizer(directory: str) -> str:
+    """A byte-level BPE (the scheme of Llama-3, Qwen and SmolLM2) trained on TEXT in a few
+    milliseconds, saved as a Hugging Face tokenizer directory; its path. Its vocabulary is
+    small, so that some characters of TEXT stay split across several tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([TEXT] * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )
+    wrapped.save_pretrained(directory)
+    return directory
+
+
+def text_ids(tokenizer_path: str) -> tuple[list[int], list[int]]:
+    """(TEXT's ids, where each piece's ids start): PIECES encoded one by one, without special
+    tokens, so that a stream may start at any piece and wrap around at the end."""
+    tokenizer = load_hf_tokenizer(tokenizer_path)
+    ids: list[int] = []
+    starts: list[int] = []
+    for piece in PIECES:
+        starts.append(len(ids))
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids, starts
+
+
+# ----------------------------------------------------------------------------------------------
+# Feeder: scheduler stand-in (its own process)
 
 
 class FedStream:
-    """One request the feeder is decoding: a token per step until max_new_tokens."""
+    """One request the feeder is decoding: a token per step until max_new_tokens, TEXT's ids
+    from a piece picked by its rid on."""
 
-    def __init__(self, request: TokenizedRequest) -> None:
+    def __init__(self, request: TokenizedRequest, ids: list[int], starts: list[int]) -> None:
         self.rid = request.rid
+        self.frontend = request.frontend
         self.max_new_tokens = request.sampling.max_new_tokens
-        self.prompt_tokens = len(unpack_ids(request.input_ids))
-        self.logprobs = request.return_logprob
-        self.offset = int(request.rid[:6], 16) if request.rid[:6].isalnum() else 0
+        self.logprobs = pack_floats([LOGPROB]) if request.return_logprob else None
+        offset = int(request.rid[:6], 16) if request.rid[:6].isalnum() else 0
+        self.ids = ids
+        self.next = starts[offset % len(starts)]
         self.num_done = 0
 
-    def next_delta(self) -> TextDelta:
-        k = self.offset + self.num_done
+    def add_step(self, writer: OutputsWriter) -> bool:
+        """This step's token into writer; True when it ends the stream."""
+        token_id = self.ids[self.next]
+        self.next = (self.next + 1) % len(self.ids)
         self.num_done += 1
         done = self.num_done >= self.max_new_tokens
-        token_id = k * 7919 % 49_000 + 100
-        return TextDelta(
-            rid=self.rid,
-            text=PIECES[k % len(PIECES)],
-            token_ids=pack_ids([token_id]),
-            logprobs=pack_floats([LOGPROB]) if self.logprobs else b"",
-            finish=FinishReason("length") if done else None,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.num_done,
-        )
+        finish = FinishReason("length") if done else None
+        writer.add(self.frontend, self.rid, pack_ids([token_id]), 0, 0, self.logprobs, finish)
+        return done
 
 
-def run_feeder(inbox: str, server_inbox: str, step_s: float, stats: mp.Queue) -> None:
-    """Until Shutdown: every step_s while streams run, one TextDeltas (a token each)."""
+def run_feeder(
+    inbox: str,
+    server_inbox: str,
+    step_s: float,
+    stats: mp.Queue,
+    ids: list[int],
+    starts: list[int],
+) -> None:
+    """Until Shutdown: every step_s while streams run, one StepOutputs (a token per stream);
+    ids, starts: `text_ids`."""
     receiver, sender = Receiver(inbox), Sender(server_inbox)
     streams: dict[str, FedStream] = {}
+    writer = OutputsWriter()
     sent_at: list[float] = []
     next_at = 0.0
     while True:
         for message in receiver.drain() if streams else [receiver.recv()]:
             if isinstance(message, TokenizedRequest):
-                streams[message.rid] = FedStream(message)
+                streams[message.rid] = FedStream(message, ids, starts)
             elif isinstance(message, AbortRequest):
                 streams.pop(message.rid, None)
             elif isinstance(message, Shutdown):
@@ -126,31 +177,18 @@ def run_feeder(inbox: str, server_inbox: str, step_s: float, stats: mp.Queue) ->
         wait = next_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
-        deltas = [stream.next_delta() for stream in streams.values()]
-        sender.send(TextDeltas(deltas))
+        done = [rid for rid, stream in streams.items() if stream.add_step(writer)]
+        for message in writer.take():  # one: every stream is frontend 0's
+            sender.send(message)
         now = time.perf_counter()
         sent_at.append(now)
         next_at = max(next_at, now - step_s) + step_s  # late: the next step starts at once
-        for delta in deltas:
-            if delta.finish is not None:
-                del streams[delta.rid]
+        for rid in done:
+            del streams[rid]
 
 
 # ----------------------------------------------------------------------------------------------
 # Server: the tokenizer process's app, its scheduler side replaced by the feeder
-
-
-class StubTokenizer:
-    """What the Frontend asks of a tokenizer, without a model's vocabulary."""
-
-    vocab_size = 50_000
-    max_token_bytes = 16
-
-    def encode(self, text: str) -> list[int]:
-        return [100 + b for b in text.encode("utf-8")][:64] or PROMPT_IDS
-
-    def token_strings(self, ids: list[int]) -> list[str]:
-        return [PIECES[i % len(PIECES)] for i in ids]
 
 
 class FeederBackend:
@@ -191,14 +229,16 @@ def payloads(args: argparse.Namespace) -> list[Payload]:
     return [Payload("/v1/completions", body, len(PROMPT_IDS))] * (args.streams * args.rounds)
 
 
-async def serve_and_load(args: argparse.Namespace, feeder_inbox: str, server_inbox: str) -> dict:
+async def serve_and_load(
+    args: argparse.Namespace, tokenizer: Tokenizer, feeder_inbox: str, server_inbox: str
+) -> dict:
     """Run the server in this loop and the clients in their processes; the figures."""
     frontend = Frontend(
-        StubTokenizer(),
-        Limits(vocab_size=StubTokenizer.vocab_size, context_length=args.output_len + 64),
-        FeederBackend(feeder_inbox),
+        tokenizer,
+        Limits(vocab_size=tokenizer.vocab_size, context_length=args.output_len + 64),
+        FeederBackend(feeder_inbox),  # type: ignore[arg-type]
         "bench",
-    )  # type: ignore[arg-type]
+    )
     frontend.mark_ready({"page_size": 1, "max_total_tokens": 1 << 20})
     inbox = AsyncReceiver(server_inbox)
     sock = bind_http_socket("127.0.0.1", 0)
@@ -311,6 +351,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("native", "openai"), default="native")
     p.add_argument("--return-logprob", action="store_true")
     p.add_argument("--client-processes", type=int, default=1)
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a model directory whose tokenizer serves (default: a small BPE trained at start)",
+    )
     p.add_argument("--output", default=None, help="write the figures as JSON here")
     return p.parse_args(argv)
 
@@ -321,21 +366,25 @@ def main(argv: list[str] | None = None) -> dict:
     feeder_inbox, server_inbox = f"ipc://{runtime_dir}/feeder", f"ipc://{runtime_dir}/tokenizer"
     ctx = mp.get_context("spawn")
     stats = ctx.Queue()
-    feeder = ctx.Process(
-        target=run_feeder,
-        daemon=True,
-        args=(feeder_inbox, server_inbox, args.step_ms / 1000, stats),
-    )
-    feeder.start()
+    feeder = None
     try:
-        out = uvloop.run(serve_and_load(args, feeder_inbox, server_inbox))
+        tokenizer_path = args.tokenizer or make_bench_tokenizer(f"{runtime_dir}/bpe")
+        tokenizer = Tokenizer(tokenizer_path)
+        ids, starts = text_ids(tokenizer_path)
+        feeder = ctx.Process(
+            target=run_feeder,
+            daemon=True,
+            args=(feeder_inbox, server_inbox, args.step_ms / 1000, stats, ids, starts),
+        )
+        feeder.start()
+        out = uvloop.run(serve_and_load(args, tokenizer, feeder_inbox, server_inbox))
         stop = Sender(feeder_inbox)
         stop.send(Shutdown())
         sent_at = stats.get(timeout=10)
         stop.close()
         feeder.join(10)
     finally:
-        if feeder.is_alive():
+        if feeder is not None and feeder.is_alive():
             feeder.kill()
         shutil.rmtree(runtime_dir, ignore_errors=True)
     out["step_ms"] = step_periods(sent_at)

@@ -49,7 +49,7 @@ LINKS = (
     ("plan_out", "launched", "to the worker, parse, slots, launch"),
     ("launched", "ready", "the prefill on the device"),
     ("ready", "done", "the result back to the scheduler, applied"),
-    ("done", "first_event", "out: detokenizer, tokenizer process, HTTP"),
+    ("done", "first_event", "out: to the tokenizer process, detokenized there, HTTP"),
 )
 FIRST_ID = 100  # random ids start past the special tokens
 

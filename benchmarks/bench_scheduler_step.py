@@ -37,7 +37,7 @@ def measure(batch_size: int, steps: int, page_size: int) -> dict:
     sched = Scheduler(config, (2,), max_total_tokens=config.cache.max_total_tokens)
     for i in range(batch_size):
         params = SamplingParams(max_new_tokens=2 * steps + 32, temperature=0.0, ignore_eos=True)
-        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(list(range(5, 105))), params, True))
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(list(range(5, 105))), params))
     plan = sched.next_plan()
     while plan.mode != "decode":  # the prefills
         sched.apply_result(plan, one_token_each(plan))

@@ -22,7 +22,18 @@ from benchmarks.runner import PYTHON, REPO_ROOT
 
 Hook = Callable[[subprocess.Popen], None]
 RATE = 250  # samples/s
-SERVER_PROCESSES = ("gpu_worke", "scheduler", "detokeniz", "tokenizer")  # comm: 15 bytes
+SERVER_PROCESSES = ("gpu_worke", "scheduler")  # comm: 15 bytes
+# Every frontend ("tokenizer", "tokenizer1", ...): all named "aerie-tokenizer" in 15 bytes, so
+# `aerie_processes` tells them apart as "tokenizer", "tokenizer#2", ...
+FRONTEND_PREFIX = "tokenizer"
+
+
+def server_pids(found: dict[str, int]) -> dict[str, int]:
+    """The server processes to profile among `aerie_processes()`: SERVER_PROCESSES and every
+    frontend."""
+    pids = {name: found[name] for name in SERVER_PROCESSES if name in found}
+    pids.update({name: pid for name, pid in found.items() if name.startswith(FRONTEND_PREFIX)})
+    return pids
 
 
 def pyspy_binary() -> str:
@@ -81,8 +92,7 @@ def profile_serving(port: int, concurrency: int, seconds: float, summary_path: s
         time.sleep(1)
         if client.poll() is not None:
             return
-        found = aerie_processes()
-        pids = {name: found[name] for name in SERVER_PROCESSES if name in found}
+        pids = server_pids(aerie_processes())
         pids["client"] = client.pid
         try:
             paths = record(pids, seconds, os.path.dirname(summary_path), "spy")

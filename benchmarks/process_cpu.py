@@ -2,9 +2,10 @@
 
 Aerie's processes name themselves `aerie-<name>` (`aerie.process.die_with_parent`), so a
 benchmark on the server's machine finds them by name in /proc, named as `ps` shows them: Linux
-keeps 15 bytes, so the GPU worker is "gpu_worke" and the detokenizer "detokeniz". A process's
-share is its CPU seconds (user and system) over the run's wall seconds: 1.0 is one core busy
-the whole run, the sign of a process that paces the rest.
+keeps 15 bytes, so the GPU worker is "gpu_worke", and every frontend ("tokenizer", "tokenizer1",
+...) is "tokenizer", told apart in pid order as "tokenizer", "tokenizer#2" and so on. A
+process's share is its CPU seconds (user and system) over the run's wall seconds: 1.0 is one
+core busy the whole run, the sign of a process that paces the rest.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aerie.codec import pack_ids, unpack_ids
+from aerie.codec import pack_ids
 from aerie.config import AerieConfig
 from aerie.messages import SamplingParams, TokenizedRequest
 from aerie.model_info import read_model_info
@@ -108,8 +108,8 @@ class Engine:
         def count(plan, result, deltas) -> None:
             plain = plan.mode == "decode" and not plan.speculate and self.sched.speculative
             counts["plain"] += plain and counts["first_at"] is not None
-            for delta in deltas.deltas if deltas else []:
-                ids = unpack_ids(delta.token_ids)
+            for delta in deltas:
+                ids = delta.token_ids
                 emitted_ids.extend(ids)
                 emitted = len(ids)
                 if counts["first_at"] is None:

@@ -2,10 +2,11 @@
 
 Inbox: TokenizedRequest / AbortRequest / DebugQuery (tokenizer), Shutdown (launcher); over
 the step link (`aerie.transport.StepLink`, connected to its GPU worker at start-up): ForwardPlan
-out, StepResult in. Out over ZMQ: TokenDeltas -> detokenizer, SchedulerStats / DebugReport ->
-tokenizer. Up to `Scheduler.max_in_flight` plans are in flight (two with the overlap
-schedule): when a result arrives the loop applies it, sends the next plan, and only then the
-token deltas, so the worker has its next step queued while the scheduler does the rest. The
+out, StepResult in. Out over ZMQ: each step's outputs as one StepOutputs per frontend that owns
+some of them, SchedulerStats to every frontend, a DebugReport to the frontend that asked. Up to
+`Scheduler.max_in_flight` plans are in flight (two with the overlap schedule): when a result
+arrives the loop applies it, sends the next plan, and only then the outputs, so the worker has
+its next step queued while the scheduler does the rest. The
 loop blocks on its inbox while it cannot plan. What heartbeats report
 (`aerie.process.Progress`): a pass of the loop, from the messages it got to the plans and
 deltas it sent; idle while it waits for messages.
@@ -28,11 +29,10 @@ from aerie.messages import (
     AbortRequest,
     DebugQuery,
     DebugReport,
-    RequestDelta,
     SchedulerStats,
     Shutdown,
+    StepOutputs,
     StepResult,
-    TokenDeltas,
     TokenizedRequest,
 )
 from aerie.model_info import read_model_info
@@ -107,9 +107,10 @@ class SchedulerLoop:
             endpoints.step_link(config, replica), timeout_s=config.server.startup_timeout_s
         )
         self.messages = Inbox(self.to_worker, self.inbox)  # results first
-        self.to_detokenizer = Sender(endpoints.inbox(config, "detokenizer"))
-        self.to_tokenizer = Sender(endpoints.inbox(config, "tokenizer"))
-        self.applied: list[RequestDelta] = []  # from results, sent after the next plan
+        self.to_frontends = [
+            Sender(endpoints.inbox(config, name)) for name in endpoints.frontend_names(config)
+        ]
+        self.applied: list[StepOutputs] = []  # from results, sent after the next plan
         self.trace = StepTrace.from_env(self.name)  # AERIE_STEP_TRACE (benchmarks only)
         self.traced_results: list[int] = []  # plan ids of the results behind `applied`
         self.host_profile = HostProfile.from_env(self.name)  # AERIE_HOST_PROFILE (the same)
@@ -133,9 +134,7 @@ class SchedulerLoop:
             raise RuntimeError(f"StepResult {result.plan_id} arrived with no plan in flight")
         if self.trace is not None:
             self.trace.mark("result_in", result.plan_id)
-        deltas = self.core.apply_result(plan, result)
-        if deltas is not None:
-            self.applied.extend(deltas.deltas)
+        self.applied += self.core.apply_result(plan, result)
         if self.trace is not None:
             self.trace.mark("applied", result.plan_id)
             self.traced_results.append(result.plan_id)
@@ -145,7 +144,8 @@ class SchedulerLoop:
             logger.info("flushed %d cached tokens", self.core.flush_cache())
         summary, requests = self.core.describe(check_kv=msg.flush_cache)
         summary = {**summary, "stalled": self.stalled}
-        self.to_tokenizer.send(DebugReport(msg.query_id, self.replica, summary, requests))
+        report = DebugReport(msg.query_id, self.replica, summary, requests)
+        self.to_frontends[msg.frontend].send(report)
 
     def handle_shutdown(self, msg: Shutdown) -> None:
         logger.info("shutting down (%s)", msg.reason or "no reason given")
@@ -180,8 +180,8 @@ class SchedulerLoop:
             self.step()
 
     def step(self) -> None:
-        """Send plans while fewer than max_in_flight are in flight, then queued deltas, then
-        stats when due."""
+        """Send plans while fewer than max_in_flight are in flight, then the queued outputs,
+        then stats when due."""
         while self.core.can_plan() and self.core.has_work() and not self.stalled:
             plan = self.core.next_plan()
             if plan is None:
@@ -195,10 +195,9 @@ class SchedulerLoop:
             self.to_worker.send(plan)
             if self.host_profile is not None:
                 self.host_profile.at(plan.plan_id)
-        queued = self.core.take_deltas()
-        self.applied.extend(queued.deltas if queued is not None else [])
+        self.applied += self.core.take_outputs()
         if self.applied:
-            self.send_deltas(TokenDeltas(deltas=self.applied))
+            self.send_outputs(self.applied)
             self.applied = []
         self.send_stats()
         if self.trace is not None:
@@ -206,9 +205,11 @@ class SchedulerLoop:
                 self.trace.mark("done", plan_id)
             self.traced_results = []
 
-    def send_deltas(self, deltas: TokenDeltas | None) -> None:
-        if deltas is not None:
-            self.to_detokenizer.send(deltas)
+    def send_outputs(self, outputs: list[StepOutputs]) -> None:
+        """Each message to its frontend (from results applied in one pass there may be two
+        messages for a frontend: they go in order)."""
+        for message in outputs:
+            self.to_frontends[message.frontend].send(message)
 
     def send_stats(self) -> None:
         stats = dataclasses.replace(self.core.stats(), replica=self.replica)
@@ -223,11 +224,12 @@ class SchedulerLoop:
         idle = not self.core.has_work() and not self.core.num_in_flight
         due = now - self._last_stats_time >= STATS_INTERVAL_S or idle
         if changed or (due and stats != last):
-            self.to_tokenizer.send(stats)
+            for frontend in self.to_frontends:
+                frontend.send(stats)
             self._last_stats, self._last_stats_time = stats, now
 
     def close(self) -> None:
-        for socket in (self.inbox, self.to_worker, self.to_detokenizer, self.to_tokenizer):
+        for socket in (self.inbox, self.to_worker, *self.to_frontends):
             socket.close()
 
 

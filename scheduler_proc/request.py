@@ -35,8 +35,8 @@ class Request:
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    stream: bool = False
     return_logprob: bool = False
+    frontend: int = 0  # the frontend process that owns it (`TokenizedRequest.frontend`)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # aligned with output_ids
     state: ReqState = ReqState.WAITING
@@ -56,9 +56,8 @@ class Request:
     # step (adaptive speculation), true again once an iteration's draft extend has run.
     draft_fresh: bool = True
     finish: FinishReason | None = None
-    num_sent: int = 0  # output tokens already sent to the detokenizer
+    num_sent: int = 0  # output tokens already sent to the frontend
     needs_start: bool = True  # next plan entry carries a RequestStart (new row)
-    detok_started: bool = False  # a delta with DetokenizeStart was sent
     # Plans in flight (sent, result not applied) that hold the request: all of them, those
     # that sample a token for it, and its decode steps among them.
     in_flight: int = 0

@@ -1,12 +1,12 @@
 """The socket-free scheduler core: requests in, one ForwardPlan per step out, results back in,
-token deltas out. CPU only; tests drive it directly with a fake model.
+each step's outputs out. CPU only; tests drive it directly with a fake model.
 
 Step protocol: `next_plan()` -> the worker runs it -> `apply_result(plan, result)`, with up to
 `max_in_flight` plans sent and not yet applied (2 with the overlap schedule: the worker runs
 step N+1 while the scheduler applies step N and plans N+2; 1 with --disable-overlap-schedule).
 Results are applied in plan order. Requests, aborts and stats can be handled at any time in
-between. Every delta (new tokens, finishes, aborts) is queued and handed out by
-`take_deltas()`; `apply_result` returns them too.
+between. Every output (new tokens, finishes, aborts) is queued and handed out by
+`take_outputs()`, one columnar `StepOutputs` per frontend; `apply_result` returns them too.
 
 With plans in flight the scheduler plans without knowing their results:
 - a decode plan carries no tokens (the worker keeps each row's last token and committed
@@ -31,15 +31,14 @@ from collections.abc import Callable
 from aerie.codec import pack_floats, pack_ids, unpack_floats, unpack_ids
 from aerie.config import AerieConfig
 from aerie.messages import (
-    DetokenizeStart,
     FinishReason,
     ForwardPlan,
-    RequestDelta,
     SchedulerStats,
+    StepOutputs,
     StepResult,
-    TokenDeltas,
     TokenizedRequest,
 )
+from aerie.outputs import OutputsWriter
 from aerie.step_costs import StepCosts
 from scheduler_proc.adaptive import AdaptiveSpeculation
 from scheduler_proc.kv_allocator import KVAllocator
@@ -51,7 +50,6 @@ from scheduler_proc.stop import FinishChecker
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
-PROMPT_TAIL_LEN = 5  # prompt ids sent to the detokenizer as decoding context
 
 
 class Scheduler:
@@ -88,7 +86,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: newest last
         self._requests: dict[str, Request] = {}  # every unfinished request by rid
-        self._deltas: list[RequestDelta] = []
+        self._outputs = OutputsWriter()
         # Plans sent and not applied, oldest first: (plan, its requests, which of them sample).
         self._in_flight: deque[tuple[ForwardPlan, list[Request], list[bool]]] = deque()
         self._next_plan_id = 0
@@ -126,8 +124,8 @@ class Scheduler:
             rid=msg.rid,
             prompt_ids=unpack_ids(msg.input_ids),
             sampling=msg.sampling,
-            stream=msg.stream,
             return_logprob=msg.return_logprob,
+            frontend=msg.frontend,
             context_length=self.context_length,
         )
         self._requests[req.rid] = req
@@ -309,9 +307,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results in
 
-    def apply_result(self, plan: ForwardPlan, result: StepResult) -> TokenDeltas | None:
+    def apply_result(self, plan: ForwardPlan, result: StepResult) -> list[StepOutputs]:
         """Advance every request of `plan` (the oldest in flight) by its tokens in `result`;
-        finish, release KV. Returns the deltas queued so far (`take_deltas`)."""
+        finish, release KV. Returns the outputs queued so far (`take_outputs`)."""
         if not self._in_flight or plan is not self._in_flight[0][0]:
             raise RuntimeError(f"plan {plan.plan_id} is not the oldest plan in flight")
         if result.plan_id != plan.plan_id:
@@ -343,7 +341,7 @@ class Scheduler:
             if not plain_speculative:
                 self._observe_accept(req, decode, num_verify, n, req.rid not in stale)
             self._apply_entry(req, decode, num_verify, ids, logprobs, packed, start, end)
-        return self.take_deltas()
+        return self.take_outputs()
 
     def _observe_accept(
         self, req: Request, decode: bool, num_verify: int, n: int, fresh: bool
@@ -429,45 +427,29 @@ class Scheduler:
     # ------------------------------------------------------------------ deltas and stats out
 
     def _emit(self, req: Request, packed_unsent: bytes | None = None) -> None:
-        """Queue a delta with the outputs not sent yet (and the finish, if any).
+        """Queue the outputs not sent yet (and the finish, if any) for req's frontend.
 
         packed_unsent: those outputs as int32 bytes, when the caller has them (else packed
-        here; a delta per request per step makes the packing show)."""
+        here; an output per request per step makes the packing show)."""
         if req.num_sent == len(req.output_ids) and req.finish is None:
             return
-        start = None
-        if not req.detok_started:
-            req.detok_started = True
-            start = DetokenizeStart(
-                skip_special_tokens=req.sampling.skip_special_tokens,
-                stop=list(req.sampling.stop),
-                stream=req.stream,
-                prompt_tail_ids=pack_ids(req.prompt_ids[-PROMPT_TAIL_LEN:]),
-            )
         if packed_unsent is None:
             packed_unsent = pack_ids(req.output_ids[req.num_sent :])
-        logprobs = pack_floats(req.output_logprobs[req.num_sent :]) if req.return_logprob else b""
-        self._deltas.append(
-            RequestDelta(
-                rid=req.rid,
-                token_ids=packed_unsent,
-                logprobs=logprobs,
-                finish=req.finish,
-                prompt_tokens=len(req.prompt_ids),
-                cached_tokens=req.cached_tokens or 0,
-                completion_tokens=len(req.output_ids),
-                spec_verify_ct=req.spec_verify_ct,
-                start=start,
-            )
+        logprobs = pack_floats(req.output_logprobs[req.num_sent :]) if req.return_logprob else None
+        self._outputs.add(
+            req.frontend,
+            req.rid,
+            packed_unsent,
+            req.spec_verify_ct,
+            req.cached_tokens or 0,
+            logprobs,
+            req.finish,
         )
         req.num_sent = len(req.output_ids)
 
-    def take_deltas(self) -> TokenDeltas | None:
-        """Every delta queued since the last call, or None."""
-        if not self._deltas:
-            return None
-        deltas, self._deltas = self._deltas, []
-        return TokenDeltas(deltas=deltas)
+    def take_outputs(self) -> list[StepOutputs]:
+        """Every output queued since the last call: one message per frontend (none: [])."""
+        return self._outputs.take() if self._outputs else []
 
     def describe(
         self, check_kv: bool = False

@@ -87,16 +87,19 @@ class Frontend:
         backend: Backend,
         model_name: str,
         random_seed: int = 0,
+        index: int = 0,
     ) -> None:
         """random_seed (`--random-seed`) starts the sequence of seeds given to requests that
         bring none: a restarted server hands out the same sequence (in the order requests
-        finish tokenizing)."""
+        finish tokenizing). index: this frontend's among several (`--tokenizer-worker-num`);
+        each draws its own sequence of seeds."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.backend = backend
         self.model_name = model_name
         self.metrics = Metrics()
-        self._seeds = random.Random(random_seed)
+        self.index = index
+        self._seeds = random.Random(random_seed if index == 0 else f"{random_seed}/{index}")
         self.tracker = RequestTracker(
             on_first_output=self.metrics.observe_first_output,
             on_finish=self.on_finish,
@@ -259,8 +262,11 @@ class Frontend:
         try:
             for p in prepared:
                 seed = p.sampling.seed
+                detokenizer = self.tokenizer.detokenizer(p.sampling, stream, p.input_ids)
                 states.append(
-                    self.tracker.add(p.rid, len(p.input_ids), p.client_rid, p.scope, seed)
+                    self.tracker.add(
+                        p.rid, len(p.input_ids), p.client_rid, p.scope, seed, detokenizer
+                    )
                 )
         except ValueError as e:  # a client rid registered since prepare() checked it
             self.abort_unfinished(states)
@@ -269,7 +275,7 @@ class Frontend:
             for p in prepared:
                 ids = pack_ids(p.input_ids)
                 await self.backend.submit(
-                    TokenizedRequest(p.rid, ids, p.sampling, stream, return_logprob)
+                    TokenizedRequest(p.rid, ids, p.sampling, return_logprob, self.index)
                 )
         except BaseException:
             self.abort_unfinished(states)

@@ -5,6 +5,11 @@ The request tracker calls `observe_first_output` / `observe_finish`; the process
 `observe_stats` for each `SchedulerStats`. Metric names are prefixed `aerie_`. With several
 data-parallel replicas the gauges and counters are the sums over them, and the
 `aerie_replica_*` gauges (label `replica`) give each one's.
+
+With several frontends each counts its own requests (finishes, tokens, latencies) and shares a
+`snapshot` of those counts with the others about once a second (`observe_peer`): whichever
+frontend a scrape reaches reports the sums over all of them, the others' up to a second old.
+What the schedulers report reaches every frontend alike and is not summed.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aerie.messages import SchedulerStats
+from aerie.messages import FrontendMetrics, SchedulerStats
 from tokenizer_proc.request_tracker import RequestState
 
 _LATENCY_BUCKETS = (
@@ -51,12 +56,18 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        # This frontend's own request counts, exported summed with the other frontends'.
+        self.own = CollectorRegistry()
+        self.peers: dict[int, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        own = self.own
         self.requests = Counter(
-            "aerie_requests", "Finished requests by finish type.", ["finish_type"], registry=r
+            "aerie_requests", "Finished requests by finish type.", ["finish_type"], registry=own
         )
-        self.prompt_tokens = Counter("aerie_prompt_tokens", "Prompt tokens.", registry=r)
-        self.generation_tokens = Counter("aerie_generation_tokens", "Generated tokens.", registry=r)
+        self.prompt_tokens = Counter("aerie_prompt_tokens", "Prompt tokens.", registry=own)
+        self.generation_tokens = Counter(
+            "aerie_generation_tokens", "Generated tokens.", registry=own
+        )
+        r = self.registry
         self.num_running = Gauge("aerie_num_running_requests", "Requests running.", registry=r)
         self.num_queued = Gauge("aerie_num_queued_requests", "Requests waiting.", registry=r)
         self.kv_usage = Gauge("aerie_kv_usage_ratio", "Used / total KV tokens.", registry=r)
@@ -102,13 +113,13 @@ class Metrics:
             "aerie_time_to_first_token_seconds",
             "Time from arrival to the first output.",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
+            registry=own,
         )
         self.e2e = Histogram(
             "aerie_e2e_request_latency_seconds",
             "Time from arrival to finish.",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
+            registry=own,
         )
         labels = ["replica"]
         self.replica_running = Gauge(
@@ -132,6 +143,7 @@ class Metrics:
         self.replica_stats: dict[int, SchedulerStats] = {}  # each replica's last report
         self.last_stats: SchedulerStats | None = None  # their sum
         r.register(SchedulerTotals(self))
+        r.register(FrontendTotals(self))
 
     def observe_first_output(self, state: RequestState) -> None:
         ttft = state.ttft()
@@ -167,6 +179,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self, frontend: int) -> FrontendMetrics:
+        """This frontend's own counts (frontend: its index), for `observe_peer` in the others."""
+        samples = [
+            sample
+            for family in self.own.collect()
+            for sample in family.samples
+            if not sample.name.endswith("_created")  # a timestamp: not a count to sum
+        ]
+        return FrontendMetrics(
+            frontend,
+            [sample.name for sample in samples],
+            [dict(sample.labels) for sample in samples],
+            [sample.value for sample in samples],
+        )
+
+    def observe_peer(self, snapshot: FrontendMetrics) -> None:
+        """Another frontend's latest `snapshot` (its counts so far, not increments)."""
+        keys = [
+            (n, tuple(sorted(labels.items())))
+            for n, labels in zip(snapshot.names, snapshot.labels, strict=True)
+        ]
+        self.peers[snapshot.frontend] = dict(zip(keys, snapshot.values, strict=True))
 
     def live_stats(self, kv_total_tokens: int = 0, num_replicas: int = 1) -> dict[str, Any]:
         """The last stats as a dict for /server_info: the sums over the replicas, and under
@@ -284,6 +319,35 @@ class SchedulerTotals(Collector):
         yield retractions
         yield plain
         yield decode
+
+
+class FrontendTotals(Collector):
+    """The frontends' request counts at scrape time: this frontend's own plus the last
+    snapshot of each other one, sample by sample (counters and histogram buckets add up)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        peers = list(self.metrics.peers.values())
+        for family in self.metrics.own.collect():
+            total = Metric(family.name, family.documentation, family.type)
+            seen = set()
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                seen.add(key)
+                value = sample.value
+                if not sample.name.endswith("_created"):
+                    value += sum(peer.get(key, 0.0) for peer in peers)
+                total.add_sample(sample.name, sample.labels, value)
+            # Labels only other frontends have seen so far (a finish type new here).
+            for peer in peers:
+                for name, labels in peer:
+                    if name.startswith(family.name) and (name, labels) not in seen:
+                        seen.add((name, labels))
+                        other = sum(p.get((name, labels), 0.0) for p in peers)
+                        total.add_sample(name, dict(labels), other)
+            yield total
 
 
 def cache_hit_rate(stats: SchedulerStats) -> float:

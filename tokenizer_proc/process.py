@@ -1,8 +1,10 @@
-"""`run_tokenizer_process`: wire the frontend to its sockets and run everything on one uvloop.
+"""`run_tokenizer_process`: wire a frontend to its sockets and run everything on one uvloop.
 
 Everything is bound before ProcessReady, so a taken port fails the launch clearly; uvicorn,
-the ZMQ frontend and the inbox reader then run as tasks of one asyncio loop, the inbox
-dispatching by message type through a table.
+the ZMQ frontend (the first frontend only) and the inbox reader then run as tasks of one asyncio
+loop, the inbox dispatching by message type through a table. With several frontends
+(`--tokenizer-worker-num`) each binds the HTTP port with SO_REUSEPORT, and the kernel spreads
+new connections over them.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from aerie.messages import (
     DebugReport,
     DrainDone,
     EngineReady,
+    FrontendMetrics,
     SchedulerStats,
     Shutdown,
-    TextDeltas,
+    StepOutputs,
     TokenizedRequest,
 )
 from aerie.process import Progress, run_process
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 UVICORN_GRACEFUL_S = 3.0
 DEBUG_QUERY_TIMEOUT_S = 5.0  # a scheduler that does not answer a DebugQuery in time is stuck
 TICK_S = 1.0  # a heartbeat task restarts the loop's unit this often: a blocked loop stands still
+SHARE_METRICS_S = 1.0  # how often a frontend sends its request counts to the others
 
 
 class SchedulerBackend:
@@ -56,8 +60,11 @@ class SchedulerBackend:
     data-parallel replica. A new request goes to the replica with the fewest unfinished
     requests sent to it (the first such replica on a tie); its abort follows it there."""
 
-    def __init__(self, senders: list[AsyncSender]) -> None:
+    def __init__(self, senders: list[AsyncSender], frontend: int = 0) -> None:
+        """frontend: the index of the frontend this backend serves (DebugReports come back to
+        it)."""
         self._senders = senders
+        self._frontend = frontend
         self._replica_of: dict[str, int] = {}  # rid -> replica, while unfinished
         self.load = [0] * len(senders)  # unfinished requests per replica
         self._query_ids = itertools.count()
@@ -87,7 +94,7 @@ class SchedulerBackend:
         futures = self._queries[query_id] = [loop.create_future() for _ in self._senders]
         try:
             for sender in self._senders:
-                await sender.send(DebugQuery(query_id, flush_cache))
+                await sender.send(DebugQuery(query_id, flush_cache, self._frontend))
             await asyncio.wait(futures, timeout=DEBUG_QUERY_TIMEOUT_S)
         finally:
             del self._queries[query_id]
@@ -115,11 +122,14 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind_http_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port; a taken port raises a clear RuntimeError."""
+def bind_http_socket(host: str, port: int, shared: bool = False) -> socket.socket:
+    """A listening TCP socket on host:port; a taken port raises a clear RuntimeError. shared:
+    with SO_REUSEPORT, so that the other frontends can listen on the same port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -133,13 +143,16 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 
 
 def frontend_limits(config: AerieConfig, tokenizer: Tokenizer) -> Limits:
+    """What one frontend accepts; the requests in flight are shared out evenly among the
+    frontends."""
     assert config.model.context_length is not None
     rows = (config.scheduler.max_running_requests or 0) * config.parallel.dp_size
+    frontends = max(1, config.server.tokenizer_worker_num)
     return Limits(
         vocab_size=tokenizer.vocab_size,
         context_length=config.model.context_length,
         max_batch_size=config.limits.max_batch_size,
-        max_in_flight=rows + config.limits.max_queued_requests,
+        max_in_flight=-(-(rows + config.limits.max_queued_requests) // frontends),
         max_token_bytes=tokenizer.max_token_bytes,
     )
 
@@ -164,8 +177,9 @@ def zmq_access(config: AerieConfig) -> ZmqAccess:
 class TokenizerProcess:
     """Owns the sockets and the loop's tasks; `run()` returns after Shutdown."""
 
-    def __init__(self, config: AerieConfig) -> None:
-        self.config = config
+    def __init__(self, config: AerieConfig, index: int = 0) -> None:
+        """index: this frontend's among `--tokenizer-worker-num`."""
+        self.config, self.index = config, index
         model = config.model
         if not (
             model.model_path
@@ -180,19 +194,27 @@ class TokenizerProcess:
             for replica in range(config.parallel.dp_size)
         ]
         self.launcher = AsyncSender(endpoints.inbox(config, "launcher"))
-        self.backend = SchedulerBackend(self.schedulers)
+        self.peers = [
+            AsyncSender(endpoints.inbox(config, name))
+            for name in endpoints.frontend_names(config)
+            if name != endpoints.frontend_name(index)
+        ]
+        self.backend = SchedulerBackend(self.schedulers, index)
         self.frontend = Frontend(
             tokenizer,
             frontend_limits(config, tokenizer),
             self.backend,
             config.server.served_model_name,  # resolved: the model directory's name by default
             config.model.random_seed,
+            index,
         )
-        self.http_socket = bind_http_socket(config.server.host, config.server.port)
-        self.zmq = ZmqFrontend(
-            self.frontend, endpoints.client_bind_address(config), access=zmq_access(config)
-        )
-        self.inbox = AsyncReceiver(endpoints.inbox(config, "tokenizer"))
+        shared = config.server.tokenizer_worker_num > 1
+        self.http_socket = bind_http_socket(config.server.host, config.server.port, shared)
+        self.zmq = None
+        if index == 0:
+            address = endpoints.client_bind_address(config)
+            self.zmq = ZmqFrontend(self.frontend, address, access=zmq_access(config))
+        self.inbox = AsyncReceiver(endpoints.inbox(config, endpoints.frontend_name(index)))
         security, limits = config.security, config.limits
         policy = GuardPolicy(
             security.api_key,
@@ -213,8 +235,9 @@ class TokenizerProcess:
         self._stop = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self.handlers: dict[type, Callable[[Any], None]] = {
-            TextDeltas: self.frontend.tracker.feed,
+            StepOutputs: self.frontend.tracker.feed,
             SchedulerStats: self.frontend.metrics.observe_stats,
+            FrontendMetrics: self.frontend.metrics.observe_peer,
             DebugReport: self.backend.on_debug_report,
             EngineReady: self.on_engine_ready,
             BeginDrain: self.on_begin_drain,
@@ -225,15 +248,16 @@ class TokenizerProcess:
     def ready_info(self) -> dict[str, int | float | str]:
         host, port = self.http_socket.getsockname()[:2]
         host = f"[{host}]" if ":" in host else host
-        return {"http_url": f"http://{host}:{port}", "zmq_address": self.zmq.address}
+        info = {"http_url": f"http://{host}:{port}"}
+        return info if self.zmq is None else {**info, "zmq_address": self.zmq.address}
 
     async def run(self) -> None:
         http = asyncio.create_task(self.server.serve(sockets=[self.http_socket]))
-        others = [
-            asyncio.create_task(self.zmq.serve()),
-            asyncio.create_task(self.read_inbox()),
-            asyncio.create_task(self.tick()),
-        ]
+        others = [asyncio.create_task(self.read_inbox()), asyncio.create_task(self.tick())]
+        if self.peers:
+            others.append(asyncio.create_task(self.share_metrics()))
+        if self.zmq is not None:
+            others.append(asyncio.create_task(self.zmq.serve()))
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([http, stop, *others], return_when=asyncio.FIRST_COMPLETED)
         self.server.should_exit = True
@@ -255,12 +279,23 @@ class TokenizerProcess:
             self.progress.begin("its event loop")
             await asyncio.sleep(interval_s)
 
+    async def share_metrics(self) -> None:
+        """Send this frontend's request counts to the other frontends when they changed."""
+        last: FrontendMetrics | None = None
+        while True:
+            await asyncio.sleep(SHARE_METRICS_S)
+            message = self.frontend.metrics.snapshot(self.index)
+            if message != last:
+                for peer in self.peers:
+                    await peer.send(message)
+                last = message
+
     async def read_inbox(self) -> None:
         while True:
             message = await self.inbox.recv()
             handler = self.handlers.get(type(message))
             if handler is None:
-                raise TypeError(f"tokenizer cannot handle {type(message).__name__}")
+                raise TypeError(f"a frontend cannot handle {type(message).__name__}")
             handler(message)
 
     def on_engine_ready(self, message: EngineReady) -> None:
@@ -294,20 +329,21 @@ class TokenizerProcess:
             self.frontend.abort(rid, SERVER_STOPPING)
 
     def close(self) -> None:
-        self.zmq.close()
+        if self.zmq is not None:
+            self.zmq.close()
         self.inbox.close()
-        for sender in self.schedulers:
+        for sender in (*self.schedulers, *self.peers):
             sender.close()
         self.launcher.close()
         self.http_socket.close()
 
 
-def run_tokenizer_process(config: AerieConfig) -> None:
-    """Entry point of the tokenizer process (see module docstring)."""
+def run_tokenizer_process(config: AerieConfig, index: int = 0) -> None:
+    """Entry point of frontend process `index` (see module docstring)."""
     run_process(
-        "tokenizer",
+        endpoints.frontend_name(index),
         config,
-        TokenizerProcess,
+        lambda config: TokenizerProcess(config, index),
         lambda proc: uvloop.run(proc.run()),
         ready_info=lambda proc: proc.ready_info(),
         # The launcher removes the runtime directory of IPC sockets when it exits; if it is

@@ -1,8 +1,10 @@
-"""Per-rid request state: collects `TextDelta`s until a request finishes. Socket-free.
+"""Per-rid request state: turns the scheduler's `StepOutputs` into text and collects them
+until a request finishes. Socket-free.
 
 Requests are keyed by the engine's `rid`; a client's own rid is only echoed back, and unique
 among the requests in flight of its scope (`docs/serving.md`, "Two kinds of request id").
-`RequestState.chunks()` yields coalesced `Chunk`s until the finishing delta; deltas for
+Each request's ids are detokenized here, by its own `IncrementalDetokenizer`, once per token.
+`RequestState.chunks()` yields coalesced `Chunk`s until the finishing output; outputs for
 unknown rids are ignored. Everything runs on one asyncio loop; nothing here is thread-safe.
 """
 
@@ -14,8 +16,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from aerie.codec import unpack_floats, unpack_ids
-from aerie.messages import FinishReason, TextDelta, TextDeltas
+from aerie.messages import FinishReason, StepOutputs
+from aerie.outputs import RequestOutput, read_outputs
+from tokenizer_proc.detokenize import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class RequestState:
     completion_tokens: int = 0
     spec_verify_ct: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    detokenizer: IncrementalDetokenizer | None = None  # None: outputs carry no text
     _pending: Chunk | None = None  # what arrived since the consumer last looked
     _event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -105,21 +109,20 @@ class RequestState:
             pass
         return self
 
-    def _apply(self, delta: TextDelta) -> None:
-        ids = unpack_ids(delta.token_ids)
-        logprobs = unpack_floats(delta.logprobs) if delta.logprobs else []
+    def _apply(self, output: RequestOutput) -> None:
+        ids, logprobs, finish = output.token_ids, output.logprobs, output.finish
         if logprobs and min(logprobs) < LOGPROB_FLOOR:
             logprobs = [LOGPROB_FLOOR if lp < LOGPROB_FLOOR else lp for lp in logprobs]
-        if self.first_output_at is None and (ids or delta.text):
+        text = self.detokenizer.step(ids, finish) if self.detokenizer is not None else ""
+        if self.first_output_at is None and (ids or text):
             self.first_output_at = time.perf_counter()
-        self.text += delta.text
+        self.text += text
         self.output_ids.extend(ids)
         self.logprobs.extend(logprobs)
-        self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = max(delta.completion_tokens, len(self.output_ids))
-        self.spec_verify_ct = delta.spec_verify_ct or self.spec_verify_ct
-        self.cached_tokens = delta.cached_tokens or self.cached_tokens
-        self._push(delta.text, ids, logprobs, delta.finish)
+        self.completion_tokens = len(self.output_ids)
+        self.spec_verify_ct = output.spec_verify_ct or self.spec_verify_ct
+        self.cached_tokens = output.cached_tokens or self.cached_tokens
+        self._push(text, ids, logprobs, finish)
 
     def _push(
         self, text: str, ids: list[int], logprobs: list[float], finish: FinishReason | None
@@ -183,29 +186,32 @@ class RequestTracker:
         client_rid: str | None = None,
         scope: object = None,
         seed: int | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
     ) -> RequestState:
-        """Register a new request. Raises ValueError if rid, or client_rid within its scope,
-        is already in flight."""
+        """Register a new request (detokenizer: makes its text). Raises ValueError if rid, or
+        client_rid within its scope, is already in flight."""
         if rid in self._states:
             raise ValueError(f"rid {rid!r} is already in flight")
         if client_rid is not None:
             if (scope, client_rid) in self._client_rids:
                 raise ValueError(f"rid {client_rid!r} is already in flight")
             self._client_rids[(scope, client_rid)] = rid
-        state = RequestState(rid, client_rid, scope, seed=seed, prompt_tokens=prompt_tokens)
+        state = RequestState(
+            rid, client_rid, scope, seed=seed, prompt_tokens=prompt_tokens, detokenizer=detokenizer
+        )
         self._states[rid] = state
         self._idle.clear()
         return state
 
-    def feed(self, message: TextDeltas) -> None:
-        """Apply each delta to its request; finished requests leave the tracker."""
-        for delta in message.deltas:
-            state = self._states.get(delta.rid)
+    def feed(self, message: StepOutputs) -> None:
+        """Apply each request's outputs to it; finished requests leave the tracker."""
+        for output in read_outputs(message):
+            state = self._states.get(output.rid)
             if state is None:
-                log.debug("ignoring a delta for unknown rid %s", delta.rid)
+                log.debug("ignoring outputs for unknown rid %s", output.rid)
                 continue
             had_output = state.first_output_at is not None
-            state._apply(delta)
+            state._apply(output)
             if not had_output and state.first_output_at is not None and self._on_first_output:
                 self._on_first_output(state)
             if state.finished:

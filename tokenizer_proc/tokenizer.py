@@ -1,4 +1,5 @@
-"""Text <-> token ids for the frontend: a thin wrapper over a Hugging Face tokenizer.
+"""Text <-> token ids for the frontend: a thin wrapper over a Hugging Face tokenizer, and the
+per-request detokenizers that turn output ids back into text.
 
 `encode_chat` tokenizes message content as text, so a special token's string in it cannot forge
 a turn; `vocab_size` is max(len(tokenizer), the model config's vocab_size).
@@ -14,7 +15,14 @@ from typing import Any
 
 from aerie.config import AerieConfig
 from aerie.hf_tokenizer import load_hf_tokenizer
+from aerie.messages import SamplingParams
 from aerie.model_info import read_model_info
+from tokenizer_proc.detokenize import (
+    PROMPT_TAIL_LEN,
+    DetokenizeSettings,
+    IncrementalDetokenizer,
+    make_decoder,
+)
 
 # While the template renders, a special token's string in message content stands as ESCAPE and
 # a code character (ESCAPE itself as two), which no tokenizer matches as a special token.
@@ -27,6 +35,7 @@ class Tokenizer:
     def __init__(self, path: str, model_vocab_size: int = 0) -> None:
         self.path = path
         self._tok = load_hf_tokenizer(path)
+        self._decoder = make_decoder(self._tok)
         self.vocab_size = max(len(self._tok), model_vocab_size)
         self.max_token_bytes = self._longest_token_bytes()
         self._special = {
@@ -40,6 +49,18 @@ class Tokenizer:
         self._text_of = {code: text for text, code in self._code_of.items()}
         self._warm_up()
         self.chat_tokens_per_message = self._chat_tokens_per_message()
+
+    def detokenizer(
+        self, sampling: SamplingParams, stream: bool, prompt_ids: list[int]
+    ) -> IncrementalDetokenizer:
+        """A request's incremental detokenizer (its text, stop strings trimmed)."""
+        settings = DetokenizeSettings(
+            skip_special_tokens=sampling.skip_special_tokens,
+            stop=tuple(sampling.stop),
+            stream=stream,
+            prompt_tail=tuple(prompt_ids[-PROMPT_TAIL_LEN:]),
+        )
+        return IncrementalDetokenizer(self._tok, settings, self._decoder)
 
     def _longest_token_bytes(self) -> int:
         """UTF-8 bytes of the longest token's text (a byte piece of a character decodes to

@@ -3,6 +3,7 @@ name, and their resident memory."""
 
 from __future__ import annotations
 
+from aerie.endpoints import frontend_name
 from tools.soak_plan import MAX_NEW
 
 
@@ -16,20 +17,26 @@ def rss_mib(pids: dict[str, int]) -> dict[str, float]:
     return sizes
 
 
-PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker", "detokenizer")
+PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker")  # "tokenizer": every frontend
 
 
 def server_pids(server) -> dict[str, int]:
     """The launcher and each engine process, by name. Children name themselves aerie-<name>,
-    which the kernel cuts to 15 bytes ("aerie-gpu_worke"); other children (multiprocessing's
-    resource tracker) are not engine processes and are left out."""
+    which the kernel cuts to 15 bytes ("aerie-gpu_worke"): every frontend is "aerie-tokenizer",
+    so they are named `frontend_name(i)` ("tokenizer", "tokenizer1", ...) in pid order. Other
+    children (multiprocessing's resource tracker) are not engine processes and are left out."""
     pids = {"launcher": server.proc.pid}
-    for pid in server.children:
+    num_frontends = 0
+    for pid in sorted(server.children):
         with open(f"/proc/{pid}/comm") as f:
             comm = f.read().strip()
-        for name in PROCESS_NAMES:
-            if comm.startswith("aerie-") and name.startswith(comm.removeprefix("aerie-")):
-                pids[name] = pid
+        short = comm.removeprefix("aerie-")
+        name = next((n for n in PROCESS_NAMES if n.startswith(short)), None)
+        if comm == short or name is None:
+            continue
+        if name == "tokenizer":
+            name, num_frontends = frontend_name(num_frontends), num_frontends + 1
+        pids[name] = pid
     return pids
 
 

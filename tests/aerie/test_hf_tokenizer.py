@@ -26,7 +26,7 @@ TEXTS = [
 
 def test_the_process_modules_import_no_torch():
     code = (
-        "import sys, tokenizer_proc.process, detokenizer_proc.process; "
+        "import sys, tokenizer_proc.process; "
         "heavy = ('torch', 'transformers.models.auto'); "
         "print(sorted(m for m in heavy if m in sys.modules))"
     )

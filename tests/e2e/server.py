@@ -41,12 +41,26 @@ def child_pids(pid: int) -> list[int]:
 
 
 def child_named(server: Server, name: str) -> int:
-    """The pid of child `name`: children name themselves `aerie-<name>` (15 bytes at most)."""
+    """The pid of child `name`: children name themselves `aerie-<name>` (15 bytes at most, so
+    every frontend shows as "aerie-tokenizer": "tokenizer1" is the second of them, in the
+    order the launcher started them)."""
+    frontend = re.fullmatch(r"tokenizer(\d*)", name)
+    nth = int(frontend.group(1) or 0) if frontend else 0
     for pid in server.children:
         with open(f"/proc/{pid}/comm") as f:
             if f.read().strip() == f"aerie-{name}"[:15]:
-                return pid
+                if nth == 0:
+                    return pid
+                nth -= 1
     raise AssertionError(f"no child for {name}: {server.children}")
+
+
+def frontend_args(args: tuple[str, ...]) -> list[str]:
+    """`--tokenizer-worker-num` from AERIE_E2E_FRONTENDS (default 2: every launched test runs
+    behind two frontends sharing the port) unless the test chose its own."""
+    if "--tokenizer-worker-num" in args:
+        return []
+    return ["--tokenizer-worker-num", os.environ.get("AERIE_E2E_FRONTENDS", "2")]
 
 
 def assert_no_orphans(server: Server, timeout_s: float = 5.0) -> None:
@@ -68,7 +82,8 @@ class Server:
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="aerie-e2e-", suffix=".log", delete=False
         )
-        cmd = [sys.executable, "launch.py", "--port", "0", *device_args(), *args]
+        cmd = [sys.executable, "launch.py", "--port", "0", *device_args(), *frontend_args(args)]
+        cmd += args
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO_ROOT,

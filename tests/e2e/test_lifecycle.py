@@ -65,7 +65,7 @@ def test_impossible_flags_exit_2_with_a_message():
     assert "error: --model-path '/nonexistent/model' is not a directory" in result.stderr
 
 
-@pytest.mark.parametrize("victim", ["tokenizer", "scheduler", "gpu_worker", "detokenizer"])
+@pytest.mark.parametrize("victim", ["tokenizer", "tokenizer1", "scheduler", "gpu_worker"])
 def test_killing_a_child_stops_everything(tiny_model_dirs, victim):
     with Server(*_tiny_args(tiny_model_dirs)) as server:
         os.kill(child_named(server, victim), signal.SIGKILL)

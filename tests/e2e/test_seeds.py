@@ -26,8 +26,11 @@ def generate(server: Server, sampling: dict) -> tuple[list[int], int]:
 
 def test_unseeded_requests_draw_their_own_seeds_replayed_by_a_restart(tiny_model_dirs):
     """24 tokens at temperature 1 of a random tiny model (its next-token distributions are
-    close to uniform over 384 ids): two draws agree by chance with negligible probability."""
+    close to uniform over 384 ids): two draws agree by chance with negligible probability.
+    One frontend: each frontend draws its own sequence, and which frontend a connection
+    reaches is the kernel's choice."""
     args = ("--model-path", tiny_model_dirs["llama"], "--random-seed", "5")
+    args += ("--tokenizer-worker-num", "1")
     with Server(*args) as server:
         (a, seed_a), (b, seed_b) = generate(server, SAMPLED), generate(server, SAMPLED)
         assert seed_a != seed_b and a != b and len(a) == len(b) == 24

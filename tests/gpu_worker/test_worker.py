@@ -280,8 +280,8 @@ def test_a_retracted_sampled_request_continues_its_draw(tiny_dirs):
         outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
 
         def collect(plan, result, deltas):
-            for d in deltas.deltas if deltas else []:
-                outputs[d.rid] += codec.unpack_ids(d.token_ids)
+            for d in deltas:
+                outputs[d.rid] += d.token_ids
 
         drive(sched, worker, collect)
         return outputs, sched.stats().num_retractions

@@ -20,9 +20,11 @@ from aerie.messages import (
     ForwardPlan,
     RequestStart,
     SamplingParams,
+    StepOutputs,
     StepResult,
     TokenizedRequest,
 )
+from aerie.outputs import read_outputs
 from scheduler_proc.scheduler import Scheduler
 
 VOCAB = 50
@@ -169,25 +171,21 @@ def make_request(rid: str, prompt: list[int], **sampling) -> TokenizedRequest:
 
 
 class Collector:
-    """Reassembles each rid's output ids, logprobs and finish from the scheduler's deltas."""
+    """Reassembles each rid's output ids, logprobs and finish from the scheduler's outputs."""
 
     def __init__(self) -> None:
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.logprobs: dict[str, list[float]] = defaultdict(list)
         self.finish: dict[str, FinishReason] = {}
-        self.num_starts: dict[str, int] = defaultdict(int)
 
-    def add(self, deltas) -> None:
-        if deltas is None:
-            return
-        for d in deltas.deltas:
-            assert d.rid not in self.finish, "delta after finish"
-            self.outputs[d.rid] += unpack_ids(d.token_ids)
-            self.logprobs[d.rid] += [float(x) for x in memoryview(d.logprobs).cast("f")]
-            self.num_starts[d.rid] += d.start is not None
-            assert d.completion_tokens == len(self.outputs[d.rid])
-            if d.finish is not None:
-                self.finish[d.rid] = d.finish
+    def add(self, messages: list[StepOutputs]) -> None:
+        for message in messages:
+            for out in read_outputs(message):
+                assert out.rid not in self.finish, "outputs after finish"
+                self.outputs[out.rid] += out.token_ids
+                self.logprobs[out.rid] += out.logprobs
+                if out.finish is not None:
+                    self.finish[out.rid] = out.finish
 
 
 @dataclass(frozen=True)
@@ -264,7 +262,7 @@ def run_to_end(
     on_step(n, planned) runs after the n-th plan's result is applied."""
     plans: list[Planned] = []
     in_flight: deque[tuple[ForwardPlan, StepResult]] = deque()
-    collector.add(sched.take_deltas())
+    collector.add(sched.take_outputs())
     while sched.has_work() or in_flight:
         assert len(plans) < max_steps, "scheduler did not finish"
         while sched.can_plan() and sched.has_work():
@@ -279,7 +277,7 @@ def run_to_end(
         if on_step is not None:
             number = next(i for i, p in enumerate(plans) if p.plan is plan) + 1
             on_step(number, plans[number - 1])
-            collector.add(sched.take_deltas())
-    collector.add(sched.take_deltas())
+            collector.add(sched.take_outputs())
+    collector.add(sched.take_outputs())
     assert sched.allocator.is_whole(), "rows or KV leaked"
     return plans

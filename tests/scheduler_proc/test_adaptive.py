@@ -23,6 +23,7 @@ from scheduler_proc.adaptive import (
     samples,
 )
 from scheduler_proc.scheduler import Scheduler
+from tests.engine_loop import outputs_of
 from tests.scheduler_proc.fake_worker import Collector, FakeWorker, make_request, reference_output
 
 G, S = (False,), (True, 0.7, 1.0, -1, 0.0)  # request kinds: greedy, sampled at 0.7
@@ -346,8 +347,7 @@ def test_plain_steps_count_as_one_forward_each_in_the_accept_length():
     while sched.has_work():
         plan = sched.next_plan()
         plans.append(plan)
-        deltas = sched.apply_result(plan, worker.run(plan))
-        for d in deltas.deltas if deltas else []:
+        for d in outputs_of(sched.apply_result(plan, worker.run(plan))):
             verify_ct[d.rid] = d.spec_verify_ct
     assert worker.plain_plans > 0
     assert verify_ct["a"] == sum(p.mode == "decode" for p in plans)  # tokens per target forward

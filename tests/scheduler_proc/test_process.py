@@ -1,11 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 
 from aerie import endpoints
-from aerie.codec import unpack_ids
 from aerie.messages import (
     AbortRequest,
     DebugQuery,
@@ -13,8 +13,9 @@ from aerie.messages import (
     ForwardPlan,
     SchedulerStats,
     Shutdown,
-    TokenDeltas,
+    StepOutputs,
 )
+from aerie.outputs import read_outputs
 from aerie.transport import Inbox, Receiver, Sender, StepLink
 from scheduler_proc.process import RESULT_SPIN_S, SchedulerLoop, load_decoder
 from tests.scheduler_proc.fake_worker import (
@@ -51,12 +52,13 @@ def loop_config(tmp_path):
     )
 
 
-def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
-    config = loop_config(tmp_path)
+def test_loop_moves_plans_results_outputs_and_stats(tmp_path):
+    """Two frontends: each request's outputs reach the frontend that sent it, in one StepOutputs
+    per step; stats reach both."""
+    config = loop_config(tmp_path).replace(server={"tokenizer_worker_num": 2})
     worker_link = StepLink.listen(endpoints.step_link(config))  # as the worker does
     worker_inbox = Inbox(worker_link)  # plans come over the link, results go back over it
-    detok_inbox = Receiver(endpoints.inbox(config, "detokenizer"))
-    tokenizer_inbox = Receiver(endpoints.inbox(config, "tokenizer"))
+    frontends = [Receiver(endpoints.inbox(config, name)) for name in ("tokenizer", "tokenizer1")]
     loop = SchedulerLoop(config)
     waits = []  # (plans in flight, spin_s) of every blocking wait of the loop
     recv = loop.messages.recv
@@ -72,8 +74,10 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
     try:
         prompt = [1, 2, 3, 4]
         to_scheduler.send(make_request("a", prompt, max_new_tokens=5, ignore_eos=True))
-        to_scheduler.send(make_request("b", [7, 7], max_new_tokens=40, ignore_eos=True))
+        b = make_request("b", [7, 7], max_new_tokens=40, ignore_eos=True)
+        to_scheduler.send(dataclasses.replace(b, frontend=1))
         worker, outputs, finishes = FakeWorker(), {"a": [], "b": []}, {}
+        stats: list[SchedulerStats | None] = [None, None]
         for _ in range(6):  # prefill + 4 decodes finish "a"
             plan = worker_inbox.recv(timeout_s=TIMEOUT_S)
             assert isinstance(plan, ForwardPlan)
@@ -84,12 +88,17 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
             plan = worker_inbox.recv(timeout_s=0.05)  # b's plan in flight, if any
             if plan is not None:
                 worker_link.send(worker.run(plan))
-            for deltas in detok_inbox.drain():
-                assert isinstance(deltas, TokenDeltas)
-                for d in deltas.deltas:
-                    outputs[d.rid] += unpack_ids(d.token_ids)
-                    if d.finish is not None:
-                        finishes[d.rid] = d.finish.type
+            for frontend, inbox in enumerate(frontends):
+                for message in inbox.drain():
+                    if isinstance(message, SchedulerStats):
+                        stats[frontend] = message
+                        continue
+                    assert isinstance(message, StepOutputs) and message.frontend == frontend
+                    for out in read_outputs(message):
+                        assert out.rid == ("a", "b")[frontend]
+                        outputs[out.rid] += out.token_ids
+                        if out.finish is not None:
+                            finishes[out.rid] = out.finish.type
         assert finishes == {"a": "length", "b": "abort"}, (finishes, outputs)
         # b's abort is reported at once, but its row and KV stay held until the plans still in
         # flight for it are answered: answer them, or the allocator is not whole at the end.
@@ -99,8 +108,8 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
                 worker_link.send(worker.run(plan))
         assert outputs["a"] == reference_output(prompt, 5)
         assert finishes == {"a": "length", "b": "abort"}
-        stats = tokenizer_inbox.recv(timeout_s=TIMEOUT_S)
-        assert isinstance(stats, SchedulerStats) and stats.kv_total_tokens == 64
+        assert outputs["b"] and len(outputs["b"]) < 40
+        assert all(s is not None and s.kv_total_tokens == 64 for s in stats)
         to_scheduler.send(Shutdown(reason="test"))
         thread.join(TIMEOUT_S)
         assert not thread.is_alive()
@@ -109,7 +118,7 @@ def test_loop_moves_plans_results_deltas_and_stats(tmp_path):
         assert {spin for in_flight, spin in waits if in_flight} == {RESULT_SPIN_S}
         assert {spin for in_flight, spin in waits if not in_flight} == {0.0}
     finally:
-        for socket in (to_scheduler, worker_link, detok_inbox, tokenizer_inbox):
+        for socket in (to_scheduler, worker_link, *frontends):
             socket.close()
         loop.close()
 

@@ -101,7 +101,6 @@ def test_retraction_recomputes_and_keeps_outputs(page_size, alloc_len, chunk, ma
     for rid, prompt in prompts.items():
         assert collector.outputs[rid] == reference_output(prompt, 24)
         assert collector.finish[rid].type == "length"
-        assert collector.num_starts[rid] == 1
         assert collector.logprobs[rid] == [-float(t) for t in collector.outputs[rid]]
     assert sched.allocator.is_whole()
 
@@ -188,7 +187,7 @@ def test_abort_waiting_and_running_requests():
     second = sched.next_plan()  # two decode steps in flight
     assert first.mode == second.mode == "decode" and not sched.can_plan()
     sched.abort("run")  # reported at once; its row and KV stay until no plan holds it
-    collector.add(sched.take_deltas())
+    collector.add(sched.take_outputs())
     assert collector.finish["run"].type == "abort"
     assert collector.finish["wait"].type == "abort" and collector.outputs["wait"] == []
     assert not sched.has_work() and sched.stats().kv_used_tokens > 0
@@ -196,9 +195,9 @@ def test_abort_waiting_and_running_requests():
     assert sched.stats().kv_used_tokens > 0  # the second plan still writes its KV
     collector.add(sched.apply_result(second, worker.run(second)))
     assert len(collector.outputs["run"]) == 3  # the in-flight tokens were dropped
-    assert sched.allocator.is_whole() and sched.take_deltas() is None
+    assert sched.allocator.is_whole() and sched.take_outputs() == []
     sched.abort("run")  # unknown rid: ignored
-    assert sched.take_deltas() is None
+    assert sched.take_outputs() == []
 
 
 def test_request_that_can_never_fit_is_aborted_at_once():

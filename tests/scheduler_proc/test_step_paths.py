@@ -1,5 +1,5 @@
-"""The scheduler's batched step paths: every field of the deltas built from slices of a
-result, and the finish check's quick exit against the full check. (The batched paths were
+"""The scheduler's batched step paths: every column of the step outputs built from slices of
+a result, and the finish check's quick exit against the full check. (The batched paths were
 checked in lockstep against the per-request code they replaced when they landed; the
 allocator's batched grow has its own test in test_kv_allocator.py.)"""
 
@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
-from aerie.codec import pack_ids, unpack_ids_array
+from aerie.codec import pack_ids
 from aerie.messages import (
     FinishReason,
     SamplingParams,
     TokenizedRequest,
 )
+from aerie.outputs import read_outputs
 from scheduler_proc.request import Request
-from scheduler_proc.scheduler import PROMPT_TAIL_LEN, Scheduler
+from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stop import FinishChecker
 from tests.scheduler_proc.fake_worker import FakeWorker, make_config
 
@@ -26,33 +26,31 @@ def decode_text(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def test_a_delta_carries_each_field_under_its_name():
-    """Each field of the deltas of a speculative run with logprobs holds what its name says."""
+def test_each_column_of_the_step_outputs_holds_what_its_name_says():
+    """A speculative run of two requests of two frontends, one with logprobs: each step's
+    outputs reach the request's own frontend, and every column holds what its name says."""
     sched = Scheduler(make_config(), (), max_total_tokens=64, decode_alloc_len=3)
-    prompt = [4, 5, 6, 7]
-    msg = TokenizedRequest(
-        "a",
-        pack_ids(prompt),
-        SamplingParams(max_new_tokens=9, stop=["zz"]),
-        stream=True,
-        return_logprob=True,
-    )
-    sched.add_request(msg)
-    worker, deltas = FakeWorker(accept=lambda step, row: 2, alloc_len=3), []
+    sampling = SamplingParams(max_new_tokens=9, stop=["zz"])
+    sched.add_request(TokenizedRequest("a", pack_ids([4, 5, 6, 7]), sampling, return_logprob=True))
+    sched.add_request(TokenizedRequest("b", pack_ids([1, 2]), sampling, frontend=1))
+    worker, messages = FakeWorker(accept=lambda step, row: 2, alloc_len=3), []
     while sched.has_work() or sched.num_in_flight:
         plan = sched.next_plan()
-        result = worker.run(plan)
-        deltas += sched.apply_result(plan, result).deltas
-    first, last = deltas[0], deltas[-1]
-    assert first.rid == "a" and first.start is not None and first.start.stop == ["zz"]
-    assert first.start.prompt_tail_ids == pack_ids(prompt[-PROMPT_TAIL_LEN:])
-    outputs = [t for d in deltas for t in unpack_ids_array(d.token_ids).tolist()]
-    logprobs = [x for d in deltas for x in np.frombuffer(d.logprobs, dtype="<f4").tolist()]
-    assert len(outputs) == 9 and logprobs == [-float(t) for t in outputs]
-    assert [d.completion_tokens for d in deltas] == [1, 3, 5, 7, 9]
-    assert all(d.prompt_tokens == 4 for d in deltas)
-    assert [d.spec_verify_ct for d in deltas] == [0, 1, 2, 3, 4]
-    assert last.finish == FinishReason("length") and all(d.finish is None for d in deltas[:-1])
+        messages += sched.apply_result(plan, worker.run(plan))
+    outputs = {"a": [], "b": []}
+    for message in messages:
+        assert message.rids == [("a", "b")[message.frontend]]
+        assert bool(message.logprobs) == (message.frontend == 0)  # only a asked
+        outputs[message.rids[0]] += list(read_outputs(message))
+    for rid, outs in outputs.items():
+        ids = [t for out in outs for t in out.token_ids]
+        assert len(ids) == 9 and [len(out.token_ids) for out in outs] == [1, 2, 2, 2, 2]
+        assert [out.spec_verify_ct for out in outs] == [0, 1, 2, 3, 4]
+        assert all(out.cached_tokens == 0 for out in outs)
+        assert outs[-1].finish == FinishReason("length")
+        assert all(out.finish is None for out in outs[:-1])
+        logprobs = [x for out in outs for x in out.logprobs]
+        assert logprobs == ([-float(t) for t in ids] if rid == "a" else [])
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -11,6 +11,14 @@ def tokenizer_dir(tmp_path_factory) -> str:
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
 
 
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    """The tiny tokenizer as transformers loads it (the detokenizer's tests)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
 @pytest.fixture
 def live(tokenizer_dir):
     """(LiveServer, Frontend, FakeEngine) with the engine marked ready."""

@@ -1,9 +1,11 @@
-"""Test harness: a fake engine that plays scheduler + detokenizer, and a live server thread.
+"""Test harness: a fake engine that plays the scheduler, and a live server thread.
 
 `FakeEngine` is the Frontend's backend: each submitted request gets
-`fake_output_ids(request)` back in deltas of `tokens_per_delta`, with text `fake_text(ids)`,
-logprob -0.5 per token, one verify per delta and finish "length". With `hold = True` a
-request gets one delta and never finishes (for disconnect and drain tests).
+`fake_output_ids(request)` back in steps of `tokens_per_delta` tokens (one StepOutputs each),
+logprob -0.5 per token, one verify per step and finish "length". The frontend made by
+`make_frontend` shows ids as `fake_text(ids)` (`FakeDetokenizer`: the real incremental
+detokenizer has its own tests). With `hold = True` a request gets one step and never finishes
+(for disconnect and drain tests).
 `LiveServer` runs uvicorn and the ZMQ frontend on one asyncio loop in a thread.
 """
 
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+from dataclasses import dataclass, field
 
 import msgpack
 import uvloop
@@ -20,11 +23,13 @@ import zmq
 import zmq.asyncio
 
 from aerie.codec import pack_floats, pack_ids, unpack_ids
-from aerie.messages import FinishReason, TextDelta, TextDeltas, TokenizedRequest
+from aerie.messages import FinishReason, TokenizedRequest
+from aerie.outputs import OutputsWriter, RequestOutput
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import create_app
 from tokenizer_proc.http_guard import GuardPolicy, header_timeout_protocol
 from tokenizer_proc.process import _Server
+from tokenizer_proc.request_tracker import RequestState
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import Limits
 from tokenizer_proc.zmq_frontend import ZmqAccess, ZmqFrontend
@@ -40,6 +45,41 @@ def fake_output_ids(request: TokenizedRequest) -> list[int]:
 
 def fake_text(ids: list[int]) -> str:
     return "".join(f" t{i}" for i in ids)
+
+
+class FakeDetokenizer:
+    """A request's text as `fake_text` makes it, token by token."""
+
+    def step(self, ids: list[int], finish: FinishReason | None = None) -> str:
+        return fake_text(ids)
+
+
+@dataclass
+class Out:
+    """One request's output of a step and the text its detokenizer makes of it, for tests
+    that drive a `RequestState` directly (`apply_output`)."""
+
+    text: str
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+    spec_verify_ct: int = 0
+
+
+class _TextIs:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def step(self, ids: list[int], finish: FinishReason | None = None) -> str:
+        return self.text
+
+
+def apply_output(state: RequestState, out: Out) -> None:
+    """Apply `out` to state as the tracker would, its detokenizer answering `out.text`."""
+    state.detokenizer = _TextIs(out.text)
+    ids, logprobs = list(out.ids), list(out.logprobs)  # fresh lists, as the tracker's are
+    output = RequestOutput(state.rid, ids, logprobs, out.spec_verify_ct, 0, out.finish)
+    state._apply(output)
 
 
 class FakeEngine:
@@ -68,7 +108,6 @@ class FakeEngine:
 
     async def play(self, request: TokenizedRequest) -> None:
         ids = fake_output_ids(request)
-        prompt_len = len(unpack_ids(request.input_ids))
         step = self.tokens_per_delta
         for num_verify, start in enumerate(range(0, len(ids), step), start=1):
             await asyncio.sleep(self.delay_s)
@@ -76,28 +115,24 @@ class FakeEngine:
                 return  # aborted
             chunk = ids[start : start + step]
             done = start + step >= len(ids) and not self.hold
-            delta = TextDelta(
-                rid=request.rid,
-                text=fake_text(chunk),
-                token_ids=pack_ids(chunk),
-                logprobs=pack_floats([LOGPROB] * len(chunk)) if request.return_logprob else b"",
-                finish=FinishReason("length") if done else None,
-                prompt_tokens=prompt_len,
-                completion_tokens=start + len(chunk),
-                spec_verify_ct=num_verify,
-            )
-            self.frontend.tracker.feed(TextDeltas([delta]))
+            writer = OutputsWriter()
+            logprobs = pack_floats([LOGPROB] * len(chunk)) if request.return_logprob else None
+            finish = FinishReason("length") if done else None
+            writer.add(0, request.rid, pack_ids(chunk), num_verify, 0, logprobs, finish)
+            for message in writer.take():
+                self.frontend.tracker.feed(message)
             if self.hold:
                 return
 
 
 def make_frontend(
-    tokenizer_dir: str, ready: bool = True, random_seed: int = 0
+    tokenizer_dir: str, ready: bool = True, random_seed: int = 0, index: int = 0
 ) -> tuple[Frontend, FakeEngine]:
     tokenizer = Tokenizer(tokenizer_dir)
     engine = FakeEngine()
     limits = Limits(vocab_size=tokenizer.vocab_size, context_length=CONTEXT_LENGTH)
-    frontend = Frontend(tokenizer, limits, engine, "/models/tiny-model", random_seed)
+    frontend = Frontend(tokenizer, limits, engine, "/models/tiny-model", random_seed, index)
+    tokenizer.detokenizer = lambda sampling, stream, prompt_ids: FakeDetokenizer()
     engine.frontend = frontend
     if ready:
         frontend.mark_ready({"page_size": 1, "max_total_tokens": 1000})

@@ -14,9 +14,12 @@ from tests.tokenizer_proc.harness import dealer, make_frontend, recv, send
 from tokenizer_proc.validation import ValidationError
 
 
-def prepared_seeds(tokenizer_dir: str, random_seed: int, bodies: list[dict]) -> list[int]:
-    """The seed of each sampling body, prepared in order by a fresh frontend."""
-    frontend, _ = make_frontend(tokenizer_dir, random_seed=random_seed)
+def prepared_seeds(
+    tokenizer_dir: str, random_seed: int, bodies: list[dict], index: int = 0
+) -> list[int]:
+    """The seed of each sampling body, prepared in order by a fresh frontend (index: which of
+    several)."""
+    frontend, _ = make_frontend(tokenizer_dir, random_seed=random_seed, index=index)
 
     async def prepare_all() -> list[int]:
         return [
@@ -34,6 +37,10 @@ def test_unseeded_requests_get_a_sequence_of_seeds_fixed_by_random_seed(tokenize
     assert all(0 <= s < 2**53 for s in seeds)  # exact as a JSON double, and in int64
     assert prepared_seeds(tokenizer_dir, 3, unseeded) == seeds  # a restart replays them
     assert not set(prepared_seeds(tokenizer_dir, 4, unseeded)) & set(seeds)
+    # Each of several frontends draws a sequence of its own, replayed by a restart too.
+    second = prepared_seeds(tokenizer_dir, 3, unseeded, index=1)
+    assert not set(second) & set(seeds)
+    assert prepared_seeds(tokenizer_dir, 3, unseeded, index=1) == second
     # A client's seed is kept and takes no draw from the sequence.
     mixed = [{}, {"seed": 7}, {"temperature": 1.0}, {"seed": 0}, {"seed": -(2**63)}]
     assert prepared_seeds(tokenizer_dir, 3, mixed) == [seeds[0], 7, seeds[1], 0, -(2**63)]

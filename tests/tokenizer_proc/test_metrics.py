@@ -3,8 +3,10 @@ entries, and /metrics' per-replica gauges."""
 
 from __future__ import annotations
 
-from aerie.messages import SchedulerStats
+from aerie.codec import decode, encode
+from aerie.messages import FinishReason, SchedulerStats
 from tokenizer_proc.metrics import Metrics, combine_stats
+from tokenizer_proc.request_tracker import RequestState
 
 
 def report(replica: int, running: int, accepted: list[int], kv_used: int) -> SchedulerStats:
@@ -49,3 +51,46 @@ def test_server_info_and_metrics_show_each_replica():
     assert "aerie_num_running_requests 5.0" in text
     assert "aerie_decode_steps_total 300.0" in text  # the replicas' steps, summed
     assert info["num_decode_steps"] == 200  # replica 1 alone: 0 has not reported
+
+
+def finished(finish: str, prompt: int, completion: int) -> RequestState:
+    state = RequestState("r", prompt_tokens=prompt, first_output_at=1.0, created_at=0.5)
+    state.finish, state.finished_at = FinishReason(finish), 2.0
+    state.completion_tokens = completion
+    return state
+
+
+def sample(text: str, name: str) -> float:
+    """The value of the sample line that starts with name (labels included) in text."""
+    [line] = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[-1])
+
+
+def test_each_frontend_reports_the_request_counts_of_all_of_them():
+    """Two frontends' Metrics exchange snapshots: each renders the sums of the counters and
+    histograms (a finish type only the other has seen included), not its own alone; what the
+    schedulers report is not summed."""
+    first, second = Metrics(), Metrics()
+    for metrics in (first, second):
+        metrics.observe_stats(SchedulerStats(3, 1, 10, 100, 0.0))
+    first.observe_finish(finished("length", 5, 7))
+    first.observe_first_output(finished("length", 5, 7))
+    second.observe_finish(finished("length", 2, 3))
+    second.observe_finish(finished("stop", 4, 1))
+    first.observe_peer(decode(encode(second.snapshot(1))))  # as they travel
+    second.observe_peer(decode(encode(first.snapshot(0))))
+    for metrics in (first, second):
+        text = metrics.render().decode()
+        assert sample(text, 'aerie_requests_total{finish_type="length"}') == 2
+        assert sample(text, 'aerie_requests_total{finish_type="stop"}') == 1
+        assert sample(text, "aerie_prompt_tokens_total") == 11
+        assert sample(text, "aerie_generation_tokens_total") == 11
+        assert sample(text, "aerie_e2e_request_latency_seconds_count") == 3
+        assert sample(text, 'aerie_e2e_request_latency_seconds_bucket{le="2.5"}') == 3
+        assert sample(text, "aerie_e2e_request_latency_seconds_sum") == 4.5
+        assert sample(text, "aerie_time_to_first_token_seconds_count") == 1
+        assert sample(text, "aerie_num_running_requests") == 3
+    # A newer snapshot replaces the older one: counts so far, not increments.
+    second.observe_finish(finished("length", 1, 1))
+    first.observe_peer(second.snapshot(1))
+    assert sample(first.render().decode(), 'aerie_requests_total{finish_type="length"}') == 3

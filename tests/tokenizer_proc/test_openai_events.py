@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from aerie.codec import pack_floats, pack_ids
-from aerie.messages import FinishReason, TextDelta
+from aerie.messages import FinishReason
+from tests.tokenizer_proc.harness import Out, apply_output
 from tokenizer_proc.openai_api import envelope, logprobs_body, stream_openai, usage
 from tokenizer_proc.openai_request import OpenAIRequest
 from tokenizer_proc.request_tracker import RequestState
@@ -112,7 +112,7 @@ def request(kind: str, logprobs: bool, top: int, include_usage: bool) -> OpenAIR
     return OpenAIRequest(kind, None, 'models/"tiny" é', True, include_usage, logprobs, top)  # type: ignore[arg-type]
 
 
-def deltas(rid: str) -> list[list[TextDelta]]:
+def deltas(rid: str) -> list[list[Out]]:
     """Groups of deltas: one delta, several coalesced into one chunk, tokens without text,
     text without tokens, deltas without logprobs, logprobs below the floor (-inf)."""
     num = [0]
@@ -121,15 +121,7 @@ def deltas(rid: str) -> list[list[TextDelta]]:
         ids = [num[0] + i for i in range(num_ids)]
         num[0] += num_ids
         lps = [-0.1 * i - 1e-7 for i in ids] if logprobs is None else logprobs
-        return TextDelta(
-            rid,
-            text,
-            pack_ids(ids),
-            pack_floats(lps),
-            prompt_tokens=5,
-            completion_tokens=num[0],
-            **kw,
-        )
+        return Out(text, ids, lps, **kw)
 
     groups = [[delta(p)] for p in PIECES]
     groups.append([delta(p, num_ids=2) for p in PIECES])  # coalesced into one chunk
@@ -146,7 +138,7 @@ async def both_streams(req: OpenAIRequest, finish: FinishReason | None, clock: C
     frontend = SimpleNamespace(
         tokenizer=SimpleNamespace(token_strings=token_strings), abort_unfinished=lambda states: None
     )
-    states = [RequestState(rid), RequestState(rid)]
+    states = [RequestState(rid, prompt_tokens=5), RequestState(rid, prompt_tokens=5)]
     streams = [stream_openai(frontend, req, states[0]), old_stream(frontend, req, states[1])]
     new, old = [], []
 
@@ -161,13 +153,13 @@ async def both_streams(req: OpenAIRequest, finish: FinishReason | None, clock: C
     for group in deltas(rid):
         for state in states:
             for d in group:
-                state._apply(d)
+                apply_output(state, d)
         await next_pair()
     for state in states:
         if finish is None:
             state._push("", [], [], FinishReason("abort", message="aborted by the client"))
         else:
-            state._apply(TextDelta(rid, "", pack_ids([]), finish=finish, completion_tokens=99))
+            apply_output(state, Out("", finish=finish))
     while True:
         try:
             await next_pair()

@@ -1,4 +1,5 @@
-"""TokenizerProcess with real sockets: readiness, request round trip, stats, drain, shutdown."""
+"""TokenizerProcess with real sockets: readiness, request round trip (outputs detokenized
+here), stats, drain, shutdown."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from aerie.messages import (
     FinishReason,
     SchedulerStats,
     Shutdown,
-    TextDelta,
-    TextDeltas,
+    StepOutputs,
     TokenizedRequest,
 )
+from aerie.outputs import OutputsWriter
 from aerie.transport import Receiver, Sender
 from tests.tokenizer_proc.harness import wait_until
 from tokenizer_proc.process import TokenizerProcess
@@ -38,6 +39,18 @@ def config(tokenizer_dir, tmp_path) -> AerieConfig:
         model={"model_path": tokenizer_dir, "tokenizer_path": tokenizer_dir, "context_length": 64},
         server={"port": 0, "zmq_port": 0, "log_level": "warning", "served_model_name": "tiny"},
     )
+
+
+def step(rid: str, ids: list[int], finish: FinishReason | None = None) -> StepOutputs:
+    writer = OutputsWriter()
+    writer.add(0, rid, pack_ids(ids), finish=finish)
+    return writer.take()[0]
+
+
+def text_of(config: AerieConfig, ids: list[int]) -> str:
+    from aerie.hf_tokenizer import load_hf_tokenizer
+
+    return load_hf_tokenizer(config.model.tokenizer_path).decode(ids, skip_special_tokens=True)
 
 
 def post_in_background(url: str, body: dict, results: list) -> threading.Thread:
@@ -74,15 +87,14 @@ def test_process_round_trip_drain_and_shutdown(config):
         thread = post_in_background(url + "/generate", {"input_ids": [5, 6]}, results)
         request = scheduler.recv(timeout_s=5)
         assert isinstance(request, TokenizedRequest) and unpack_ids(request.input_ids) == [5, 6]
-        to_tokenizer.send(
-            TextDeltas(
-                [TextDelta(request.rid, " ok", pack_ids([9]), finish=FinishReason("stop", 9))]
-            )
-        )
+        assert request.frontend == 0
+        to_tokenizer.send(step(request.rid, [40, 41], FinishReason("stop", 9)))
         thread.join(10)
-        assert results[0].json()["text"] == " ok"
+        text = results[0].json()["text"]
+        assert text == text_of(config, [40, 41]) and len(text) >= 2
+        assert results[0].json()["output_ids"] == [40, 41]
         assert results[0].json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": 9}
-        assert results[0].json()["meta_info"]["prompt_tokens"] == 2  # known without the delta
+        assert results[0].json()["meta_info"]["prompt_tokens"] == 2
 
         to_tokenizer.send(SchedulerStats(3, 0, 10, 100, 1.0))
         assert wait_until(lambda: httpx.get(url + "/server_info").json()["num_running"] == 3)
@@ -118,14 +130,14 @@ def test_requests_cut_off_by_shutdown_get_a_json_503_or_a_final_error_event(conf
         ) as stream:
             held = [scheduler.recv(timeout_s=5) for _ in range(2)]
             streamed = held[1] if unpack_ids(held[1].input_ids) == [6] else held[0]
-            to_tokenizer.send(TextDeltas([TextDelta(streamed.rid, " a", pack_ids([9]))]))
+            to_tokenizer.send(step(streamed.rid, [40]))
             to_tokenizer.send(Shutdown("a process died"))
             lines = [line for line in stream.iter_lines() if line]
         plain.join(10)
     assert results[0].status_code == 503
     assert results[0].headers["content-type"] == "application/json"
     assert "shutting down" in results[0].json()["error"]["message"]
-    assert json.loads(lines[0].removeprefix("data: "))["text"] == " a"
+    assert json.loads(lines[0].removeprefix("data: "))["text"] == text_of(config, [40])
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == 503
     assert lines[-1] == "data: [DONE]" and len(lines) == 3
     for sock in (scheduler, to_tokenizer):

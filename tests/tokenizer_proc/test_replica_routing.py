@@ -21,7 +21,7 @@ class FakeSender:
 
 
 def request(rid: str) -> TokenizedRequest:
-    return TokenizedRequest(rid, b"", SamplingParams(), False, False)
+    return TokenizedRequest(rid, b"", SamplingParams())
 
 
 def test_requests_go_to_the_least_loaded_replica_and_aborts_follow_them():

@@ -1,4 +1,5 @@
-"""RequestTracker: deltas reach the right request, finish ends it, aborts and idleness."""
+"""RequestTracker: step outputs reach the right request (its detokenizer makes the text),
+finish ends it, aborts and idleness."""
 
 from __future__ import annotations
 
@@ -6,30 +7,45 @@ import asyncio
 import random
 
 from aerie.codec import pack_floats, pack_ids
-from aerie.messages import FinishReason, TextDelta, TextDeltas
+from aerie.messages import FinishReason, StepOutputs
+from aerie.outputs import OutputsWriter
 from tokenizer_proc.request_tracker import RequestTracker
 
 
-def delta(rid: str, ids: list[int], finish: str | None = None, **kw) -> TextDelta:
-    return TextDelta(
-        rid=rid,
-        text="".join(f"<{i}>" for i in ids),
-        token_ids=pack_ids(ids),
-        logprobs=pack_floats([-1.0] * len(ids)),
-        finish=FinishReason(finish) if finish else None,
-        completion_tokens=kw.get("completion_tokens", 0),
-        prompt_tokens=3,
-        spec_verify_ct=kw.get("spec_verify_ct", 0),
-    )
+class Angles:
+    """A detokenizer that writes id i as "<i>"."""
+
+    def step(self, ids: list[int], finish: FinishReason | None = None) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def delta(rid: str, ids: list[int], finish: str | None = None, spec_verify_ct: int = 0):
+    return rid, ids, finish, spec_verify_ct
+
+
+def step(*deltas) -> StepOutputs:
+    """One step's outputs (logprob -1.0 a token) for the deltas, in order."""
+    writer = OutputsWriter()
+    for rid, ids, finish, verify in deltas:
+        logprobs = pack_floats([-1.0] * len(ids))
+        writer.add(
+            0, rid, pack_ids(ids), verify, 0, logprobs, FinishReason(finish) if finish else None
+        )
+    [message] = writer.take()
+    return message
+
+
+def add(tracker: RequestTracker, rid: str):
+    return tracker.add(rid, 3, detokenizer=Angles())
 
 
 def test_deltas_accumulate_and_finish_removes_the_request():
     async def run():
         finished = []
         tracker = RequestTracker(on_finish=finished.append)
-        a, b = tracker.add("a"), tracker.add("b")
-        tracker.feed(TextDeltas([delta("a", [1, 2]), delta("b", [9])]))
-        tracker.feed(TextDeltas([delta("a", [3], "length", completion_tokens=3, spec_verify_ct=2)]))
+        a, b = add(tracker, "a"), add(tracker, "b")
+        tracker.feed(step(delta("a", [1, 2]), delta("b", [9])))
+        tracker.feed(step(delta("a", [3], "length", spec_verify_ct=2)))
         chunks = [c async for c in a.chunks()]
         assert tracker.num_in_flight == 1 and "a" not in tracker and "b" in tracker
         assert finished == [a]
@@ -47,7 +63,7 @@ def test_deltas_accumulate_and_finish_removes_the_request():
 def test_consumer_sees_each_delta_when_it_keeps_up():
     async def run():
         tracker = RequestTracker()
-        state = tracker.add("r")
+        state = add(tracker, "r")
         seen = []
 
         async def consume():
@@ -57,7 +73,7 @@ def test_consumer_sees_each_delta_when_it_keeps_up():
         task = asyncio.create_task(consume())
         for ids, finish in (([1], None), ([2, 3], None), ([4], "stop")):
             await asyncio.sleep(0)
-            tracker.feed(TextDeltas([delta("r", ids, finish)]))
+            tracker.feed(step(delta("r", ids, finish)))
         await task
         return seen
 
@@ -74,23 +90,12 @@ def test_a_chunk_carries_everything_since_the_consumer_last_looked():
 
     async def run():
         tracker = RequestTracker()
-        state = tracker.add("r")
+        state = add(tracker, "r")
         chunks, since, looks = state.chunks(), [], 0
         for k in range(300):
             last = k == 299
-            tracker.feed(
-                TextDeltas(
-                    [
-                        delta(
-                            "r",
-                            [k, k + 1000][: 1 + k % 2],
-                            "stop" if last else None,
-                            completion_tokens=k + 1,
-                            spec_verify_ct=k // 3,
-                        )
-                    ]
-                )
-            )
+            ids = [k, k + 1000][: 1 + k % 2]
+            tracker.feed(step(delta("r", ids, "stop" if last else None, spec_verify_ct=k // 3)))
             since += [k, k + 1000][: 1 + k % 2]
             if last or rng.random() < 0.3:
                 chunk = await anext(chunks)
@@ -113,12 +118,12 @@ def test_a_chunk_carries_everything_since_the_consumer_last_looked():
 def test_unknown_rids_are_ignored_and_abort_finishes_locally():
     async def run():
         tracker = RequestTracker()
-        tracker.feed(TextDeltas([delta("ghost", [1], "stop")]))
-        state = tracker.add("r")
+        tracker.feed(step(delta("ghost", [1], "stop")))
+        state = add(tracker, "r")
         assert not await tracker.wait_idle(0.01)
         assert tracker.abort("r") and not tracker.abort("r")
         assert await tracker.wait_idle(1.0)
-        tracker.feed(TextDeltas([delta("r", [5], "stop")]))  # late delta after abort
+        tracker.feed(step(delta("r", [5], "stop")))  # late outputs after abort
         chunks = [c async for c in state.chunks()]
         return state, chunks
 

@@ -9,10 +9,9 @@ import json
 import httpx
 import pytest
 
-from aerie.codec import pack_floats, pack_ids
-from aerie.messages import FinishReason, TextDelta
+from aerie.messages import FinishReason
 from tests.tokenizer_proc import harness
-from tests.tokenizer_proc.harness import LOGPROB, fake_output_ids, wait_until
+from tests.tokenizer_proc.harness import LOGPROB, Out, apply_output, fake_output_ids, wait_until
 from tokenizer_proc.request_tracker import LOGPROB_FLOOR, RequestState
 from tokenizer_proc.responses import GenerateEvents, generate_response, interleave
 
@@ -48,24 +47,16 @@ class Feed:
     def __init__(self, rid: str) -> None:
         self.rid, self.num_deltas, self.num_tokens = rid, 0, 0
 
-    def delta(self, num_ids: int = 1, **kw) -> TextDelta:
+    def delta(self, num_ids: int = 1, **kw) -> Out:
         k = self.num_deltas
         ids = [(7919 * (self.num_tokens + i)) % 50_000 for i in range(num_ids)]
-        lps = pack_floats([-0.1 * (self.num_tokens + i) - 1e-7 for i in range(num_ids)])
+        lps = [-0.1 * (self.num_tokens + i) - 1e-7 for i in range(num_ids)]
         self.num_deltas, self.num_tokens = k + 1, self.num_tokens + num_ids
-        return TextDelta(
-            self.rid,
-            PIECES[k % len(PIECES)],
-            pack_ids(ids),
-            lps,
-            prompt_tokens=5,
-            completion_tokens=self.num_tokens,
-            **kw,
-        )
+        return Out(PIECES[k % len(PIECES)], ids, lps, **kw)
 
 
 async def compare_events(
-    state: RequestState, groups: list[list[TextDelta]], return_logprob: bool, index=None
+    state: RequestState, groups: list[list[Out]], return_logprob: bool, index=None
 ) -> list[bytes]:
     """Apply each group of deltas, then consume the (coalesced) chunk: every event must equal
     the full dump byte for byte. Returns the events."""
@@ -74,7 +65,7 @@ async def compare_events(
     events = []
     for group in groups:
         for d in group:
-            state._apply(d)
+            apply_output(state, d)
         chunk = await anext(chunks)
         events.append(writer.event(chunk))
         assert events[-1] == full_dump(state, return_logprob, chunk, index)
@@ -84,7 +75,7 @@ async def compare_events(
 @pytest.mark.parametrize("return_logprob", [False, True])
 @pytest.mark.parametrize("index", [None, 3])
 def test_incremental_events_equal_the_full_dump(return_logprob, index):
-    state = RequestState("rid0", client_rid='my "rid" é\\')
+    state = RequestState("rid0", client_rid='my "rid" é\\', prompt_tokens=5)
     feed = Feed("rid0")
     groups = [[feed.delta()], [feed.delta(), feed.delta(num_ids=3)]]
     groups.append([feed.delta() for _ in range(17)])  # coalesced: many deltas, one event
@@ -104,17 +95,13 @@ def test_events_with_missing_logprobs_special_floats_and_an_abort():
     (JSON has no -Infinity); an abort adds an event without tokens."""
     rid = "rid1"
     groups = [
-        [TextDelta(rid, "a", pack_ids([1, 2]), b"", prompt_tokens=2, completion_tokens=2)],
-        [TextDelta(rid, '"', pack_ids([3]), pack_floats([-1e30]), completion_tokens=3)],
-        [
-            TextDelta(
-                rid, "\\", pack_ids([4, 5]), pack_floats([float("-inf"), 1.5]), completion_tokens=5
-            )
-        ],
+        [Out("a", [1, 2])],
+        [Out('"', [3], [-1e30])],
+        [Out("\\", [4, 5], [float("-inf"), 1.5])],
     ]
 
     async def run():
-        state = RequestState(rid)
+        state = RequestState(rid, prompt_tokens=2)
         events = await compare_events(state, groups, True)
         state._push("", [], [], FinishReason("abort", message="aborted by the client"))
         chunk = await anext(state.chunks())
@@ -130,8 +117,8 @@ def test_events_with_missing_logprobs_special_floats_and_an_abort():
 def test_interleave_of_one_state_yields_its_chunks_without_a_task():
     async def run():
         state = RequestState("r")
-        state._apply(TextDelta("r", "a", pack_ids([1])))
-        state._apply(TextDelta("r", "b", pack_ids([2]), finish=FinishReason("length")))
+        apply_output(state, Out("a", [1]))
+        apply_output(state, Out("b", [2], finish=FinishReason("length")))
         before = len(asyncio.all_tasks())
         seen = []
         async for index, chunk in interleave([state]):

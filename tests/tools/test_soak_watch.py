@@ -9,14 +9,9 @@ import asyncio
 import pytest
 
 from aerie.codec import pack_ids
-from aerie.messages import SamplingParams, TextDelta, TextDeltas, TokenizedRequest
-from tests.tokenizer_proc.harness import (
-    FakeEngine,
-    LiveServer,
-    fake_output_ids,
-    fake_text,
-    make_frontend,
-)
+from aerie.messages import SamplingParams, TokenizedRequest
+from aerie.outputs import OutputsWriter
+from tests.tokenizer_proc.harness import FakeEngine, LiveServer, fake_output_ids, make_frontend
 from tools import soak_watch
 from tools.soak import Soak
 from tools.soak_plan import MAX_NEW, Planned
@@ -81,7 +76,7 @@ def test_no_request_finishing_at_all_reports_every_request_in_flight():
 
 class HoldOne(FakeEngine):
     """Answers every request but the one sent with client rid `held`: that one gets its first
-    delta and never finishes."""
+    step's outputs and never finishes."""
 
     def __init__(self, held: str) -> None:
         super().__init__()
@@ -93,8 +88,10 @@ class HoldOne(FakeEngine):
         if next(e["id"] for e in tracker.describe() if e["rid"] == request.rid) != self.held:
             await super().play(request)
             return
-        ids = fake_output_ids(request)[:2]
-        tracker.feed(TextDeltas([TextDelta(request.rid, fake_text(ids), pack_ids(ids))]))
+        writer = OutputsWriter()
+        writer.add(request.frontend, request.rid, pack_ids(fake_output_ids(request)[:2]))
+        for message in writer.take():
+            tracker.feed(message)
 
 
 @pytest.mark.parametrize("kind", ["http", "zmq_stream"])
@@ -123,7 +120,7 @@ def test_a_soak_stops_on_a_request_the_server_never_finishes_and_says_where_it_i
     (stuck,) = runner.stuck["requests"]
     assert (stuck["index"], stuck["kind"], stuck["rid"]) == (5, kind, "soak-5")
     assert stuck["prompt_ids"] == prompts[0] and stuck["finished_meanwhile"] >= overtaken
-    if kind == "zmq_stream":  # the first delta arrived, and is reported
+    if kind == "zmq_stream":  # the first outputs arrived, and are reported
         assert stuck["replies"] == 1 and stuck["output_ids"] == reference[:2]
     assert stuck["server"].startswith("tokenizer: in flight")
     assert "scheduler 0: rid " in stuck["server"]  # the engine's describe() holds it

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from aerie.codec import pack_ids, unpack_ids
+from aerie.codec import pack_ids
 from aerie.config import AerieConfig
 from aerie.messages import SamplingParams, TokenizedRequest
 from gpu_worker.worker import GPUWorker
@@ -47,8 +47,8 @@ def serve(config: AerieConfig, prompts: list[list[int]]) -> tuple[dict, dict]:
     verify = dict.fromkeys(outputs, 0)
 
     def collect(plan, result, deltas):
-        for d in deltas.deltas if deltas else []:
-            tokens = unpack_ids(d.token_ids)
+        for d in deltas:
+            tokens = d.token_ids
             outputs[d.rid] += tokens
             if d.spec_verify_ct > verify[d.rid]:
                 accepts[d.rid].append(len(tokens))
@@ -102,9 +102,7 @@ def served_chains(config: AerieConfig, prompt: list[int]) -> tuple[list[int], li
     drive(
         sched,
         worker,
-        lambda plan, result, deltas: output.extend(
-            t for d in (deltas.deltas if deltas else []) for t in unpack_ids(d.token_ids)
-        ),
+        lambda plan, result, deltas: output.extend(t for d in deltas for t in d.token_ids),
     )
     return output, chains
 

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from aerie.codec import pack_ids, unpack_ids
+from aerie.codec import pack_ids
 from aerie.messages import SamplingParams, TokenizedRequest
 from aerie.step_costs import StepCosts
 from gpu_worker.tooling.step_costs import measure_step_costs
@@ -168,9 +168,6 @@ def test_step_costs_are_measured_on_the_dummy_row_without_a_trace(models):
     drive(
         sched,
         worker,
-        lambda plan, result, deltas: [
-            outputs[d.rid].extend(unpack_ids(d.token_ids))
-            for d in (deltas.deltas if deltas else [])
-        ],
+        lambda plan, result, deltas: [outputs[d.rid].extend(d.token_ids) for d in deltas],
     )
     assert outputs == expected

@@ -24,7 +24,7 @@ from gpu_worker.tooling.warm_up import draft_prefill_lengths, run_warm_up
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
 from tests.devices import skip_unless_triton_runs_on
-from tests.engine_loop import drive
+from tests.engine_loop import drive, outputs_of
 
 # AERIE_SPEC_TEST_DEVICE=cuda runs these tests on the GPU, with the Triton backend and the
 # speculative stages in CUDA graphs (`python3 -m benchmarks cuda-tests` does); CPU runs them
@@ -111,8 +111,8 @@ def run_engine(
     def collect(plan, result, deltas):
         if plan.mode == "decode":
             decode_counts.extend(unpack_ids(result.num_tokens))
-        for d in deltas.deltas if deltas else []:
-            outputs[d.rid] += unpack_ids(d.token_ids)
+        for d in deltas:
+            outputs[d.rid] += d.token_ids
             verify_ct[d.rid] = d.spec_verify_ct
 
     drive(sched, worker, collect)
@@ -304,9 +304,8 @@ def serve(
     while sched.has_work():
         plan = sched.next_plan()
         row = unpack_ids(plan.rows)[0]
-        deltas = sched.apply_result(plan, worker.execute(plan))
-        for d in deltas.deltas if deltas else []:
-            output += unpack_ids(d.token_ids)
+        for d in outputs_of(sched.apply_result(plan, worker.execute(plan))):
+            output += d.token_ids
             cached = d.cached_tokens
     return row, output, cached
 
@@ -442,8 +441,8 @@ def test_stop_token_inside_an_accepted_run(models):
     out, finishes = [], []
 
     def collect(plan, result, deltas):
-        for d in deltas.deltas if deltas else []:
-            out.extend(unpack_ids(d.token_ids))
+        for d in deltas:
+            out.extend(d.token_ids)
             if d.finish is not None:
                 finishes.append(d.finish)
 
@@ -462,12 +461,12 @@ def test_logprobs_with_speculation_equal_plain_decoding(models):
         sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
         for i, prompt in enumerate(prompts):
             params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-            sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, True))
+            sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, True))
         got = {f"r{i}": [] for i in range(len(prompts))}
 
         def collect(plan, result, deltas):
-            for d in deltas.deltas if deltas else []:
-                got[d.rid] += list(memoryview(d.logprobs).cast("f"))
+            for d in deltas:
+                got[d.rid] += d.logprobs
 
         drive(sched, worker, collect)
         return got
@@ -501,8 +500,8 @@ def test_greedy_with_penalties_equals_plain_decoding(models):
         got = {f"r{i}": [] for i in range(len(prompts))}
 
         def collect(plan, result, deltas):
-            for d in deltas.deltas if deltas else []:
-                got[d.rid] += unpack_ids(d.token_ids)
+            for d in deltas:
+                got[d.rid] += d.token_ids
 
         drive(sched, worker, collect)
         return got

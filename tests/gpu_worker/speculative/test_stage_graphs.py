@@ -19,7 +19,7 @@ from gpu_worker.speculative.stage_buffers import GreedyProposal, Proposal, Propo
 from gpu_worker.step.plan_arrays import parse_plan
 from gpu_worker.worker import GPUWorker
 from scheduler_proc.scheduler import Scheduler
-from tests.engine_loop import drive
+from tests.engine_loop import drive, outputs_of
 from tests.gpu_worker.mtp_checkpoints import make_tiny_mtp_target
 from tests.gpu_worker.speculative.test_eagle_worker import (
     DEVICE,
@@ -39,7 +39,7 @@ def serve_until_decode(config, prompts, extra=None, logprobs=False):
         params = SamplingParams(
             max_new_tokens=40, ignore_eos=True, **(extra or {"temperature": 0.0})
         )
-        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, logprobs))
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, logprobs))
     while True:
         plan = sched.next_plan()
         if plan.mode == "decode":
@@ -130,14 +130,14 @@ def serve_mixed(config, prompts, requests, inspect=None):
     sched = Scheduler(config, (), max_total_tokens=worker.runner.max_total_tokens)
     for i, (prompt, (limit, extra, logprobs)) in enumerate(zip(prompts, requests, strict=True)):
         params = SamplingParams(max_new_tokens=limit, ignore_eos=True, **extra)
-        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, False, logprobs))
+        sched.add_request(TokenizedRequest(f"r{i}", pack_ids(prompt), params, logprobs))
     tokens = {f"r{i}": [] for i in range(len(prompts))}
     logprobs = {f"r{i}": [] for i in range(len(prompts))}
 
     def collect(plan, result, deltas):
-        for d in deltas.deltas if deltas else []:
-            tokens[d.rid] += unpack_ids(d.token_ids)
-            logprobs[d.rid] += list(memoryview(d.logprobs).cast("f")) if d.logprobs else []
+        for d in deltas:
+            tokens[d.rid] += d.token_ids
+            logprobs[d.rid] += d.logprobs
 
     if not config.scheduler.disable_overlap_schedule:
         drive(sched, worker, collect)
@@ -157,7 +157,7 @@ def serve_mixed(config, prompts, requests, inspect=None):
                 assert worker.rows.committed_lens[row].item() == prompt_len + emitted[rid] - 1
         # padded rows of a graph bucket commit into the dummy row 0, which must be reset
         assert worker.rows.committed_lens[0].item() == 0 == worker.rows.tokens[0].item()
-        collect(plan, result, sched.apply_result(plan, result))
+        collect(plan, result, outputs_of(sched.apply_result(plan, result)))
     assert sched.allocator.is_whole()
     return tokens, logprobs
 

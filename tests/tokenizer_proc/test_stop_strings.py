@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from detokenizer_proc.stop_strings import find_safe_end, held_suffix_len, trim_at_stop
+from tokenizer_proc.stop_strings import find_safe_end, held_suffix_len, trim_at_stop
 
 
 @pytest.mark.parametrize(

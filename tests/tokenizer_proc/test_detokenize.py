@@ -6,9 +6,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from aerie.codec import pack_ids
-from aerie.messages import DetokenizeStart, FinishReason
-from detokenizer_proc.incremental import IncrementalDetokenizer
+from aerie.messages import FinishReason
+from tokenizer_proc.detokenize import DetokenizeSettings, IncrementalDetokenizer
 
 TEXTS = (
     "héllo 世界 🙂 日本語 🚀✨ naïve café — Straße!",
@@ -18,12 +17,9 @@ TEXTS = (
 LENGTH = FinishReason(type="length")
 
 
-def make_start(stream=True, skip=True, stop=(), prompt_tail=()) -> DetokenizeStart:
-    return DetokenizeStart(
-        skip_special_tokens=skip,
-        stop=list(stop),
-        stream=stream,
-        prompt_tail_ids=pack_ids(prompt_tail),
+def make_start(stream=True, skip=True, stop=(), prompt_tail=()) -> DetokenizeSettings:
+    return DetokenizeSettings(
+        skip_special_tokens=skip, stop=tuple(stop), stream=stream, prompt_tail=tuple(prompt_tail)
     )
 
 
@@ -195,7 +191,7 @@ def test_the_direct_decoder_is_the_tokenizers_decode(tokenizer):
     characters included; a tokenizer class with a decode of its own keeps it."""
     import random
 
-    from detokenizer_proc.incremental import make_decoder
+    from tokenizer_proc.detokenize import make_decoder
 
     decoder = make_decoder(tokenizer)
     assert decoder.__name__ == "decode_directly"

@@ -8,28 +8,26 @@ stop token, cut before a matched stop string).
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from aerie.codec import unpack_ids
-from aerie.messages import (
-    DetokenizeStart,
-    FinishReason,
-    RequestDelta,
-    TextDelta,
-    TextDeltas,
-    TokenDeltas,
-)
-from detokenizer_proc.stop_strings import find_safe_end, trim_at_stop
+from aerie.messages import FinishReason
+from tokenizer_proc.stop_strings import find_safe_end, trim_at_stop
 
 _REPLACEMENT_CHAR = "\ufffd"
 _MAX_DEAD_IDS = 256  # drop already-decoded ids from the front once this many pile up
-_DEFAULT_START = DetokenizeStart(
-    skip_special_tokens=True, stop=[], stream=True, prompt_tail_ids=b""
-)
+PROMPT_TAIL_LEN = 5  # last prompt ids kept as decoding context for the first output token
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class DetokenizeSettings:
+    """How one request's text is made: its sampling parameters' skip_special_tokens and stop
+    strings, whether it streams, and the last prompt ids as decoding context."""
+
+    skip_special_tokens: bool = True
+    stop: tuple[str, ...] = ()
+    stream: bool = True
+    prompt_tail: tuple[int, ...] = ()
 
 
 class IncrementalDetokenizer:
@@ -44,18 +42,18 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer,
-        start: DetokenizeStart,
+        settings: DetokenizeSettings,
         decoder: Callable[[list[int], bool], str] | None = None,
     ) -> None:
         """decoder: `make_decoder(tokenizer)`, when the caller has it already."""
         self.tokenizer = tokenizer
         self._decoder = decoder or make_decoder(tokenizer)
-        self.skip_special_tokens = start.skip_special_tokens
-        self.stops = [stop for stop in start.stop if stop]
-        self.stream = start.stream
+        self.skip_special_tokens = settings.skip_special_tokens
+        self.stops = [stop for stop in settings.stop if stop]
+        self.stream = settings.stream
         # The window starts in the prompt's tail, so the first output token gets the leading
         # space it would have after the prompt.
-        self.ids: list[int] = unpack_ids(start.prompt_tail_ids)  # context, then output ids
+        self.ids: list[int] = list(settings.prompt_tail)  # context, then output ids
         self.surr_offset = 0
         self.read_offset = len(self.ids)
         self.unsent_text = ""  # decoded but not yet returned (held back or not yet asked for)
@@ -154,68 +152,3 @@ def drop_stop_token(ids: list[int], finish: FinishReason | None) -> list[int]:
     ):
         return ids[:-1]
     return ids
-
-
-class Detokenizer:
-    """Per-request detokenizers keyed by rid, bounded as an LRU of `max_requests` entries.
-
-    `handle` maps each RequestDelta to one TextDelta (token ids, logprobs, finish and counts
-    pass through unchanged) and drops a request's state when it finishes (aborts included).
-    """
-
-    def __init__(self, tokenizer, max_requests: int = 65536) -> None:
-        self.tokenizer = tokenizer
-        self.decoder = make_decoder(tokenizer)
-        self.max_requests = max_requests
-        self.states: OrderedDict[str, IncrementalDetokenizer] = OrderedDict()
-
-    def handle(self, batch: TokenDeltas) -> TextDeltas:
-        return TextDeltas(deltas=[self.handle_delta(delta) for delta in batch.deltas])
-
-    def handle_delta(self, delta: RequestDelta) -> TextDelta:
-        state = self.get_state(delta)
-        text = state.step(unpack_ids(delta.token_ids), delta.finish) if state else ""
-        if delta.finish is not None:
-            self.states.pop(delta.rid, None)
-        return TextDelta(
-            rid=delta.rid,
-            text=text,
-            token_ids=delta.token_ids,
-            logprobs=delta.logprobs,
-            finish=delta.finish,
-            prompt_tokens=delta.prompt_tokens,
-            completion_tokens=delta.completion_tokens,
-            spec_verify_ct=delta.spec_verify_ct,
-            cached_tokens=delta.cached_tokens,
-        )
-
-    def get_state(self, delta: RequestDelta) -> IncrementalDetokenizer | None:
-        """The rid's detokenizer, created from delta.start on first sight (LRU-touched).
-
-        A start repeated for a live rid (e.g. after a retraction) is ignored: text continues.
-
-        None for an abort of a request that never produced tokens. A rid seen without a start
-        (its state was evicted) gets default settings and a warning.
-        """
-        state = self.states.get(delta.rid)
-        if state is not None:
-            self.states.move_to_end(delta.rid)
-            return state
-        if delta.start is None:
-            if delta.finish is not None and delta.finish.type == "abort" and not delta.token_ids:
-                return None
-            log.warning("rid %s: delta without DetokenizeStart for an unknown request", delta.rid)
-        state = IncrementalDetokenizer(self.tokenizer, delta.start or _DEFAULT_START, self.decoder)
-        self.states[delta.rid] = state
-        while len(self.states) > self.max_requests:
-            evicted, _ = self.states.popitem(last=False)
-            log.warning(
-                "rid %s: detokenizer state evicted (more than %d live requests)",
-                evicted,
-                self.max_requests,
-            )
-        return state
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.states)
