@@ -14,7 +14,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from benchmarks import device_carry, model_suites, serving_suites, suites, train_suite
+from benchmarks import (
+    device_carry,
+    model_suites,
+    serving_suites,
+    streams_suite,
+    suites,
+    train_suite,
+)
 from benchmarks.runner import REPO_ROOT, Command, Runner, Step, SuiteError, dry_run_lines
 from benchmarks.runner import setup_env as run_setup
 from benchmarks.suites import Suite
@@ -26,6 +33,7 @@ SUITES = {
         *suites.SUITES,
         *model_suites.SUITES,
         *serving_suites.SUITES,
+        streams_suite.SUITE,
         train_suite.SUITE,
     )
 }

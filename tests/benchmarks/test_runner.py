@@ -499,3 +499,18 @@ def test_each_spinning_step_gets_a_host_profile(monkeypatch, tmp_path):
     summary = (tmp_path / "host_profile_1.txt").read_text()
     assert summary.startswith("== spinning plain bs=1") and "spy_iter.txt" in summary
     assert not (tmp_path / "spy_iter.txt").exists()  # the raw samples are dropped
+
+
+def test_streams_serves_each_frontend_count_and_loads_it_at_each_concurrency(capsys, tmp_path):
+    argv = ["streams", "--frontends", "1,4", "--concurrency", "1,64,512"]
+    commands = dry_run(capsys, tmp_path, *argv)
+    servers = [c for c in commands if c[-1] == "&"]
+    assert [flag(s, "--tokenizer-worker-num") for s in servers] == ["1", "4"]
+    assert all(flag(s, "--max-running-requests") == "512" for s in servers)
+    clients = [c for c in runs_of(commands, "benchmarks/bench_serving.py") if "--output" in c]
+    ran = [flags(c, "--backend", "--max-concurrency", "--num-prompts") for c in clients]
+    run = [("native", "1", "8"), ("native", "64", "128"), ("native", "512", "800")]
+    assert ran == run * 2
+    assert all(flag(c, "--output-len") == "512" for c in clients)
+    assert flag(clients[-1], "--output").endswith("serve_streams_f4_c512.json")
+    assert ["#", "merge", "the", "runs", "into", "serving_streams_f4.json"] in commands

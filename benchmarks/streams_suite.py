@@ -1,0 +1,91 @@
+"""The `streams` suite: many streams behind 1..N frontends (`--tokenizer-worker-num`), the
+default model's shape with random weights, streaming requests of `--output-len` tokens.
+
+For each frontend count a server of its own; at each concurrency `bench_serving.py` sends 2x
+that many requests at once (8 at one stream, at most MAX_REQUESTS: the ShareGPT subset has
+about 800 prompts that fit) and reports throughput, TTFT, the gap between a
+stream's events (median, p99) and each process's CPU share, the client's included. The runs
+are merged into `streams_f<N>.json`; `plot_streams.py` draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from benchmarks.runner import Call, Command, Server, Step
+from benchmarks.serving_suites import (
+    SHAREGPT_SUBSET,
+    add_server_flags,
+    launch_argv,
+    merge_summaries,
+)
+from benchmarks.suites import SMOLLM2_SHAPE, Suite, bench, int_list, out_file
+
+MAX_REQUESTS = 800
+
+
+def add_streams(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=SMOLLM2_SHAPE, help="model directory, tokenizer included")
+    p.add_argument("--load-format", default="dummy", help="dummy: random weights")
+    p.add_argument("--frontends", type=int_list, default="1,4", help="a server per count")
+    p.add_argument(
+        "--concurrency", type=int_list, default="1,16,64,128,256,512", help="streams of each run"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("native", "openai"),
+        default="native",
+        help="streaming /generate or /v1/completions",
+    )
+    p.add_argument("--output-len", type=int, default=512, help="tokens per request, EOS ignored")
+    p.add_argument("--dataset", default=SHAREGPT_SUBSET, help="ShareGPT JSON (prepare makes it)")
+    p.add_argument("--client-processes", type=int, default=4, help="bench_serving's clients")
+    p.add_argument("--max-running-requests", type=int, default=512, help="the server's rows")
+    add_server_flags(p, timeout_s=300, start_timeout_s=300)
+
+
+def plan_streams(args: argparse.Namespace) -> list[Step]:
+    steps: list[Step] = []
+    for frontends in args.frontends:
+        name = f"streams_f{frontends}"
+        server = launch_argv(
+            args,
+            args.model,
+            *("--max-running-requests", str(args.max_running_requests)),
+            *("--tokenizer-worker-num", str(frontends)),
+        )
+        warm = min(max(args.concurrency), MAX_REQUESTS)
+        inner: list[Step] = [run(args, name, warm, 16, "warmup")]
+        inner += [run(args, name, conc, args.output_len) for conc in args.concurrency]
+        steps.append(
+            Server(server, f"server_{name}.log", args.port, inner, {}, args.start_timeout_s)
+        )
+        merge = functools.partial(merge_summaries, args.out, name)
+        steps.append(Call(f"merge the runs into serving_{name}.json", merge))
+    return steps
+
+
+def run(args: argparse.Namespace, name: str, conc: int, output_len: int, tag: str = "") -> Command:
+    """bench_serving.py at `conc` streams (a warm-up when tagged: short requests, not kept)."""
+    num = conc if tag else (8 if conc == 1 else min(2 * conc, MAX_REQUESTS))
+    argv = bench(
+        "bench_serving",
+        *("--base-url", f"http://127.0.0.1:{args.port}", "--backend", args.backend),
+        *("--num-prompts", num, "--max-concurrency", conc, "--output-len", output_len),
+        *("--dataset-path", args.dataset, "--tokenizer", args.model),
+        *("--client-processes", args.client_processes),
+    )
+    if not tag:
+        argv += ["--output", out_file(args, f"serve_{name}_c{conc}.json")]
+    log = f"{tag or 'serve'}_{name}_c{conc}.txt"
+    return Command(argv, log, timeout_s=args.timeout_s)
+
+
+SUITE = Suite(
+    "streams",
+    "many streams behind 1..N frontends",
+    add_streams,
+    plan_streams,
+    ("wheels", "smollm2-config", "sharegpt_subset.json"),
+)
