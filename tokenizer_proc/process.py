@@ -157,6 +157,14 @@ def frontend_limits(config: AerieConfig, tokenizer: Tokenizer) -> Limits:
     )
 
 
+def frontend_connections(config: AerieConfig) -> int | None:
+    """The HTTP connections one frontend serves at once: --max-connections shared out evenly
+    among the frontends (the kernel spreads connections over them, so the server as a whole
+    may hold up to one more per frontend)."""
+    cap = config.limits.max_connections
+    return None if cap is None else -(-cap // max(1, config.server.tokenizer_worker_num))
+
+
 def zmq_access(config: AerieConfig) -> ZmqAccess:
     security = config.security
     curve = None
@@ -229,7 +237,7 @@ class TokenizerProcess:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=UVICORN_GRACEFUL_S,
-            http=header_timeout_protocol(limits.header_timeout_s, limits.max_connections),
+            http=header_timeout_protocol(limits.header_timeout_s, frontend_connections(config)),
         )
         self.server = _Server(uv_config)
         self._stop = asyncio.Event()

@@ -266,7 +266,8 @@ def test_the_connection_cap_and_the_drain_timeout_answer_in_json(tiny_model_dirs
     """--max-connections 3 serves three connections and refuses the fourth with a JSON 503
     (uvicorn's limit refused the third, in text/plain). Requests still running when the drain
     times out get a JSON 503 (a stream: a final error event), not a 200 "aborted by the
-    client" or a text/plain 500."""
+    client" or a text/plain 500. One frontend: with several, each serves its share of the cap
+    and the kernel decides where a connection goes."""
     body = {"input_ids": [5, 6], "sampling_params": LONG}
     args = (
         "--model-path",
@@ -275,6 +276,8 @@ def test_the_connection_cap_and_the_drain_timeout_answer_in_json(tiny_model_dirs
         "3",
         "--drain-timeout-s",
         "0",
+        "--tokenizer-worker-num",
+        "1",
     )
     with Server(*args) as server:
         host, port = server.url.removeprefix("http://").split(":")

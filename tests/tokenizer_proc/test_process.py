@@ -165,3 +165,20 @@ def test_random_seed_starts_the_sequence_of_drawn_seeds(config):
             proc.close()
 
     assert first_seeds(9) == first_seeds(9) != first_seeds(10)
+
+
+def test_each_frontend_takes_its_share_of_the_connection_cap_and_the_in_flight_limit(config):
+    from tokenizer_proc.process import frontend_connections, frontend_limits
+    from tokenizer_proc.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(config.model.tokenizer_path)
+    three = config.replace(
+        server={"tokenizer_worker_num": 3},
+        limits={"max_connections": 10, "max_queued_requests": 20},
+        scheduler={"max_running_requests": 8},
+    )
+    assert frontend_connections(three) == 4  # 10 / 3, rounded up
+    assert frontend_limits(three, tokenizer).max_in_flight == 10  # (8 + 20) / 3, rounded up
+    one = three.replace(server={"tokenizer_worker_num": 1})
+    assert frontend_connections(one) == 10
+    assert frontend_limits(one, tokenizer).max_in_flight == 28
