@@ -1,6 +1,7 @@
 """Several frontends behind one port (`--tokenizer-worker-num`): connections spread over them,
-and whichever one a scrape reaches reports every frontend's requests. (Every launched test
-runs behind two frontends: `tests/e2e/server.py`.)"""
+and whichever one a scrape reaches reports every frontend's requests. (AERIE_E2E_FRONTENDS=2
+runs every launched test behind two: `tests/e2e/server.py`; the soak test and the kill test
+always do.)"""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def test_impossible_flags_exit_2_with_a_message():
 
 @pytest.mark.parametrize("victim", ["tokenizer", "tokenizer1", "scheduler", "gpu_worker"])
 def test_killing_a_child_stops_everything(tiny_model_dirs, victim):
-    with Server(*_tiny_args(tiny_model_dirs)) as server:
+    with Server(*_tiny_args(tiny_model_dirs), "--tokenizer-worker-num", "2") as server:
         os.kill(child_named(server, victim), signal.SIGKILL)
         assert server.proc.wait(timeout=10) != 0  # the whole server stops within 10 s
         assert_no_orphans(server)
