@@ -306,6 +306,11 @@ class LimitsConfig:
     )
     header_timeout_s: float = _opt(10.0, "Seconds a client gets to send a request's headers.")
     body_timeout_s: float = _opt(30.0, "Seconds a client gets to send a request's body (408).")
+    slow_client_timeout_s: float = _opt(
+        30.0,
+        "Seconds an HTTP client may read nothing while its send buffer is full; then it is "
+        "cut off and its unfinished requests are aborted.",
+    )
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,7 @@ def _validate(config: AerieConfig) -> None:
         "max_connections",
         "header_timeout_s",
         "body_timeout_s",
+        "slow_client_timeout_s",
         "max_zmq_requests_per_connection",
     ):
         _check_positive(name, getattr(limits, name))

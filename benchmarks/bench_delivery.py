@@ -40,7 +40,7 @@ from benchmarks.bench_serving import describe_ms  # noqa: E402
 from benchmarks.serving_load import Payload, run_load_processes, token_itl  # noqa: E402
 from tokenizer_proc.frontend import Frontend  # noqa: E402
 from tokenizer_proc.http_api import create_app  # noqa: E402
-from tokenizer_proc.http_guard import header_timeout_protocol  # noqa: E402
+from tokenizer_proc.http_guard import edge_protocol  # noqa: E402
 from tokenizer_proc.process import _Server, bind_http_socket  # noqa: E402
 from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
 from tokenizer_proc.validation import Limits  # noqa: E402
@@ -247,7 +247,7 @@ async def serve_and_load(
         log_config=None,
         access_log=False,
         lifespan="off",
-        http=header_timeout_protocol(10.0),
+        http=edge_protocol(10.0),
         timeout_graceful_shutdown=1,
     )
     server = _Server(config)

@@ -2,15 +2,17 @@
 
 `Guard` (ASGI middleware, outermost) checks the Host header (against DNS rebinding), the API
 key (/health stays open), a JSON content type on POST bodies (so a browser's "simple" request
-cannot drive the API), the body's size and its read time. `header_timeout_protocol` is
-uvicorn's h11 protocol with a deadline for a new connection's request head and our
-`--max-connections` cap. Errors are JSON in the API's format.
+cannot drive the API), the body's size and its read time. `edge_protocol` is uvicorn's h11
+protocol with a deadline for a new connection's request head, our `--max-connections` cap, and
+the cut-off of a client that stops reading (`--slow-client-timeout-s`). Errors are JSON in the
+API's format.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,8 @@ import h11
 from aerie.access import allowed_host_names, check_api_key, host_without_port
 from tokenizer_proc.http_stream import DirectBodyProtocol
 from tokenizer_proc.validation import ValidationError, error_body
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (probes)
 
@@ -138,13 +142,22 @@ async def send_error(send: Any, status: int, message: str, extra: list | None = 
     await send({"type": "http.response.body", "body": body})
 
 
-def header_timeout_protocol(
-    header_timeout_s: float, max_connections: int | None = None
+def edge_protocol(
+    header_timeout_s: float,
+    max_connections: int | None = None,
+    slow_client_timeout_s: float | None = None,
 ) -> type[DirectBodyProtocol]:
     """uvicorn's h11 protocol, closing a connection whose next request head has not fully
     arrived within header_timeout_s of the connection opening or of the previous response
     (uvicorn's own keep-alive timer stops at the first byte, so it lets slowloris in).
     Streamed events are written as `DirectBodyProtocol` writes them.
+
+    A client that reads nothing while the connection's send buffer stays full (the transport
+    asks writers to pause) for slow_client_timeout_s (None: forever) is cut off: the connection
+    is reset, which ends its response as a disconnect does (its unfinished requests are
+    aborted), and a warning says so. What one connection holds is so bounded by the kernel's
+    and the transport's send buffers (a streaming request's newer output coalesces into one
+    pending event meanwhile); a client that reads, however slowly, resets the clock.
 
     At most max_connections connections (None: any number) are served at once; a request on
     one opened beyond them gets a JSON 503 with Retry-After and the connection is closed.
@@ -159,9 +172,10 @@ def header_timeout_protocol(
         )
         await send_error(send, 503, message, [(b"retry-after", b"1"), (b"connection", b"close")])
 
-    class HeaderTimeoutProtocol(DirectBodyProtocol):
+    class EdgeProtocol(DirectBodyProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _waiting_after: object = None  # the cycle before the awaited request head
+        _stall_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -195,9 +209,41 @@ def header_timeout_protocol(
             self._arm()  # first: a pipelined head handled inside the call below disarms it
             super().on_response_complete()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if slow_client_timeout_s is not None and self._stall_timer is None:
+                self._stall_timer = self.loop.call_later(slow_client_timeout_s, self._cut_off)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._stop_stall_timer()
+
+        def _stop_stall_timer(self) -> None:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+
+        def _cut_off(self) -> None:
+            self._stall_timer = None
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            path = cycle.scope["path"] if cycle is not None else "-"
+            client = "{}:{}".format(*self.client) if self.client else "a client"
+            log.warning(
+                "cut off %s on %s: it read nothing for %g s with %d KiB unsent; its "
+                "unfinished requests are aborted (--slow-client-timeout-s)",
+                client,
+                path,
+                slow_client_timeout_s,
+                self.transport.get_write_buffer_size() >> 10,
+            )
+            self.transport.abort()
+
         def connection_lost(self, exc: Exception | None) -> None:
             served.discard(self)
             self._disarm()
+            self._stop_stall_timer()
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
@@ -217,4 +263,4 @@ def header_timeout_protocol(
                 self.transport.write(self.conn.send(event))
             self.transport.close()
 
-    return HeaderTimeoutProtocol
+    return EdgeProtocol

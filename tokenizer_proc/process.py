@@ -41,7 +41,7 @@ from aerie.process import Progress, run_process
 from aerie.transport import AsyncReceiver, AsyncSender
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import create_app
-from tokenizer_proc.http_guard import GuardPolicy, header_timeout_protocol
+from tokenizer_proc.http_guard import GuardPolicy, edge_protocol
 from tokenizer_proc.request_tracker import SERVER_STOPPING
 from tokenizer_proc.tokenizer import Tokenizer
 from tokenizer_proc.validation import Limits
@@ -237,7 +237,11 @@ class TokenizerProcess:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=UVICORN_GRACEFUL_S,
-            http=header_timeout_protocol(limits.header_timeout_s, frontend_connections(config)),
+            http=edge_protocol(
+                limits.header_timeout_s,
+                frontend_connections(config),
+                limits.slow_client_timeout_s,
+            ),
         )
         self.server = _Server(uv_config)
         self._stop = asyncio.Event()

@@ -27,7 +27,7 @@ from aerie.messages import FinishReason, TokenizedRequest
 from aerie.outputs import OutputsWriter, RequestOutput
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import create_app
-from tokenizer_proc.http_guard import GuardPolicy, header_timeout_protocol
+from tokenizer_proc.http_guard import GuardPolicy, edge_protocol
 from tokenizer_proc.process import _Server
 from tokenizer_proc.request_tracker import RequestState
 from tokenizer_proc.tokenizer import Tokenizer
@@ -149,9 +149,10 @@ class LiveServer:
         access: ZmqAccess | None = None,
         header_timeout_s: float = 10.0,
         max_connections: int | None = None,
+        slow_client_timeout_s: float | None = None,
     ) -> None:
-        """policy / access / header_timeout_s / max_connections: the HTTP and ZMQ edge
-        settings the real process derives from its config (defaults: open)."""
+        """policy / access / header_timeout_s / max_connections / slow_client_timeout_s: the
+        HTTP and ZMQ edge settings the real process derives from its config (defaults: open)."""
         self.frontend = frontend
         self.access = access
         self._sock = socket.socket()
@@ -163,7 +164,8 @@ class LiveServer:
         self.zmq_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._started = threading.Event()
-        config = _uvicorn_config(create_app(frontend, policy), header_timeout_s, max_connections)
+        protocol = edge_protocol(header_timeout_s, max_connections, slow_client_timeout_s)
+        config = _uvicorn_config(create_app(frontend, policy), protocol)
         self._server = _Server(config)
         self._thread = threading.Thread(target=lambda: uvloop.run(self._main()), daemon=True)
 
@@ -196,10 +198,9 @@ class LiveServer:
         context.term()
 
 
-def _uvicorn_config(app, header_timeout_s: float, max_connections: int | None):
+def _uvicorn_config(app, protocol):
     import uvicorn
 
-    protocol = header_timeout_protocol(header_timeout_s, max_connections)
     return uvicorn.Config(
         app,
         log_config=None,

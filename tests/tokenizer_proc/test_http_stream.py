@@ -4,6 +4,7 @@ h11 would write, every case uvicorn's send must handle left to it, and live stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import h11
 import httpx
 import pytest
 
+from tests.tokenizer_proc.harness import LiveServer, make_frontend, wait_until
 from tokenizer_proc.http_stream import DirectBody, EventStream
 
 PIECES = [b"data: {}\n\n", b"x", b"data: " + "é🙂".encode() * 40 + b"\n\n", b"\r\n0\r\n\r\n"]
@@ -173,3 +175,61 @@ def test_an_http_1_0_client_gets_a_close_delimited_stream(live):
     events = [e.removeprefix(b"data: ") for e in payload.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]"
     assert json.loads(events[-2])["meta_info"]["completion_tokens"] == 4
+
+
+class BigText:
+    """A detokenizer whose every step is half a MiB of text: a few steps fill any socket's
+    send buffers."""
+
+    def step(self, ids: list[int], finish=None) -> str:
+        return "x" * (512 << 10)
+
+
+@pytest.fixture
+def big_streams(tokenizer_dir):
+    """(LiveServer, FakeEngine): completions of 30 steps 0.1 s apart, each step's text half a
+    MiB, behind a 0.3 s slow-client cut-off."""
+    frontend, engine = make_frontend(tokenizer_dir)
+    frontend.tokenizer.detokenizer = lambda sampling, stream, prompt_ids: BigText()
+    engine.delay_s = 0.1
+    with LiveServer(frontend, slow_client_timeout_s=0.3) as server:
+        yield server, engine
+
+
+BIG_REQUEST = {"prompt": "Hello", "max_tokens": 60, "stream": True}
+
+
+def test_a_client_that_reads_nothing_is_cut_off_and_its_request_aborted(big_streams, caplog):
+    server, engine = big_streams
+    body = json.dumps(BIG_REQUEST)
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    with sock:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        # The request runs 3 s; the client is cut off once its buffers fill (under 1 s).
+        assert wait_until(lambda: engine.aborted, timeout_s=2.5)
+        assert engine.aborted == [engine.submitted[0].rid]
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while piece := sock.recv(1 << 20):  # what the buffers hold, then the end
+                received += piece
+    assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+    (line,) = [r.getMessage() for r in caplog.records if "cut off" in r.getMessage()]
+    assert "/v1/completions: it read nothing for 0.3 s" in line
+
+
+def test_a_client_that_reads_is_not_cut_off(big_streams):
+    """The send buffer fills and drains many times while this client reads the 15 MiB."""
+    server, engine = big_streams
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=BIG_REQUEST) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert events[-1] == "data: [DONE]" and len(text) == 30 * (512 << 10)
+    assert engine.aborted == []
