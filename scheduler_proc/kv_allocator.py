@@ -11,8 +11,10 @@ step in one call, `shrink` gives back whole pages beyond a length (speculative h
 was not accepted), `free` releases everything.
 
 With a prefix cache (`RadixCache`) a row may start on cached pages (`alloc_row(prefix)`), and
-`free(row, token_ids)` caches the row's whole pages instead of freeing them. Cached pages no
-running row uses count as free: taking pages evicts them, least recently used first.
+`free(row, token_ids)` caches the row's whole pages instead of freeing them; `cache_row` caches
+them earlier, while the row lives on (a finished request whose last plan is still in flight).
+Cached pages no running row uses count as free: taking pages evicts them, least recently used
+first.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class KVAllocator:
         self.cache = RadixCache(page_size) if prefix_cache else None
         self.draft_lookahead = draft_lookahead
         self._locks: dict[int, tuple[Node, int]] = {}  # row -> (cached node, its pages)
+        # row -> pages `cache_row` found the tree already held: still the row's until `free`.
+        self._duplicates: dict[int, list[int]] = {}
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_running_requests = max_running_requests
@@ -97,6 +101,28 @@ class KVAllocator:
         if node is not None:
             self.cache.release(node)
         self._free_pages.extend(reversed(pages[max(num_cached, num_locked) :]))
+        self._free_pages.extend(self._duplicates.pop(row, ()))
+
+    def cache_row(self, row: int, token_ids: list[int]) -> None:
+        """Cache the row's whole pages of token_ids (the tokens at its positions) now, so that
+        requests admitted from now on reuse them, while the row keeps them (locked) and every
+        other page it holds until `free`: a plan in flight may still read or write them.
+        Safe to reuse at once because plans run in order: whatever the plan in flight writes
+        into these positions (the same tokens' KV) is written before a later plan reads it."""
+        if self.cache is None:
+            return
+        pages = self._pages[row]
+        node, num_locked = self._locks.get(row, (None, 0))
+        num_cached = min(len(token_ids) // self.page_size, len(pages))
+        if num_cached <= num_locked:
+            return
+        cached = token_ids[: num_cached * self.page_size]
+        self._duplicates.setdefault(row, []).extend(self.cache.insert(cached, pages[:num_cached]))
+        tree_pages, locked = self.cache.acquire(cached)
+        if node is not None:
+            self.cache.release(node)
+        self._locks[row] = (locked, num_cached)
+        self._pages[row] = tree_pages + pages[num_cached:]
 
     def cached_prefix(
         self, token_ids: list[int], counted: dict[int, int] | None = None

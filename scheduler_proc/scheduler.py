@@ -401,7 +401,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark finished and queue its last delta; release its row and KV now, or when the
-        last plan in flight that holds it is applied."""
+        last plan in flight that holds it is applied (its whole pages are cached now: a
+        client's next turn may arrive before that plan is applied)."""
         if req.state == ReqState.RUNNING:
             self.running.remove(req)
         req.finish, req.state = reason, ReqState.FINISHED
@@ -409,6 +410,8 @@ class Scheduler:
             self.adaptive.forget(req.rid)
         if req.in_flight == 0:
             self._release(req)
+        elif req.row:  # reusable now, not only once the plans that hold it are applied
+            self.allocator.cache_row(req.row, self._kv_token_ids(req))
         del self._requests[req.rid]
         self._emit(req)
 

@@ -55,18 +55,31 @@ def test_acquire_refuses_what_is_not_cached():
 
 @pytest.mark.parametrize("page_size, lookahead", [(1, 0), (1, 1), (4, 1), (2, 3)])
 def test_random_requests_share_pages_only_through_the_cache(page_size, lookahead):
-    """Requests over a few shared prefixes come and go; a live row's pages are its cached
-    prefix (the same pages the tree holds for those tokens) plus pages no one else holds, and
-    when every row is gone every page is free or cached exactly once."""
+    """Requests over a few shared prefixes come and go, some cached before their row is freed
+    (`cache_row`: finished, a plan still holding them); a live row's pages are its cached prefix
+    (the same pages the tree holds for those tokens) plus pages no one else holds, and when
+    every row is gone every page is free or cached exactly once."""
     rng = random.Random(page_size * 10 + lookahead)
     alloc = KVAllocator(64, page_size, 6, prefix_cache=True, draft_lookahead=lookahead)
     stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
-    live: dict[int, tuple[list[int], int]] = {}  # row -> (tokens, reused)
+    live: dict[int, tuple[list[int], int]] = {}  # row -> (tokens, reused or cached)
+    finished: set[int] = set()  # rows cached by cache_row, not freed yet
+    num_cached_early = 0
     for _ in range(300):
         if live and (len(live) == 6 or rng.random() < 0.4):
             row = rng.choice(list(live))
-            tokens, _ = live.pop(row)
-            alloc.free(row, tokens if rng.random() < 0.8 else None)
+            tokens, reused = live[row]
+            if row not in finished and rng.random() < 0.3:  # a plan in flight still holds it
+                alloc.cache_row(row, tokens)
+                cached = min(len(tokens) // page_size, alloc.num_held_pages(row)) * page_size
+                assert alloc.cache.match_len(tokens) >= cached
+                live[row] = tokens, max(cached, reused)
+                finished.add(row)
+                num_cached_early += 1
+            else:
+                del live[row]
+                finished.discard(row)
+                alloc.free(row, tokens if rng.random() < 0.8 else None)
         else:
             tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
             reused, taken = alloc.cached_prefix(tokens)
@@ -80,9 +93,11 @@ def test_random_requests_share_pages_only_through_the_cache(page_size, lookahead
             assert alloc.grow(row, len(tokens)) is not None
             live[row] = tokens, reused
         owned = [p for row in live for p in alloc._pages[row][live[row][1] // page_size :]]
-        assert len(owned) == len(set(owned)), "a page held by two rows"
-        assert not set(owned) & set(alloc.cache.all_pages()), "a row's own page is cached"
+        held = owned + [p for pages in alloc._duplicates.values() for p in pages]
+        assert len(held) == len(set(held)), "a page held by two rows"
+        assert not set(held) & set(alloc.cache.all_pages()), "a row's own page is cached"
         alloc.cache.check()
+    assert num_cached_early > 10
     for row, (tokens, _) in live.items():
         alloc.free(row, tokens)
     assert alloc.is_whole()

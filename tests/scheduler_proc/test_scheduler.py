@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
@@ -454,3 +455,39 @@ def test_describe_says_whether_an_idle_cache_is_whole():
     assert sched.describe(check_kv=True)[0]["kv_whole"] is False
     sched.allocator._free_pages.pop()
     assert sched.describe(check_kv=True)[0]["kv_whole"] is True
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_request_finishing_with_a_step_in_flight_is_reusable_at_once(page_size):
+    """Overlapped, a request that finishes when step N is applied is still held by step N+1.
+    A second turn sent then (the first's prompt and answer, and more) reuses every whole page
+    of the first's KV in its first plan, not only once step N+1 is applied; and its output is
+    what it would be alone (the fake worker reads the prefix back through the reused slots)."""
+    rng = random.Random(page_size)
+    prompt = make_prompt(rng, 13)
+    full = reference_output(prompt, 20)
+    stop = full[5]  # a stop token: the scheduler cannot know step N is the last
+    assert stop not in full[:5]
+    sched = Scheduler(make_config(page_size=page_size), (), max_total_tokens=256)
+    sched.add_request(make_request("X", prompt, max_new_tokens=20, stop_token_ids=[stop]))
+    worker, collector, in_flight = FakeWorker(), Collector(), deque()
+    while "X" not in collector.finish:
+        while sched.can_plan() and sched.has_work():
+            plan = sched.next_plan()
+            in_flight.append((plan, worker.run(plan)))
+        plan, result = in_flight.popleft()
+        collector.add(sched.apply_result(plan, result))
+    assert collector.outputs["X"] == full[:6]
+    assert in_flight and sched.plan_rids(in_flight[0][0]) == ["X"]  # step N+1 holds it
+    second = prompt + full[:6] + [3, 4]
+    sched.add_request(make_request("Y", second, max_new_tokens=4))
+    plan = sched.next_plan()
+    (entry,) = plan_entries(plan, sched.plan_rids(plan)).requests
+    with_kv = len(prompt) + 5  # X's newest token has no KV
+    assert entry.committed_len == with_kv // page_size * page_size
+    in_flight.append((plan, worker.run(plan)))
+    while in_flight:
+        plan, result = in_flight.popleft()
+        collector.add(sched.apply_result(plan, result))
+    run_to_end(sched, worker, collector)
+    assert collector.outputs["Y"] == reference_output(second, 4)
