@@ -67,25 +67,6 @@ def _entry_point(name: str) -> Callable[..., None]:
     return run_gpu_worker_process
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to the HTTP port with SO_REUSEPORT and not listening: it holds the port
-    (the one the OS picks for port 0) while the frontends start and bind it too. It never takes
-    a connection: only listening sockets do."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise LaunchError(
-            f"cannot listen on http://{host}:{port}: {e.strerror} "
-            f"(is another server using --port {port}?)"
-        ) from e
-    return sock
-
-
 def sd_notify(state: str) -> None:
     """Tell systemd our state (no-op unless started by systemd with Type=notify)."""
     address = os.environ.get("NOTIFY_SOCKET")
@@ -182,7 +163,12 @@ class Launcher:
             self.spawn(name, configs[replica], replica)
         reserved = None
         if len(self.frontends) > 1:  # one port for all of them, port 0 included
-            reserved = reserve_port(config.server.host, config.server.port)
+            # Held, bound but not listening, while the frontends start and bind it too: the
+            # port the OS picks for --port 0 stays ours, and a taken port names itself.
+            try:
+                reserved = endpoints.http_socket(config.server.host, config.server.port, True)
+            except RuntimeError as e:
+                raise LaunchError(str(e)) from e
             config = config.replace(server={"port": reserved.getsockname()[1]})
         try:
             for index, name in enumerate(self.frontends):

@@ -3,6 +3,7 @@
 Every process binds one PULL inbox (`ipc://` in the per-launch runtime directory) and one for
 its heartbeat thread; the first frontend also binds a `tcp://` ROUTER for ZMQ clients, and with
 --nnodes > 1 remote worker ranks bind a `tcp://` address for rank 0's plans.
+`http_socket` binds the HTTP port, which every frontend shares.
 """
 
 from __future__ import annotations
@@ -13,6 +14,29 @@ import socket
 from aerie.config import AerieConfig
 
 PROCESS_NAMES = ("tokenizer", "scheduler", "gpu_worker")
+
+
+def http_socket(host: str, port: int, shared: bool, backlog: int | None = None) -> socket.socket:
+    """A TCP socket bound to host:port, listening when backlog is given (else it only holds
+    the port: an unlistening socket never takes a connection). shared: with SO_REUSEPORT, so
+    that every frontend can listen on the port. A taken port raises a RuntimeError that says
+    so."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on http://{host}:{port}: {e.strerror} "
+            f"(is another server using --port {port}?)"
+        ) from e
+    if backlog is not None:
+        sock.listen(backlog)
+    return sock
 
 
 def frontend_name(index: int = 0) -> str:

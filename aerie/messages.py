@@ -185,7 +185,8 @@ class StepOutputs:
     next ones of `token_ids`.
 
     num_tokens, spec_verify_ct, cached_tokens: int32 LE [n]; spec_verify_ct counts the request's
-        verify forwards so far, cached_tokens its prompt tokens taken from the prefix cache.
+        verify forwards so far, cached_tokens its prompt tokens taken from the prefix cache
+        (either empty when it is 0 for every request).
     token_ids: int32 LE [sum(num_tokens)], already cut at a stop.
     logprobs: float32 LE, the tokens' logprobs of the requests that asked for them, back to
         back (num_tokens[i] each); return_logprob: uint8 [n], 1 for those requests (both empty

@@ -79,12 +79,18 @@ def _message(frontend: int, c: _Columns) -> StepOutputs:
         rids=c.rids,
         num_tokens=c.num_tokens.tobytes(),
         token_ids=bytes(c.token_ids),
-        spec_verify_ct=c.spec_verify_ct.tobytes(),
-        cached_tokens=c.cached_tokens.tobytes(),
+        spec_verify_ct=_unless_zero(c.spec_verify_ct),
+        cached_tokens=_unless_zero(c.cached_tokens),
         logprobs=logprobs,
         return_logprob=return_logprob,
         finishes=c.finishes,
     )
+
+
+def _unless_zero(column: array) -> bytes:
+    """An int32 column's bytes, or none when every value is 0 (no speculation, no cache hit:
+    the common case costs nothing to send)."""
+    return column.tobytes() if any(column) else b""
 
 
 @dataclass(slots=True)
@@ -105,8 +111,9 @@ def read_outputs(message: StepOutputs) -> Iterator[RequestOutput]:
     ids = unpack_ids(message.token_ids)
     logprobs = unpack_floats(message.logprobs) if message.logprobs else []
     asked = message.return_logprob
-    verify = unpack_ids(message.spec_verify_ct)
-    cached = unpack_ids(message.cached_tokens)
+    zeros = [0] * len(message.rids)
+    verify = unpack_ids(message.spec_verify_ct) if message.spec_verify_ct else zeros
+    cached = unpack_ids(message.cached_tokens) if message.cached_tokens else zeros
     finishes = message.finishes
     end = logprobs_end = 0
     for i, rid in enumerate(message.rids):

@@ -32,6 +32,7 @@ import uvloop
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aerie.codec import pack_floats, pack_ids  # noqa: E402
+from aerie.endpoints import http_socket  # noqa: E402
 from aerie.hf_tokenizer import load_hf_tokenizer  # noqa: E402
 from aerie.messages import AbortRequest, FinishReason, Shutdown, TokenizedRequest  # noqa: E402
 from aerie.outputs import OutputsWriter  # noqa: E402
@@ -41,7 +42,7 @@ from benchmarks.serving_load import Payload, run_load_processes, token_itl  # no
 from tokenizer_proc.frontend import Frontend  # noqa: E402
 from tokenizer_proc.http_api import create_app  # noqa: E402
 from tokenizer_proc.http_guard import edge_protocol  # noqa: E402
-from tokenizer_proc.process import _Server, bind_http_socket  # noqa: E402
+from tokenizer_proc.process import _Server  # noqa: E402
 from tokenizer_proc.tokenizer import Tokenizer  # noqa: E402
 from tokenizer_proc.validation import Limits  # noqa: E402
 
@@ -241,7 +242,7 @@ async def serve_and_load(
     )
     frontend.mark_ready({"page_size": 1, "max_total_tokens": 1 << 20})
     inbox = AsyncReceiver(server_inbox)
-    sock = bind_http_socket("127.0.0.1", 0)
+    sock = http_socket("127.0.0.1", 0, shared=False, backlog=2048)
     config = uvicorn.Config(
         create_app(frontend),
         log_config=None,

@@ -2,8 +2,8 @@
 
 It validates and tokenizes request bodies, assigns rids and the seeds of requests that bring
 none, registers them with the `RequestTracker` and hands `TokenizedRequest`s to a `Backend`
-(the real process sends them to the scheduler; tests pass a fake that feeds `TextDeltas` back
-into `frontend.tracker`). It also holds the lifecycle flags (ready, draining) and the metrics.
+(the real process sends them to the scheduler; tests pass a fake that feeds `StepOutputs`
+back into `frontend.tracker`). It also holds the lifecycle flags (ready, draining) and the metrics.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class Frontend:
         self.limits = limits
         self.backend = backend
         self.model_name = model_name
-        self.metrics = Metrics()
+        self.metrics = Metrics(index)
         self.index = index
         self._seeds = random.Random(random_seed if index == 0 else f"{random_seed}/{index}")
         self.tracker = RequestTracker(

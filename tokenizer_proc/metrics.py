@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from aerie.endpoints import frontend_name
 from aerie.messages import FrontendMetrics, SchedulerStats
 from tokenizer_proc.request_tracker import RequestState
 
@@ -54,7 +55,9 @@ _LATENCY_BUCKETS = (
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, frontend: int = 0) -> None:
+        """frontend: this frontend's index among several (`--tokenizer-worker-num`)."""
+        self.frontend = frontend
         self.registry = CollectorRegistry()
         # This frontend's own request counts, exported summed with the other frontends'.
         self.own = CollectorRegistry()
@@ -348,6 +351,27 @@ class FrontendTotals(Collector):
                         other = sum(p.get((name, labels), 0.0) for p in peers)
                         total.add_sample(name, dict(labels), other)
             yield total
+        yield self.per_frontend()
+
+    def per_frontend(self) -> Metric:
+        """Finished requests by the frontend that served them: how the kernel spread the
+        connections over the frontends."""
+        name = "aerie_requests_total"
+        counts = {self.metrics.frontend: sum(s.value for s in self._own_samples(name))}
+        for index, peer in self.metrics.peers.items():
+            counts[index] = sum(value for (sample, _), value in peer.items() if sample == name)
+        family = Metric(
+            "aerie_frontend_requests",
+            "Finished requests by the frontend process that served them.",
+            "counter",
+        )
+        for index in sorted(counts):
+            labels = {"frontend": frontend_name(index)}
+            family.add_sample("aerie_frontend_requests_total", labels, counts[index])
+        return family
+
+    def _own_samples(self, name: str) -> list:
+        return [s for f in self.metrics.own.collect() for s in f.samples if s.name == name]
 
 
 def cache_hit_rate(stats: SchedulerStats) -> float:

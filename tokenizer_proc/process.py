@@ -14,7 +14,6 @@ import contextlib
 import itertools
 import logging
 import shutil
-import socket
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -50,6 +49,7 @@ from tokenizer_proc.zmq_frontend import ZmqAccess, ZmqFrontend
 log = logging.getLogger(__name__)
 
 UVICORN_GRACEFUL_S = 3.0
+HTTP_BACKLOG = 2048  # connections the kernel queues for accept
 DEBUG_QUERY_TIMEOUT_S = 5.0  # a scheduler that does not answer a DebugQuery in time is stuck
 TICK_S = 1.0  # a heartbeat task restarts the loop's unit this often: a blocked loop stands still
 SHARE_METRICS_S = 1.0  # how often a frontend sends its request counts to the others
@@ -120,26 +120,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def bind_http_socket(host: str, port: int, shared: bool = False) -> socket.socket:
-    """A listening TCP socket on host:port; a taken port raises a clear RuntimeError. shared:
-    with SO_REUSEPORT, so that the other frontends can listen on the same port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if shared:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(
-            f"cannot listen on http://{host}:{port}: {e.strerror} "
-            f"(is another server using --port {port}?)"
-        ) from e
-    sock.listen(2048)
-    return sock
 
 
 def frontend_limits(config: AerieConfig, tokenizer: Tokenizer) -> Limits:
@@ -217,7 +197,9 @@ class TokenizerProcess:
             index,
         )
         shared = config.server.tokenizer_worker_num > 1
-        self.http_socket = bind_http_socket(config.server.host, config.server.port, shared)
+        self.http_socket = endpoints.http_socket(
+            config.server.host, config.server.port, shared, HTTP_BACKLOG
+        )
         self.zmq = None
         if index == 0:
             address = endpoints.client_bind_address(config)

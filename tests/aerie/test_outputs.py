@@ -31,3 +31,13 @@ def test_outputs_round_trip_per_frontend_with_logprobs_for_those_that_asked():
     assert (got["d"].spec_verify_ct, got["d"].cached_tokens, got["d"].finish) == (2, 8, stop)
     assert got["c"].token_ids == [5] and got["c"].logprobs == []
     assert (got["c"].spec_verify_ct, got["c"].cached_tokens) == (3, 16)
+
+
+def test_all_zero_count_columns_are_sent_empty_and_read_as_zeros():
+    writer = OutputsWriter()
+    writer.add(0, "a", pack_ids([1, 2]))
+    writer.add(0, "b", pack_ids([3]), spec_verify_ct=0, cached_tokens=4)
+    (message,) = [decode(encode(m)) for m in writer.take()]
+    assert message.spec_verify_ct == b"" and len(message.cached_tokens) == 8
+    got = [(o.rid, o.token_ids, o.spec_verify_ct, o.cached_tokens) for o in read_outputs(message)]
+    assert got == [("a", [1, 2], 0, 0), ("b", [3], 0, 4)]

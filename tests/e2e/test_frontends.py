@@ -15,14 +15,18 @@ from tests.e2e.server import Server, child_named
 
 pytestmark = pytest.mark.e2e
 
-NUM_REQUESTS = 16
+NUM_REQUESTS = 24  # over 3 frontends: one is left out with a chance of 3 (2/3)^24 < 2e-4
 
 
-def finished_requests(url: str) -> float:
-    """aerie_requests_total over finish types, from one scrape on a new connection."""
+def finished_requests(url: str) -> tuple[float, list[float]]:
+    """aerie_requests_total over finish types, and aerie_frontend_requests_total of each
+    frontend, from one scrape on a new connection."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    lines = [line for line in text.splitlines() if line.startswith("aerie_requests_total{")]
-    return sum(float(line.split()[-1]) for line in lines)
+
+    def values(prefix: str) -> list[float]:
+        return [float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)]
+
+    return sum(values("aerie_requests_total{")), values("aerie_frontend_requests_total{")
 
 
 def test_every_frontend_takes_connections_and_reports_the_sums(tiny_model_dirs):
@@ -38,11 +42,14 @@ def test_every_frontend_takes_connections_and_reports_the_sums(tiny_model_dirs):
         # lands, counts all of them.
         deadline = time.monotonic() + 10
         while True:
-            counts = [finished_requests(server.url) for _ in range(8)]
-            if counts == [NUM_REQUESTS] * 8 or time.monotonic() > deadline:
+            scrapes = [finished_requests(server.url) for _ in range(8)]
+            if all(total == NUM_REQUESTS for total, _ in scrapes) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert counts == [NUM_REQUESTS] * 8
+        assert [total for total, _ in scrapes] == [NUM_REQUESTS] * 8
+        for _, per_frontend in scrapes:  # every frontend served some of them
+            assert len(per_frontend) == 3 and sum(per_frontend) == NUM_REQUESTS
+            assert min(per_frontend) > 0, per_frontend
 
 
 def test_a_taken_port_stops_a_launch_with_several_frontends(tiny_model_dirs):

@@ -70,7 +70,7 @@ def test_each_frontend_reports_the_request_counts_of_all_of_them():
     """Two frontends' Metrics exchange snapshots: each renders the sums of the counters and
     histograms (a finish type only the other has seen included), not its own alone; what the
     schedulers report is not summed."""
-    first, second = Metrics(), Metrics()
+    first, second = Metrics(0), Metrics(1)
     for metrics in (first, second):
         metrics.observe_stats(SchedulerStats(3, 1, 10, 100, 0.0))
     first.observe_finish(finished("length", 5, 7))
@@ -90,6 +90,8 @@ def test_each_frontend_reports_the_request_counts_of_all_of_them():
         assert sample(text, "aerie_e2e_request_latency_seconds_sum") == 4.5
         assert sample(text, "aerie_time_to_first_token_seconds_count") == 1
         assert sample(text, "aerie_num_running_requests") == 3
+        assert sample(text, 'aerie_frontend_requests_total{frontend="tokenizer"}') == 1
+        assert sample(text, 'aerie_frontend_requests_total{frontend="tokenizer1"}') == 2
     # A newer snapshot replaces the older one: counts so far, not increments.
     second.observe_finish(finished("length", 1, 1))
     first.observe_peer(second.snapshot(1))
