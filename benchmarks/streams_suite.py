@@ -5,13 +5,19 @@ For each frontend count a server of its own; at each concurrency `bench_serving.
 that many requests at once (8 at one stream, at most MAX_REQUESTS: the ShareGPT subset has
 about 800 prompts that fit) and reports throughput, TTFT, the gap between a
 stream's events (median, p99) and each process's CPU share, the client's included. The runs
-are merged into `streams_f<N>.json`; `plot_streams.py` draws them.
+are merged into `streams_f<N>.json`; `plot_streams.py` draws them. Then `bench_disturbance.py`
+runs `--disturb-steady` steady streams against each of `--disturbances` (a burst of new
+requests, long prefills, clients that never read, and nothing, the yardstick), merged into
+`disturbance_f<N>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import glob
+import json
+import os
 
 from benchmarks.runner import Call, Command, Server, Step
 from benchmarks.serving_suites import (
@@ -42,6 +48,12 @@ def add_streams(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default=SHAREGPT_SUBSET, help="ShareGPT JSON (prepare makes it)")
     p.add_argument("--client-processes", type=int, default=4, help="bench_serving's clients")
     p.add_argument("--max-running-requests", type=int, default=512, help="the server's rows")
+    p.add_argument(
+        "--disturbances",
+        default="none,burst,prefill,slow",
+        help="bench_disturbance scenarios after the runs ('' for none)",
+    )
+    p.add_argument("--disturb-steady", type=int, default=128, help="their steady streams")
     add_server_flags(p, timeout_s=300, start_timeout_s=300)
 
 
@@ -58,12 +70,40 @@ def plan_streams(args: argparse.Namespace) -> list[Step]:
         warm = min(max(args.concurrency), MAX_REQUESTS)
         inner: list[Step] = [run(args, name, warm, 16, "warmup")]
         inner += [run(args, name, conc, args.output_len) for conc in args.concurrency]
+        scenarios = [s for s in args.disturbances.split(",") if s]
+        inner += [disturb(args, frontends, scenario) for scenario in scenarios]
         steps.append(
             Server(server, f"server_{name}.log", args.port, inner, {}, args.start_timeout_s)
         )
         merge = functools.partial(merge_summaries, args.out, name)
         steps.append(Call(f"merge the runs into serving_{name}.json", merge))
+        if scenarios:
+            merge = functools.partial(merge_disturbances, args.out, frontends)
+            steps.append(Call(f"merge the disturbances into disturbance_f{frontends}.json", merge))
     return steps
+
+
+def disturb(args: argparse.Namespace, frontends: int, scenario: str) -> Command:
+    argv = bench(
+        "bench_disturbance",
+        *("--base-url", f"http://127.0.0.1:{args.port}", "--scenario", scenario),
+        *("--steady", args.disturb_steady),
+        *("--output", out_file(args, f"disturb_f{frontends}_{scenario}.json")),
+    )
+    return Command(argv, f"disturb_f{frontends}_{scenario}.txt", timeout_s=args.timeout_s)
+
+
+def merge_disturbances(out: str, frontends: int) -> None:
+    """disturb_f<N>_<scenario>.json files into one, without their arguments."""
+    merged = {}
+    for path in sorted(glob.glob(os.path.join(out, f"disturb_f{frontends}_*.json"))):
+        with open(path) as f:
+            result = json.load(f)
+        result.pop("args", None)
+        merged[result["scenario"]] = result
+        os.remove(path)
+    with open(os.path.join(out, f"disturbance_f{frontends}.json"), "w") as f:
+        json.dump(merged, f, indent=1)
 
 
 def run(args: argparse.Namespace, name: str, conc: int, output_len: int, tag: str = "") -> Command:

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from benchmarks import __main__ as cli
-from benchmarks import device_carry
+from benchmarks import device_carry, streams_suite
 from benchmarks.host_profile import profile_spins
 from benchmarks.runner import PYTHON, REPO_ROOT, Command, Runner, Server
 from benchmarks.serving_suites import merge_summaries
@@ -514,3 +514,18 @@ def test_streams_serves_each_frontend_count_and_loads_it_at_each_concurrency(cap
     assert all(flag(c, "--output-len") == "512" for c in clients)
     assert flag(clients[-1], "--output").endswith("serve_streams_f4_c512.json")
     assert ["#", "merge", "the", "runs", "into", "serving_streams_f4.json"] in commands
+    disturbances = runs_of(commands, "benchmarks/bench_disturbance.py")
+    scenarios = [flags(c, "--scenario", "--steady") for c in disturbances]
+    assert scenarios == [(s, "128") for s in ("none", "burst", "prefill", "slow")] * 2
+    assert flag(disturbances[-1], "--output").endswith("disturb_f4_slow.json")
+    assert ["#", "merge", "the", "disturbances", "into", "disturbance_f4.json"] in commands
+
+
+def test_the_streams_disturbances_merge_into_one_file_per_frontend_count(tmp_path):
+    for scenario in ("burst", "none"):
+        result = {"scenario": scenario, "during": {"gaps": 3}, "args": {"x": 1}}
+        (tmp_path / f"disturb_f2_{scenario}.json").write_text(json.dumps(result))
+    streams_suite.merge_disturbances(str(tmp_path), 2)
+    merged = json.loads((tmp_path / "disturbance_f2.json").read_text())
+    assert merged == {s: {"scenario": s, "during": {"gaps": 3}} for s in ("burst", "none")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disturbance_f2.json"]
