@@ -110,7 +110,7 @@ class RunnerConfig:
     cuda_graph_max_bs: int | None = _opt(
         None,
         "Largest batch size captured in a CUDA graph (default: "
-        "--max-running-requests, at most 256).",
+        "--max-running-requests, at most 512); larger decode batches run eagerly.",
     )
     cuda_graph_max_prefill_tokens: int | None = _opt(
         None,

@@ -1,7 +1,8 @@
 """Process bootstrap shared by the four `run_<name>_process` entry points.
 
-`run_process` sets up logging, ties the child's life to the launcher's, builds its core, starts
-its `HeartbeatThread` (its own socket and ZMQ context, so a loop inside a long step still
+`run_process` sets up logging, ties the child's life to the launcher's, builds its core, freezes
+what startup allocated out of the garbage collector's walks (`gc_policy`), starts its
+`HeartbeatThread` (its own socket and ZMQ context, so a loop inside a long step still
 answers), reports `ProcessReady`, runs the loop, and reports `ProcessFailed` on any exception.
 """
 
@@ -21,6 +22,7 @@ import zmq
 
 from aerie import endpoints
 from aerie.config import AerieConfig
+from aerie.gc_policy import freeze_startup
 from aerie.logging import setup_logging
 from aerie.messages import Heartbeat, HeartbeatAck, ProcessFailed, ProcessReady
 from aerie.transport import Receiver, Sender
@@ -162,6 +164,7 @@ def run_process(
     launcher = Sender(endpoints.inbox(config, "launcher"))
     try:
         core = build(config)
+        freeze_startup(log)
         info = ready_info(core) if ready_info else {}
         heartbeat = HeartbeatThread(config, name, core.progress)
         heartbeat.start()

@@ -81,18 +81,19 @@ def resolve_attention_backend(backend: str, device: str) -> str:
 
 
 def resolve_cuda_graph_max_bs(config: AerieConfig, device: str, default_rows: int) -> int:
-    """--cuda-graph-max-bs, else the request limit, at most 256 (CPU: 32; there the same
-    padded path runs eagerly)."""
+    """--cuda-graph-max-bs, else the request limit, at most 512 (CPU: 32; there the same
+    padded path runs eagerly). A decode batch above it runs eagerly, several times slower."""
     given = config.runner.cuda_graph_max_bs
     if given is not None:
         if given < 1:
             raise ConfigError("--cuda-graph-max-bs must be >= 1 (use --disable-cuda-graph)")
         return given
     rows = config.scheduler.max_running_requests or default_rows
-    return min(rows, 256 if device == "cuda" else 32)
+    return min(rows, MAX_DEFAULT_GRAPH_BS if device == "cuda" else 32)
 
 
 DEFAULT_PREFILL_GRAPH_TOKENS = 1024
+MAX_DEFAULT_GRAPH_BS = 512  # graphs cost start-up time and memory per bucket
 CORES_PER_FRONTEND = 4  # the default frontend count: one per this many cores
 MAX_FRONTENDS = 64
 

@@ -8,7 +8,7 @@ stream's events (median, p99) and each process's CPU share, the client's include
 are merged into `streams_f<N>.json`; `plot_streams.py` draws them. Then `bench_disturbance.py`
 runs `--disturb-steady` steady streams against each of `--disturbances` (a burst of new
 requests, long prefills, clients that never read, and nothing, the yardstick), merged into
-`disturbance_f<N>.json`.
+`disturbance_streams_f<N>.json`. With `--dp-size`, the names end in `_dp<N>`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def add_streams(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=512, help="tokens per request, EOS ignored")
     p.add_argument("--dataset", default=SHAREGPT_SUBSET, help="ShareGPT JSON (prepare makes it)")
     p.add_argument("--client-processes", type=int, default=4, help="bench_serving's clients")
-    p.add_argument("--max-running-requests", type=int, default=512, help="the server's rows")
+    p.add_argument("--max-running-requests", type=int, default=512, help="each replica's rows")
+    p.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (GPUs)")
     p.add_argument(
         "--disturbances",
         default="none,burst,prefill,slow",
@@ -60,49 +61,51 @@ def add_streams(p: argparse.ArgumentParser) -> None:
 def plan_streams(args: argparse.Namespace) -> list[Step]:
     steps: list[Step] = []
     for frontends in args.frontends:
-        name = f"streams_f{frontends}"
+        name = f"streams_f{frontends}" + (f"_dp{args.dp_size}" if args.dp_size > 1 else "")
         server = launch_argv(
             args,
             args.model,
             *("--max-running-requests", str(args.max_running_requests)),
             *("--tokenizer-worker-num", str(frontends)),
+            *(("--dp-size", str(args.dp_size)) if args.dp_size > 1 else ()),
         )
         warm = min(max(args.concurrency), MAX_REQUESTS)
         inner: list[Step] = [run(args, name, warm, 16, "warmup")]
         inner += [run(args, name, conc, args.output_len) for conc in args.concurrency]
         scenarios = [s for s in args.disturbances.split(",") if s]
-        inner += [disturb(args, frontends, scenario) for scenario in scenarios]
+        inner += [disturb(args, name, scenario) for scenario in scenarios]
         steps.append(
             Server(server, f"server_{name}.log", args.port, inner, {}, args.start_timeout_s)
         )
         merge = functools.partial(merge_summaries, args.out, name)
         steps.append(Call(f"merge the runs into serving_{name}.json", merge))
         if scenarios:
-            merge = functools.partial(merge_disturbances, args.out, frontends)
-            steps.append(Call(f"merge the disturbances into disturbance_f{frontends}.json", merge))
+            merge = functools.partial(merge_disturbances, args.out, name)
+            steps.append(Call(f"merge the disturbances into disturbance_{name}.json", merge))
     return steps
 
 
-def disturb(args: argparse.Namespace, frontends: int, scenario: str) -> Command:
+def disturb(args: argparse.Namespace, name: str, scenario: str) -> Command:
     argv = bench(
         "bench_disturbance",
         *("--base-url", f"http://127.0.0.1:{args.port}", "--scenario", scenario),
         *("--steady", args.disturb_steady),
-        *("--output", out_file(args, f"disturb_f{frontends}_{scenario}.json")),
+        *("--output", out_file(args, f"disturb_{name}_{scenario}.json")),
     )
-    return Command(argv, f"disturb_f{frontends}_{scenario}.txt", timeout_s=args.timeout_s)
+    return Command(argv, f"disturb_{name}_{scenario}.txt", timeout_s=args.timeout_s)
 
 
-def merge_disturbances(out: str, frontends: int) -> None:
-    """disturb_f<N>_<scenario>.json files into one, without their arguments."""
+def merge_disturbances(out: str, name: str) -> None:
+    """disturb_<name>_<scenario>.json files into disturbance_<name>.json, without their
+    arguments."""
     merged = {}
-    for path in sorted(glob.glob(os.path.join(out, f"disturb_f{frontends}_*.json"))):
+    for path in sorted(glob.glob(os.path.join(out, f"disturb_{name}_*.json"))):
         with open(path) as f:
             result = json.load(f)
         result.pop("args", None)
         merged[result["scenario"]] = result
         os.remove(path)
-    with open(os.path.join(out, f"disturbance_f{frontends}.json"), "w") as f:
+    with open(os.path.join(out, f"disturbance_{name}.json"), "w") as f:
         json.dump(merged, f, indent=1)
 
 

@@ -8,6 +8,7 @@ queues the step on the device and starts the copy of its results; `finish` waits
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from gpu_worker.speculative.target_verify import SpecStepOutput
 from gpu_worker.step.decode_step import DecodeStep
 from gpu_worker.step.host_batch import HostCopy, PendingCopy, Staging, int64_entries
 from gpu_worker.step.plan_arrays import EMPTY, PlanArrays, parse_plan
+
+log = logging.getLogger(__name__)
 
 PLAN_MODES = ("extend", "decode")
 
@@ -56,6 +59,14 @@ class GPUWorker:
         self.sampling, self.spec, self.rows = models.sampling, models.speculative, models.rows
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
+        graphed = graph_max_bs(config)
+        if self.device.type == "cuda" and 0 < graphed < self.max_running_requests:
+            log.warning(
+                "decode batches above %d (--cuda-graph-max-bs) run eagerly, several times "
+                "slower a step than graphed ones; up to %d can run (--max-running-requests)",
+                graphed,
+                self.max_running_requests,
+            )
         # Plain decoding, and the plain steps of adaptive speculation (a speculative iteration
         # runs its own stages).
         self.decode_step: DecodeStep | None = None

@@ -51,6 +51,21 @@ def test_prefill_graph_tokens_resolve_per_device_and_flag():
         resolved(["--cuda-graph-max-prefill-tokens", "-1"], "cuda")
 
 
+def test_decode_graphs_cover_the_request_limit_up_to_512_rows():
+    from aerie.resolve import resolve_cuda_graph_max_bs
+
+    def resolved(args: list[str], device: str = "cuda") -> int:
+        return resolve_cuda_graph_max_bs(config_from_args(args), device, 256)
+
+    assert resolved([]) == 256  # the default request limit
+    assert resolved(["--max-running-requests", "384"]) == 384
+    assert resolved(["--max-running-requests", "1024"]) == 512
+    assert resolved(["--max-running-requests", "1024", "--cuda-graph-max-bs", "640"]) == 640
+    assert resolved(["--max-running-requests", "64"], "cpu") == 32
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        resolved(["--cuda-graph-max-bs", "0"])
+
+
 def test_bad_choice_is_refused(capsys):
     with pytest.raises(SystemExit):
         config_from_args(["--device", "tpu"])

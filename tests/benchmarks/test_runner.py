@@ -517,15 +517,20 @@ def test_streams_serves_each_frontend_count_and_loads_it_at_each_concurrency(cap
     disturbances = runs_of(commands, "benchmarks/bench_disturbance.py")
     scenarios = [flags(c, "--scenario", "--steady") for c in disturbances]
     assert scenarios == [(s, "128") for s in ("none", "burst", "prefill", "slow")] * 2
-    assert flag(disturbances[-1], "--output").endswith("disturb_f4_slow.json")
-    assert ["#", "merge", "the", "disturbances", "into", "disturbance_f4.json"] in commands
+    assert flag(disturbances[-1], "--output").endswith("disturb_streams_f4_slow.json")
+    assert ["#", "merge", "the", "disturbances", "into", "disturbance_streams_f4.json"] in commands
+    dp = dry_run(capsys, tmp_path, *argv, "--dp-size", "2", "--disturbances", "")
+    servers = [c for c in dp if c[-1] == "&"]
+    assert [flag(s, "--dp-size") for s in servers] == ["2", "2"]
+    assert not runs_of(dp, "benchmarks/bench_disturbance.py")
+    assert ["#", "merge", "the", "runs", "into", "serving_streams_f4_dp2.json"] in dp
 
 
 def test_the_streams_disturbances_merge_into_one_file_per_frontend_count(tmp_path):
     for scenario in ("burst", "none"):
         result = {"scenario": scenario, "during": {"gaps": 3}, "args": {"x": 1}}
-        (tmp_path / f"disturb_f2_{scenario}.json").write_text(json.dumps(result))
-    streams_suite.merge_disturbances(str(tmp_path), 2)
-    merged = json.loads((tmp_path / "disturbance_f2.json").read_text())
+        (tmp_path / f"disturb_streams_f2_{scenario}.json").write_text(json.dumps(result))
+    streams_suite.merge_disturbances(str(tmp_path), "streams_f2")
+    merged = json.loads((tmp_path / "disturbance_streams_f2.json").read_text())
     assert merged == {s: {"scenario": s, "during": {"gaps": 3}} for s in ("burst", "none")}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["disturbance_f2.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disturbance_streams_f2.json"]
