@@ -277,6 +277,16 @@ class Bench:
         finally:
             server.stop()
 
+    def save_outputs(self, run: str, prompts: list[Prompt], results: list) -> None:
+        """The run's prompts and answers (ids) as `tools/divergence.py` reads them."""
+        os.makedirs(self.args.save_outputs, exist_ok=True)
+        answers = [
+            {"prompt_ids": p.ids, "output_ids": r.output_ids}
+            for p, r in zip(prompts, results, strict=True)
+        ]
+        with open(os.path.join(self.args.save_outputs, f"{run}.json"), "w") as f:
+            json.dump(answers, f)
+
     def warm_up(self, url: str) -> None:
         """Kernels built and paths taken once per temperature before anything is timed."""
         num = self.args.warmup_prompts
@@ -345,6 +355,9 @@ class Bench:
         plain, plain_step = self.plain.get(key, (None, None))
         ratio = tok_s / plain if plain else None
         errors = sorted({r.error for r in results if r.error})[:3]
+        if args.save_outputs:
+            run = f"{name}_turn{turn}_T{temperature:g}_c{concurrency}"
+            self.save_outputs(run, prompts, results)
         return {
             "server": name,
             "turn": turn,
@@ -480,6 +493,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000, help="0: any free port")
     p.add_argument("--output", default="results.json")
     p.add_argument("--plot", metavar="PNG", help="ratios and acceptance (needs matplotlib)")
+    p.add_argument(
+        "--save-outputs",
+        metavar="DIR",
+        help="write each run's prompts and answers here (tools/divergence.py compares two)",
+    )
     p.add_argument(
         "--client-processes",
         type=int,

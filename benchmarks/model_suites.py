@@ -8,10 +8,13 @@ launch.py takes for the default model (so servers pick its shipped drafts from a
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
+from pathlib import Path
 
 from aerie.default_model import GGUF_FILENAME, default_model_dir
-from benchmarks.runner import PYTHON, Command, Step, SuiteError
+from benchmarks.runner import PYTHON, Call, Command, Step, SuiteError
 from benchmarks.suites import (
     Suite,
     bench,
@@ -83,6 +86,12 @@ def add_spec_serving(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--client-processes", type=int, default=0, help="0: 1, or 4 from 64 streams on")
     p.add_argument("--no-plot", action="store_true", help="no spec_serving.png")
+    p.add_argument(
+        "--divergence",
+        metavar="RUN",
+        help="save every run's answers (answers/ in --out) and compare each greedy run with "
+        "RUN (e.g. plain_turn1_T0_c1) by tools/divergence.py, into divergence.json",
+    )
     p.add_argument("--timeout-s", type=float, default=570, help="for the whole grid")
     p.add_argument(
         "--step-trace",
@@ -142,11 +151,34 @@ def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
         *((f"--extra-server-args={args.extra_server_args}",) if args.extra_server_args else ()),
         *(("--client-processes", args.client_processes) if args.client_processes else ()),
         *("--output", out_file(args, "spec_serving.json")),
+        *(("--save-outputs", out_file(args, "answers")) if args.divergence else ()),
         *(() if args.no_plot else ("--plot", out_file(args, "spec_serving.png"))),
         *env,
     )
     steps = real_model_steps(args.model_path, args.gguf)
-    return [*steps, Command(argv, "spec_serving.txt", timeout_s=args.timeout_s), *summaries]
+    run = Command(argv, "spec_serving.txt", timeout_s=args.timeout_s)
+    if args.divergence:
+        compare = functools.partial(compare_answers, args.out, args.divergence, args.model_path)
+        summaries.append(Call(f"compare the greedy runs with {args.divergence}", compare))
+    return [*steps, run, *summaries]
+
+
+def compare_answers(out: str, base: str, model_path: str) -> None:
+    """tools/divergence.py over every greedy run in out/answers against `base`, into
+    out/divergence.json, on the GPU when there is one."""
+    import torch
+
+    from tools import divergence
+
+    answers = Path(out, "answers")
+    runs = sorted(p for p in answers.glob("*_T0_*.json") if p.stem != base)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits_of = divergence.reference_logits(os.path.expanduser(model_path), device)
+    reports = divergence.compare_with(answers / f"{base}.json", runs, logits_of)
+    Path(out, "divergence.json").write_text(json.dumps(reports, indent=1))
+    for name, report in reports.items():
+        print(f"  {base} against {name}:", flush=True)
+        divergence.print_report(report)
 
 
 def add_mtbench(p: argparse.ArgumentParser) -> None:

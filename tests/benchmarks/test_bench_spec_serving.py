@@ -13,6 +13,7 @@ from tests.e2e.server import device_args
 from tests.gpu_worker.checkpoints import make_tiny_checkpoint
 from tests.gpu_worker.draft_checkpoints import make_tiny_eagle3_draft
 from tests.tokenizer_fixture import make_tiny_tokenizer
+from tools import divergence
 
 
 def scrape(
@@ -242,6 +243,8 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
             str(out),
             "--server-env",
             f"AERIE_STEP_TRACE=1,100000,{tmp_path}/trace_{{server}}",
+            "--save-outputs",
+            str(tmp_path / "answers"),
         ]
     )
     report = json.loads(out.read_text())
@@ -287,3 +290,14 @@ def test_plain_and_speculative_servers_are_launched_loaded_and_compared(tmp_path
         shares = row["summary"]["cpu_share"]
         assert {"scheduler", "tokenizer", "gpu_worke", "client"} <= set(shares)
         assert all(share >= 0 for share in shares.values())
+    # --save-outputs: each run's answers, and on CPU in float32 the speculative server's
+    # greedy answers are the plain server's, alone or two at a time
+    answers = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "answers").iterdir()}
+    assert sorted(answers) == sorted(
+        f"{s}_turn{t}_T0_c{c}" for s in ("plain", "spec") for t in (1, 2) for c in (1, 2)
+    )
+    plain = answers["plain_turn1_T0_c1"]
+    assert len(plain) == 4 and all(len(a["output_ids"]) == 8 for a in plain)
+    for run in ("plain_turn1_T0_c2", "spec_turn1_T0_c1", "spec_turn1_T0_c2"):
+        report = divergence.compare(plain, answers[run], lambda ids: None)
+        assert report["identical"] == 4, run

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from benchmarks import __main__ as cli
-from benchmarks import device_carry, streams_suite
+from benchmarks import device_carry, model_suites, streams_suite
 from benchmarks.host_profile import profile_spins
 from benchmarks.runner import PYTHON, REPO_ROOT, Command, Runner, Server
 from benchmarks.serving_suites import merge_summaries
@@ -173,6 +173,36 @@ def test_spec_serving_converts_the_joined_gguf_first_and_passes_the_grid(capsys,
     (model / "config.json").parent.mkdir()
     (model / "config.json").write_text("{}")
     assert "tools/convert_gguf.py" not in dry_run(capsys, tmp_path, *argv)[1]
+
+
+def test_spec_serving_saves_answers_and_compares_greedy_runs_with_one(capsys, tmp_path):
+    model = tmp_path / "model"
+    (model / "config.json").parent.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = ["spec-serving", "--model-path", str(model), "--divergence", "plain_turn1_T0_c1"]
+    commands = dry_run(capsys, tmp_path, *argv)
+    assert flag(commands[1], "--save-outputs").endswith("/answers")
+    assert ["#", "compare", "the", "greedy", "runs", "with", "plain_turn1_T0_c1"] in commands
+    assert "--save-outputs" not in dry_run(capsys, tmp_path, *argv[:3])[1]
+
+
+def test_the_greedy_runs_are_compared_with_the_base_run(tmp_path):
+    from tests.e2e.reference import hf_greedy
+    from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(str(tmp_path / "model"), "llama", vocab_size=96)
+    prompts = [[5, 6, 7], [8, 9]]
+    base = [{"prompt_ids": p, "output_ids": hf_greedy(model, p, 6)} for p in prompts]
+    other = [base[0], {"prompt_ids": prompts[1], "output_ids": base[1]["output_ids"][:5] + [0]}]
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    for name, run in (("plain_T0_c1", base), ("spec_T0_c1", other), ("spec_T0.7_c1", other)):
+        (answers / f"{name}.json").write_text(json.dumps(run))
+    model_suites.compare_answers(str(tmp_path), "plain_T0_c1", model)
+    reports = json.loads((tmp_path / "divergence.json").read_text())
+    assert list(reports) == ["spec_T0_c1"]  # greedy runs only, the base left out
+    assert reports["spec_T0_c1"]["identical"] == 1
+    assert reports["spec_T0_c1"]["divergences"][0]["position"] == 5
 
 
 def test_spec_serving_traces_and_profiles_each_server_apart(capsys, tmp_path):
