@@ -9,7 +9,10 @@ the first differing position, runs the target model once in float32 (transformer
 prompt and the shared output before it, and reports the logits there: the top two, the two
 tokens the runs picked, and the gap between the picks relative to the logit scale (the largest
 absolute logit). A gap within `--tie` (default 2^-7: bf16 keeps 8 bits of significand) of the
-scale is a near-tie; a larger one is marked SUSPECT and the exit status is 1.
+scale is a near-tie; a larger one is marked SUSPECT and the exit status is 1. The report also
+says whether the two picks are the reference's top two: rounding through a bf16 network can
+move a logit by about 1% of the scale, so a pair of top-two picks just over the threshold is
+still most likely a tie, where a bug tends to pick a token further down.
 
 A run file is JSON: a list of {"prompt_ids": [...], "output_ids": [...]} (an "id" optional),
 in the same order in both files, as `bench_spec_serving.py --save-outputs` writes them.
@@ -49,6 +52,7 @@ class Divergence:
     scale: float  # the largest absolute logit
     relative_gap: float  # |logit_a - logit_b| (or top1 - top2 when a run ended) / scale
     near_tie: bool
+    top_two_picked: bool  # the two picks are the reference's top two (a run that ended: False)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -72,7 +76,8 @@ def explain(
     if position is None:
         return None
     logits = logits_of(prompt + a[:position]).float()
-    top = torch.topk(logits, 2).values.tolist()
+    best = torch.topk(logits, 2)
+    top = best.values.tolist()
     scale = float(logits.abs().max())
     picks = [out[position] if position < len(out) else None for out in (a, b)]
     picked = [None if t is None else float(logits[t]) for t in picks]
@@ -94,6 +99,7 @@ def explain(
         scale,
         relative,
         relative <= tie,
+        set(picks) == set(best.indices.tolist()),
     )
 
 
@@ -131,6 +137,7 @@ def compare(run_a: list[dict], run_b: list[dict], logits_of: Logits, tie: float 
         "suspects": sum(not d.near_tie for d in found),
         "mean_shared_share": (sum(shares) + len(run_a) - len(found)) / max(len(run_a), 1),
         "largest_relative_gap": max((d.relative_gap for d in found), default=0.0),
+        "outside_top_two": sum(not d.top_two_picked for d in found),
         "tie": tie,
         "divergences": [asdict(d) for d in found],
     }
@@ -148,7 +155,8 @@ def print_report(report: dict) -> None:
     print(
         f"{report['identical']} / {report['prompts']} identical; {report['near_ties']} "
         f"near-ties, {report['suspects']} suspect (gap over {report['tie']:g} of the scale); "
-        f"mean share before the first difference {report['mean_shared_share']:.0%}"
+        f"{report['outside_top_two']} picked outside the reference's top two; mean share "
+        f"before the first difference {report['mean_shared_share']:.0%}"
     )
     for d in report["divergences"]:
         verdict = "near-tie" if d["near_tie"] else "SUSPECT"

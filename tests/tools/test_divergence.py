@@ -34,9 +34,11 @@ def test_a_gap_within_rounding_of_the_scale_is_a_near_tie():
     tie = divergence.explain(0, [1], [2, 3], [2, 4], fake_logits({3: 16.0, 4: 16.0 - 0.06}))
     assert tie is not None and tie.position == 1 and (tie.token_a, tie.token_b) == (3, 4)
     assert tie.scale == 16.0 and tie.relative_gap == pytest.approx(0.06 / 16, rel=1e-5)
-    assert tie.near_tie  # 0.0037 < 2^-7
+    assert tie.near_tie and tie.top_two_picked  # 0.0037 < 2^-7
     clear = divergence.explain(0, [1], [2, 3], [2, 4], fake_logits({3: 16.0, 4: 15.0}))
     assert clear is not None and not clear.near_tie and clear.shared_share == 0.5
+    below = divergence.explain(0, [1], [3], [6], fake_logits({3: 16.0, 4: 15.9, 6: 1.0}))
+    assert below is not None and not below.top_two_picked
     # A run that stopped: judged by the top two (here one token stands clear)
     ended = divergence.explain(0, [1], [2], [2, 4], fake_logits({4: 9.0, 5: 1.0}))
     assert ended is not None and ended.token_a is None and ended.logit_b == 9.0
@@ -61,6 +63,7 @@ def test_the_reference_logits_at_a_flipped_token(tmp_path):
 
     report = divergence.compare(run_a, run_b, logits_of, tie=2 * gap)
     assert (report["identical"], report["near_ties"], report["suspects"]) == (1, 1, 0)
+    assert report["outside_top_two"] == 0
     (found,) = report["divergences"]
     assert (found["index"], found["position"]) == (1, 3)
     assert found["relative_gap"] == pytest.approx(gap, rel=1e-5)
