@@ -2,9 +2,10 @@
 default model's shape with random weights, streaming requests of `--output-len` tokens.
 
 For each frontend count a server of its own; at each concurrency `bench_serving.py` sends 2x
-that many requests at once (8 at one stream, at most MAX_REQUESTS: the ShareGPT subset has
-about 800 prompts that fit) and reports throughput, TTFT, the gap between a
-stream's events (median, p99) and each process's CPU share, the client's included. The runs
+that many requests at once (8 at one stream, at most `--max-requests`: the default ShareGPT
+subset has about 800 prompts that fit; `prepare --num-conversations 3000` makes room for more)
+and reports throughput, TTFT, the gap between a stream's events (median, p99) and each
+process's CPU share, the client's included. The runs
 are merged into `streams_f<N>.json`; `plot_streams.py` draws them. Then `bench_disturbance.py`
 runs `--disturb-steady` steady streams against each of `--disturbances` (a burst of new
 requests, long prefills, clients that never read, and nothing, the yardstick), merged into
@@ -47,6 +48,9 @@ def add_streams(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=512, help="tokens per request, EOS ignored")
     p.add_argument("--dataset", default=SHAREGPT_SUBSET, help="ShareGPT JSON (prepare makes it)")
     p.add_argument("--client-processes", type=int, default=4, help="bench_serving's clients")
+    p.add_argument(
+        "--max-requests", type=int, default=MAX_REQUESTS, help="of a run (2 x streams below it)"
+    )
     p.add_argument("--max-running-requests", type=int, default=512, help="each replica's rows")
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (GPUs)")
     p.add_argument(
@@ -69,7 +73,7 @@ def plan_streams(args: argparse.Namespace) -> list[Step]:
             *("--tokenizer-worker-num", str(frontends)),
             *(("--dp-size", str(args.dp_size)) if args.dp_size > 1 else ()),
         )
-        warm = min(max(args.concurrency), MAX_REQUESTS)
+        warm = min(max(args.concurrency), args.max_requests)
         inner: list[Step] = [run(args, name, warm, 16, "warmup")]
         inner += [run(args, name, conc, args.output_len) for conc in args.concurrency]
         scenarios = [s for s in args.disturbances.split(",") if s]
@@ -111,7 +115,7 @@ def merge_disturbances(out: str, name: str) -> None:
 
 def run(args: argparse.Namespace, name: str, conc: int, output_len: int, tag: str = "") -> Command:
     """bench_serving.py at `conc` streams (a warm-up when tagged: short requests, not kept)."""
-    num = conc if tag else (8 if conc == 1 else min(2 * conc, MAX_REQUESTS))
+    num = conc if tag else (8 if conc == 1 else min(2 * conc, args.max_requests))
     argv = bench(
         "bench_serving",
         *("--base-url", f"http://127.0.0.1:{args.port}", "--backend", args.backend),
