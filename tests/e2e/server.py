@@ -56,11 +56,12 @@ def child_named(server: Server, name: str) -> int:
 
 
 def frontend_args(args: tuple[str, ...]) -> list[str]:
-    """`--tokenizer-worker-num` from AERIE_E2E_FRONTENDS (default 1; 2 runs every launched
-    test behind two frontends sharing the port) unless the test chose its own."""
+    """`--tokenizer-worker-num` from AERIE_E2E_FRONTENDS (default 2: every launched test runs
+    behind two frontends sharing the port, as a server on a machine of 8 or more cores does;
+    1 for one) unless the test chose its own."""
     if "--tokenizer-worker-num" in args:
         return []
-    return ["--tokenizer-worker-num", os.environ.get("AERIE_E2E_FRONTENDS", "1")]
+    return ["--tokenizer-worker-num", os.environ.get("AERIE_E2E_FRONTENDS", "2")]
 
 
 def assert_no_orphans(server: Server, timeout_s: float = 5.0) -> None:

@@ -1,7 +1,6 @@
 """Several frontends behind one port (`--tokenizer-worker-num`): connections spread over them,
-and whichever one a scrape reaches reports every frontend's requests. (AERIE_E2E_FRONTENDS=2
-runs every launched test behind two: `tests/e2e/server.py`; the soak test and the kill test
-always do.)"""
+and whichever one a scrape reaches reports every frontend's requests. (Every launched test
+runs behind two unless it sets its own count: `tests/e2e/server.py`, AERIE_E2E_FRONTENDS.)"""
 
 from __future__ import annotations
 
