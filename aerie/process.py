@@ -1,4 +1,5 @@
-"""Process bootstrap shared by the four `run_<name>_process` entry points.
+"""Process bootstrap shared by the `run_<name>_process` entry points (frontend, scheduler,
+GPU worker).
 
 `run_process` sets up logging, ties the child's life to the launcher's, builds its core, freezes
 what startup allocated out of the garbage collector's walks (`gc_policy`), starts its

@@ -73,7 +73,13 @@ def window_stats(streams: list[list[float]], start: float, end: float) -> dict[s
         if start <= t1 < end
     )
     if not gaps:
-        return {"gaps": 0, "gap_median_ms": 0.0, "gap_p99_ms": 0.0, "gap_max_ms": 0.0}
+        return {
+            "gaps": 0,
+            "gap_median_ms": 0.0,
+            "gap_p99_ms": 0.0,
+            "gap_max_ms": 0.0,
+            "events_per_s": 0.0,
+        }
     return {
         "gaps": len(gaps),
         "gap_median_ms": statistics.median(gaps),
@@ -254,7 +260,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-processes", type=int, default=4, help="the steady streams' clients")
     p.add_argument("--timeout-s", type=float, default=120.0, help="for the streams to start")
     p.add_argument("--output", default=None, help="write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("steady", "client_processes", "burst", "long", "slow"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -281,7 +281,7 @@ class Bench:
         """The run's prompts and answers (ids) as `tools/divergence.py` reads them."""
         os.makedirs(self.args.save_outputs, exist_ok=True)
         answers = [
-            {"prompt_ids": p.ids, "output_ids": r.output_ids}
+            {"prompt_ids": p.ids, "output_ids": r.output_ids, "error": r.error}
             for p, r in zip(prompts, results, strict=True)
         ]
         with open(os.path.join(self.args.save_outputs, f"{run}.json"), "w") as f:

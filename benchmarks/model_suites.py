@@ -164,14 +164,17 @@ def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
 
 
 def compare_answers(out: str, base: str, model_path: str) -> None:
-    """tools/divergence.py over every greedy run in out/answers against `base`, into
-    out/divergence.json, on the GPU when there is one."""
+    """tools/divergence.py over every greedy run of base's turn in out/answers against `base`
+    (a run name: SERVER_turnN_T0_cC), into out/divergence.json, on the GPU when there is
+    one."""
     import torch
 
     from tools import divergence
 
     answers = Path(out, "answers")
-    runs = sorted(p for p in answers.glob("*_T0_*.json") if p.stem != base)
+    turn = next((part for part in base.split("_") if part.startswith("turn")), "")
+    # the greedy runs of the base's turn (another turn asks other prompts)
+    runs = sorted(p for p in answers.glob(f"*_{turn}_T0_*.json") if p.stem != base)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     logits_of = divergence.reference_logits(os.path.expanduser(model_path), device)
     reports = divergence.compare_with(answers / f"{base}.json", runs, logits_of)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import os
 
+from benchmarks.bench_disturbance import SCENARIOS
 from benchmarks.runner import Call, Command, Server, Step
 from benchmarks.serving_suites import (
     SHAREGPT_SUBSET,
@@ -103,7 +103,8 @@ def merge_disturbances(out: str, name: str) -> None:
     """disturb_<name>_<scenario>.json files into disturbance_<name>.json, without their
     arguments."""
     merged = {}
-    for path in sorted(glob.glob(os.path.join(out, f"disturb_{name}_*.json"))):
+    paths = [os.path.join(out, f"disturb_{name}_{scenario}.json") for scenario in SCENARIOS]
+    for path in filter(os.path.exists, paths):
         with open(path) as f:
             result = json.load(f)
         result.pop("args", None)

@@ -155,9 +155,12 @@ def edge_protocol(
     A client that reads nothing while the connection's send buffer stays full (the transport
     asks writers to pause) for slow_client_timeout_s (None: forever) is cut off: the connection
     is reset, which ends its response as a disconnect does (its unfinished requests are
-    aborted), and a warning says so. What one connection holds is so bounded by the kernel's
-    and the transport's send buffers (a streaming request's newer output coalesces into one
-    pending event meanwhile); a client that reads, however slowly, resets the clock.
+    aborted), and a warning says so; a connection closing after its response (keep-alive
+    expiry, `Connection: close`) is cut off the same way, since closing waits for the client
+    to read what is buffered. What one connection holds is so bounded by the kernel's and the
+    transport's send buffers (a streaming request's newer output coalesces into one pending
+    event meanwhile). The clock restarts whenever the client reads enough for the transport's
+    buffer to drain below its low-water mark.
 
     At most max_connections connections (None: any number) are served at once; a request on
     one opened beyond them gets a JSON 503 with Retry-After and the connection is closed.
@@ -224,9 +227,8 @@ def edge_protocol(
                 self._stall_timer = None
 
         def _cut_off(self) -> None:
+            # Even a closing transport: close() waits for the client to read what is buffered.
             self._stall_timer = None
-            if self.transport.is_closing():
-                return
             cycle = self.cycle
             path = cycle.scope["path"] if cycle is not None else "-"
             client = "{}:{}".format(*self.client) if self.client else "a client"

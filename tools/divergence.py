@@ -14,8 +14,9 @@ says whether the two picks are the reference's top two: rounding through a bf16 
 move a logit by about 1% of the scale, so a pair of top-two picks just over the threshold is
 still most likely a tie, where a bug tends to pick a token further down.
 
-A run file is JSON: a list of {"prompt_ids": [...], "output_ids": [...]} (an "id" optional),
-in the same order in both files, as `bench_spec_serving.py --save-outputs` writes them.
+A run file is JSON: a list of {"prompt_ids": [...], "output_ids": [...], "error": ""} in the
+same order in both files (the answers both hold are compared), as `bench_spec_serving.py
+--save-outputs` writes them.
 
     python3 tools/divergence.py --model-path MODEL plain_c1.json plain_c16.json
 """
@@ -119,47 +120,67 @@ def reference_logits(model_path: str, device: str) -> Logits:
 
 
 def compare(run_a: list[dict], run_b: list[dict], logits_of: Logits, tie: float = TIE) -> dict:
-    """Every divergence between two runs of the same prompts, and a summary."""
-    if len(run_a) != len(run_b):
-        raise ValueError(f"the runs hold {len(run_a)} and {len(run_b)} answers")
+    """Every divergence between two runs of the same prompts (the answers both runs have: a
+    run of more streams may hold more), and a summary. Answers either run failed (a
+    non-empty "error") are counted apart; so are differences where one answer ended, which
+    the reference cannot judge (a stop string or a length limit may have ended it)."""
     found: list[Divergence] = []
-    for index, (x, y) in enumerate(zip(run_a, run_b, strict=True)):
+    failed = 0
+    for index, (x, y) in enumerate(zip(run_a, run_b, strict=False)):
         if x["prompt_ids"] != y["prompt_ids"]:
             raise ValueError(f"answer {index} has different prompts in the two runs")
+        if x.get("error") or y.get("error"):
+            failed += 1
+            continue
         d = explain(index, x["prompt_ids"], x["output_ids"], y["output_ids"], logits_of, tie)
         if d is not None:
             found.append(d)
+    judged = [d for d in found if None not in (d.token_a, d.token_b)]
+    compared = min(len(run_a), len(run_b)) - failed
     shares = [d.shared_share for d in found]
     return {
-        "prompts": len(run_a),
-        "identical": len(run_a) - len(found),
-        "near_ties": sum(d.near_tie for d in found),
-        "suspects": sum(not d.near_tie for d in found),
-        "mean_shared_share": (sum(shares) + len(run_a) - len(found)) / max(len(run_a), 1),
-        "largest_relative_gap": max((d.relative_gap for d in found), default=0.0),
-        "outside_top_two": sum(not d.top_two_picked for d in found),
+        "prompts": compared,
+        "failed": failed,
+        "identical": compared - len(found),
+        "ended": len(found) - len(judged),
+        "near_ties": sum(d.near_tie for d in judged),
+        "suspects": sum(not d.near_tie for d in judged),
+        "mean_shared_share": (sum(shares) + compared - len(found)) / max(compared, 1),
+        "largest_relative_gap": max((d.relative_gap for d in judged), default=0.0),
+        "outside_top_two": sum(not d.top_two_picked for d in judged),
         "tie": tie,
         "divergences": [asdict(d) for d in found],
     }
 
 
 def compare_with(base: Path, runs: list[Path], logits_of: Logits, tie: float = TIE) -> dict:
-    """Each run file's `compare` with the base run's, by run name (file stem)."""
+    """Each run file's `compare` with the base run's, by run name (file stem); a run that
+    cannot be compared (other prompts) gets {"error": why} instead."""
     base_run = json.loads(base.read_text())
-    return {
-        path.stem: compare(base_run, json.loads(path.read_text()), logits_of, tie) for path in runs
-    }
+    reports = {}
+    for path in runs:
+        try:
+            reports[path.stem] = compare(base_run, json.loads(path.read_text()), logits_of, tie)
+        except ValueError as e:
+            reports[path.stem] = {"error": str(e)}
+    return reports
 
 
 def print_report(report: dict) -> None:
+    if "error" in report:
+        print(f"not compared: {report['error']}")
+        return
     print(
         f"{report['identical']} / {report['prompts']} identical; {report['near_ties']} "
         f"near-ties, {report['suspects']} suspect (gap over {report['tie']:g} of the scale); "
-        f"{report['outside_top_two']} picked outside the reference's top two; mean share "
-        f"before the first difference {report['mean_shared_share']:.0%}"
+        f"{report['outside_top_two']} picked outside the reference's top two; {report['ended']} "
+        f"where one answer ended, {report['failed']} failed; mean share before the first "
+        f"difference {report['mean_shared_share']:.0%}"
     )
     for d in report["divergences"]:
         verdict = "near-tie" if d["near_tie"] else "SUSPECT"
+        if None in (d["token_a"], d["token_b"]):
+            verdict = "one answer ended: not judged"
         picks = f"{d['token_a']} ({d['logit_a']}) vs {d['token_b']} ({d['logit_b']})"
         print(
             f"  answer {d['index']}: position {d['position']} ({d['shared_share']:.0%} in), "

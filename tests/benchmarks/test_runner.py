@@ -194,15 +194,24 @@ def test_the_greedy_runs_are_compared_with_the_base_run(tmp_path):
     prompts = [[5, 6, 7], [8, 9]]
     base = [{"prompt_ids": p, "output_ids": hf_greedy(model, p, 6)} for p in prompts]
     other = [base[0], {"prompt_ids": prompts[1], "output_ids": base[1]["output_ids"][:5] + [0]}]
+    more = [*other, {"prompt_ids": [1, 2], "output_ids": [3]}]  # a run of more streams
     answers = tmp_path / "answers"
     answers.mkdir()
-    for name, run in (("plain_T0_c1", base), ("spec_T0_c1", other), ("spec_T0.7_c1", other)):
+    runs = {
+        "plain_turn1_T0_c1": base,
+        "spec_turn1_T0_c1": other,
+        "spec_turn1_T0_c16": more,
+        "spec_turn1_T0.7_c1": other,  # sampled: not compared
+        "spec_turn2_T0_c1": [{"prompt_ids": [4], "output_ids": [5]}],  # another turn
+    }
+    for name, run in runs.items():
         (answers / f"{name}.json").write_text(json.dumps(run))
-    model_suites.compare_answers(str(tmp_path), "plain_T0_c1", model)
+    model_suites.compare_answers(str(tmp_path), "plain_turn1_T0_c1", model)
     reports = json.loads((tmp_path / "divergence.json").read_text())
-    assert list(reports) == ["spec_T0_c1"]  # greedy runs only, the base left out
-    assert reports["spec_T0_c1"]["identical"] == 1
-    assert reports["spec_T0_c1"]["divergences"][0]["position"] == 5
+    assert list(reports) == ["spec_turn1_T0_c1", "spec_turn1_T0_c16"]
+    for report in reports.values():  # the answers both runs hold
+        assert report["prompts"] == 2 and report["identical"] == 1
+        assert report["divergences"][0]["position"] == 5
 
 
 def test_spec_serving_traces_and_profiles_each_server_apart(capsys, tmp_path):

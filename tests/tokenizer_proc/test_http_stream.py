@@ -233,3 +233,26 @@ def test_a_client_that_reads_is_not_cut_off(big_streams):
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert events[-1] == "data: [DONE]" and len(text) == 30 * (512 << 10)
     assert engine.aborted == []
+
+
+def test_a_closing_connection_whose_client_reads_nothing_is_cut_off_too(big_streams, caplog):
+    """`Connection: close` after a whole (not streamed) 15 MiB response: closing waits for the
+    client to read what is buffered, so the cut-off must end it all the same."""
+    server, _ = big_streams
+    body = json.dumps({**BIG_REQUEST, "stream": False})
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(15)
+    with sock:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        assert wait_until(lambda: any("cut off" in r.getMessage() for r in caplog.records), 10)
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while piece := sock.recv(1 << 20):
+                received += piece
+    assert received.startswith(b"HTTP/1.1 200") and len(received) < 30 * (512 << 10)

@@ -45,6 +45,26 @@ def test_a_gap_within_rounding_of_the_scale_is_a_near_tie():
     assert ended.relative_gap == pytest.approx(8 / 9) and not ended.near_tie
 
 
+def test_failed_answers_and_endings_are_counted_apart():
+    logits_of = fake_logits({3: 16.0, 4: 15.0})
+    run_a = [
+        {"prompt_ids": [1], "output_ids": [3, 3]},
+        {"prompt_ids": [2], "output_ids": [3], "error": ""},
+        {"prompt_ids": [5], "output_ids": [], "error": "HTTP 503"},
+    ]
+    run_b = [
+        {"prompt_ids": [1], "output_ids": [3, 4]},  # a clear flip: a suspect
+        {"prompt_ids": [2], "output_ids": [3, 3]},  # a ends first: not judged
+        {"prompt_ids": [5], "output_ids": [3]},
+        {"prompt_ids": [6], "output_ids": [3]},  # only b has it
+    ]
+    report = divergence.compare(run_a, run_b, logits_of)
+    assert (report["prompts"], report["failed"], report["identical"]) == (2, 1, 0)
+    assert (report["ended"], report["near_ties"], report["suspects"]) == (1, 0, 1)
+    with pytest.raises(ValueError, match="different prompts"):
+        divergence.compare(run_a, list(reversed(run_b)), logits_of)
+
+
 def test_the_reference_logits_at_a_flipped_token(tmp_path):
     """Run b takes the runner-up at position 3: the tool finds it and reports the gap the
     float32 reference has there; with a threshold above that gap it is a near-tie, below a
