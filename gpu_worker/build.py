@@ -74,6 +74,17 @@ def graph_max_bs(config: AerieConfig) -> int:
     return config.runner.cuda_graph_max_bs or 0
 
 
+def eager_rows_warning(config: AerieConfig, device_type: str) -> str | None:
+    """What to warn of when decode batches can outgrow the captured graphs, else None."""
+    graphed, rows = graph_max_bs(config), config.scheduler.max_running_requests or 0
+    if device_type != "cuda" or not 0 < graphed < rows:
+        return None
+    return (
+        f"decode batches above {graphed} (--cuda-graph-max-bs) run eagerly, several times "
+        f"slower a step than graphed ones; up to {rows} can run (--max-running-requests)"
+    )
+
+
 def prefill_graph_tokens(config: AerieConfig) -> int:
     """The largest prefill replayed as a CUDA graph (0: none)."""
     if config.runner.disable_cuda_graph:

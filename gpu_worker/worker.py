@@ -20,7 +20,12 @@ from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan, RequestStart, StepResult
 from aerie.step_costs import StepCosts
 from aerie.step_trace import StepTrace
-from gpu_worker.build import build_models, graph_max_bs, prefill_graph_tokens
+from gpu_worker.build import (
+    build_models,
+    eager_rows_warning,
+    graph_max_bs,
+    prefill_graph_tokens,
+)
 from gpu_worker.graphs.forward_graph import PrefillGraphs
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.speculative.target_verify import SpecStepOutput
@@ -59,14 +64,9 @@ class GPUWorker:
         self.sampling, self.spec, self.rows = models.sampling, models.speculative, models.rows
         self.device = self.runner.device
         self.max_running_requests = self.runner.max_running_requests
-        graphed = graph_max_bs(config)
-        if self.device.type == "cuda" and 0 < graphed < self.max_running_requests:
-            log.warning(
-                "decode batches above %d (--cuda-graph-max-bs) run eagerly, several times "
-                "slower a step than graphed ones; up to %d can run (--max-running-requests)",
-                graphed,
-                self.max_running_requests,
-            )
+        warning = eager_rows_warning(config, self.device.type)
+        if warning is not None:
+            log.warning(warning)
         # Plain decoding, and the plain steps of adaptive speculation (a speculative iteration
         # runs its own stages).
         self.decode_step: DecodeStep | None = None

@@ -86,27 +86,22 @@ class KVAllocator:
     def free(self, row: int, token_ids: list[int] | None = None) -> None:
         """Release the row and its pages. token_ids (with a prefix cache): the tokens at the
         row's positions; its whole pages among them are cached rather than freed."""
+        if token_ids is not None:
+            self.cache_row(row, token_ids)
         pages = self._pages.pop(row)
         del self._lens[row]
         self._free_rows.append(row)
         node, num_locked = self._locks.pop(row, (None, 0))
-        num_cached = 0
-        if self.cache is not None and token_ids is not None:
-            num_cached = min(len(token_ids) // self.page_size, len(pages))
-            if num_cached > num_locked:
-                cached = token_ids[: num_cached * self.page_size]
-                self._free_pages += self.cache.insert(cached, pages[:num_cached])
-            else:
-                num_cached = num_locked
         if node is not None:
             self.cache.release(node)
-        self._free_pages.extend(reversed(pages[max(num_cached, num_locked) :]))
+        self._free_pages.extend(reversed(pages[num_locked:]))
         self._free_pages.extend(self._duplicates.pop(row, ()))
 
     def cache_row(self, row: int, token_ids: list[int]) -> None:
         """Cache the row's whole pages of token_ids (the tokens at its positions) now, so that
         requests admitted from now on reuse them, while the row keeps them (locked) and every
-        other page it holds until `free`: a plan in flight may still read or write them.
+        other page it holds until `free` (a finished request a plan in flight still holds;
+        `free` caches through it too).
         Safe to reuse at once because plans run in order: whatever the plan in flight writes
         into these positions (the same tokens' KV) is written before a later plan reads it."""
         if self.cache is None:

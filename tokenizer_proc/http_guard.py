@@ -142,6 +142,12 @@ async def send_error(send: Any, status: int, message: str, extra: list | None = 
     await send({"type": "http.response.body", "body": body})
 
 
+def cancelled(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel timer if there is one; -> None, the handle's new value."""
+    if timer is not None:
+        timer.cancel()
+
+
 def edge_protocol(
     header_timeout_s: float,
     max_connections: int | None = None,
@@ -194,9 +200,7 @@ def edge_protocol(
             self._head_timer = self.loop.call_later(header_timeout_s, self._expire)
 
         def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            self._head_timer = cancelled(self._head_timer)
 
         def _expire(self) -> None:
             self._head_timer = None
@@ -219,12 +223,7 @@ def edge_protocol(
 
         def resume_writing(self) -> None:
             super().resume_writing()
-            self._stop_stall_timer()
-
-        def _stop_stall_timer(self) -> None:
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
+            self._stall_timer = cancelled(self._stall_timer)
 
         def _cut_off(self) -> None:
             # Even a closing transport: close() waits for the client to read what is buffered.
@@ -245,7 +244,7 @@ def edge_protocol(
         def connection_lost(self, exc: Exception | None) -> None:
             served.discard(self)
             self._disarm()
-            self._stop_stall_timer()
+            self._stall_timer = cancelled(self._stall_timer)
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:

@@ -66,6 +66,20 @@ def test_decode_graphs_cover_the_request_limit_up_to_512_rows():
         resolved(["--cuda-graph-max-bs", "0"])
 
 
+def test_the_worker_warns_when_decode_batches_can_outgrow_the_graphs():
+    from gpu_worker.build import eager_rows_warning
+
+    def warning(args: list[str], device: str = "cuda") -> str | None:
+        return eager_rows_warning(config_from_args(args), device)
+
+    assert "above 256 (--cuda-graph-max-bs)" in warning(
+        ["--max-running-requests", "512", "--cuda-graph-max-bs", "256"]
+    )
+    assert warning(["--max-running-requests", "512", "--cuda-graph-max-bs", "512"]) is None
+    assert warning(["--max-running-requests", "512", "--disable-cuda-graph"]) is None
+    assert warning(["--max-running-requests", "512", "--cuda-graph-max-bs", "8"], "cpu") is None
+
+
 def test_bad_choice_is_refused(capsys):
     with pytest.raises(SystemExit):
         config_from_args(["--device", "tpu"])

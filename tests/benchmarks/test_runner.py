@@ -558,6 +558,9 @@ def test_streams_serves_each_frontend_count_and_loads_it_at_each_concurrency(cap
     assert scenarios == [(s, "128") for s in ("none", "burst", "prefill", "slow")] * 2
     assert flag(disturbances[-1], "--output").endswith("disturb_streams_f4_slow.json")
     assert ["#", "merge", "the", "disturbances", "into", "disturbance_streams_f4.json"] in commands
+    more = dry_run(capsys, tmp_path, *argv, "--max-requests", "1024", "--disturbances", "")
+    clients = [c for c in runs_of(more, "benchmarks/bench_serving.py") if "--output" in c]
+    assert [flag(c, "--num-prompts") for c in clients] == ["8", "128", "1024"] * 2
     dp = dry_run(capsys, tmp_path, *argv, "--dp-size", "2", "--disturbances", "")
     servers = [c for c in dp if c[-1] == "&"]
     assert [flag(s, "--dp-size") for s in servers] == ["2", "2"]

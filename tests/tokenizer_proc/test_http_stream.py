@@ -199,26 +199,38 @@ def big_streams(tokenizer_dir):
 BIG_REQUEST = {"prompt": "Hello", "max_tokens": 60, "stream": True}
 
 
-def test_a_client_that_reads_nothing_is_cut_off_and_its_request_aborted(big_streams, caplog):
-    server, engine = big_streams
-    body = json.dumps(BIG_REQUEST)
+def silent_client(server, body: dict, headers: str = "") -> socket.socket:
+    """A connection that sent a completions request (extra header lines: headers) and will
+    read nothing until told: a 4 KiB receive buffer, so the server's buffers fill soon."""
+    data = json.dumps(body)
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(10)
-    with sock:
-        sock.connect((host, int(port)))
-        sock.sendall(
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
-        )
+    sock.settimeout(15)
+    sock.connect((host, int(port)))
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"{headers}Content-Length: {len(data)}\r\n\r\n{data}".encode()
+    )
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """What the buffers hold, up to the connection's end (a reset counts as its end)."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while piece := sock.recv(1 << 20):
+            received += piece
+    return received
+
+
+def test_a_client_that_reads_nothing_is_cut_off_and_its_request_aborted(big_streams, caplog):
+    server, engine = big_streams
+    with silent_client(server, BIG_REQUEST) as sock:
         # The request runs 3 s; the client is cut off once its buffers fill (under 1 s).
         assert wait_until(lambda: engine.aborted, timeout_s=2.5)
         assert engine.aborted == [engine.submitted[0].rid]
-        received = b""
-        with contextlib.suppress(ConnectionResetError):
-            while piece := sock.recv(1 << 20):  # what the buffers hold, then the end
-                received += piece
+        received = read_to_end(sock)
     assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
     (line,) = [r.getMessage() for r in caplog.records if "cut off" in r.getMessage()]
     assert "/v1/completions: it read nothing for 0.3 s" in line
@@ -239,20 +251,8 @@ def test_a_closing_connection_whose_client_reads_nothing_is_cut_off_too(big_stre
     """`Connection: close` after a whole (not streamed) 15 MiB response: closing waits for the
     client to read what is buffered, so the cut-off must end it all the same."""
     server, _ = big_streams
-    body = json.dumps({**BIG_REQUEST, "stream": False})
-    host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(15)
-    with sock:
-        sock.connect((host, int(port)))
-        sock.sendall(
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
-        )
+    whole = {**BIG_REQUEST, "stream": False}
+    with silent_client(server, whole, "Connection: close\r\n") as sock:
         assert wait_until(lambda: any("cut off" in r.getMessage() for r in caplog.records), 10)
-        received = b""
-        with contextlib.suppress(ConnectionResetError):
-            while piece := sock.recv(1 << 20):
-                received += piece
+        received = read_to_end(sock)
     assert received.startswith(b"HTTP/1.1 200") and len(received) < 30 * (512 << 10)
