@@ -35,6 +35,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_serving import describe_ms  # noqa: E402
 from benchmarks.sse_client import ConnectionPool  # noqa: E402
 
 SCENARIOS = ("none", "burst", "prefill", "slow")
@@ -66,25 +67,18 @@ class Stream:
 def window_stats(streams: list[list[float]], start: float, end: float) -> dict[str, float]:
     """Over every stream's event times: the gaps between consecutive events whose later event
     arrived in [start, end) (ms: median, p99, max, count) and those events per second."""
-    gaps = sorted(
-        1e3 * (t1 - t0)
+    gaps = [
+        t1 - t0
         for events in streams
         for t0, t1 in zip(events, events[1:], strict=False)
         if start <= t1 < end
-    )
-    if not gaps:
-        return {
-            "gaps": 0,
-            "gap_median_ms": 0.0,
-            "gap_p99_ms": 0.0,
-            "gap_max_ms": 0.0,
-            "events_per_s": 0.0,
-        }
+    ]
+    ms = describe_ms(gaps)
     return {
         "gaps": len(gaps),
-        "gap_median_ms": statistics.median(gaps),
-        "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
-        "gap_max_ms": gaps[-1],
+        "gap_median_ms": ms["median"],
+        "gap_p99_ms": ms["p99"],
+        "gap_max_ms": 1e3 * max(gaps, default=0.0),
         "events_per_s": len(gaps) / (end - start),
     }
 
