@@ -214,6 +214,12 @@ class ParallelConfig:
         "worker ranks only.",
     )
     node_rank: int = _opt(0, "This machine's index among --nnodes (0: the one that serves).")
+    disable_custom_all_reduce: bool = _opt(
+        False,
+        "Sum the tensor-parallel ranks' partial results through NCCL only, not through "
+        "buffers in each other's GPU memory (used for small messages on one machine).",
+        flag=True,
+    )
     dist_init_addr: str | None = _opt(
         None,
         "HOST:PORT where the tensor-parallel ranks meet; rank 0 listens there (with "

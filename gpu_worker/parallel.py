@@ -7,12 +7,15 @@ so it samples the same tokens and keeps the same row state: nothing is broadcast
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from gpu_worker.peer_reduce import PeerAllReduce, open_peers
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +28,14 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 @dataclass(frozen=True)
 class TensorParallel:
     """rank in [0, size); group: the process group of the ranks (None when size is 1);
-    cpu_group: a gloo group over the same ranks for host values (sizes agreed at start-up)."""
+    cpu_group: a gloo group over the same ranks for host values (sizes agreed at start-up);
+    peer: the all-reduce through peer memory for messages it fits (ranks of one machine)."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    peer: PeerAllReduce | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -63,8 +68,11 @@ class TensorParallel:
         return self.rank * count, count
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of x over the ranks (in place; x itself when size is 1)."""
+        """The sum of x over the ranks, in place (x itself when size is 1). Every rank gets
+        the same bits, so every rank samples the same tokens."""
         if self.size > 1:
+            if self.peer is not None and self.peer.fits(x):
+                return self.peer.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -116,11 +124,13 @@ def init_tensor_parallel(
     init_address: str,
     device: torch.device,
     startup_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+    peer_all_reduce: bool = True,
 ) -> TensorParallel:
     """Join the group of `size` ranks that meet at init_address (host:port, rank 0 listens):
     NCCL on CUDA (each rank on its own GPU, `device`), gloo on CPU; plus a gloo group for host
-    values. Collectives wait up to startup_timeout until `start_serving`. Size 1 needs no
-    group."""
+    values. Collectives wait up to startup_timeout until `start_serving`. On CUDA, with
+    peer_all_reduce, ranks of one machine also open each other's buffers for small
+    all-reduces (`gpu_worker.peer_reduce`). Size 1 needs no group."""
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -138,4 +148,7 @@ def init_tensor_parallel(
     ranks = list(range(size))
     cpu_group = dist.new_group(ranks, backend="gloo") if backend == "nccl" else dist.group.WORLD
     log.info("TP rank %d of %d joined (%s) at %s", rank, size, backend, init_address)
-    return TensorParallel(rank, size, dist.group.WORLD, cpu_group)
+    tp = TensorParallel(rank, size, dist.group.WORLD, cpu_group)
+    if backend == "nccl" and peer_all_reduce:
+        tp = dataclasses.replace(tp, peer=open_peers(rank, size, device, tp.gather_objects))
+    return tp

@@ -282,7 +282,8 @@ def join_group(config: AerieConfig, rank: int, replica: int) -> TensorParallel:
         return TensorParallel()
     address = endpoints.init_address(config, replica)
     startup = datetime.timedelta(seconds=config.server.startup_timeout_s)
-    return init_tensor_parallel(rank, parallel.tp_size, address, device, startup)
+    peer = not parallel.disable_custom_all_reduce
+    return init_tensor_parallel(rank, parallel.tp_size, address, device, startup, peer)
 
 
 def run_gpu_worker_process(config: AerieConfig, rank: int = 0, replica: int = 0) -> None:

@@ -89,6 +89,23 @@ for topk in (1, 4):
     triton.compile(ASTSource(fn=fn, signature={**commit_types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
                    target=GPUTarget("cuda", 90, 32))
+# The peer all-reduce: system-scope signals (release) and waits (acquire), 16-byte accesses.
+from gpu_worker.kernels.peer_all_reduce import _one_shot_kernel, _two_shot_kernel
+for fn, dtype, pdl in ((_one_shot_kernel, "*bf16", True), (_two_shot_kernel, "*fp32", False)):
+    names = ("x_ptr", "n", "span", "part", "slot")
+    types = {"x_ptr": dtype, "n": "i32", "part": "i32", "span": "i32", "slot": "i32",
+             "bufs_ptr": "*i64", "pad_ptrs_ptr": "*i64", "counts_ptr": "*i64", "rank": "i32"}
+    types = {k: v for k, v in types.items() if k in fn.arg_names}
+    const = dict(WORLD=4, MAX_RANKS=8, BLOCK=1024, USE_PDL=pdl)
+    index = fn.arg_names.index
+    ptx = triton.compile(
+        ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
+                  constexprs={(index(k),): v for k, v in const.items()},
+                  attrs={(index(k),): [["tt.divisibility", 16]] for k in names if k in types}),
+        target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"]
+    assert "atom.global.sys.release.exch.b64" in ptx and "ld.global.sys.acquire.b64" in ptx
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, fn.__name__
+    assert ("griddepcontrol.wait" in ptx) == pdl
 print("compiled")
 """
 
