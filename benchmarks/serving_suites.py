@@ -29,7 +29,7 @@ from benchmarks.suites import (
 )
 
 SHAREGPT_SUBSET = ".device-carry/sharegpt_subset.json"
-LAYOUT = re.compile(r"(tp|dp)([1-9]\d*)")
+LAYOUT = re.compile(r"(tp|dp)([1-9]\d*)(-nccl)?")  # -nccl: --disable-custom-all-reduce
 
 
 def add_serving(p: argparse.ArgumentParser) -> None:
@@ -279,7 +279,8 @@ def add_tp(p: argparse.ArgumentParser) -> None:
         "--layouts",
         type=layout_list,
         default="tp1,tp2,dp2",
-        help="one server each: tpN --tp-size N, dpN --dp-size N (one GPU a replica)",
+        help="one server each: tpN --tp-size N, dpN --dp-size N (one GPU a replica); a "
+        "-nccl suffix adds --disable-custom-all-reduce",
     )
     p.add_argument(
         "--concurrency", type=int_list, default="128", help="runs after the one-stream run"
@@ -287,6 +288,12 @@ def add_tp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=256, help="tokens per request, EOS ignored")
     p.add_argument("--dataset", default=SHAREGPT_SUBSET, help="ShareGPT JSON (prepare makes it)")
     p.add_argument("--skip-tests", action="store_true", help="no sharded tests on CUDA first")
+    p.add_argument(
+        "--all-reduce-world", type=int, default=2, help="GPUs of bench_all_reduce (0: skip it)"
+    )
+    p.add_argument(
+        "--all-reduce-programs", default="32", help="bench_all_reduce --programs, comma list"
+    )
     p.add_argument("--e2e-workers", type=int, default=3, help="pytest -n of the launched tests")
     p.add_argument("--e2e-filter", default="", help="pytest -k of the launched tests")
     add_server_flags(p, timeout_s=120, start_timeout_s=240)
@@ -295,15 +302,23 @@ def add_tp(p: argparse.ArgumentParser) -> None:
 def plan_tp(args: argparse.Namespace) -> list[Step]:
     steps: list[Step] = [Command(["nvidia-smi", "topo", "-m"], "topo.txt")]
     if not args.skip_tests:
-        unit = pytest_argv(["tests/gpu_worker/test_tensor_parallel.py"], "")
+        tests = ["tests/gpu_worker/test_peer_reduce.py", "tests/gpu_worker/test_tensor_parallel.py"]
+        unit = pytest_argv(tests, "")
         steps.append(Command(unit, "tp_tests.txt", {"AERIE_TP_TEST_DEVICE": "cuda"}, 150))
         e2e = pytest_argv(
             ["tests/e2e/test_tensor_parallel.py"], args.e2e_filter, "-n", str(args.e2e_workers)
         )
         steps.append(Command(e2e, "tp_e2e_tests.txt", {"AERIE_E2E_DEVICE": "cuda"}, 300))
+    if args.all_reduce_world > 1:
+        bench = [PYTHON, "benchmarks/bench_all_reduce.py", "--world", str(args.all_reduce_world)]
+        bench += ["--programs", args.all_reduce_programs, "--output"]
+        bench.append(out_file(args, f"all_reduce_{args.all_reduce_world}gpu.json"))
+        steps.append(Command(bench, "all_reduce.txt", timeout_s=300))
     for layout in args.layouts:
-        kind, size = re.findall(r"\D+|\d+", layout)
+        kind, size, nccl = LAYOUT.fullmatch(layout).groups()
         rows = ["--max-running-requests", "128"]
+        if nccl:
+            rows.append("--disable-custom-all-reduce")
         server = launch_argv(args, args.model, f"--{kind}-size", size, *rows)
         inner: list[Step] = [warm_up(args, args.model, 64, layout)]
         for conc in [1, *args.concurrency]:

@@ -92,7 +92,7 @@ def test_cuda_tests_run_the_cuda_suites_on_cuda(capsys, tmp_path):
     pytest = "-m pytest -q -p no:cacheprovider tests/gpu_worker/speculative"
     pytest += " tests/gpu_worker/test_worker.py tests/gpu_worker/test_cuda.py"
     pytest += " tests/gpu_worker/test_cuda_graph.py tests/gpu_worker/test_prefill_graph.py"
-    pytest += " tests/gpu_worker/kernels -k graph"
+    pytest += " tests/gpu_worker/kernels tests/gpu_worker/test_peer_reduce.py -k graph"
     assert commands[1] == ["AERIE_SPEC_TEST_DEVICE=cuda", PYTHON, *pytest.split()]
     assert len(commands) == 2
     args = cli.build_parser().parse_args(["cuda-tests", "--e2e"])
@@ -153,6 +153,13 @@ def test_tp_serves_each_layout_after_the_sharded_tests(capsys, tmp_path):
     assert [flag(c, "--max-concurrency") for c in clients] == ["1", "32", "1", "32"]
     commands = dry_run(capsys, tmp_path, "tp", "--skip-tests", "--layouts", "tp1")
     assert not any("pytest" in c for c in commands)
+    [bench] = runs_of(commands, "benchmarks/bench_all_reduce.py")
+    assert flag(bench, "--world") == "2"
+    argv = ["tp", "--skip-tests", "--layouts", "tp2,tp2-nccl", "--all-reduce-world", "0"]
+    commands = dry_run(capsys, tmp_path, *argv)
+    servers = [c for c in commands if c[-1] == "&"]
+    assert ["--disable-custom-all-reduce" in s for s in servers] == [False, True]
+    assert not runs_of(commands, "benchmarks/bench_all_reduce.py")
 
 
 def test_spec_serving_converts_the_joined_gguf_first_and_passes_the_grid(capsys, tmp_path):
