@@ -17,7 +17,7 @@ from gpu_worker.attention import create_attention_backend
 from gpu_worker.graphs.forward_graph import DecodeInputs, decode_graphs
 from gpu_worker.graphs.forward_graph import graph_bytes as prefill_graph_bytes
 from gpu_worker.graphs.stage_graph import StageGraph
-from gpu_worker.kernels import greedy_head
+from gpu_worker.kernels import batch_invariant, greedy_head
 from gpu_worker.kv_cache import KVPool, ReqToTokenPool, kv_bytes_per_token
 from gpu_worker.layers.layernorm import set_use_triton
 from gpu_worker.layers.rotary import init_cos_sin_caches
@@ -131,7 +131,9 @@ class ModelRunner:
         init_cos_sin_caches(self.model, row_width, self.device)
         set_use_triton(self.model, spec.attention_backend == "triton")
         # The fused LM head reads the whole vocabulary (one rank holds a block under TP).
-        self.fused_greedy_head = spec.attention_backend == "triton" and self.tp.size == 1
+        self.fused_greedy_head = (
+            spec.attention_backend == "triton" and self.tp.size == 1 and not batch_invariant.ENABLED
+        )
         self.aux_hidden_layers = self._check_aux_layers(list(spec.aux_hidden_layers))
         graph_tokens = max(spec.cuda_graph_max_bs, spec.graph_tokens)
         self.graph_reserve_bytes = (

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import activation, next_power_of_2, norm, pdl
+from gpu_worker.kernels import activation, batch_invariant, next_power_of_2, norm, pdl
 from gpu_worker.kernels.activation import silu_and_mul_reference
 from gpu_worker.kernels.norm import add_rms_norm_reference, rms_norm_reference
 
@@ -313,6 +313,8 @@ def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Confi
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None):
     """x [m, K] (rows may be strided) @ weight [N, K].T (+ bias) -> [m, N]. config: force the
     fused kernel with this launch shape (tests, benchmarks)."""
+    if batch_invariant.ENABLED and config is None:
+        return batch_invariant.linear(x, weight, bias)
     config = config or default_config(x, *weight.shape)
     if config is None:
         return F.linear(x, weight, bias)
@@ -322,7 +324,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=None):
     """-> (rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: the norm of
     x alone, and x itself second."""
-    config = config or default_config(x, *weight.shape, prologue=True)
+    if not (batch_invariant.ENABLED and config is None):  # on: the norm as its own kernel
+        config = config or default_config(x, *weight.shape, prologue=True)
     if config is None:
         if residual is None:
             return linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
@@ -335,7 +338,8 @@ def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=Non
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias=None, config=None):
     """gate_up [m, 2I] -> (silu(gate) * up) @ weight [H, I].T + bias -> [m, H]."""
     assert gate_up.shape[1] == 2 * weight.shape[1]
-    config = config or default_config(gate_up, *weight.shape, prologue=True)
+    if not (batch_invariant.ENABLED and config is None):  # on: SiLU as its own kernel
+        config = config or default_config(gate_up, *weight.shape, prologue=True)
     if config is None:
         return linear(activation.silu_and_mul(gate_up), weight, bias)
     return _launch(_SILU_MUL, gate_up, weight, bias, None, None, 0.0, config)[0]

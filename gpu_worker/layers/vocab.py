@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.kernels import batch_invariant
 from gpu_worker.layers.linear import Loader
 from gpu_worker.parallel import TensorParallel
 
@@ -59,7 +60,7 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, vocab_size] (every rank gets all of them)."""
-        logits = F.linear(hidden, self.weight)  # [n, vocab block]
+        logits = batch_invariant.linear_any(hidden, self.weight)  # [n, vocab block]
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[:, : self.vocab_size]

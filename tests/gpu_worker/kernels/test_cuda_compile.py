@@ -106,6 +106,15 @@ for fn, dtype, pdl in ((_one_shot_kernel, "*bf16", True), (_two_shot_kernel, "*f
     assert "atom.global.sys.release.exch.b64" in ptx and "ld.global.sys.acquire.b64" in ptx
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, fn.__name__
     assert ("griddepcontrol.wait" in ptx) == pdl
+# The deterministic mode's projection: bf16 on the tensor cores, float32 in full precision.
+from gpu_worker.kernels.batch_invariant import _invariant_linear_kernel as fn
+for dtype, precision in (("*bf16", "tf32"), ("*fp32", "ieee")):
+    types = {"x_ptr": dtype, "w_ptr": dtype, "b_ptr": dtype, "out_ptr": dtype, "M": "i32",
+             "N": "i32", "K": "i32", "x_stride": "i32", "out_stride": "i32"}
+    const = dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=precision)
+    triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
+                             constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
+                   target=GPUTarget("cuda", 90, 32))
 print("compiled")
 """
 

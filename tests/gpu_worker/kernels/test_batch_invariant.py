@@ -1,0 +1,73 @@
+"""The deterministic mode's projections: a row's result is the same bits alone, inside batches
+of other sizes, at another position, and beside other rows (CPU under Triton's interpreter, and
+on CUDA in every model dtype); and close to the library GEMM. With the mode on, the few-row
+entry points (which otherwise pick fused kernels by row count) give a row the same bits at one
+row as inside a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.kernels import batch_invariant
+from gpu_worker.kernels import small_m_linear as sml
+from tests.devices import skip_unless_triton_runs_on, triton_devices
+from tests.gpu_worker.kernels.test_layer_kernels import CASES
+from tests.gpu_worker.kernels.test_small_m_linear import random, tolerance
+
+
+@pytest.fixture
+def invariant_mode():
+    batch_invariant.enable()
+    yield
+    batch_invariant.enable(False)
+
+
+def each_row_alone_and_in_batches(fn, x: torch.Tensor) -> None:
+    """fn(rows) for every row alone, for the whole batch, for a slice that moves the rows to
+    other positions in their tiles, and for the batch reversed: every row bit-equal."""
+    whole = fn(x)
+    rows = x.shape[0]
+    for i in range(rows):
+        assert torch.equal(fn(x[i : i + 1]), whole[i : i + 1]), f"row {i} alone"
+    assert torch.equal(fn(x[3:]), whole[3:]), "rows shifted by 3"
+    assert torch.equal(fn(x.flip(0)), whole.flip(0)), "rows reversed"
+
+
+@CASES
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_row_is_the_same_at_every_batch_size(device: str, dtype: torch.dtype, bias: bool):
+    gen = torch.Generator().manual_seed(0)
+    # 70 rows: two row tiles, the second partial; K and N not multiples of the tiles
+    x = random(gen, device, dtype, 70, 200)
+    w = random(gen, device, dtype, 136, 200, scale=200**-0.5)
+    b = random(gen, device, dtype, 136) if bias else None
+    each_row_alone_and_in_batches(lambda rows: batch_invariant.linear(rows, w, b), x)
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(
+        batch_invariant.linear(x, w, b).float(), expected, **tolerance(dtype)
+    )
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_the_mode_routes_every_entry_point(device: str, invariant_mode) -> None:
+    """Off, these pick other kernels at 1-4 rows than at 70 (and differ in the last bits)."""
+    skip_unless_triton_runs_on(device)
+    gen = torch.Generator().manual_seed(1)
+    dtype = torch.float32
+    x = random(gen, device, dtype, 70, 96)
+    residual = random(gen, device, dtype, 70, 96)
+    norm_w = random(gen, device, dtype, 96)
+    w = random(gen, device, dtype, 48, 96, scale=96**-0.5)
+    gate_up = random(gen, device, dtype, 70, 2 * 96)
+    each_row_alone_and_in_batches(lambda rows: sml.linear(rows, w), x)
+    each_row_alone_and_in_batches(
+        lambda rows: sml.rms_norm_linear(rows, None, norm_w, 1e-6, w)[0], x
+    )
+    both = torch.cat([x, residual], dim=1)
+    add_norm = lambda rows: sml.rms_norm_linear(rows[:, :96], rows[:, 96:], norm_w, 1e-6, w)[0]  # noqa: E731
+    each_row_alone_and_in_batches(add_norm, both)
+    each_row_alone_and_in_batches(lambda rows: sml.silu_mul_linear(rows, w), gate_up)
+    expected = sml.rms_norm_linear_reference(x, residual, norm_w, 1e-6, w)[0]
+    torch.testing.assert_close(add_norm(both), expected, **tolerance(dtype))
