@@ -2,7 +2,8 @@
 
 Decode runs RoPE, the K/V store and attention in one kernel (`decode_attention`); batches of
 the same few queries per request take `few_query_attention`, anything else the RoPE+store
-kernel and `extend_attention`. Every length comes from device tensors, so the same launches
+kernel and `extend_attention`; in the deterministic mode (`batch_invariant`) every forward
+takes its batch-invariant launch. Every length comes from device tensors, so the same launches
 replay in CUDA graphs; host values (`max_extend_len`, the query count) come with the plan.
 """
 
@@ -18,13 +19,18 @@ from gpu_worker.attention.base import (
     RopeArgs,
     register_backend,
 )
-from gpu_worker.kernels import pdl
+from gpu_worker.kernels import batch_invariant, pdl
 from gpu_worker.kernels.decode_attention import (
     DecodeScratch,
     choose_num_splits,
     decode_attention,
 )
-from gpu_worker.kernels.extend_attention import extend_attention, extend_num_splits
+from gpu_worker.kernels.extend_attention import (
+    INVARIANT_SPLIT_KEYS,
+    extend_attention,
+    extend_num_splits,
+    invariant_num_splits,
+)
 from gpu_worker.kernels.few_query_attention import (
     NewTokens,
     few_query_attend,
@@ -55,6 +61,7 @@ class ExtendMetadata:
     extend_start_loc: torch.Tensor  # [bs] int64, first token of each request
     max_extend_len: int  # host value from the plan (sizes the grid)
     num_splits: int = 1  # of each request's keys (`extend_num_splits`)
+    split_keys: int = 0  # the deterministic mode's fixed split size (`extend_attention`)
 
 
 @register_backend
@@ -102,6 +109,8 @@ class TritonBackend(AttentionBackend):
     def init_forward_metadata(
         self, batch: ForwardBatch
     ) -> DecodeMetadata | FewQueryMetadata | ExtendMetadata:
+        if batch_invariant.ENABLED:
+            return self._invariant_metadata(batch)
         if batch.mode == ForwardMode.DECODE and batch.custom_mask is None:
             bs = batch.batch_size
             self._scratch(1, bs)
@@ -128,6 +137,18 @@ class TritonBackend(AttentionBackend):
         max_len = max(batch.extend_seq_lens_cpu, default=0)
         splits = extend_num_splits(batch.num_tokens, max_len, self.num_heads, self.num_sms)
         return ExtendMetadata(start_loc, max_len, splits)
+
+    def _invariant_metadata(self, batch: ForwardBatch) -> ExtendMetadata:
+        """Every forward as one batch-invariant extend launch: decode, chain verify (its
+        mask is causal; trees are refused at start-up) and prefill alike."""
+        lens = batch.extend_seq_lens.to(torch.int64)
+        max_keys = self.req_to_token_pool.req_to_token.shape[1]
+        return ExtendMetadata(
+            torch.cumsum(lens, 0) - lens,
+            max(batch.extend_seq_lens_cpu, default=0),
+            invariant_num_splits(max_keys, INVARIANT_SPLIT_KEYS),
+            INVARIANT_SPLIT_KEYS,
+        )
 
     def _capturing(self) -> bool:
         device = self.kv_pool.device
@@ -216,6 +237,7 @@ class TritonBackend(AttentionBackend):
             meta.extend_start_loc,
             meta.max_extend_len,
             layer.scaling,
-            batch.custom_mask,
+            None if meta.split_keys else batch.custom_mask,
             meta.num_splits,
+            meta.split_keys,
         )

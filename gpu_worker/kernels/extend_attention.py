@@ -6,6 +6,12 @@ request's own extend return at once. A few new tokens over a long prefix (a prom
 cached one) would leave most SMs idle while a few programs walk the whole prefix, so a launch
 with few query blocks splits the keys (`extend_num_splits`): each split writes a normalised
 partial and its log-sum-exp, and `_combine_kernel` merges them.
+
+The deterministic mode (`batch_invariant`) runs every attention here with `split_keys`: query
+blocks of one size, splits at fixed multiples of split_keys keys and key blocks at fixed
+multiples of 64, so a query at position p reads its keys in the same blocks, in the same order,
+merged the same way, whether it decodes alone, sits in a batch, is verified with a chain of
+drafts or is prefilled in any chunk (a key block past p is masked for it, which changes no bit).
 """
 
 from __future__ import annotations
@@ -24,9 +30,18 @@ MIN_SPLIT_KEYS = 256  # a split covers at least this many keys; shorter ranges s
 FORCED_SPLITS: int | None = None  # the start-up warm-up compiles each of SPLIT_COUNTS
 
 
-def extend_block_m(max_extend_len: int) -> int:
-    """Queries per program."""
-    return 16 if max_extend_len <= 16 else 64
+INVARIANT_SPLIT_KEYS = 1024  # the deterministic mode's split size (keys)
+
+
+def extend_block_m(max_extend_len: int, split_keys: int = 0) -> int:
+    """Queries per program (with split_keys, one size for every launch)."""
+    return 16 if max_extend_len <= 16 or split_keys else 64
+
+
+def invariant_num_splits(max_keys: int, split_keys: int) -> int:
+    """Splits of split_keys covering max_keys keys, rounded up to a power of two (the combine
+    step reduces over them as a vector; the extra ones stay empty)."""
+    return next_power_of_2(triton.cdiv(max_keys, split_keys))
 
 
 def extend_num_splits(num_tokens: int, max_extend_len: int, num_heads: int, num_sms: int) -> int:
@@ -69,6 +84,7 @@ def _extend_kernel(
     HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    FIXED_SPLIT_KEYS: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -97,9 +113,13 @@ def _extend_kernel(
     else:  # causal: no key past this block's last query
         key_end = tl.minimum(seq_len, committed_len + (m_block + 1) * BLOCK_M)
         mask_start = seq_len
-    # This split's keys: whole BLOCK_N blocks, at least min_split_keys of them, so a short
-    # range is one split's and the others find theirs empty.
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(key_end, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_split_keys)
+    if FIXED_SPLIT_KEYS > 0:  # batch-invariant: splits at fixed positions, for any batch
+        per_split = FIXED_SPLIT_KEYS
+    else:  # whole BLOCK_N blocks, at least min_split_keys of them, so a short range is one
+        # split's and the others find theirs empty
+        per_split = tl.maximum(
+            tl.cdiv(tl.cdiv(key_end, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_split_keys
+        )
     key_start = tl.minimum(split * per_split, key_end)
     key_stop = tl.minimum(key_start + per_split, key_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -210,6 +230,7 @@ def extend_attention(
     scaling: float,
     custom_mask: torch.Tensor | None = None,
     num_splits: int = 1,
+    split_keys: int = 0,
 ) -> torch.Tensor:
     """q [num_tokens, H * D], requests' tokens back to back (request b's from
     extend_start_loc[b]); k_buffer / v_buffer [num_slots, KH, D], one layer, the new K/V
@@ -218,7 +239,11 @@ def extend_attention(
     seq_len - extend_len + j and reads the keys at req_to_token[row, :seq_len], so page size
     never reaches the kernel. Visibility: causal, or a tree-local custom_mask [bs, q_len,
     width] (uint8 or bool) over the last width keys, earlier keys visible. num_splits: key
-    splits (`extend_num_splits`). Returns o [num_tokens, H * D] in q's dtype."""
+    splits (`extend_num_splits`); with split_keys, splits of that many keys from position 0
+    (`invariant_num_splits` of them for the longest row), causal only: the batch-invariant
+    launch. Returns o [num_tokens, H * D] in q's dtype."""
+    assert not (split_keys and custom_mask is not None), "the invariant launch is causal"
+    assert not split_keys or num_splits * split_keys >= req_to_token.shape[1], "keys uncovered"
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     num_heads = q.shape[1] // head_dim
     bs = rows.shape[0]
@@ -227,7 +252,7 @@ def extend_attention(
     o = torch.zeros_like(q) if num_splits == 1 or bs == 0 else torch.empty_like(q)
     if bs == 0 or q.shape[0] == 0:
         return o
-    block_m = extend_block_m(max_extend_len)
+    block_m = extend_block_m(max_extend_len, split_keys)
     has_mask = custom_mask is not None
     mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m) * num_splits)
@@ -262,6 +287,7 @@ def extend_attention(
         HAS_MASK=has_mask,
         DOT_PRECISION=dot_precision(q.dtype),
         NUM_SPLITS=num_splits,
+        FIXED_SPLIT_KEYS=split_keys,
         num_warps=4,
     )
     if num_splits > 1:

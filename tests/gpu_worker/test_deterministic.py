@@ -1,0 +1,96 @@
+"""The deterministic mode end to end in a runner (triton backend; CPU under Triton's
+interpreter, or CUDA): one request's logits for one token are the same bits however that token
+is computed: decoded alone, decoded beside other requests, as the last token of a whole
+prefill or of a chunked one, or as the last of a chain of draft tokens verified at once. Key
+splits are shrunk so 150 tokens cross split and key-block boundaries. Without the mode the same
+comparisons differ, which is what the mode is for."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_worker.attention import triton as triton_backend
+from gpu_worker.kernels import batch_invariant
+from gpu_worker.step.forward_batch import ForwardMode
+from tests.devices import triton_devices
+from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
+
+PROMPT = 150  # tokens: two key splits of 128, three key blocks of 64
+
+
+def runner_for(model_dir: str, device: str):
+    return runner_from_options(
+        model_dir,
+        attention_backend="triton",
+        max_total_tokens=2048,
+        max_running_requests=8,
+        context_length=PROMPT + 2,
+        device=device,
+    )
+
+
+def last_token_logits(device: str, model_dir: str) -> dict[str, torch.Tensor]:
+    """The logits of token PROMPT - 1 of one prompt, computed five ways."""
+    runner = runner_for(model_dir, device)
+    rng = random.Random(0)
+    ids = [rng.randrange(256) for _ in range(PROMPT)]
+    others = [[rng.randrange(256) for _ in range(n)] for n in (40, 97)]
+    slots = shuffled_slots(runner, 8, PROMPT + 8)
+    extend, decode, verify = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
+    out = {}
+    # row 0: prefill all but the last token, decode it alone
+    run_step(runner, extend, [0], [0], [ids[:-1]], [slots[0]])
+    out["decode alone"] = run_step(runner, decode, [0], [PROMPT - 1], [ids[-1:]], [slots[0]])
+    # row 1: the same, decoded beside two other requests (rows 2 and 3)
+    run_step(runner, extend, [1, 2, 3], [0, 0, 0], [ids[:-1], *others], slots[1:4])
+    lens = [PROMPT - 1, *map(len, others)]
+    last = [ids[-1:], [5], [7]]
+    out["decode in a batch"] = run_step(
+        runner,
+        decode,
+        [2, 1, 3],
+        [lens[1], lens[0], lens[2]],
+        [last[1], last[0], last[2]],
+        [slots[2], slots[1], slots[3]],
+    )
+    # row 4: the whole prompt at once; row 5: in chunks of 70
+    out["prefill"] = run_step(runner, extend, [4], [0], [ids], [slots[4]])
+    run_step(runner, extend, [5], [0], [ids[:70]], [slots[5]])
+    out["chunked prefill"] = run_step(runner, extend, [5], [70], [ids[70:]], [slots[5]])
+    # row 6: the last four tokens verified as a chain (its tree mask is causal)
+    run_step(runner, extend, [6], [0], [ids[:-4]], [slots[6]])
+    chain = torch.ones(4, 4, dtype=torch.bool).tril()[None]
+    out["chain verify"] = run_step(
+        runner, verify, [6], [PROMPT - 4], [ids[-4:]], [slots[6]], custom_mask=chain
+    )
+    picks = {"decode in a batch": 1, "chain verify": 3}
+    return {name: o.next_token_logits[picks.get(name, 0)] for name, o in out.items()}
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    monkeypatch.setattr(triton_backend, "INVARIANT_SPLIT_KEYS", 128)
+
+
+@pytest.mark.parametrize("device", triton_devices())
+def test_a_tokens_logits_are_the_same_however_it_is_computed(device, tmp_path, small_splits):
+    model_dir = make_tiny_checkpoint(str(tmp_path), "llama", num_hidden_layers=1)
+    batch_invariant.enable()
+    try:
+        logits = last_token_logits(device, model_dir)
+    finally:
+        batch_invariant.enable(False)
+    reference = logits.pop("decode alone")
+    for name, other in logits.items():
+        assert torch.equal(other, reference), name
+    # and still the model's logits: the fast path's, to rounding
+    fast = last_token_logits(device, model_dir)
+    for name, other in fast.items():
+        torch.testing.assert_close(other, reference, atol=1e-4, rtol=1e-4, msg=name)
+    assert any(not torch.equal(other, fast["decode alone"]) for other in fast.values()), (
+        "the fast path is already batch-invariant here: the comparison proves nothing"
+    )
