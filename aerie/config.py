@@ -107,6 +107,14 @@ class RunnerConfig:
         ("auto", "torch_native", "triton"),
     )
     disable_cuda_graph: bool = _opt(False, "Run every forward eagerly.", flag=True)
+    enable_deterministic_inference: bool = _opt(
+        False,
+        "Compute every token the same way whatever else runs: a request's output is then the "
+        "same at any load, with or without speculation (greedy, and sampled with a seed). "
+        "Batch-invariant projections and attention, at some cost in speed; needs the triton "
+        "backend, one GPU per replica and chain drafts.",
+        flag=True,
+    )
     cuda_graph_max_bs: int | None = _opt(
         None,
         "Largest batch size captured in a CUDA graph (default: "

@@ -14,6 +14,7 @@ import torch
 
 from aerie.config import AerieConfig
 from gpu_worker.attention.base import backend_class
+from gpu_worker.kernels import batch_invariant
 from gpu_worker.kv_cache import kv_bytes_per_token
 from gpu_worker.model_runner import DEFAULT_MEM_FRACTION_STATIC, ModelRunner, PoolSpec, RunnerSpec
 from gpu_worker.models import read_arch_config
@@ -52,6 +53,8 @@ def build_models(config: AerieConfig, tp: TensorParallel = SINGLE) -> Models:
         raise ValueError("the config is not resolved: use aerie.resolve.resolve_config first")
     if not config.model.model_path:
         raise ValueError("config.model.model_path is not resolved")
+    # process-wide, before any runner chooses its kernels
+    batch_invariant.enable(config.runner.enable_deterministic_inference)
     target = ModelRunner(target_spec(config, tp), target_pools(config))
     sampling = SamplingState(target.max_running_requests, target.vocab_size, target.device)
     rows = RowState(target.max_running_requests + 1, target.device)

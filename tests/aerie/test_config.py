@@ -128,6 +128,30 @@ def test_attention_backend_auto_and_triton_on_cpu(tmp_path, monkeypatch):
     assert cfg.runner.attention_backend == "triton"
 
 
+def test_deterministic_inference_takes_the_triton_backend(tmp_path, monkeypatch):
+    path = _model_dir(tmp_path)
+    argv = ["--model-path", path, "--device", "cpu", "--enable-deterministic-inference"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):  # auto would pick torch_native
+        resolve_config(config_from_args(argv))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = resolve_config(config_from_args(argv))
+    assert cfg.runner.attention_backend == "triton" and cfg.runner.enable_deterministic_inference
+    os.rmdir(cfg.runtime_dir)
+    refused = [
+        (["--attention-backend", "torch_native"], "drop --attention-backend torch_native"),
+        (["--tp-size", "2"], "not yet available with --tp-size > 1"),
+        (
+            ["--speculative-draft-model-path", _draft_dir(tmp_path), "--speculative-algorithm"]
+            + ["EAGLE", "--speculative-eagle-topk", "4"],
+            "chains only",
+        ),
+    ]
+    for extra, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            resolve_config(config_from_args([*argv, *extra]))
+
+
 def test_port_zero_asks_for_any_free_ports(tmp_path):
     """--port 0 lets the OS pick; the ZMQ port then defaults to 0 too (not 1)."""
     path = _model_dir(tmp_path)

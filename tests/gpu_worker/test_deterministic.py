@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from gpu_worker.attention import triton as triton_backend
+from gpu_worker.build import build_models
 from gpu_worker.kernels import batch_invariant
 from gpu_worker.step.forward_batch import ForwardMode
-from tests.devices import triton_devices
+from tests.devices import skip_unless_triton_runs_on, triton_devices
 from tests.gpu_worker.checkpoints import make_tiny_checkpoint
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
+from tests.gpu_worker.test_worker import make_config
 
 PROMPT = 150  # tokens: two key splits of 128, three key blocks of 64
 
@@ -94,3 +96,21 @@ def test_a_tokens_logits_are_the_same_however_it_is_computed(device, tmp_path, s
     assert any(not torch.equal(other, fast["decode alone"]) for other in fast.values()), (
         "the fast path is already batch-invariant here: the comparison proves nothing"
     )
+
+
+def test_the_worker_switches_the_mode_from_its_config(tiny_dirs):
+    """--enable-deterministic-inference reaches every worker process through build_models,
+    which sets the switch before its runners choose their kernels; a config without it
+    leaves the switch off."""
+    skip_unless_triton_runs_on("cpu" if not torch.cuda.is_available() else "cuda")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = make_config(tiny_dirs["llama"]).replace(
+        model={"device": device}, runner={"attention_backend": "triton"}
+    )
+    try:
+        on = build_models(config.replace(runner={"enable_deterministic_inference": True}))
+        assert batch_invariant.ENABLED and not on.target.fused_greedy_head
+        build_models(config)
+        assert not batch_invariant.ENABLED
+    finally:
+        batch_invariant.enable(False)
