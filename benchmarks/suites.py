@@ -270,6 +270,7 @@ CUDA_TESTS = (
     "tests/gpu_worker/test_cuda_graph.py",
     "tests/gpu_worker/test_prefill_graph.py",
     "tests/gpu_worker/kernels",
+    "tests/gpu_worker/test_deterministic.py",
     "tests/gpu_worker/test_peer_reduce.py",  # skipped with one GPU
 )
 E2E_TESTS = ("tests/e2e/test_parity.py", "tests/e2e/test_speculative.py")

@@ -92,7 +92,8 @@ def test_cuda_tests_run_the_cuda_suites_on_cuda(capsys, tmp_path):
     pytest = "-m pytest -q -p no:cacheprovider tests/gpu_worker/speculative"
     pytest += " tests/gpu_worker/test_worker.py tests/gpu_worker/test_cuda.py"
     pytest += " tests/gpu_worker/test_cuda_graph.py tests/gpu_worker/test_prefill_graph.py"
-    pytest += " tests/gpu_worker/kernels tests/gpu_worker/test_peer_reduce.py -k graph"
+    pytest += " tests/gpu_worker/kernels tests/gpu_worker/test_deterministic.py"
+    pytest += " tests/gpu_worker/test_peer_reduce.py -k graph"
     assert commands[1] == ["AERIE_SPEC_TEST_DEVICE=cuda", PYTHON, *pytest.split()]
     assert len(commands) == 2
     args = cli.build_parser().parse_args(["cuda-tests", "--e2e"])
