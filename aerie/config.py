@@ -112,7 +112,7 @@ class RunnerConfig:
         "Compute every token the same way whatever else runs: a request's output is then the "
         "same at any load, with or without speculation (greedy, and sampled with a seed). "
         "Batch-invariant projections and attention, at some cost in speed; needs the triton "
-        "backend, one GPU per replica and chain drafts.",
+        "backend and one GPU per replica.",
         flag=True,
     )
     cuda_graph_max_bs: int | None = _opt(

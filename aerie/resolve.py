@@ -80,13 +80,18 @@ def resolve_attention_backend(backend: str, device: str) -> str:
     return backend
 
 
-def _deterministic_backend(config: AerieConfig) -> str:
+def _deterministic_backend(config: AerieConfig, device: str) -> str:
     """The attention backend asked for, checked against --enable-deterministic-inference,
     which runs only on the triton backend's batch-invariant kernels (the library kernels
     behind torch_native choose their reduction order by batch shape)."""
     backend = config.runner.attention_backend
     if not config.runner.enable_deterministic_inference:
         return backend
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            "--enable-deterministic-inference runs the triton backend, which on CPU needs "
+            "Triton's interpreter: set TRITON_INTERPRET=1 in the environment (slow; for testing)"
+        )
     if backend == "torch_native":
         raise ConfigError(
             "--enable-deterministic-inference runs on the triton backend's batch-invariant "
@@ -96,11 +101,6 @@ def _deterministic_backend(config: AerieConfig) -> str:
         raise ConfigError(
             "--enable-deterministic-inference is not yet available with --tp-size > 1 (NCCL "
             "sums large messages in an order that depends on their size): use --dp-size"
-        )
-    if (config.speculative.speculative_eagle_topk or 1) > 1:
-        raise ConfigError(
-            "--enable-deterministic-inference verifies chains only so far: use "
-            "--speculative-eagle-topk 1"
         )
     return "triton"
 
@@ -432,7 +432,9 @@ def resolve_config(config: AerieConfig) -> AerieConfig:
         speculative=speculative,
         parallel=_resolve_parallel(config, device, info),
         runner={
-            "attention_backend": resolve_attention_backend(_deterministic_backend(config), device),
+            "attention_backend": resolve_attention_backend(
+                _deterministic_backend(config, device), device
+            ),
             "cuda_graph_max_bs": resolve_cuda_graph_max_bs(config, device, default_rows),
             "cuda_graph_max_prefill_tokens": resolve_prefill_graph_tokens(config, device),
         },

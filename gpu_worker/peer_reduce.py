@@ -139,11 +139,12 @@ def open_peers(
             log.warning("all-reduce through NCCL only (%s)", "; ".join(failed))
         return None
     if rank == 0:
+        two_shot = limits.max_bytes > limits.one_shot_max
         log.info(
-            "peer all-reduce over %d GPUs: one-shot to %d KiB, two-shot to %d KiB",
+            "peer all-reduce over %d GPUs: one-shot to %d KiB%s, NCCL above",
             world,
             limits.one_shot_max >> 10,
-            limits.max_bytes >> 10,
+            f", two-shot to {limits.max_bytes >> 10} KiB" if two_shot else "",
         )
     return PeerAllReduce(rank, memory, peers, limits)
 
@@ -156,7 +157,7 @@ def _unusable(world: int, index: int, gather: Callable[[object], list[object]]) 
     if len({host for host, _ in places}) > 1:
         return "the ranks are on more than one machine"
     unreachable = [
-        index
+        peer
         for _, peer in places
         if peer != index and not torch.cuda.can_device_access_peer(index, peer)
     ]

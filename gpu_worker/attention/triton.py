@@ -139,8 +139,8 @@ class TritonBackend(AttentionBackend):
         return ExtendMetadata(start_loc, max_len, splits)
 
     def _invariant_metadata(self, batch: ForwardBatch) -> ExtendMetadata:
-        """Every forward as one batch-invariant extend launch: decode, chain verify (its
-        mask is causal; trees are refused at start-up) and prefill alike."""
+        """Every forward as one batch-invariant extend launch: decode, verify and prefill
+        alike."""
         lens = batch.extend_seq_lens.to(torch.int64)
         max_keys = self.req_to_token_pool.req_to_token.shape[1]
         return ExtendMetadata(
@@ -237,7 +237,7 @@ class TritonBackend(AttentionBackend):
             meta.extend_start_loc,
             meta.max_extend_len,
             layer.scaling,
-            None if meta.split_keys else batch.custom_mask,
+            batch.custom_mask,
             meta.num_splits,
             meta.split_keys,
         )

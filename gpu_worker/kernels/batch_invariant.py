@@ -33,7 +33,7 @@ def enable(on: bool = True) -> None:
     ENABLED = on
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every row count
 def _invariant_linear_kernel(
     x_ptr,
     w_ptr,
@@ -64,7 +64,9 @@ def _invariant_linear_kernel(
             other=0.0,
         )
         w = tl.load(
-            w_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+            w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
         )
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:

@@ -10,8 +10,10 @@ partial and its log-sum-exp, and `_combine_kernel` merges them.
 The deterministic mode (`batch_invariant`) runs every attention here with `split_keys`: query
 blocks of one size, splits at fixed multiples of split_keys keys and key blocks at fixed
 multiples of 64, so a query at position p reads its keys in the same blocks, in the same order,
-merged the same way, whether it decodes alone, sits in a batch, is verified with a chain of
-drafts or is prefilled in any chunk (a key block past p is masked for it, which changes no bit).
+merged the same way, whether it decodes alone, sits in a batch, is verified in a chain or a tree
+of drafts or is prefilled in any chunk (a key block past p is masked for it, which changes no
+bit). A tree node's keys are its prefix and its ancestors, which sit at other indices than a
+plain decode's keys: it runs alone in its program and reads them in logical order.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def extend_block_m(max_extend_len: int, split_keys: int = 0) -> int:
 
 
 def invariant_num_splits(max_keys: int, split_keys: int) -> int:
-    """Splits of split_keys covering max_keys keys, rounded up to a power of two (the combine
-    step reduces over them as a vector; the extra ones stay empty)."""
-    return next_power_of_2(triton.cdiv(max_keys, split_keys))
+    """Splits of split_keys covering max_keys keys. Their number does not change a token's
+    result: its combine merges its non-empty splits in order."""
+    return triton.cdiv(max_keys, split_keys)
 
 
 def extend_num_splits(num_tokens: int, max_extend_len: int, num_heads: int, num_sms: int) -> int:
@@ -85,13 +87,18 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FIXED_SPLIT_KEYS: tl.constexpr,
+    ONE_QUERY: tl.constexpr,
+    WIDTH_P2: tl.constexpr,
 ):
+    """ONE_QUERY (the invariant launch with a tree mask): program m_block runs query m_block
+    alone, in row 0 of its block, over its keys in logical order: the prefix, then its
+    ancestors in the tree, where a plain decode of the same token has them."""
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     m_block = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
     extend_len = tl.load(extend_seq_lens_ptr + req).to(tl.int32)
-    if m_block * BLOCK_M >= extend_len:
+    if m_block * (1 if ONE_QUERY else BLOCK_M) >= extend_len:
         return
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     row = tl.load(rows_ptr + req).to(tl.int64)
@@ -99,15 +106,31 @@ def _extend_kernel(
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     committed_len = seq_len - extend_len
 
-    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < extend_len
+    if ONE_QUERY:
+        m = m_block + tl.arange(0, BLOCK_M)
+        m_mask = tl.arange(0, BLOCK_M) == 0
+    else:
+        m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = m < extend_len
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     q_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = committed_len + m
 
-    if HAS_MASK:
+    if ONE_QUERY:  # the query's tree keys, and its logical position after them
+        mask_start = seq_len - mask_width
+        t = tl.arange(0, WIDTH_P2)
+        bits = tl.load(
+            mask_ptr + req * mask_batch_stride + m_block * mask_width + t,
+            mask=t < mask_width,
+            other=0,
+        )
+        bits = (bits != 0).to(tl.int32)
+        rank = tl.cumsum(bits, 0) - 1  # of each visible tree key among them
+        key_end = mask_start + tl.sum(bits, 0)
+        q_pos = key_end - 1 + tl.zeros([BLOCK_M], tl.int32)
+    elif HAS_MASK:
         key_end = seq_len
         mask_start = seq_len - mask_width
     else:  # causal: no key past this block's last query
@@ -128,13 +151,19 @@ def _extend_kernel(
     for block_start in range(key_start, key_stop, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_mask = pos < key_stop
-        slots = tl.load(req_to_token_ptr + row * req_to_token_stride + pos, mask=pos_mask, other=0)
+        key = pos
+        if ONE_QUERY:  # logical position -> the tree key holding it
+            nth = pos - mask_start
+            pick = (rank[None, :] == nth[:, None]) & (bits != 0)[None, :]
+            tree_key = tl.sum(tl.where(pick, t[None, :], 0), 1)
+            key = tl.where(nth >= 0, mask_start + tree_key, pos)
+        slots = tl.load(req_to_token_ptr + row * req_to_token_stride + key, mask=pos_mask, other=0)
         kv_offsets = (slots.to(tl.int64)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         qk = qk * scale_log2  # log2 units
-        if HAS_MASK:
+        if HAS_MASK and not ONE_QUERY:
             col = pos - mask_start
             in_tree = (col >= 0) & pos_mask
             tree_offsets = req * mask_batch_stride + m[:, None] * mask_width + col[None, :]
@@ -179,30 +208,53 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    IN_ORDER: tl.constexpr,
 ):
     """o[token, head] from the splits' partials; zeros for a token of no request (a prefill
-    graph's padding, past the last request's tokens), whose partials nobody wrote."""
+    graph's padding, past the last request's tokens), whose partials nobody wrote. IN_ORDER
+    (the invariant launch): the non-empty splits merged one after another, so the result
+    depends on the token's own splits only, not on how many the launch has."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     last = bs - 1
     num_real = tl.load(extend_start_loc_ptr + last) + tl.load(extend_seq_lens_ptr + last)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    splits = tl.arange(0, NUM_SPLITS)
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
-    real = tl.full([NUM_SPLITS], 0, tl.int64) + token < num_real
-    lse = tl.where(real, tl.load(partial_lse_ptr + part), float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(real, top, 0.0)), 0.0)
-    parts = tl.load(
-        partial_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
-        mask=(weight > 0)[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    total = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    o_offsets = token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d
-    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    if IN_ORDER:
+        top = tl.full([], float("-inf"), tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        total = tl.zeros([], tl.float32)
+        if token < num_real:
+            for split in range(NUM_SPLITS):
+                part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+                lse = tl.load(partial_lse_ptr + part)
+                if lse > float("-inf"):
+                    o_s = tl.load(partial_o_ptr + part * HEAD_DIM + d, mask=d_mask, other=0.0)
+                    new_top = tl.maximum(top, lse)
+                    rescale = tl.exp2(top - new_top)
+                    weight = tl.exp2(lse - new_top)
+                    acc = acc * rescale + o_s * weight
+                    total = total * rescale + weight
+                    top = new_top
+        out = acc / tl.where(total > 0, total, 1.0)
+        o_offsets = token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d
+        tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    else:
+        splits = tl.arange(0, NUM_SPLITS)
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+        real = tl.full([NUM_SPLITS], 0, tl.int64) + token < num_real
+        lse = tl.where(real, tl.load(partial_lse_ptr + part), float("-inf"))
+        top = tl.max(lse, 0)
+        weight = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(real, top, 0.0)), 0.0)
+        parts = tl.load(
+            partial_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            mask=(weight > 0)[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        total = tl.sum(weight, 0)
+        out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+        o_offsets = token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d
+        tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
 def kernel_mask(custom_mask: torch.Tensor | None, dummy: torch.Tensor):
@@ -240,9 +292,8 @@ def extend_attention(
     never reaches the kernel. Visibility: causal, or a tree-local custom_mask [bs, q_len,
     width] (uint8 or bool) over the last width keys, earlier keys visible. num_splits: key
     splits (`extend_num_splits`); with split_keys, splits of that many keys from position 0
-    (`invariant_num_splits` of them for the longest row), causal only: the batch-invariant
-    launch. Returns o [num_tokens, H * D] in q's dtype."""
-    assert not (split_keys and custom_mask is not None), "the invariant launch is causal"
+    (`invariant_num_splits` of them for the longest row): the batch-invariant launch (with a
+    tree mask, one query per program). Returns o [num_tokens, H * D] in q's dtype."""
     assert not split_keys or num_splits * split_keys >= req_to_token.shape[1], "keys uncovered"
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     num_heads = q.shape[1] // head_dim
@@ -255,7 +306,9 @@ def extend_attention(
     block_m = extend_block_m(max_extend_len, split_keys)
     has_mask = custom_mask is not None
     mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
-    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m) * num_splits)
+    one_query = has_mask and split_keys > 0
+    query_blocks = max_extend_len if one_query else triton.cdiv(max_extend_len, block_m)
+    grid = (bs, num_heads, query_blocks * num_splits)
     partial_o = partial_lse = q  # never read with one split
     if num_splits > 1:
         partial_o = q.new_empty((q.shape[0], num_heads, num_splits, head_dim), dtype=torch.float32)
@@ -288,6 +341,8 @@ def extend_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         NUM_SPLITS=num_splits,
         FIXED_SPLIT_KEYS=split_keys,
+        ONE_QUERY=one_query,
+        WIDTH_P2=next_power_of_2(max(mask_width, 1)),
         num_warps=4,
     )
     if num_splits > 1:
@@ -302,5 +357,6 @@ def extend_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=next_power_of_2(head_dim),
             NUM_SPLITS=num_splits,
+            IN_ORDER=split_keys > 0,
         )
     return o

@@ -1,8 +1,8 @@
 """The deterministic mode end to end in a runner (triton backend; CPU under Triton's
 interpreter, or CUDA): one request's logits for one token are the same bits however that token
 is computed: decoded alone, decoded beside other requests, as the last token of a whole
-prefill or of a chunked one, or as the last of a chain of draft tokens verified at once
-(float32, and bf16 on CUDA). Key
+prefill or of a chunked one, or as the last of a chain or at the end of a path through a
+tree of draft tokens verified at once (float32, and bf16 on CUDA). Key
 splits are shrunk so 150 tokens cross split and key-block boundaries. Without the mode the same
 comparisons differ, which is what the mode is for."""
 
@@ -25,21 +25,23 @@ from tests.gpu_worker.test_worker import make_config
 PROMPT = 150  # tokens: two key splits of 128, three key blocks of 64
 
 
-def runner_for(model_dir: str, device: str, dtype: torch.dtype):
+def runner_for(model_dir: str, device: str, dtype: torch.dtype, context_length: int = PROMPT + 2):
     return runner_from_options(
         model_dir,
         dtype=dtype,
         attention_backend="triton",
         max_total_tokens=2048,
         max_running_requests=8,
-        context_length=PROMPT + 2,
+        context_length=context_length,
         device=device,
     )
 
 
-def last_token_logits(device: str, dtype, model_dir: str) -> dict[str, torch.Tensor]:
-    """The logits of token PROMPT - 1 of one prompt, computed five ways."""
-    runner = runner_for(model_dir, device, dtype)
+def last_token_logits(
+    device: str, dtype, model_dir: str, context_length: int = PROMPT + 2, only_first: bool = False
+) -> dict[str, torch.Tensor]:
+    """The logits of token PROMPT - 1 of one prompt, computed six ways (only_first: one)."""
+    runner = runner_for(model_dir, device, dtype, context_length)
     rng = random.Random(0)
     ids = [rng.randrange(256) for _ in range(PROMPT)]
     others = [[rng.randrange(256) for _ in range(n)] for n in (40, 97)]
@@ -49,6 +51,8 @@ def last_token_logits(device: str, dtype, model_dir: str) -> dict[str, torch.Ten
     # row 0: prefill all but the last token, decode it alone
     run_step(runner, extend, [0], [0], [ids[:-1]], [slots[0]])
     out["decode alone"] = run_step(runner, decode, [0], [PROMPT - 1], [ids[-1:]], [slots[0]])
+    if only_first:
+        return {"decode alone": out["decode alone"].next_token_logits[0]}
     # row 1: the same, decoded beside two other requests (rows 2 and 3)
     run_step(runner, extend, [1, 2, 3], [0, 0, 0], [ids[:-1], *others], slots[1:4])
     lens = [PROMPT - 1, *map(len, others)]
@@ -71,7 +75,30 @@ def last_token_logits(device: str, dtype, model_dir: str) -> dict[str, torch.Ten
     out["chain verify"] = run_step(
         runner, verify, [6], [PROMPT - 4], [ids[-4:]], [slots[6]], custom_mask=chain
     )
-    picks = {"decode in a batch": 1, "chain verify": 3}
+    # row 7: the last four tokens as a path through a tree of six drafts (siblings 9 and 11
+    # off the path), verified at once; node order: ids[-4], 9, ids[-3], 11, ids[-2], ids[-1]
+    nodes = [ids[-4], 9, ids[-3], 11, ids[-2], ids[-1]]
+    parents = [-1, 0, 0, 2, 2, 4]
+    tree = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
+    depth = []
+    for i, parent in enumerate(parents):
+        tree[i, i] = True
+        if parent >= 0:
+            tree[i] |= tree[parent]
+        depth.append(int(tree[i].sum()) - 1)
+    run_step(runner, extend, [7], [0], [ids[:-4]], [slots[7]])
+    positions = [[PROMPT - 4 + d for d in depth]]
+    out["tree verify"] = run_step(
+        runner,
+        verify,
+        [7],
+        [PROMPT - 4],
+        [nodes],
+        [slots[7]],
+        custom_mask=tree[None],
+        positions=positions,
+    )
+    picks = {"decode in a batch": 1, "chain verify": 3, "tree verify": 5}
     return {name: o.next_token_logits[picks.get(name, 0)] for name, o in out.items()}
 
 
@@ -89,10 +116,12 @@ def test_a_tokens_logits_are_the_same_however_it_is_computed(device, dtype, tmp_
     batch_invariant.enable()
     try:
         logits = last_token_logits(device, dtype, model_dir)
+        # a server with longer rows has more key splits: a token's merge does not see them
+        longer = last_token_logits(device, dtype, model_dir, 3 * PROMPT, only_first=True)
     finally:
         batch_invariant.enable(False)
     reference = logits.pop("decode alone")
-    for name, other in logits.items():
+    for name, other in {**logits, "more splits": longer["decode alone"]}.items():
         assert torch.equal(other, reference), name
     # and still the model's logits: the fast path's, to rounding
     fast = last_token_logits(device, dtype, model_dir)

@@ -69,15 +69,24 @@ def run_rank(rank: int, world: int, address: str, results) -> None:
                 x = torch.randn(n, generator=generator, device=device).to(dtype)
                 assert peer.fits(x)
                 check(tp, x, tp.all_reduce(x.clone()), f"{dtype} x {n}")
-        # past the buffers: NCCL, untouched counts
+                # both kinds at every size, whichever the limits pick (two GPUs: one-shot)
+                for one_shot in (True, False):
+                    got = peer.all_reduce(x.clone(), one_shot)
+                    check(tp, x, got, f"{dtype} x {n}, one-shot {one_shot}")
+        # past the buffers: NCCL, and the peer kernels' counts untouched
         big = torch.randn(peer.limits.max_bytes // 4 + 16, device=device)
         assert not peer.fits(big)
+        counts = peer.counts.clone()
+        nccl = big.clone()
+        dist.all_reduce(nccl, group=tp.group)
+        assert torch.equal(tp.all_reduce(big.clone()), nccl), "past the buffers: not NCCL's"
+        assert torch.equal(peer.counts, counts)
         # a graph of three reductions (both kinds), replayed with new inputs each time
         static = [torch.zeros(n, dtype=torch.bfloat16, device=device) for n in (4096, 1 << 20, 64)]
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [tp.all_reduce(s) for s in static]
+            outs = [peer.all_reduce(s, i != 1) for i, s in enumerate(static)]
         for replay in range(5):
             inputs = [torch.randn(s.shape, generator=generator, device=device) for s in static]
             for s, new in zip(static, inputs, strict=True):

@@ -71,3 +71,7 @@ def test_the_mode_routes_every_entry_point(device: str, invariant_mode) -> None:
     each_row_alone_and_in_batches(lambda rows: sml.silu_mul_linear(rows, w), gate_up)
     expected = sml.rms_norm_linear_reference(x, residual, norm_w, 1e-6, w)[0]
     torch.testing.assert_close(add_norm(both), expected, **tolerance(dtype))
+    # off, the entry points pick their kernels by row count again and a row differs
+    batch_invariant.enable(False)
+    with pytest.raises(AssertionError, match="alone"):
+        each_row_alone_and_in_batches(add_norm, both)
