@@ -29,7 +29,8 @@ from benchmarks.suites import (
 )
 
 SHAREGPT_SUBSET = ".device-carry/sharegpt_subset.json"
-LAYOUT = re.compile(r"(tp|dp)([1-9]\d*)(-nccl)?")  # -nccl: --disable-custom-all-reduce
+# -nccl: --disable-custom-all-reduce; -det: --enable-deterministic-inference
+LAYOUT = re.compile(r"(tp|dp)([1-9]\d*)(-nccl)?(-det)?")
 
 
 def add_serving(p: argparse.ArgumentParser) -> None:
@@ -280,7 +281,7 @@ def add_tp(p: argparse.ArgumentParser) -> None:
         type=layout_list,
         default="tp1,tp2,dp2",
         help="one server each: tpN --tp-size N, dpN --dp-size N (one GPU a replica); a "
-        "-nccl suffix adds --disable-custom-all-reduce",
+        "-nccl suffix adds --disable-custom-all-reduce, -det --enable-deterministic-inference",
     )
     p.add_argument(
         "--concurrency", type=int_list, default="128", help="runs after the one-stream run"
@@ -315,10 +316,12 @@ def plan_tp(args: argparse.Namespace) -> list[Step]:
         bench.append(out_file(args, f"all_reduce_{args.all_reduce_world}gpu.json"))
         steps.append(Command(bench, "all_reduce.txt", timeout_s=300))
     for layout in args.layouts:
-        kind, size, nccl = LAYOUT.fullmatch(layout).groups()
+        kind, size, nccl, det = LAYOUT.fullmatch(layout).groups()
         rows = ["--max-running-requests", "128"]
         if nccl:
             rows.append("--disable-custom-all-reduce")
+        if det:
+            rows.append("--enable-deterministic-inference")
         server = launch_argv(args, args.model, f"--{kind}-size", size, *rows)
         inner: list[Step] = [warm_up(args, args.model, 64, layout)]
         for conc in [1, *args.concurrency]:

@@ -156,10 +156,11 @@ def test_tp_serves_each_layout_after_the_sharded_tests(capsys, tmp_path):
     assert not any("pytest" in c for c in commands)
     [bench] = runs_of(commands, "benchmarks/bench_all_reduce.py")
     assert flag(bench, "--world") == "2"
-    argv = ["tp", "--skip-tests", "--layouts", "tp2,tp2-nccl", "--all-reduce-world", "0"]
+    argv = ["tp", "--skip-tests", "--layouts", "tp2,tp2-nccl,tp1-det", "--all-reduce-world", "0"]
     commands = dry_run(capsys, tmp_path, *argv)
     servers = [c for c in commands if c[-1] == "&"]
-    assert ["--disable-custom-all-reduce" in s for s in servers] == [False, True]
+    assert ["--disable-custom-all-reduce" in s for s in servers] == [False, True, False]
+    assert ["--enable-deterministic-inference" in s for s in servers] == [False, False, True]
     assert not runs_of(commands, "benchmarks/bench_all_reduce.py")
 
 
