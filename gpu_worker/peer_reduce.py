@@ -3,9 +3,9 @@ buffers every rank opens in the others' GPU memory (CUDA IPC) and the Triton ker
 `gpu_worker.kernels.peer_all_reduce`; larger messages, and groups across machines, stay on
 NCCL (`TensorParallel.all_reduce` chooses).
 
-Why: a decode step of an 8B model at batch 1 makes 64 all-reduces of 8 KiB each. NCCL spends
-tens of microseconds on each (its protocol is built for bandwidth), which is most of what a
-second GPU should save; a one-shot read of the peers' buffers takes a few.
+Why: a decode step of an 8B model at batch 1 makes 64 all-reduces of 8 KiB each, and NCCL's
+protocols, built for bandwidth, take about twice as long per call as one push and one barrier
+(docs/performance.md, "Tensor and data parallelism").
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class Limits:
 
 
 def default_limits(world: int) -> Limits:
-    """Where each path is fastest. Two H200s (`benchmarks/bench_all_reduce.py`, docs/gpu.md):
-    one-shot beats NCCL up to 2 MiB (4.9 us against 9.8 at 8 KiB, 23 against 32 at 2 MiB)
-    and two-shot, writing as much in two barriers, never wins. More ranks: not measured."""
+    """Where each path is fastest, by `benchmarks/bench_all_reduce.py` (figures in
+    docs/performance.md): on two GPUs one-shot up to 2 MiB and NCCL above (two-shot, writing as
+    much in two barriers, never wins there). More ranks: not measured yet."""
     if world == 2:
         return Limits(max_bytes=2 << 20, one_shot_max=2 << 20)
     return Limits()
