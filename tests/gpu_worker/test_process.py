@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from aerie import codec
 from aerie.config import AerieConfig
 from aerie.messages import ForwardPlan
+from gpu_worker import process
 from gpu_worker.process import ON_DEVICE, ON_HOST, cpu_threads, describe_step, join_group
 
 
@@ -37,6 +39,27 @@ def test_join_group_counts_the_cores_this_process_may_run_on():
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_the_custom_all_reduce_flag_reaches_the_group(monkeypatch, disable):
+    """--disable-custom-all-reduce leaves a tensor-parallel group on NCCL alone."""
+    seen = {}
+
+    def fake_init(rank, size, address, device, startup, peer):
+        seen["peer"] = peer
+        return "group"
+
+    monkeypatch.setattr(process, "init_tensor_parallel", fake_init)
+    config = AerieConfig().replace(
+        model={"device": "cpu"},
+        parallel={"tp_size": 2, "dist_init_addr": "127.0.0.1:29999"},
+        runner={},
+    )
+    config = config.replace(parallel={"disable_custom_all_reduce": disable})
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    assert join_group(config, rank=0, replica=0) == "group"
+    assert seen["peer"] is not disable
 
 
 def test_heartbeats_describe_a_step_by_its_mode_size_and_place():
