@@ -11,6 +11,7 @@ import argparse
 import functools
 import json
 import os
+import re
 from pathlib import Path
 
 from aerie.default_model import GGUF_FILENAME, default_model_dir
@@ -89,8 +90,9 @@ def add_spec_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--divergence",
         metavar="RUN",
-        help="save every run's answers (answers/ in --out) and compare each greedy run with "
-        "RUN (e.g. plain_turn1_T0_c1) by tools/divergence.py, into divergence.json",
+        help="save every run's answers (answers/ in --out) and compare each run with RUN "
+        "(e.g. plain_turn1_T0_c1), a sampled run with RUN's server at its temperature, by "
+        "tools/divergence.py, into divergence.json",
     )
     p.add_argument("--timeout-s", type=float, default=570, help="for the whole grid")
     p.add_argument(
@@ -159,29 +161,50 @@ def plan_spec_serving(args: argparse.Namespace) -> list[Step]:
     run = Command(argv, "spec_serving.txt", timeout_s=args.timeout_s)
     if args.divergence:
         compare = functools.partial(compare_answers, args.out, args.divergence, args.model_path)
-        summaries.append(Call(f"compare the greedy runs with {args.divergence}", compare))
+        summaries.append(Call(f"compare the runs with {args.divergence}", compare))
     return [*steps, run, *summaries]
 
 
 def compare_answers(out: str, base: str, model_path: str) -> None:
-    """tools/divergence.py over every greedy run of base's turn in out/answers against `base`
-    (a run name: SERVER_turnN_T0_cC), into out/divergence.json, on the GPU when there is
-    one."""
+    """tools/divergence.py over every run of base's turn in out/answers against base's server
+    and concurrency at the run's temperature (base names the greedy run:
+    SERVER_turnN_T0_cC), into out/divergence.json, on the GPU when there is one. A sampled
+    request carries a seed, so a sampled run is compared with the base's run at its
+    temperature: under a deterministic server both must match token for token; in the
+    default mode the logit gap is a greedy pick's explanation and only the identical count
+    is meaningful for them."""
     import torch
 
     from tools import divergence
 
     answers = Path(out, "answers")
-    turn = next((part for part in base.split("_") if part.startswith("turn")), "")
-    # the greedy runs of the base's turn (another turn asks other prompts)
-    runs = sorted(p for p in answers.glob(f"*_{turn}_T0_*.json") if p.stem != base)
+    server, turn, greedy, streams = parse_run(base)
+    if greedy != "T0":
+        raise SuiteError(f"--divergence {base}: name the greedy run (T0)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     logits_of = divergence.reference_logits(os.path.expanduser(model_path), device)
-    reports = divergence.compare_with(answers / f"{base}.json", runs, logits_of)
+    reports = {}
+    # another turn asks other prompts; another temperature answers differently
+    runs = sorted(answers.glob(f"*_{turn}_T*_*.json"), key=lambda p: (parse_run(p.stem)[2], p))
+    for run in runs:
+        temperature = parse_run(run.stem)[2]
+        reference = answers / f"{server}_{turn}_{temperature}_{streams}.json"
+        if run == reference or not reference.exists():
+            continue
+        reports.update(divergence.compare_with(reference, [run], logits_of))
+        reports[run.stem]["base"] = reference.stem
     Path(out, "divergence.json").write_text(json.dumps(reports, indent=1))
     for name, report in reports.items():
-        print(f"  {base} against {name}:", flush=True)
+        print(f"  {report.get('base', base)} against {name}:", flush=True)
         divergence.print_report(report)
+
+
+def parse_run(name: str) -> tuple[str, str, str, str]:
+    """SERVER_turnN_TX_cC (the server's name may hold underscores) -> its four parts."""
+    match = re.fullmatch(r"(.+)_(turn\d+)_(T[0-9.]+)_(c\d+)", name)
+    if match is None:
+        raise SuiteError(f"{name!r} is no run name (SERVER_turnN_TX_cC)")
+    return match.group(1), match.group(2), match.group(3), match.group(4)
 
 
 def add_mtbench(p: argparse.ArgumentParser) -> None:

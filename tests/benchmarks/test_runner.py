@@ -19,7 +19,7 @@ import pytest
 from benchmarks import __main__ as cli
 from benchmarks import device_carry, model_suites, streams_suite
 from benchmarks.host_profile import profile_spins
-from benchmarks.runner import PYTHON, REPO_ROOT, Command, Runner, Server
+from benchmarks.runner import PYTHON, REPO_ROOT, Command, Runner, Server, SuiteError
 from benchmarks.serving_suites import merge_summaries
 from benchmarks.suites import Suite
 
@@ -191,11 +191,11 @@ def test_spec_serving_saves_answers_and_compares_greedy_runs_with_one(capsys, tm
     argv = ["spec-serving", "--model-path", str(model), "--divergence", "plain_turn1_T0_c1"]
     commands = dry_run(capsys, tmp_path, *argv)
     assert flag(commands[1], "--save-outputs").endswith("/answers")
-    assert ["#", "compare", "the", "greedy", "runs", "with", "plain_turn1_T0_c1"] in commands
+    assert ["#", "compare", "the", "runs", "with", "plain_turn1_T0_c1"] in commands
     assert "--save-outputs" not in dry_run(capsys, tmp_path, *argv[:3])[1]
 
 
-def test_the_greedy_runs_are_compared_with_the_base_run(tmp_path):
+def test_each_run_is_compared_with_the_base_server_at_its_temperature(tmp_path):
     from tests.e2e.reference import hf_greedy
     from tests.gpu_worker.checkpoints import make_tiny_checkpoint
 
@@ -204,23 +204,35 @@ def test_the_greedy_runs_are_compared_with_the_base_run(tmp_path):
     base = [{"prompt_ids": p, "output_ids": hf_greedy(model, p, 6)} for p in prompts]
     other = [base[0], {"prompt_ids": prompts[1], "output_ids": base[1]["output_ids"][:5] + [0]}]
     more = [*other, {"prompt_ids": [1, 2], "output_ids": [3]}]  # a run of more streams
+    sampled = [{"prompt_ids": p, "output_ids": [1, 2, 3]} for p in prompts]
     answers = tmp_path / "answers"
     answers.mkdir()
     runs = {
         "plain_turn1_T0_c1": base,
         "spec_turn1_T0_c1": other,
         "spec_turn1_T0_c16": more,
-        "spec_turn1_T0.7_c1": other,  # sampled: not compared
+        "plain_turn1_T0.7_c1": sampled,
+        "plain_turn1_T0.7_c16": sampled,
+        "spec_turn1_T0.7_c1": [sampled[0], {**sampled[1], "output_ids": [1, 4, 3]}],
+        "spec_turn1_T1_c1": base,  # no plain run at T=1 to compare with
         "spec_turn2_T0_c1": [{"prompt_ids": [4], "output_ids": [5]}],  # another turn
     }
     for name, run in runs.items():
         (answers / f"{name}.json").write_text(json.dumps(run))
     model_suites.compare_answers(str(tmp_path), "plain_turn1_T0_c1", model)
     reports = json.loads((tmp_path / "divergence.json").read_text())
-    assert list(reports) == ["spec_turn1_T0_c1", "spec_turn1_T0_c16"]
-    for report in reports.values():  # the answers both runs hold
-        assert report["prompts"] == 2 and report["identical"] == 1
-        assert report["divergences"][0]["position"] == 5
+    greedy = ["spec_turn1_T0_c1", "spec_turn1_T0_c16"]
+    assert list(reports) == [*greedy, "plain_turn1_T0.7_c16", "spec_turn1_T0.7_c1"]
+    for name in greedy:  # the answers both runs hold
+        assert reports[name]["base"] == "plain_turn1_T0_c1"
+        assert reports[name]["prompts"] == 2 and reports[name]["identical"] == 1
+        assert reports[name]["divergences"][0]["position"] == 5
+    assert reports["plain_turn1_T0.7_c16"]["base"] == "plain_turn1_T0.7_c1"
+    assert reports["plain_turn1_T0.7_c16"]["identical"] == 2
+    assert reports["spec_turn1_T0.7_c1"]["identical"] == 1
+    assert reports["spec_turn1_T0.7_c1"]["divergences"][0]["position"] == 1
+    with pytest.raises(SuiteError, match="greedy"):
+        model_suites.compare_answers(str(tmp_path), "plain_turn1_T0.7_c1", model)
 
 
 def test_spec_serving_traces_and_profiles_each_server_apart(capsys, tmp_path):
