@@ -150,19 +150,29 @@ def second_turns(
 
 
 def make_payloads(
-    prompts: list[Prompt], temperature: float, max_new_tokens: int, ignore_eos: bool
+    prompts: list[Prompt],
+    temperature: float,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    seed: int = 0,
 ) -> list[Payload]:
-    """Streamed native /generate requests that keep their output ids."""
+    """Streamed native /generate requests that keep their output ids. A sampled request
+    carries the seed `seed` + its index, so two runs of the same prompts (another server,
+    another concurrency) draw the same noise and can be compared answer by answer."""
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0}
     sampling["ignore_eos"] = ignore_eos
     return [
         Payload(
             "/generate",
-            {"input_ids": p.ids, "sampling_params": sampling, "stream": True},
+            {
+                "input_ids": p.ids,
+                "sampling_params": {**sampling, "seed": seed + i} if temperature > 0 else sampling,
+                "stream": True,
+            },
             len(p.ids),
             keep_output=True,
         )
-        for p in prompts
+        for i, p in enumerate(prompts)
     ]
 
 

@@ -85,6 +85,13 @@ def test_payloads_stream_the_ids_and_keep_the_output():
     assert params["temperature"] == 0.7 and params["max_new_tokens"] == 32 and params["ignore_eos"]
 
 
+def test_sampled_payloads_carry_a_seed_per_prompt_and_greedy_ones_none():
+    prompts = [Prompt([5], CODE), Prompt([6], CODE)]
+    sampled = [p.body["sampling_params"]["seed"] for p in make_payloads(prompts, 0.7, 8, False, 9)]
+    assert sampled == [9, 10]  # the same in every run of these prompts
+    assert all("seed" not in p.body["sampling_params"] for p in make_payloads(prompts, 0, 8, False))
+
+
 def test_accept_length_by_kind_weighs_requests_by_their_tokens():
     prompts = [Prompt([1], MT_BENCH), Prompt([1], MT_BENCH), Prompt([1], CODE), Prompt([1], CODE)]
     results = [
