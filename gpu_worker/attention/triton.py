@@ -26,10 +26,8 @@ from gpu_worker.kernels.decode_attention import (
     decode_attention,
 )
 from gpu_worker.kernels.extend_attention import (
-    INVARIANT_SPLIT_KEYS,
     extend_attention,
     extend_num_splits,
-    invariant_num_splits,
 )
 from gpu_worker.kernels.few_query_attention import (
     NewTokens,
@@ -61,7 +59,7 @@ class ExtendMetadata:
     extend_start_loc: torch.Tensor  # [bs] int64, first token of each request
     max_extend_len: int  # host value from the plan (sizes the grid)
     num_splits: int = 1  # of each request's keys (`extend_num_splits`)
-    split_keys: int = 0  # the deterministic mode's fixed split size (`extend_attention`)
+    invariant: bool = False  # the deterministic mode's launch (`extend_attention`)
 
 
 @register_backend
@@ -142,13 +140,8 @@ class TritonBackend(AttentionBackend):
         """Every forward as one batch-invariant extend launch: decode, verify and prefill
         alike."""
         lens = batch.extend_seq_lens.to(torch.int64)
-        max_keys = self.req_to_token_pool.req_to_token.shape[1]
-        return ExtendMetadata(
-            torch.cumsum(lens, 0) - lens,
-            max(batch.extend_seq_lens_cpu, default=0),
-            invariant_num_splits(max_keys, INVARIANT_SPLIT_KEYS),
-            INVARIANT_SPLIT_KEYS,
-        )
+        max_len = max(batch.extend_seq_lens_cpu, default=0)
+        return ExtendMetadata(torch.cumsum(lens, 0) - lens, max_len, invariant=True)
 
     def _capturing(self) -> bool:
         device = self.kv_pool.device
@@ -239,5 +232,5 @@ class TritonBackend(AttentionBackend):
             layer.scaling,
             batch.custom_mask,
             meta.num_splits,
-            meta.split_keys,
+            meta.invariant,
         )

@@ -7,13 +7,15 @@ cached one) would leave most SMs idle while a few programs walk the whole prefix
 with few query blocks splits the keys (`extend_num_splits`): each split writes a normalised
 partial and its log-sum-exp, and `_combine_kernel` merges them.
 
-The deterministic mode (`batch_invariant`) runs every attention here with `split_keys`: query
-blocks of one size, splits at fixed multiples of split_keys keys and key blocks at fixed
-multiples of 64, so a query at position p reads its keys in the same blocks, in the same order,
-merged the same way, whether it decodes alone, sits in a batch, is verified in a chain or a tree
-of drafts or is prefilled in any chunk (a key block past p is masked for it, which changes no
-bit). A tree node's keys are its prefix and its ancestors, which sit at other indices than a
-plain decode's keys: it runs alone in its program and reads them in logical order.
+The deterministic mode (`batch_invariant`) runs every attention here with `invariant`: query
+blocks of one size, one program per block over the whole row, key blocks at fixed multiples of
+64 from position 0, so a query at position p reads its keys in the same blocks, in the same
+order, whether it decodes alone, sits in a batch, is verified in a chain or a tree of drafts or
+is prefilled in any chunk (a key block past p is masked for it, which changes no bit). No key
+splits: their partials would take memory growing with the context and a combine launch, and a
+split's boundaries would have to sit at fixed positions too. A tree node's keys are its prefix
+and its ancestors, which sit at other indices than a plain decode's keys: it runs alone in its
+program and reads them in logical order.
 """
 
 from __future__ import annotations
@@ -32,18 +34,9 @@ MIN_SPLIT_KEYS = 256  # a split covers at least this many keys; shorter ranges s
 FORCED_SPLITS: int | None = None  # the start-up warm-up compiles each of SPLIT_COUNTS
 
 
-INVARIANT_SPLIT_KEYS = 1024  # the deterministic mode's split size (keys)
-
-
-def extend_block_m(max_extend_len: int, split_keys: int = 0) -> int:
-    """Queries per program (with split_keys, one size for every launch)."""
-    return 16 if max_extend_len <= 16 or split_keys else 64
-
-
-def invariant_num_splits(max_keys: int, split_keys: int) -> int:
-    """Splits of split_keys covering max_keys keys. Their number does not change a token's
-    result: its combine merges its non-empty splits in order."""
-    return triton.cdiv(max_keys, split_keys)
+def extend_block_m(max_extend_len: int, invariant: bool = False) -> int:
+    """Queries per program (invariant: one size for every launch)."""
+    return 16 if max_extend_len <= 16 or invariant else 64
 
 
 def extend_num_splits(num_tokens: int, max_extend_len: int, num_heads: int, num_sms: int) -> int:
@@ -86,7 +79,7 @@ def _extend_kernel(
     HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FIXED_SPLIT_KEYS: tl.constexpr,
+    INVARIANT: tl.constexpr,
     ONE_QUERY: tl.constexpr,
     WIDTH_P2: tl.constexpr,
 ):
@@ -136,15 +129,16 @@ def _extend_kernel(
     else:  # causal: no key past this block's last query
         key_end = tl.minimum(seq_len, committed_len + (m_block + 1) * BLOCK_M)
         mask_start = seq_len
-    if FIXED_SPLIT_KEYS > 0:  # batch-invariant: splits at fixed positions, for any batch
-        per_split = FIXED_SPLIT_KEYS
+    if INVARIANT:  # batch-invariant: the whole row, blocks from key 0 (NUM_SPLITS is 1)
+        key_start = 0
+        key_stop = key_end
     else:  # whole BLOCK_N blocks, at least min_split_keys of them, so a short range is one
         # split's and the others find theirs empty
         per_split = tl.maximum(
             tl.cdiv(tl.cdiv(key_end, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_split_keys
         )
-    key_start = tl.minimum(split * per_split, key_end)
-    key_stop = tl.minimum(key_start + per_split, key_end)
+        key_start = tl.minimum(split * per_split, key_end)
+        key_stop = tl.minimum(key_start + per_split, key_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -208,53 +202,30 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    IN_ORDER: tl.constexpr,
 ):
     """o[token, head] from the splits' partials; zeros for a token of no request (a prefill
-    graph's padding, past the last request's tokens), whose partials nobody wrote. IN_ORDER
-    (the invariant launch): the non-empty splits merged one after another, so the result
-    depends on the token's own splits only, not on how many the launch has."""
+    graph's padding, past the last request's tokens), whose partials nobody wrote."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     last = bs - 1
     num_real = tl.load(extend_start_loc_ptr + last) + tl.load(extend_seq_lens_ptr + last)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    if IN_ORDER:
-        top = tl.full([], float("-inf"), tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        total = tl.zeros([], tl.float32)
-        if token < num_real:
-            for split in range(NUM_SPLITS):
-                part = (token * NUM_HEADS + head) * NUM_SPLITS + split
-                lse = tl.load(partial_lse_ptr + part)
-                if lse > float("-inf"):
-                    o_s = tl.load(partial_o_ptr + part * HEAD_DIM + d, mask=d_mask, other=0.0)
-                    new_top = tl.maximum(top, lse)
-                    rescale = tl.exp2(top - new_top)
-                    weight = tl.exp2(lse - new_top)
-                    acc = acc * rescale + o_s * weight
-                    total = total * rescale + weight
-                    top = new_top
-        out = acc / tl.where(total > 0, total, 1.0)
-        o_offsets = token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d
-        tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
-    else:
-        splits = tl.arange(0, NUM_SPLITS)
-        part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
-        real = tl.full([NUM_SPLITS], 0, tl.int64) + token < num_real
-        lse = tl.where(real, tl.load(partial_lse_ptr + part), float("-inf"))
-        top = tl.max(lse, 0)
-        weight = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(real, top, 0.0)), 0.0)
-        parts = tl.load(
-            partial_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
-            mask=(weight > 0)[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        total = tl.sum(weight, 0)
-        out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-        o_offsets = token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d
-        tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    splits = tl.arange(0, NUM_SPLITS)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+    real = tl.full([NUM_SPLITS], 0, tl.int64) + token < num_real
+    lse = tl.where(real, tl.load(partial_lse_ptr + part), float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(real, top, 0.0)), 0.0)
+    parts = tl.load(
+        partial_o_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=(weight > 0)[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_offsets = token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d
+    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
 def kernel_mask(custom_mask: torch.Tensor | None, dummy: torch.Tensor):
@@ -282,7 +253,7 @@ def extend_attention(
     scaling: float,
     custom_mask: torch.Tensor | None = None,
     num_splits: int = 1,
-    split_keys: int = 0,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """q [num_tokens, H * D], requests' tokens back to back (request b's from
     extend_start_loc[b]); k_buffer / v_buffer [num_slots, KH, D], one layer, the new K/V
@@ -291,10 +262,9 @@ def extend_attention(
     seq_len - extend_len + j and reads the keys at req_to_token[row, :seq_len], so page size
     never reaches the kernel. Visibility: causal, or a tree-local custom_mask [bs, q_len,
     width] (uint8 or bool) over the last width keys, earlier keys visible. num_splits: key
-    splits (`extend_num_splits`); with split_keys, splits of that many keys from position 0
-    (`invariant_num_splits` of them for the longest row): the batch-invariant launch (with a
+    splits (`extend_num_splits`). invariant: the batch-invariant launch (one split; with a
     tree mask, one query per program). Returns o [num_tokens, H * D] in q's dtype."""
-    assert not split_keys or num_splits * split_keys >= req_to_token.shape[1], "keys uncovered"
+    assert not invariant or num_splits == 1, "the invariant launch reads each row whole"
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     num_heads = q.shape[1] // head_dim
     bs = rows.shape[0]
@@ -303,10 +273,10 @@ def extend_attention(
     o = torch.zeros_like(q) if num_splits == 1 or bs == 0 else torch.empty_like(q)
     if bs == 0 or q.shape[0] == 0:
         return o
-    block_m = extend_block_m(max_extend_len, split_keys)
+    block_m = extend_block_m(max_extend_len, invariant)
     has_mask = custom_mask is not None
     mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
-    one_query = has_mask and split_keys > 0
+    one_query = has_mask and invariant
     query_blocks = max_extend_len if one_query else triton.cdiv(max_extend_len, block_m)
     grid = (bs, num_heads, query_blocks * num_splits)
     partial_o = partial_lse = q  # never read with one split
@@ -340,7 +310,7 @@ def extend_attention(
         HAS_MASK=has_mask,
         DOT_PRECISION=dot_precision(q.dtype),
         NUM_SPLITS=num_splits,
-        FIXED_SPLIT_KEYS=split_keys,
+        INVARIANT=invariant,
         ONE_QUERY=one_query,
         WIDTH_P2=next_power_of_2(max(mask_width, 1)),
         num_warps=4,
@@ -357,6 +327,5 @@ def extend_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=next_power_of_2(head_dim),
             NUM_SPLITS=num_splits,
-            IN_ORDER=split_keys > 0,
         )
     return o

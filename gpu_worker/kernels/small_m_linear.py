@@ -18,11 +18,17 @@ import triton.language as tl
 from gpu_worker.kernels import activation, batch_invariant, next_power_of_2, norm, pdl
 from gpu_worker.kernels.activation import silu_and_mul_reference
 from gpu_worker.kernels.norm import add_rms_norm_reference, rms_norm_reference
+from gpu_worker.kernels.prologue import (
+    ADD_NORM,
+    NORM,
+    PLAIN,
+    SILU_MUL,
+    input_tile,
+    mean_square_rstd,
+)
 
 MAX_KERNEL_ROWS = 4  # stepping over K, the kernel holds [rows, block_n, block_k] products
 MAX_ONE_TILE_ROWS = 16  # in one tile, a program per row block and column block
-
-_PLAIN, _NORM, _ADD_NORM, _SILU_MUL = 0, 1, 2, 3
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -38,68 +44,6 @@ def rms_norm_linear_reference(x, residual, norm_weight, eps, weight, bias=None):
 
 def silu_mul_linear_reference(gate_up, weight, bias=None):
     return F.linear(silu_and_mul_reference(gate_up), weight, bias)
-
-
-@triton.jit
-def _input_tile(
-    x_ptr,
-    res_ptr,
-    sum_ptr,
-    norm_w_ptr,
-    rows,
-    cols,
-    mask,
-    x_stride,
-    res_stride,
-    inter,
-    rstd,
-    store_sum,
-    PROLOGUE: tl.constexpr,
-):
-    """The [rows, cols] tile of the projection's input, in the input dtype."""
-    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
-    if PROLOGUE == 3:  # silu(gate) * up, gate and up side by side in x
-        up = tl.load(x_ptr + rows[:, None] * x_stride + inter + cols[None, :], mask=mask, other=0.0)
-        gate = x.to(tl.float32)
-        return (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x.dtype)
-    if PROLOGUE == 2:
-        r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like x + residual
-        if store_sum:
-            tl.store(sum_ptr + rows[:, None] * inter + cols[None, :], x, mask=mask)
-    if PROLOGUE >= 1:
-        w = tl.load(norm_w_ptr + cols, mask=cols < inter, other=0.0)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-        x = (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _mean_square_rstd(
-    x_ptr,
-    res_ptr,
-    rows,
-    row_ok,
-    x_stride,
-    res_stride,
-    K,
-    eps,
-    PROLOGUE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """1 / rms of each row of the norm's input (x, or x + residual rounded like the sum)."""
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
-        if PROLOGUE == 2:
-            r = tl.load(res_ptr + rows[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, axis=1)
-    return tl.rsqrt(squares / K + eps)
 
 
 @triton.jit
@@ -155,11 +99,11 @@ def _small_m_linear_kernel(
     pdl.wait_for_previous(USE_PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:  # a first pass: each row's mean square
-        rstd = _mean_square_rstd(
+        rstd = mean_square_rstd(
             x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, K, eps, PROLOGUE, BLOCK_M, BLOCK_K
         )
     if ONE_TILE:
-        a = _input_tile(
+        a = input_tile(
             x_ptr,
             res_ptr,
             sum_ptr,
@@ -180,7 +124,7 @@ def _small_m_linear_kernel(
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             k_ok = cols < K
-            a = _input_tile(
+            a = input_tile(
                 x_ptr,
                 res_ptr,
                 sum_ptr,
@@ -280,7 +224,7 @@ def _launch(prologue, x, weight, bias, residual, norm_weight, eps, config: Confi
     limit = MAX_ONE_TILE_ROWS if one_tile else MAX_KERNEL_ROWS
     assert 0 < rows <= limit, f"{rows} rows: the fused kernel takes 1-{limit} at this width"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    summed = torch.empty(rows, k, dtype=x.dtype, device=x.device) if prologue == _ADD_NORM else x
+    summed = torch.empty(rows, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else x
     res = residual if residual is not None else x
     block_m = config.block_m if one_tile else next_power_of_2(rows)
     _small_m_linear_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(rows, block_m))](
@@ -318,28 +262,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = config or default_config(x, *weight.shape)
     if config is None:
         return F.linear(x, weight, bias)
-    return _launch(_PLAIN, x, weight, bias, None, None, 0.0, config)[0]
+    return _launch(PLAIN, x, weight, bias, None, None, 0.0, config)[0]
 
 
 def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=None):
     """-> (rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: the norm of
     x alone, and x itself second."""
-    if not (batch_invariant.ENABLED and config is None):  # on: the norm as its own kernel
-        config = config or default_config(x, *weight.shape, prologue=True)
+    if batch_invariant.ENABLED and config is None:
+        return batch_invariant.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    config = config or default_config(x, *weight.shape, prologue=True)
     if config is None:
         if residual is None:
             return linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
         normed, summed = norm.add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias), summed
-    prologue = _NORM if residual is None else _ADD_NORM
+    prologue = NORM if residual is None else ADD_NORM
     return _launch(prologue, x, weight, bias, residual, norm_weight, eps, config)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias=None, config=None):
     """gate_up [m, 2I] -> (silu(gate) * up) @ weight [H, I].T + bias -> [m, H]."""
     assert gate_up.shape[1] == 2 * weight.shape[1]
-    if not (batch_invariant.ENABLED and config is None):  # on: SiLU as its own kernel
-        config = config or default_config(gate_up, *weight.shape, prologue=True)
+    if batch_invariant.ENABLED and config is None:
+        return batch_invariant.silu_mul_linear(gate_up, weight, bias)
+    config = config or default_config(gate_up, *weight.shape, prologue=True)
     if config is None:
         return linear(activation.silu_and_mul(gate_up), weight, bias)
-    return _launch(_SILU_MUL, gate_up, weight, bias, None, None, 0.0, config)[0]
+    return _launch(SILU_MUL, gate_up, weight, bias, None, None, 0.0, config)[0]

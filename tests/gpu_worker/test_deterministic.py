@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 
-from gpu_worker.attention import triton as triton_backend
 from gpu_worker.build import build_models
 from gpu_worker.kernels import batch_invariant
 from gpu_worker.step.forward_batch import ForwardMode
@@ -22,7 +21,7 @@ from tests.gpu_worker.checkpoints import make_tiny_checkpoint
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
 from tests.gpu_worker.test_worker import make_config
 
-PROMPT = 150  # tokens: two key splits of 128, three key blocks of 64
+PROMPT = 150  # tokens: three key blocks of 64
 
 
 def runner_for(model_dir: str, device: str, dtype: torch.dtype, context_length: int = PROMPT + 2):
@@ -102,26 +101,21 @@ def last_token_logits(
     return {name: o.next_token_logits[picks.get(name, 0)] for name, o in out.items()}
 
 
-@pytest.fixture
-def small_splits(monkeypatch):
-    monkeypatch.setattr(triton_backend, "INVARIANT_SPLIT_KEYS", 128)
-
-
 @pytest.mark.parametrize(
     "device, dtype",
     [(d, t) for d in triton_devices() for t in (torch.float32, torch.bfloat16)[: 1 + (d != "cpu")]],
 )
-def test_a_tokens_logits_are_the_same_however_it_is_computed(device, dtype, tmp_path, small_splits):
+def test_a_tokens_logits_are_the_same_however_it_is_computed(device, dtype, tmp_path):
     model_dir = make_tiny_checkpoint(str(tmp_path), "llama", num_hidden_layers=1)
     batch_invariant.enable()
     try:
         logits = last_token_logits(device, dtype, model_dir)
-        # a server with longer rows has more key splits: a token's merge does not see them
+        # a server with longer rows (a wider req_to_token) computes a token the same way
         longer = last_token_logits(device, dtype, model_dir, 3 * PROMPT, only_first=True)
     finally:
         batch_invariant.enable(False)
     reference = logits.pop("decode alone")
-    for name, other in {**logits, "more splits": longer["decode alone"]}.items():
+    for name, other in {**logits, "longer rows": longer["decode alone"]}.items():
         assert torch.equal(other, reference), name
     # and still the model's logits: the fast path's, to rounding
     fast = last_token_logits(device, dtype, model_dir)

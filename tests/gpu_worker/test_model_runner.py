@@ -221,15 +221,15 @@ def test_one_token_runs_the_fused_layer_kernels(tiny_dirs, reference_models, mon
     )
     runner = make_runner(tiny_dirs["qwen2"], attention_backend="triton")  # biases on q, k, v
     per_layer = [
-        small_m_linear._NORM,
-        small_m_linear._PLAIN,
-        small_m_linear._ADD_NORM,
-        small_m_linear._SILU_MUL,
+        small_m_linear.NORM,
+        small_m_linear.PLAIN,
+        small_m_linear.ADD_NORM,
+        small_m_linear.SILU_MUL,
     ]  # the first layer's stream has no residual yet
-    per_layer_later = [small_m_linear._ADD_NORM, *per_layer[1:]]
+    per_layer_later = [small_m_linear.ADD_NORM, *per_layer[1:]]
     expected_fused = per_layer + per_layer_later * (runner.config.num_layers - 1)
     gemv = small_m_linear.GEMV_CONFIG
-    expected_gemv = [small_m_linear._PLAIN] * 4 * runner.config.num_layers
+    expected_gemv = [small_m_linear.PLAIN] * 4 * runner.config.num_layers
     rows = pdl.MAX_ROWS
     for length, fuse, gemv_config, expected in (
         (1, True, gemv, expected_fused),

@@ -69,8 +69,20 @@ def test_the_mode_routes_every_entry_point(device: str, invariant_mode) -> None:
     add_norm = lambda rows: sml.rms_norm_linear(rows[:, :96], rows[:, 96:], norm_w, 1e-6, w)[0]  # noqa: E731
     each_row_alone_and_in_batches(add_norm, both)
     each_row_alone_and_in_batches(lambda rows: sml.silu_mul_linear(rows, w), gate_up)
-    expected = sml.rms_norm_linear_reference(x, residual, norm_w, 1e-6, w)[0]
-    torch.testing.assert_close(add_norm(both), expected, **tolerance(dtype))
+    out, summed = sml.rms_norm_linear(x, residual, norm_w, 1e-6, w)
+    expected, expected_sum = sml.rms_norm_linear_reference(x, residual, norm_w, 1e-6, w)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+    assert torch.equal(summed, expected_sum)  # rounded like the separate add
+    torch.testing.assert_close(
+        sml.rms_norm_linear(x, None, norm_w, 1e-6, w)[0],
+        sml.rms_norm_linear_reference(x, None, norm_w, 1e-6, w)[0],
+        **tolerance(dtype),
+    )
+    torch.testing.assert_close(
+        sml.silu_mul_linear(gate_up, w),
+        sml.silu_mul_linear_reference(gate_up, w),
+        **tolerance(dtype),
+    )
     # off, the entry points pick their kernels by row count again and a row differs
     batch_invariant.enable(False)
     with pytest.raises(AssertionError, match="alone"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from tests.devices import compile_outside_the_interpreter
 
 SCRIPT = r"""
+import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -106,7 +107,7 @@ for fn, dtype, pdl in ((_one_shot_kernel, "*bf16", True), (_two_shot_kernel, "*f
     assert "atom.global.sys.release.exch.b64" in ptx and "ld.global.sys.acquire.b64" in ptx
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, fn.__name__
     assert ("griddepcontrol.wait" in ptx) == pdl
-# The deterministic mode's attention: fixed key splits, causal and a tree node per program.
+# The deterministic mode's attention: whole rows, causal and a tree node per program.
 from gpu_worker.kernels.extend_attention import _extend_kernel as fn
 types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
          "req_to_token_ptr": "*i32", "rows_ptr": "*i64", "seq_lens_ptr": "*i64",
@@ -116,17 +117,21 @@ types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
          "min_split_keys": "i32"}
 for tree in (False, True):
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16,
-                 BLOCK_N=64, HAS_MASK=tree, DOT_PRECISION="tf32", NUM_SPLITS=8,
-                 FIXED_SPLIT_KEYS=1024, ONE_QUERY=tree, WIDTH_P2=16)
+                 BLOCK_N=64, HAS_MASK=tree, DOT_PRECISION="tf32", NUM_SPLITS=1,
+                 INVARIANT=True, ONE_QUERY=tree, WIDTH_P2=16)
     triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
                    target=GPUTarget("cuda", 90, 32))
 # The deterministic mode's projection: bf16 on the tensor cores, float32 in full precision.
 from gpu_worker.kernels.batch_invariant import _invariant_linear_kernel as fn
-for dtype, precision in (("*bf16", "tf32"), ("*fp32", "ieee")):
-    types = {"x_ptr": dtype, "w_ptr": dtype, "b_ptr": dtype, "out_ptr": dtype, "M": "i32",
-             "N": "i32", "K": "i32", "x_stride": "i32", "out_stride": "i32"}
-    const = dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=precision)
+numerics = (("*bf16", "tf32"), ("*fp32", "ieee"))
+for (dtype, precision), prologue in itertools.product(numerics, range(4)):
+    types = {"x_ptr": dtype, "res_ptr": dtype, "sum_ptr": dtype, "norm_w_ptr": dtype,
+             "w_ptr": dtype, "b_ptr": dtype, "out_ptr": dtype, "M": "i32", "N": "i32",
+             "K": "i32", "x_stride": "i32", "res_stride": "i32", "out_stride": "i32",
+             "eps": "fp32"}
+    const = dict(PROLOGUE=prologue, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=16, BLOCK_K=64,
+                 DOT_PRECISION=precision)
     triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
                    target=GPUTarget("cuda", 90, 32))

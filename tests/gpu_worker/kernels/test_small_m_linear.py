@@ -147,7 +147,7 @@ def test_a_large_weight_runs_the_separate_step_then_the_gemv(monkeypatch, device
     gate_up = random(gen, device, dtype, 1, 2 * k)
     want = sml.silu_mul_linear_reference(gate_up, w)
     torch.testing.assert_close(sml.silu_mul_linear(gate_up, w), want, **tolerance(dtype))
-    assert launches == ([(sml._PLAIN, gemv)] * 2 if gemv else [])
+    assert launches == ([(sml.PLAIN, gemv)] * 2 if gemv else [])
 
 
 def test_the_interpreter_takes_wide_column_blocks_by_default():
