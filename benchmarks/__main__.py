@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -22,7 +23,16 @@ from benchmarks import (
     suites,
     train_suite,
 )
-from benchmarks.runner import REPO_ROOT, Command, Runner, Step, SuiteError, dry_run_lines
+from benchmarks.runner import (
+    REPO_ROOT,
+    Command,
+    Runner,
+    Step,
+    SuiteError,
+    Terminated,
+    dry_run_lines,
+    raise_terminated,
+)
 from benchmarks.runner import setup_env as run_setup
 from benchmarks.suites import Suite
 
@@ -147,7 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = plan_or_exit(parser, args)
     os.makedirs(args.out, exist_ok=True)
     runner = Runner(args.out, env, args.keep_going, args.tail)
-    if runner.run(steps):
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        ok = runner.run(steps)
+    except Terminated:
+        print(f"benchmarks: {args.suite} terminated; its servers are stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if ok:
         print(f"benchmarks: {args.suite} done; results in {args.out}")
         return 0
     print(f"benchmarks: {args.suite} failed:", file=sys.stderr)

@@ -69,6 +69,17 @@ class SuiteError(Exception):
     """A suite cannot be planned from these flags and files; the message says why."""
 
 
+class Terminated(BaseException):
+    """The suite got SIGTERM (a `timeout` around it, say): raised where it waits, so that the
+    server and the command it runs are stopped on the way out, not left holding the GPU and
+    the port for whatever runs next. Not an Exception: a step's own error handling lets it
+    through."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def command_line(cmd: Command) -> str:
     line = shlex.join([f"{k}={v}" for k, v in cmd.env.items()] + cmd.argv)
     return f"(cd {shlex.quote(cmd.cwd)} && {line})" if cmd.cwd else line
@@ -177,6 +188,9 @@ class Runner:
         except subprocess.TimeoutExpired:
             kill_session(proc)
             rc = None
+        except BaseException:  # the suite is stopped (`Terminated`): so is what it started
+            kill_session(proc)
+            raise
         if watcher.is_alive():
             watcher.join(STOP_TIMEOUT_S)
         for text in tail_lines(log_path, self.tail):

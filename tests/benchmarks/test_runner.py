@@ -470,6 +470,37 @@ def test_a_server_serves_its_steps_and_is_stopped_after_them(tmp_path):
     assert f"something already listens on port {taken}" in runner.failures[-1]
 
 
+def test_a_terminated_suite_stops_its_server_and_command(monkeypatch, tmp_path):
+    """SIGTERM (a `timeout` around the suite) while a step runs: the step's command and the
+    server are stopped before the suite exits, so the next suite finds the port free."""
+    script, port = tmp_path / "server.py", free_port()
+    script.write_text(HEALTH_SERVER)
+    pid_file = tmp_path / "command.pid"
+    stop_me = (
+        f"import os, signal, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+        "os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)"
+    )
+    steps = [
+        Server(
+            [PYTHON, str(script), str(port)],
+            "server.log",
+            port,
+            [
+                Command([PYTHON, "-c", stop_me], "command.txt"),
+                Command([PYTHON, "-c", f"open({str(tmp_path / 'after')!r}, 'w')"], "after.txt"),
+            ],
+        )
+    ]
+    suite = Suite("stops", "stops", lambda p: None, lambda a: steps, on_device=False)
+    monkeypatch.setitem(cli.SUITES, "stops", suite)
+    assert cli.main(["stops", "--out", str(tmp_path / "out")]) == 128 + 15
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0  # the server stopped
+    with pytest.raises(ProcessLookupError):  # the command too
+        os.kill(int(pid_file.read_text()), 0)
+    assert not (tmp_path / "after").exists()  # and nothing ran after it
+
+
 def test_prepare_builds_the_carry_dir_from_the_default_model(monkeypatch, capsys, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
