@@ -127,6 +127,40 @@ def test_same_seed_and_position_give_same_token_across_batches():
     assert tokens.item() == full[3]
 
 
+def test_a_rows_draw_and_logprob_do_not_depend_on_its_batch_with_filters():
+    """Top-k, top-p, min-p and greedy rows side by side: the filters switched on for the batch
+    leave a row that asks for none as it is, and each row draws the same token with the same
+    logprob alone, in any order and beside any others (the deterministic mode's sampling)."""
+    vocab = 1000
+    state = make_state(vocab=vocab)
+    params = {
+        1: SamplingParams(temperature=0.7, seed=11),
+        2: SamplingParams(temperature=0.7, seed=12, top_p=0.9),
+        3: SamplingParams(temperature=1.0, seed=13, top_k=20),
+        4: SamplingParams(temperature=0.7, seed=14, min_p=0.05),
+        5: SamplingParams(temperature=0.0),
+        6: SamplingParams(temperature=1.3, seed=16, top_k=50, top_p=0.8, min_p=0.01),
+    }
+    for row, p in params.items():
+        state.start(row, p, [1], 0)
+    torch.manual_seed(2)
+    logits = torch.randn(7, vocab) * 3  # row r reads logits[r]
+    positions = torch.tensor([0, 4, 8, 15, 16, 23, 42])
+
+    def run(rows: list[int]) -> dict[int, tuple[int, float]]:
+        idx = torch.tensor(rows)
+        tokens, logprobs = state.sample(logits[idx], idx, positions[idx])
+        pairs = zip(tokens.tolist(), logprobs.tolist(), strict=True)
+        return dict(zip(rows, pairs, strict=True))
+
+    full = run(list(params))
+    for row in params:
+        assert run([row]) == {row: full[row]}, f"row {row} alone"
+    assert run([6, 4, 2, 5, 3, 1]) == full
+    assert run([1, 5]) == {r: full[r] for r in (1, 5)}  # no filter in this batch
+    assert full[5][0] == int(logits[5].argmax())
+
+
 def test_different_seeds_differ_and_equal_seeds_agree():
     vocab = 1000
     state = make_state(vocab=vocab)
