@@ -1,6 +1,7 @@
 """Triton kernels for the decoder layers and the `triton` attention backend, the deterministic
-mode's batch-invariant matmul (`batch_invariant`, which also holds the mode's switch) and the
-tensor-parallel all-reduce through peer memory (`peer_all_reduce`).
+mode's batch-invariant matmul (`batch_invariant`, which also holds the mode's switch), the norm
+or SiLU step the projection kernels fuse before them (`prologue`) and the tensor-parallel
+all-reduce through peer memory (`peer_all_reduce`).
 
 Each module exposes a kernel (`name`) next to the torch reference that defines its result
 (`name_reference`); layers choose with `use_triton`. On CPU the kernels run in Triton's
