@@ -88,8 +88,9 @@ class PeerAllReduce:
         unless `one_shot` says."""
         if one_shot is None:
             one_shot = x.numel() * x.element_size() <= self.limits.one_shot_max
-        reduce = kernels.one_shot if one_shot else kernels.two_shot
-        return reduce(x, self.buffers, self.pads, self.counts, self.rank, self.limits.max_bytes)
+        return kernels.all_reduce(
+            x, self.buffers, self.pads, self.counts, self.rank, self.limits.max_bytes, one_shot
+        )
 
 
 def block_bytes(limits: Limits, world: int) -> int:

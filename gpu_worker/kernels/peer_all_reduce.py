@@ -198,55 +198,28 @@ def _launch_args(x: torch.Tensor, block: int) -> dict:
     return {"BLOCK": block, "num_warps": 4, **pdl.launch_args(x.device, rows)}
 
 
-def one_shot(
+def all_reduce(
     x: torch.Tensor,
     bufs: torch.Tensor,
     pad_ptrs: torch.Tensor,
     counts: torch.Tensor,
     rank: int,
     slot_bytes: int,
+    one_shot: bool,
     block: int = 1024,
 ) -> torch.Tensor:
-    """Sum x (contiguous, a multiple of ALIGN elements) over the ranks in place. bufs: int64
-    [2, N] addresses of every rank's halves (N slots of slot_bytes each); pad_ptrs: int64 [N]
-    addresses of their signal pads; counts: int64 [programs, 2] this rank's (calls, flags)
-    per program, zeros at first."""
+    """Sum x (contiguous, a multiple of ALIGN elements) over the ranks in place, one-shot or
+    two-shot (reduce-scatter, then all-gather). bufs: int64 [2, N] addresses of every rank's
+    halves (N slots of slot_bytes each); pad_ptrs: int64 [N] addresses of their signal pads;
+    counts: int64 [programs, 2] this rank's (calls, flags) per program, zeros at first."""
     world, programs = pad_ptrs.numel(), counts.shape[0]
     n, slot = x.numel(), slot_bytes // x.element_size()
-    span = _round_up(-(-n // programs), ALIGN.value)
-    grid = (programs,)
-    _one_shot_kernel[grid](
-        x, n, span, slot, bufs, pad_ptrs, counts, rank, world, MAX_RANKS, **_launch_args(x, block)
-    )
-    return x
-
-
-def two_shot(
-    x: torch.Tensor,
-    bufs: torch.Tensor,
-    pad_ptrs: torch.Tensor,
-    counts: torch.Tensor,
-    rank: int,
-    slot_bytes: int,
-    block: int = 1024,
-) -> torch.Tensor:
-    """`one_shot`'s contract, reduce-scatter then all-gather."""
-    world, programs = pad_ptrs.numel(), counts.shape[0]
-    n, slot = x.numel(), slot_bytes // x.element_size()
-    part = _round_up(-(-n // world), ALIGN.value)
-    span = _round_up(-(-part // programs), ALIGN.value)
-    _two_shot_kernel[(programs,)](
-        x,
-        n,
-        part,
-        span,
-        slot,
-        bufs,
-        pad_ptrs,
-        counts,
-        rank,
-        world,
-        MAX_RANKS,
-        **_launch_args(x, block),
-    )
+    signals = (bufs, pad_ptrs, counts, rank, world, MAX_RANKS)
+    if one_shot:
+        span = _round_up(-(-n // programs), ALIGN.value)
+        _one_shot_kernel[(programs,)](x, n, span, slot, *signals, **_launch_args(x, block))
+    else:
+        part = _round_up(-(-n // world), ALIGN.value)
+        span = _round_up(-(-part // programs), ALIGN.value)
+        _two_shot_kernel[(programs,)](x, n, part, span, slot, *signals, **_launch_args(x, block))
     return x

@@ -56,8 +56,9 @@ class Ranks:
                     half[r][p, :n] = messages[p]
                 self.pads[r][:, p] = signalled
             x = messages[r].clone()
-            reduce = kernels.two_shot if two_shot else kernels.one_shot
-            out = reduce(x, self.buffers, self.pad_ptrs, self.counts[r], r, CAPACITY * 4, 64)
+            out = kernels.all_reduce(
+                x, self.buffers, self.pad_ptrs, self.counts[r], r, CAPACITY * 4, not two_shot, 64
+            )
             assert out.data_ptr() == x.data_ptr()  # in place
             results.append(out)
         return results
@@ -89,8 +90,8 @@ def test_a_rank_waits_for_this_calls_signal() -> None:
     ranks.reduce([torch.ones(64), torch.ones(64)], False, 0)  # rank 1 signalled call 0
     x = torch.ones(64)
     worker = threading.Thread(
-        target=kernels.one_shot,
-        args=(x, ranks.buffers, ranks.pad_ptrs, ranks.counts[0], 0, CAPACITY * 4, 64),
+        target=kernels.all_reduce,
+        args=(x, ranks.buffers, ranks.pad_ptrs, ranks.counts[0], 0, CAPACITY * 4, True, 64),
         daemon=True,
     )
     worker.start()
