@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -27,50 +25,44 @@ CALLS = 50
 DEFAULT_SIZES_KIB = "8,16,32,64,128,256,512,1024,2048,4096,8192"
 
 
-def time_variants(rank: int, world: int, address: str, args, results) -> None:
+def time_variants(rank: int, world: int, address: str, args) -> list[dict]:
     from gpu_worker.parallel import init_tensor_parallel
     from gpu_worker.peer_reduce import Limits, open_peers
 
-    try:
-        device = torch.device(f"cuda:{rank}")
-        torch.cuda.set_device(device)
-        tp = init_tensor_parallel(rank, world, address, device, peer_all_reduce=False)
-        limits = [Limits(max_bytes=max(args.sizes_kib) << 10, programs=p) for p in args.programs]
-        peers = {
-            limit.programs: open_peers(rank, world, device, tp.gather_objects, limit)
-            for limit in limits
-        }
-        variants = {
-            f"{name}_p{programs}": (one_shot, peer)
-            for programs, peer in peers.items()
-            for name, one_shot in (("one_shot", True), ("two_shot", False))
-        }
-        rows = []
-        for kib in args.sizes_kib:
-            x = torch.randn(kib * 512, device=device).to(torch.bfloat16)
-            expected = x.clone()
-            dist.all_reduce(expected, group=tp.group)
-            for name, (one_shot, peer) in variants.items():
-                got = peer.all_reduce(x.clone(), one_shot)
-                # two ranks: the same sum; more: NCCL adds in another order
-                if world == 2 and not torch.equal(got, expected):
-                    raise AssertionError(f"{name} at {kib} KiB differs from NCCL")
-                torch.testing.assert_close(got, expected, atol=0.1, rtol=0.05)
-            row = {"kib": kib}
-            row["nccl_us"] = graph_timing.time_graph(
-                lambda x=x: dist.all_reduce(x, group=tp.group), CALLS
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    tp = init_tensor_parallel(rank, world, address, device, peer_all_reduce=False)
+    limits = [Limits(max_bytes=max(args.sizes_kib) << 10, programs=p) for p in args.programs]
+    peers = {
+        limit.programs: open_peers(rank, world, device, tp.gather_objects, limit)
+        for limit in limits
+    }
+    variants = {
+        f"{name}_p{programs}": (one_shot, peer)
+        for programs, peer in peers.items()
+        for name, one_shot in (("one_shot", True), ("two_shot", False))
+    }
+    rows = []
+    for kib in args.sizes_kib:
+        x = torch.randn(kib * 512, device=device).to(torch.bfloat16)
+        expected = x.clone()
+        dist.all_reduce(expected, group=tp.group)
+        for name, (one_shot, peer) in variants.items():
+            got = peer.all_reduce(x.clone(), one_shot)
+            # two ranks: the same sum; more: NCCL adds in another order
+            if world == 2 and not torch.equal(got, expected):
+                raise AssertionError(f"{name} at {kib} KiB differs from NCCL")
+            torch.testing.assert_close(got, expected, atol=0.1, rtol=0.05)
+        row = {"kib": kib}
+        row["nccl_us"] = graph_timing.time_graph(
+            lambda x=x: dist.all_reduce(x, group=tp.group), CALLS
+        )
+        for name, (one_shot, peer) in variants.items():
+            row[f"{name}_us"] = graph_timing.time_graph(
+                lambda o=one_shot, p=peer, x=x: p.all_reduce(x, o), CALLS
             )
-            for name, (one_shot, peer) in variants.items():
-                row[f"{name}_us"] = graph_timing.time_graph(
-                    lambda o=one_shot, p=peer, x=x: p.all_reduce(x, o), CALLS
-                )
-            rows.append(row)
-        results.put((rank, rows, None))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,24 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     args.programs = [int(s) for s in args.programs.split(",")]
     if torch.cuda.device_count() < args.world:
         sys.exit(f"--world {args.world} needs that many GPUs; {torch.cuda.device_count()} here")
-    from aerie.resolve import free_port
+    from gpu_worker.tooling.ranks import RankFailure, run_ranks
 
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    address = f"127.0.0.1:{free_port()}"
-    procs = [
-        context.Process(target=time_variants, args=(r, args.world, address, args, results))
-        for r in range(args.world)
-    ]
-    for proc in procs:
-        proc.start()
-    out = sorted(results.get(timeout=600) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
-    errors = [error for *_, error in out if error is not None]
-    if errors:
-        sys.exit("\n".join(errors))
-    rows = out[0][1]
+    try:
+        rows = run_ranks(time_variants, args.world, args, timeout_s=600)[0]
+    except RankFailure as e:
+        sys.exit(str(e))
     columns = [k for k in rows[0] if k.endswith("_us")]
     print(f"all-reduce, {args.world} GPUs, bf16, us per call in a CUDA graph (rank 0)")
     print(" ".join(f"{c.removesuffix('_us'):>14}" for c in ["KiB", *columns]))

@@ -7,16 +7,13 @@ in another order, so it is only close. Skipped with fewer than two GPUs; the int
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from aerie.resolve import free_port
 from gpu_worker.parallel import init_tensor_parallel
 from gpu_worker.peer_reduce import DTYPES
+from gpu_worker.tooling.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
@@ -51,75 +48,52 @@ def check(tp, x: torch.Tensor, got: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, nccl, atol=tol, rtol=tol, msg=what)
 
 
-def run_rank(rank: int, world: int, address: str, results) -> None:
-    try:
-        device = torch.device(f"cuda:{rank}")
-        torch.cuda.set_device(device)
-        tp = init_tensor_parallel(rank, world, address, device)
-        peer = tp.peer
-        assert peer is not None, "peer all-reduce not set up"
-        generator = torch.Generator(device).manual_seed(rank)
-        for dtype in DTYPES:
-            size = torch.finfo(dtype).bits // 8
-            limit = peer.limits
-            lengths = [16, 4096, limit.one_shot_max // size, limit.one_shot_max // size + 16]
-            lengths.append(limit.max_bytes // size)
-            lengths = [n for n in lengths if n * size <= limit.max_bytes]
-            for n in lengths:
-                x = torch.randn(n, generator=generator, device=device).to(dtype)
-                assert peer.fits(x)
-                check(tp, x, tp.all_reduce(x.clone()), f"{dtype} x {n}")
-                # both kinds at every size, whichever the limits pick (two GPUs: one-shot)
-                for one_shot in (True, False):
-                    got = peer.all_reduce(x.clone(), one_shot)
-                    check(tp, x, got, f"{dtype} x {n}, one-shot {one_shot}")
-        # past the buffers: NCCL, and the peer kernels' counts untouched
-        big = torch.randn(peer.limits.max_bytes // 4 + 16, device=device)
-        assert not peer.fits(big)
-        counts = peer.counts.clone()
-        nccl = big.clone()
-        dist.all_reduce(nccl, group=tp.group)
-        assert torch.equal(tp.all_reduce(big.clone()), nccl), "past the buffers: not NCCL's"
-        assert torch.equal(peer.counts, counts)
-        # a graph of three reductions (both kinds), replayed with new inputs each time
-        static = [torch.zeros(n, dtype=torch.bfloat16, device=device) for n in (4096, 1 << 20, 64)]
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = [peer.all_reduce(s, i != 1) for i, s in enumerate(static)]
-        for replay in range(5):
-            inputs = [torch.randn(s.shape, generator=generator, device=device) for s in static]
-            for s, new in zip(static, inputs, strict=True):
-                s.copy_(new)
-            graph.replay()
-            for out, new in zip(outs, inputs, strict=True):
-                check(tp, new.to(torch.bfloat16), out, f"graph replay {replay}, {out.numel()}")
-        peer.close()
-        dist.barrier(group=tp.cpu_group)  # every rank let go before any frees its own
-        results.put((rank, None))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def run_rank(rank: int, world: int, address: str) -> None:
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    tp = init_tensor_parallel(rank, world, address, device)
+    peer = tp.peer
+    assert peer is not None, "peer all-reduce not set up"
+    generator = torch.Generator(device).manual_seed(rank)
+    for dtype in DTYPES:
+        size = torch.finfo(dtype).bits // 8
+        limit = peer.limits
+        lengths = [16, 4096, limit.one_shot_max // size, limit.one_shot_max // size + 16]
+        lengths.append(limit.max_bytes // size)
+        lengths = [n for n in lengths if n * size <= limit.max_bytes]
+        for n in lengths:
+            x = torch.randn(n, generator=generator, device=device).to(dtype)
+            assert peer.fits(x)
+            check(tp, x, tp.all_reduce(x.clone()), f"{dtype} x {n}")
+            # both kinds at every size, whichever the limits pick (two GPUs: one-shot)
+            for one_shot in (True, False):
+                got = peer.all_reduce(x.clone(), one_shot)
+                check(tp, x, got, f"{dtype} x {n}, one-shot {one_shot}")
+    # past the buffers: NCCL, and the peer kernels' counts untouched
+    big = torch.randn(peer.limits.max_bytes // 4 + 16, device=device)
+    assert not peer.fits(big)
+    counts = peer.counts.clone()
+    nccl = big.clone()
+    dist.all_reduce(nccl, group=tp.group)
+    assert torch.equal(tp.all_reduce(big.clone()), nccl), "past the buffers: not NCCL's"
+    assert torch.equal(peer.counts, counts)
+    # a graph of three reductions (both kinds), replayed with new inputs each time
+    static = [torch.zeros(n, dtype=torch.bfloat16, device=device) for n in (4096, 1 << 20, 64)]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [peer.all_reduce(s, i != 1) for i, s in enumerate(static)]
+    for replay in range(5):
+        inputs = [torch.randn(s.shape, generator=generator, device=device) for s in static]
+        for s, new in zip(static, inputs, strict=True):
+            s.copy_(new)
+        graph.replay()
+        for out, new in zip(outs, inputs, strict=True):
+            check(tp, new.to(torch.bfloat16), out, f"graph replay {replay}, {out.numel()}")
+    peer.close()
+    dist.barrier(group=tp.cpu_group)  # every rank let go before any frees its own
 
 
 def test_peer_all_reduce_matches_nccl() -> None:
-    world = min(4, torch.cuda.device_count())
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    address = f"127.0.0.1:{free_port()}"
-    procs = [
-        context.Process(target=run_rank, args=(r, world, address, results)) for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    out = sorted(results.get(timeout=300) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
-    stuck = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for rank in stuck:
-        procs[rank].kill()  # or pytest would wait for it at exit
-    errors = [error for _, error in out if error is not None]
-    assert not errors, "\n".join(errors)
-    assert not stuck, f"ranks {stuck} did not exit within 30 s of their last reduction"
+    # a rank that has not exited 30 s after its checks fails it: it hung on the peers' memory
+    run_ranks(run_rank, min(4, torch.cuda.device_count()), exit_timeout_s=30.0)

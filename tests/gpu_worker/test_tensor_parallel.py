@@ -6,20 +6,18 @@ AERIE_TP_TEST_DEVICE=cuda runs the same on GPUs over NCCL (rank r on cuda:r, flo
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from aerie import endpoints
 from aerie.config import config_from_args
-from aerie.resolve import free_port
 from gpu_worker.parallel import TensorParallel, init_tensor_parallel
 from gpu_worker.process import worker_device
 from gpu_worker.step.forward_batch import ForwardMode
+from gpu_worker.tooling.ranks import run_ranks
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint, reference_logits
 from tests.gpu_worker.runner_utils import run_step, runner_from_options, shuffled_slots
@@ -28,54 +26,35 @@ ATOL = 1e-4
 DEVICE = os.environ.get("AERIE_TP_TEST_DEVICE", "cpu")
 
 
-def run_rank(rank, size, address, model_dir, backend, ids, results) -> None:
-    """One rank: load its shard, prefill `ids`, decode one token; report logits and shapes."""
+def run_rank(rank, size, address, model_dir, backend, ids) -> tuple:
+    """One rank: load its shard, prefill `ids`, decode one token -> (prefill logits, decode
+    logits, KV buffer shape)."""
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}" if DEVICE == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp = init_tensor_parallel(rank, size, address, device)
-    try:
-        runner = runner_from_options(
-            model_dir,
-            tp=tp,
-            attention_backend=backend,
-            max_total_tokens=256,
-            max_running_requests=4,
-            context_length=128,
-            device=str(device),
-        )
-        slots = shuffled_slots(runner, 1, len(ids) + 1)
-        prefill = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids[:-1]], slots)
-        decode = run_step(runner, ForwardMode.DECODE, [1], [len(ids) - 1], [ids[-1:]], slots)
-        prefill_logits = runner.model.compute_logits(prefill.hidden_states)
-        kv_shape = tuple(runner.kv_pool.k_buffers[0].shape[1:])
-        # numpy: pickled by value (a tensor would be shared memory that dies with the rank)
-        logits = (prefill_logits.cpu().numpy(), decode.next_token_logits.cpu().numpy())
-        results.put((rank, *logits, kv_shape, None))
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        results.put((rank, None, None, None, repr(e)))
-    finally:
-        dist.destroy_process_group()
+    runner = runner_from_options(
+        model_dir,
+        tp=tp,
+        attention_backend=backend,
+        max_total_tokens=256,
+        max_running_requests=4,
+        context_length=128,
+        device=str(device),
+    )
+    slots = shuffled_slots(runner, 1, len(ids) + 1)
+    prefill = run_step(runner, ForwardMode.EXTEND, [1], [0], [ids[:-1]], slots)
+    decode = run_step(runner, ForwardMode.DECODE, [1], [len(ids) - 1], [ids[-1:]], slots)
+    prefill_logits = runner.model.compute_logits(prefill.hidden_states)
+    kv_shape = tuple(runner.kv_pool.k_buffers[0].shape[1:])
+    return prefill_logits.cpu().numpy(), decode.next_token_logits.cpu().numpy(), kv_shape
 
 
 def run_sharded(model_dir: str, size: int, backend: str, ids: list[int]) -> list[tuple]:
     """Every rank's (prefill logits, decode logits, KV buffer shape), in rank order."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    address = f"127.0.0.1:{free_port()}"
-    procs = [
-        context.Process(target=run_rank, args=(r, size, address, model_dir, backend, ids, results))
-        for r in range(size)
-    ]
-    for proc in procs:
-        proc.start()
-    out = sorted(results.get(timeout=300) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
-    errors = [error for *_, error in out if error is not None]
-    assert not errors, errors
-    return [(torch.from_numpy(p), torch.from_numpy(d), kv) for _, p, d, kv, _ in out]
+    out = run_ranks(run_rank, size, model_dir, backend, ids)
+    return [(torch.from_numpy(p), torch.from_numpy(d), kv) for p, d, kv in out]
 
 
 @pytest.fixture(scope="module")
