@@ -157,8 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = plan_or_exit(parser, args)
     os.makedirs(args.out, exist_ok=True)
     runner = Runner(args.out, env, args.keep_going, args.tail)
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
+        signal.signal(signal.SIGTERM, raise_terminated)
         ok = runner.run(steps)
     except Terminated:
         print(f"benchmarks: {args.suite} terminated; its servers are stopped", file=sys.stderr)

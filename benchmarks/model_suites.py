@@ -189,7 +189,10 @@ def compare_answers(out: str, base: str, model_path: str) -> None:
     for run in runs:
         temperature = parse_run(run.stem)[2]
         reference = answers / f"{server}_{turn}_{temperature}_{streams}.json"
-        if run == reference or not reference.exists():
+        if run == reference:
+            continue
+        if not reference.exists():
+            print(f"  {run.stem}: not compared, no {reference.stem} to compare it with")
             continue
         reports.update(divergence.compare_with(reference, [run], logits_of))
         reports[run.stem]["base"] = reference.stem

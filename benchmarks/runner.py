@@ -77,6 +77,9 @@ class Terminated(BaseException):
 
 
 def raise_terminated(signum: int, frame: object) -> None:
+    """The SIGTERM handler: once. A second SIGTERM while servers stop is ignored, so it cannot
+    cut their stop short (the caller restores the handler it replaced)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
 
 

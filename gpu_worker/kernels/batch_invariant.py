@@ -123,6 +123,8 @@ def _launch(prologue, x, weight, bias, residual=None, norm_weight=None, eps=0.0)
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
     m = x.shape[0]
     n, k = weight.shape
+    assert x.shape[1] == (2 * k if prologue == SILU_MUL else k), f"{x.shape} @ {weight.shape}"
+    assert residual is None or residual.shape == x.shape, "the residual is shaped like x"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     summed = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else x
     if m == 0:

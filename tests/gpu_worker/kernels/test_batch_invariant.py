@@ -51,6 +51,21 @@ def test_a_row_is_the_same_at_every_batch_size(device: str, dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("device", triton_devices())
+@pytest.mark.parametrize("columns", [32, 64])
+def test_every_column_width_gives_a_row_the_same_bits(device, columns, monkeypatch):
+    """Weights wider than 2,048 take 32 or 64 columns per program (`block_n`)."""
+    skip_unless_triton_runs_on(device)
+    monkeypatch.setattr(batch_invariant, "block_n", lambda n: columns)
+    gen = torch.Generator().manual_seed(2)
+    x = random(gen, device, torch.float32, 70, 80)
+    w = random(gen, device, torch.float32, 100, 80, scale=80**-0.5)
+    each_row_alone_and_in_batches(lambda rows: batch_invariant.linear(rows, w), x)
+    torch.testing.assert_close(
+        batch_invariant.linear(x, w), F.linear(x, w), **tolerance(torch.float32)
+    )
+
+
+@pytest.mark.parametrize("device", triton_devices())
 def test_the_mode_routes_every_entry_point(device: str, invariant_mode) -> None:
     """Off, these pick other kernels at 1-4 rows than at 70 (and differ in the last bits)."""
     skip_unless_triton_runs_on(device)

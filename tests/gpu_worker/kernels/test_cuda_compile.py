@@ -125,12 +125,14 @@ for tree in (False, True):
 # The deterministic mode's projection: bf16 on the tensor cores, float32 in full precision.
 from gpu_worker.kernels.batch_invariant import _invariant_linear_kernel as fn
 numerics = (("*bf16", "tf32"), ("*fp32", "ieee"))
-for (dtype, precision), prologue in itertools.product(numerics, range(4)):
+for (dtype, precision), prologue, block_n in itertools.product(numerics, range(4), (16, 32, 64)):
+    if block_n != 16 and (prologue or dtype != "*bf16"):  # the other widths: bf16, plain
+        continue
     types = {"x_ptr": dtype, "res_ptr": dtype, "sum_ptr": dtype, "norm_w_ptr": dtype,
              "w_ptr": dtype, "b_ptr": dtype, "out_ptr": dtype, "M": "i32", "N": "i32",
              "K": "i32", "x_stride": "i32", "res_stride": "i32", "out_stride": "i32",
              "eps": "fp32"}
-    const = dict(PROLOGUE=prologue, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=16, BLOCK_K=64,
+    const = dict(PROLOGUE=prologue, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64,
                  DOT_PRECISION=precision)
     triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
