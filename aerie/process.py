@@ -140,6 +140,20 @@ def report_failure(address: str, failure: ProcessFailed) -> None:
     context.term()
 
 
+def _orphan_exit(launcher_pid: int, on_parent_death: Callable[[], None] | None):
+    """The children's SIGTERM handler: ignored while the launcher lives; after it, the cleanup
+    and exit."""
+    if on_parent_death is None:
+        return signal.SIG_IGN
+
+    def handle(signum: int, frame: object) -> None:
+        if os.getppid() != launcher_pid:
+            on_parent_death()
+            os._exit(1)
+
+    return handle
+
+
 def run_process(
     name: str,
     config: AerieConfig,
@@ -154,13 +168,14 @@ def run_process(
     on_parent_death: cleanup to run if the launcher dies without stopping its children (e.g.
     SIGKILL); this child then gets SIGTERM instead of SIGKILL, runs it and exits. Only a child
     that never blocks in long native calls should take this role."""
-    if on_parent_death is None:
-        die_with_parent(name)
-    else:
-        die_with_parent(name, signal.SIGTERM)
-        signal.signal(signal.SIGTERM, lambda *_: (on_parent_death(), os._exit(1)))
-    # The launcher handles SIGINT/SIGTERM for the whole tree and tells children to stop.
+    launcher_pid = os.getppid()
+    die_with_parent(name, signal.SIGKILL if on_parent_death is None else signal.SIGTERM)
+    # The launcher handles SIGINT/SIGTERM for the whole tree and tells children to stop, so a
+    # signal sent to the whole process group (Ctrl-C, `timeout`, `kill -- -PGID`) stops the
+    # server as one sent to the launcher does; SIGTERM is a child's own business only when it
+    # is the death signal of a launcher that is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _orphan_exit(launcher_pid, on_parent_death))
     log = setup_logging(name, config.server.log_level)
     launcher = Sender(endpoints.inbox(config, "launcher"))
     try:

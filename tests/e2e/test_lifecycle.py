@@ -121,6 +121,31 @@ def test_sigterm_drains_running_requests(tiny_model_dirs):
         assert_no_orphans(server)
 
 
+def test_sigterm_to_the_whole_process_group_drains_like_one_to_the_launcher(tiny_model_dirs):
+    """`timeout` and `kill -- -PGID` signal every process of the server at once: the children
+    leave the stop to the launcher, so the running stream still finishes whole."""
+    max_new = 200
+    with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
+        body = {
+            "input_ids": [5, 6],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+        }
+        last = None
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(lines)  # a request is running, so the signal drains
+            for pid in [server.proc.pid, *server.children]:
+                os.kill(pid, signal.SIGTERM)
+            for line in lines:
+                if line.startswith("data: {"):
+                    last = json.loads(line[len("data: ") :])
+        assert last is not None and last["meta_info"]["completion_tokens"] == max_new
+        assert server.proc.wait(timeout=30) == 0
+        assert_no_orphans(server)
+        assert "unexpectedly" not in server.log_text()
+
+
 def test_second_signal_stops_at_once_without_traceback(tiny_model_dirs):
     with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
         body = {
