@@ -7,8 +7,9 @@ Start order: the GPU worker first (it loads weights and measures how much KV fit
 (--tokenizer-worker-num, sharing the HTTP port) with the worker's KV capacity filled into the
 config.
 If any child fails, dies or is stuck (`Watchdog`), every child is stopped and the launcher
-exits non-zero. SIGTERM or SIGINT drains: the frontends answer new requests with 503, running
-requests finish (bounded by --drain-timeout-s), then children stop in order. Under systemd
+exits non-zero. SIGTERM or SIGINT (to the launcher or its whole process group) drains: the
+frontends answer new requests with 503, running requests finish (bounded by
+--drain-timeout-s), then children stop in order. Under systemd
 (Type=notify) it reports READY=1 and STOPPING=1 through $NOTIFY_SOCKET.
 """
 
