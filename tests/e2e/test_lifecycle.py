@@ -136,7 +136,8 @@ def test_sigterm_to_the_whole_process_group_drains_like_one_to_the_launcher(tiny
             lines = r.iter_lines()
             next(lines)  # a request is running, so the signal drains
             for pid in [server.proc.pid, *server.children]:
-                os.kill(pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):  # a helper already gone
+                    os.kill(pid, signal.SIGTERM)
             for line in lines:
                 if line.startswith("data: {"):
                     last = json.loads(line[len("data: ") :])
@@ -156,7 +157,12 @@ def test_second_signal_stops_at_once_without_traceback(tiny_model_dirs):
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
             next(r.iter_lines())  # a request is running, so the first signal drains
             server.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            # the second as soon as the drain has begun (a fixed pause could outlast a drain
+            # that finished first, and the launcher would be gone by then)
+            deadline = time.monotonic() + 10
+            while httpx.get(server.url + "/health").status_code == 200:
+                assert time.monotonic() < deadline, "health never turned 503 while draining"
+                time.sleep(0.005)
             server.proc.send_signal(signal.SIGTERM)
             code = server.proc.wait(timeout=10)
         assert code == 128 + signal.SIGTERM
