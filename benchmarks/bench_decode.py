@@ -1,7 +1,8 @@
 """Decode speed of a `ModelRunner`, variant by variant, next to the bandwidth roofline and a
 compiled static-KV baseline (`static_kv_baseline`), all measured in the same run. Variants:
-torch_native, triton, triton+graph (the serving default), and unfused, nopdl and library, each
-without one fast path; tokens/s, step time, kernels and host time per step, and the roofline.
+torch_native, triton, triton+graph (the serving default), unfused, nopdl and library, each
+without one fast path, and deterministic (the kernels of --enable-deterministic-inference);
+tokens/s, step time, kernels and host time per step, and the roofline.
 
   python benchmarks/bench_decode.py --models smollm2,llama3-8b --batch-size 1,64
 """
@@ -29,7 +30,7 @@ from benchmarks.bench_models import resolve_model  # noqa: E402
 from benchmarks.decode_timing import measure_bandwidth, profile_kernels, sync, time_loop  # noqa: E402
 from gpu_worker.build import DTYPES  # noqa: E402
 from gpu_worker.graphs.forward_graph import decode_graphs  # noqa: E402
-from gpu_worker.kernels import pdl, small_m_linear  # noqa: E402
+from gpu_worker.kernels import batch_invariant, pdl, small_m_linear  # noqa: E402
 from gpu_worker.model_runner import ModelRunner, PoolSpec, RunnerSpec  # noqa: E402
 from gpu_worker.models import read_arch_config  # noqa: E402
 from gpu_worker.step.forward_batch import ForwardMode  # noqa: E402
@@ -48,15 +49,19 @@ VARIANTS = (
     "nopdl+graph",
     "library",
     "library+graph",
+    "deterministic",
+    "deterministic+graph",
     "compiled",
 )
-GROUPS = ("torch_native", "triton", "unfused", "nopdl", "library")  # one runner (and graphs) each
+# one runner (and graphs) each
+GROUPS = ("torch_native", "triton", "unfused", "nopdl", "library", "deterministic")
 
 
 def configure_kernels(group: str, gemv: small_m_linear.Config | None = GEMV_CONFIG) -> None:
     small_m_linear.MAX_FUSED_WEIGHT = 0 if group == "unfused" else FUSED_WEIGHT
     small_m_linear.GEMV_CONFIG = None if group in ("unfused", "library") else gemv
     pdl.FORCE_OFF = group == "nopdl"
+    batch_invariant.enable(group == "deterministic")
 
 
 def parse_gemv_configs(text: str) -> list[small_m_linear.Config]:

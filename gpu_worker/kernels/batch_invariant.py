@@ -17,6 +17,8 @@ head) route here while it is set.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -32,9 +34,18 @@ from gpu_worker.kernels.prologue import (
 )
 
 ENABLED = False
-# Rows and K of every launch's tiles: the MMA shape a row's sums take must not change with the
-# row count. Columns per program depend on the weight alone (`block_n`).
-BLOCK_M, BLOCK_K = 64, 64
+# Rows of every launch's tiles: the MMA shape a row's sums take must not change with the row
+# count (fewer rows would select another instruction).
+BLOCK_M = 64
+
+
+class Config(NamedTuple):
+    """A launch shape: columns and K per program step, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
 
 
 def enable(on: bool = True) -> None:
@@ -43,11 +54,11 @@ def enable(on: bool = True) -> None:
     ENABLED = on
 
 
-def block_n(n: int) -> int:
-    """Columns per program for a weight of n rows: narrow for narrow weights, so that a few
-    rows (a decode step) still spread over many programs. A function of the weight only, so
-    every launch with it sums a row the same way."""
-    return 16 if n <= 2048 else 32 if n <= 8192 else 64
+def config_for(n: int, k: int) -> Config:
+    """The launch shape of a weight [n, k]. A function of the weight only, so that every
+    launch with it sums a row the same way whatever the row count: narrow column blocks for
+    narrow weights, so that a few rows (a decode step) still spread over many programs."""
+    return Config(16 if n <= 2048 else 32 if n <= 8192 else 64, 64, 4, 3)
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every row count
@@ -118,8 +129,9 @@ def _invariant_linear_kernel(
     )
 
 
-def _launch(prologue, x, weight, bias, residual=None, norm_weight=None, eps=0.0):
-    """-> (out [m, N], x + residual where prologue is ADD_NORM, else x)."""
+def _launch(prologue, x, weight, bias, residual=None, norm_weight=None, eps=0.0, config=None):
+    """-> (out [m, N], x + residual where prologue is ADD_NORM, else x). config: the launch
+    shape (benchmarks and tests; None: `config_for` the weight)."""
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
     m = x.shape[0]
     n, k = weight.shape
@@ -130,8 +142,8 @@ def _launch(prologue, x, weight, bias, residual=None, norm_weight=None, eps=0.0)
     if m == 0:
         return out, summed
     res = residual if residual is not None else x
-    columns = block_n(n)
-    _invariant_linear_kernel[(triton.cdiv(n, columns), triton.cdiv(m, BLOCK_M))](
+    cfg = config or config_for(n, k)
+    _invariant_linear_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M))](
         x,
         res,
         summed,
@@ -149,10 +161,11 @@ def _launch(prologue, x, weight, bias, residual=None, norm_weight=None, eps=0.0)
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=columns,
-        BLOCK_K=BLOCK_K,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, summed
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.bench_models import write_llama8b_config
+from gpu_worker.kernels import batch_invariant
 from gpu_worker.models import read_arch_config
 from tests.devices import skip_unless_triton_runs_on
 from tests.gpu_worker.checkpoints import load_reference, make_tiny_checkpoint
@@ -56,20 +57,20 @@ def test_cli_writes_table_json_and_roofline(bench, tiny_dir: str, tmp_path, caps
         "--batch-size",
         "1,3",
         "--variants",
-        "torch_native,triton,triton+graph,compiled",
+        "torch_native,triton,triton+graph,deterministic+graph,compiled",
         "--bandwidth-mib",
         "4",
         "--output",
         str(output),
     ]
     bench.main(argv)
+    assert not batch_invariant.ENABLED  # the deterministic group switched the mode back off
     report = json.loads(output.read_text())
     assert "tok/s" in capsys.readouterr().out
     rows = {(r["variant"], r["batch_size"]): r for r in report["results"]}
     # compiled needs CUDA; every other variant ran at both batch sizes
-    assert set(rows) == {
-        (v, bs) for v in ("torch_native", "triton", "triton+graph") for bs in (1, 3)
-    }
+    ran = ("torch_native", "triton", "triton+graph", "deterministic+graph")
+    assert set(rows) == {(v, bs) for v in ran for bs in (1, 3)}
     tensors = load_file(os.path.join(tiny_dir, "model.safetensors"))
     embed = tensors["model.embed_tokens.weight"]
     expected = sum(t.numel() for t in tensors.values()) - embed.numel() + embed.shape[1]

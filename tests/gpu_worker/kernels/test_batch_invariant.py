@@ -51,11 +51,20 @@ def test_a_row_is_the_same_at_every_batch_size(device: str, dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("device", triton_devices())
-@pytest.mark.parametrize("columns", [32, 64])
-def test_every_column_width_gives_a_row_the_same_bits(device, columns, monkeypatch):
-    """Weights wider than 2,048 take 32 or 64 columns per program (`block_n`)."""
+@pytest.mark.parametrize(
+    "config",
+    [
+        batch_invariant.Config(32, 64, 4, 3),
+        batch_invariant.Config(64, 64, 4, 3),
+        batch_invariant.Config(16, 32, 4, 2),
+        batch_invariant.Config(32, 128, 8, 4),
+    ],
+    ids=str,
+)
+def test_every_launch_shape_gives_a_row_the_same_bits(device, config, monkeypatch):
+    """Each weight has its own launch shape (`config_for`): columns, K step, warps, stages."""
     skip_unless_triton_runs_on(device)
-    monkeypatch.setattr(batch_invariant, "block_n", lambda n: columns)
+    monkeypatch.setattr(batch_invariant, "config_for", lambda n, k: config)
     gen = torch.Generator().manual_seed(2)
     x = random(gen, device, torch.float32, 70, 80)
     w = random(gen, device, torch.float32, 100, 80, scale=80**-0.5)
