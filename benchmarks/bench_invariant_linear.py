@@ -1,8 +1,8 @@
 """The deterministic mode's projection (`batch_invariant`) over launch shapes, at the decoder
-projections of the 135M and 8B shapes with the step before each fused as the server runs it:
-per-call time at each row count against the default mode's entry point, and for every launch
+projections of the 135M and 8B shapes with the step before each (norm, SiLU) as the server runs
+it: per-call time at each row count against the default mode's entry point; for every launch
 shape whether a row keeps its bits from 1 row to the largest count (a shape that does not is
-reported and never chosen).
+reported and never chosen), and whether its rows are the bits of the chosen shape's.
 
   python benchmarks/bench_invariant_linear.py --rows 1,64,512 --output inv.json
 """
@@ -24,10 +24,9 @@ from benchmarks import graph_timing  # noqa: E402
 from benchmarks.bench_small_m_linear import SHAPES  # noqa: E402
 from gpu_worker.kernels import batch_invariant as bi  # noqa: E402
 from gpu_worker.kernels import small_m_linear as sml  # noqa: E402
-from gpu_worker.kernels.prologue import ADD_NORM, PLAIN, SILU_MUL  # noqa: E402
 
 CALLS = 50
-PROLOGUE_OF = {"qkv": ADD_NORM, "gate_up": ADD_NORM, "o": PLAIN, "down": SILU_MUL}
+PROLOGUE_OF = {"qkv": "add_norm", "gate_up": "add_norm", "o": "plain", "down": "silu_mul"}
 
 
 def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
@@ -49,8 +48,8 @@ class Inputs:
     """The inputs of one projection at `rows` rows: x (and the residual and norm weight, or
     gate and up side by side), the first rows shared by every row count."""
 
-    def __init__(self, prologue: int, rows: int, n: int, k: int, device: str, dtype, gen):
-        width = 2 * k if prologue == SILU_MUL else k
+    def __init__(self, prologue: str, rows: int, n: int, k: int, device: str, dtype, gen):
+        width = 2 * k if prologue == "silu_mul" else k
         make = lambda *s: torch.randn(*s, generator=gen).to(device, dtype)  # noqa: E731
         self.prologue = prologue
         self.x, self.res, self.norm_w = make(rows, width), make(rows, width), make(k)
@@ -62,15 +61,18 @@ class Inputs:
         return view
 
     def invariant(self, w: torch.Tensor, config) -> torch.Tensor:
-        res = self.res if self.prologue == ADD_NORM else None
-        norm_w = self.norm_w if self.prologue == ADD_NORM else None
-        return bi._launch(self.prologue, self.x, w, None, res, norm_w, 1e-5, config)[0]
+        """The deterministic mode's path for this projection at this launch shape."""
+        if self.prologue == "add_norm":
+            return bi.rms_norm_linear(self.x, self.res, self.norm_w, 1e-5, w, config=config)[0]
+        if self.prologue == "silu_mul":
+            return bi.silu_mul_linear(self.x, w, config=config)
+        return bi.linear(self.x, w, config=config)
 
     def default(self, w: torch.Tensor) -> torch.Tensor:
         """The default mode's entry point for this projection (the kernels it picks by rows)."""
-        if self.prologue == ADD_NORM:
+        if self.prologue == "add_norm":
             return sml.rms_norm_linear(self.x, self.res, self.norm_w, 1e-5, w)[0]
-        if self.prologue == SILU_MUL:
+        if self.prologue == "silu_mul":
             return sml.silu_mul_linear(self.x, w)
         return sml.linear(self.x, w)
 
@@ -102,11 +104,12 @@ def sweep(name: str, n: int, k: int, args, gen) -> list[dict]:
     ws = weights(n, k, args.rotate_mb, args.device, dtype)
     counts = parse_grid(args.rows)
     full = Inputs(prologue, max(counts), n, k, args.device, dtype, gen)
-    chosen = bi.config_for(n, k)
+    chosen = bi.config_for(n, k, ws[0].element_size())
     grid = (args.block_n, args.block_k, args.warps, args.stages)
     shapes = [bi.Config(*c) for c in itertools.product(*(parse_grid(g) for g in grid))]
     shapes = [chosen] + [c for c in shapes if c != chosen]
     default_us = {m: timer(args.device, ws, full.rows(m).default) for m in counts}
+    chosen_rows = full.invariant(ws[0], chosen)
     out = []
     for config in shapes:
         try:
@@ -119,15 +122,17 @@ def sweep(name: str, n: int, k: int, args, gen) -> list[dict]:
             same = all(
                 torch.equal(full.rows(m).invariant(ws[0], config)[:1], alone) for m in counts
             )
+            as_chosen = torch.equal(full.invariant(ws[0], config), chosen_rows)
         except Exception as e:  # noqa: BLE001 - a shape that does not compile or fit
             print(f"{name:<13} {config}: {type(e).__name__}: {str(e)[:80]}", flush=True)
             continue
         row = {"shape": name, "n": n, "k": k, "config": config._asdict()}
         row |= {"chosen": config == chosen, "us": times, "default_us": default_us}
-        row["row_invariant"] = same
+        row["row_invariant"], row["same_bits_as_chosen"] = same, as_chosen
         out.append(row)
         cells = "  ".join(f"{m}: {t:7.2f} us ({t / default_us[m]:.2f}x)" for m, t in times.items())
         tag = "chosen" if config == chosen else ("" if same else "NOT INVARIANT")
+        tag += "" if as_chosen else " (other bits than the chosen shape)"
         print(f"{name:<13} {tuple(config)!s:<18} {cells} {tag}", flush=True)
     ok = [r for r in out if r["row_invariant"]]
     for m in counts:

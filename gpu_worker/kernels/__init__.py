@@ -1,6 +1,6 @@
 """Triton kernels for the decoder layers and the `triton` attention backend, the deterministic
 mode's batch-invariant matmul (`batch_invariant`, which also holds the mode's switch), the norm
-or SiLU step the projection kernels fuse before them (`prologue`) and the tensor-parallel
+or SiLU step the few-row projection kernels fuse before them (`prologue`) and the tensor-parallel
 all-reduce through peer memory (`peer_all_reduce`).
 
 Each module exposes a kernel (`name`) next to the torch reference that defines its result

@@ -1,8 +1,7 @@
 """The step fused before a projection, as the projection kernels read their input: the
 RMSNorm (of x, or of x + residual) or SiLU-and-multiply, tile by tile. Numerics are the
 separate kernels' references: the input rounded to its dtype after the sum, the norm and the
-gate. Shared by the few-row kernels (`small_m_linear`) and the deterministic mode's matmul
-(`batch_invariant`).
+gate. Read by the few-row kernels (`small_m_linear`).
 """
 
 from __future__ import annotations

@@ -51,20 +51,23 @@ def test_every_shape_at_every_row_count(tmp_path, capsys):
 
 
 def test_a_shape_whose_rows_change_with_the_count_is_flagged(monkeypatch, capsys):
-    """A launch that adds the row count to every output: row 0 differs at 3 and 70 rows."""
+    """A launch that adds the row count to every output: row 0 differs at 3 and 70 rows, and
+    from the chosen shape's."""
     skip_unless_triton_runs_on("cpu")
-    launch = bi._launch
+    linear = bi.linear
     bad = bi.Config(16, 32, 4, 2)
 
-    def drifting(prologue, x, *rest):
-        out, summed = launch(prologue, x, *rest)
-        return (out + x.shape[0] if rest[-1] == bad else out), summed
+    def drifting(x, w, bias=None, config=None):
+        out = linear(x, w, bias, config)
+        return out + x.shape[0] if config == bad else out
 
-    monkeypatch.setattr(bi, "_launch", drifting)
+    monkeypatch.setattr(bi, "linear", drifting)
     rows = bench.main(ARGV[:5] + ["t.o=16x16"] + ARGV[6:])
     flags = {tuple(r["config"].values()): r["row_invariant"] for r in rows}
     chosen = tuple(bi.config_for(16, 16))
     assert flags == {chosen: True, (16, 32, 4, 2): False, (16, 64, 4, 2): True}
+    as_chosen = {tuple(r["config"].values()): r["same_bits_as_chosen"] for r in rows}
+    assert not as_chosen[(16, 32, 4, 2)] and as_chosen[chosen]
     assert "NOT INVARIANT" in capsys.readouterr().out
 
 

@@ -64,7 +64,7 @@ def test_a_row_is_the_same_at_every_batch_size(device: str, dtype: torch.dtype, 
 def test_every_launch_shape_gives_a_row_the_same_bits(device, config, monkeypatch):
     """Each weight has its own launch shape (`config_for`): columns, K step, warps, stages."""
     skip_unless_triton_runs_on(device)
-    monkeypatch.setattr(batch_invariant, "config_for", lambda n, k: config)
+    monkeypatch.setattr(batch_invariant, "config_for", lambda n, k, size: config)
     gen = torch.Generator().manual_seed(2)
     x = random(gen, device, torch.float32, 70, 80)
     w = random(gen, device, torch.float32, 100, 80, scale=80**-0.5)

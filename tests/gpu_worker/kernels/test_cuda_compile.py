@@ -122,21 +122,21 @@ for tree in (False, True):
     triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
                    target=GPUTarget("cuda", 90, 32))
-# The deterministic mode's projection: bf16 on the tensor cores, float32 in full precision.
-from gpu_worker.kernels.batch_invariant import _invariant_linear_kernel as fn
-numerics = (("*bf16", "tf32"), ("*fp32", "ieee"))
-for (dtype, precision), prologue, block_n in itertools.product(numerics, range(4), (16, 32, 64)):
-    if block_n != 16 and (prologue or dtype != "*bf16"):  # the other widths: bf16, plain
-        continue
-    types = {"x_ptr": dtype, "res_ptr": dtype, "sum_ptr": dtype, "norm_w_ptr": dtype,
-             "w_ptr": dtype, "b_ptr": dtype, "out_ptr": dtype, "M": "i32", "N": "i32",
-             "K": "i32", "x_stride": "i32", "res_stride": "i32", "out_stride": "i32",
-             "eps": "fp32"}
-    const = dict(PROLOGUE=prologue, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64,
+# The deterministic mode's projection: bf16 on the tensor cores, float32 in full precision, at
+# each launch shape config_for gives the 135M and 8B shapes.
+from gpu_worker.kernels.batch_invariant import _invariant_linear_kernel as fn, config_for
+numerics = (("*bf16", "tf32", 2), ("*fp32", "ieee", 4))
+weights = ((960, 576), (576, 1536), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+for (dtype, precision, size), (n, k) in itertools.product(numerics, weights):
+    cfg = config_for(n, k, size)
+    types = {"x_ptr": dtype, "w_ptr": dtype, "b_ptr": dtype, "out_ptr": dtype, "M": "i32",
+             "N": "i32", "K": "i32", "x_stride": "i32", "out_stride": "i32"}
+    const = dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  DOT_PRECISION=precision)
     triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
-                   target=GPUTarget("cuda", 90, 32))
+                   target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 print("compiled")
 """
 
