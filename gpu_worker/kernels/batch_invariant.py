@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import activation, norm
+from gpu_worker.kernels import activation, norm, pdl
 
 ENABLED = False
 # Rows of every launch's tiles: the MMA shape a row's sums take must not change with the row
@@ -80,8 +80,10 @@ def _invariant_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (i, j): rows [j * BLOCK_M, ...) x columns [i * BLOCK_N, ...), K in order."""
+    pdl.wait_for_previous(USE_PDL)  # before any read: x comes from the kernel before
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok, col_ok = rows < M, cols < N
@@ -143,6 +145,7 @@ def linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl.launch_args(x.device, m),  # when it launches, not what it computes
     )
     return out
 

@@ -132,7 +132,7 @@ for (dtype, precision, size), (n, k) in itertools.product(numerics, weights):
     types = {"x_ptr": dtype, "w_ptr": dtype, "b_ptr": dtype, "out_ptr": dtype, "M": "i32",
              "N": "i32", "K": "i32", "x_stride": "i32", "out_stride": "i32"}
     const = dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 DOT_PRECISION=precision)
+                 DOT_PRECISION=precision, USE_PDL=size == 2)
     triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
                    target=GPUTarget("cuda", 90, 32),
