@@ -7,15 +7,18 @@ cached one) would leave most SMs idle while a few programs walk the whole prefix
 with few query blocks splits the keys (`extend_num_splits`): each split writes a normalised
 partial and its log-sum-exp, and `_combine_kernel` merges them.
 
-The deterministic mode (`batch_invariant`) runs every attention here with `invariant`: query
-blocks of one size, one program per block over the whole row, key blocks at fixed multiples of
-64 from position 0, so a query at position p reads its keys in the same blocks, in the same
-order, whether it decodes alone, sits in a batch, is verified in a chain or a tree of drafts or
-is prefilled in any chunk (a key block past p is masked for it, which changes no bit). No key
-splits: their partials would take memory growing with the context and a combine launch, and a
-split's boundaries would have to sit at fixed positions too. A tree node's keys are its prefix
-and its ancestors, which sit at other indices than a plain decode's keys: it runs alone in its
-program and reads them in logical order.
+The deterministic mode (`batch_invariant`) runs every attention here with `invariant`: blocks
+of one row count, one program per block and KV head over the whole row, each row a (query,
+query head of that KV head) pair, so a decode step reads a KV head's keys once for its whole
+group; key blocks at fixed multiples of 64 from position 0, so a query at position p reads its
+keys in the same blocks, in the same order, whether it decodes alone, sits in a batch, is
+verified in a chain or a tree of drafts or is prefilled in any chunk (a key block past p is
+masked for it, which changes no bit; nor does the row a query takes in its block, every row of
+a tile being summed alike). No key splits: their partials would take memory growing with the
+context and a combine launch, and a split's boundaries would have to sit at fixed positions
+too. A tree node's keys are its prefix and its ancestors, which sit at other indices than a
+plain decode's keys: it runs alone in its program (a row per query head) and reads them in
+logical order.
 """
 
 from __future__ import annotations
@@ -83,31 +86,39 @@ def _extend_kernel(
     ONE_QUERY: tl.constexpr,
     WIDTH_P2: tl.constexpr,
 ):
-    """ONE_QUERY (the invariant launch with a tree mask): program m_block runs query m_block
-    alone, in row 0 of its block, over its keys in logical order: the prefix, then its
-    ancestors in the tree, where a plain decode of the same token has them."""
+    """Program (request, head, query block and split); INVARIANT: (request, KV head, query
+    block), a block's rows the queries x the query heads of the KV head, so the group reads
+    its keys once. ONE_QUERY (the invariant launch with a tree mask): program m_block runs
+    query m_block alone (one row per head) over its keys in logical order: the prefix, then
+    its ancestors in the tree, where a plain decode of the same token has them."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    # queries per program
+    QUERIES: tl.constexpr = (1 if ONE_QUERY else BLOCK_M // GROUP) if INVARIANT else BLOCK_M
     req = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     m_block = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
     extend_len = tl.load(extend_seq_lens_ptr + req).to(tl.int32)
-    if m_block * (1 if ONE_QUERY else BLOCK_M) >= extend_len:
+    if m_block * QUERIES >= extend_len:
         return
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     row = tl.load(rows_ptr + req).to(tl.int64)
     token_start = tl.load(extend_start_loc_ptr + req).to(tl.int64)
-    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     committed_len = seq_len - extend_len
 
-    if ONE_QUERY:
-        m = m_block + tl.arange(0, BLOCK_M)
-        m_mask = tl.arange(0, BLOCK_M) == 0
+    r = tl.arange(0, BLOCK_M)
+    if INVARIANT:  # row r: query r // GROUP of the block, head r % GROUP of the KV head's
+        kv_head = tl.program_id(1)
+        head = kv_head * GROUP + r % GROUP
+        m = m_block * QUERIES + r // GROUP
+        m_mask = (r < QUERIES * GROUP) & (m < extend_len)
     else:
-        m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        head = tl.program_id(1) + tl.zeros([BLOCK_M], tl.int32)
+        kv_head = tl.program_id(1) // GROUP
+        m = m_block * BLOCK_M + r
         m_mask = m < extend_len
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
+    q_offsets = ((token_start + m) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = committed_len + m
 
@@ -127,7 +138,7 @@ def _extend_kernel(
         key_end = seq_len
         mask_start = seq_len - mask_width
     else:  # causal: no key past this block's last query
-        key_end = tl.minimum(seq_len, committed_len + (m_block + 1) * BLOCK_M)
+        key_end = tl.minimum(seq_len, committed_len + (m_block + 1) * QUERIES)
         mask_start = seq_len
     if INVARIANT:  # batch-invariant: the whole row, blocks from key 0 (NUM_SPLITS is 1)
         key_start = 0
@@ -181,8 +192,8 @@ def _extend_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     store_mask = m_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        o_offsets = (token_start + m)[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
-        tl.store(o_ptr + o_offsets + d[None, :], out.to(o_ptr.dtype.element_ty), mask=store_mask)
+        o_offsets = ((token_start + m) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :]
+        tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=store_mask)
     else:  # every split writes, an empty one lse -inf (a row that saw no key: the same)
         part = ((token_start + m) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
         tl.store(partial_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=store_mask)
@@ -273,12 +284,16 @@ def extend_attention(
     o = torch.zeros_like(q) if num_splits == 1 or bs == 0 else torch.empty_like(q)
     if bs == 0 or q.shape[0] == 0:
         return o
+    group = num_heads // num_kv_heads
     block_m = extend_block_m(max_extend_len, invariant)
+    if invariant:  # rows: queries x the group's heads (a model's group: one size per model)
+        block_m = max(block_m, next_power_of_2(group))
     has_mask = custom_mask is not None
     mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
     one_query = has_mask and invariant
-    query_blocks = max_extend_len if one_query else triton.cdiv(max_extend_len, block_m)
-    grid = (bs, num_heads, query_blocks * num_splits)
+    queries = (1 if one_query else block_m // group) if invariant else block_m
+    grid = (bs, num_kv_heads if invariant else num_heads, triton.cdiv(max_extend_len, queries))
+    grid = (*grid[:2], grid[2] * num_splits)
     partial_o = partial_lse = q  # never read with one split
     if num_splits > 1:
         partial_o = q.new_empty((q.shape[0], num_heads, num_splits, head_dim), dtype=torch.float32)

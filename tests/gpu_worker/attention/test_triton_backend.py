@@ -14,6 +14,7 @@ import torch
 
 from gpu_worker.attention import RopeArgs, create_attention_backend
 from gpu_worker.attention.triton import ExtendMetadata, FewQueryMetadata, TritonBackend
+from gpu_worker.kernels import batch_invariant
 from gpu_worker.kernels import decode_attention as decode_attention_module
 from gpu_worker.kernels import extend_attention as extend_module
 from gpu_worker.kernels import few_query_attention as few_query_module
@@ -437,3 +438,46 @@ def test_extend_rows_of_no_request_are_zero(device, dtype, num_splits, monkeypat
     )
     assert torch.equal(o[batch.num_tokens :], torch.zeros_like(o[batch.num_tokens :]))
     assert torch.isfinite(o[: batch.num_tokens]).all()
+
+
+@pytest.mark.parametrize("device, dtype", setups())
+# query heads per KV head: 1, 3 (blocks of 5 queries, a row spare), 32 (wider blocks)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (9, 3, 64), (32, 1, 16)])
+def test_the_deterministic_launch_of_every_mode(device, dtype, heads, kv_heads, head_dim):
+    """With the deterministic mode on, decode, prefill over a prefix, a chain and a tree
+    verify and a draft decode all run the invariant extend launch, and it computes what
+    torch_native does (its bits across modes: tests/gpu_worker/test_deterministic.py)."""
+    pools = Pools(device, dtype, heads, kv_heads, head_dim, 4, seed=3 * heads + kv_heads)
+    nd = 6
+    tree = torch.zeros(2, nd, nd, dtype=torch.bool)
+    for b in range(2):
+        parents = [-1] + [pools.rng.randrange(k) for k in range(1, nd)]
+        for k in range(nd):
+            node = k
+            while node != -1:
+                tree[b, k, node] = True
+                node = parents[node]
+    chain = torch.ones(2, nd, nd, dtype=torch.bool).tril()
+    verify = ForwardMode.TARGET_VERIFY
+    batches = [
+        batch_of(pools, ForwardMode.DECODE, [3, 1, 2], [0, 70, 129], [1, 1, 1]),
+        batch_of(pools, ForwardMode.EXTEND, [2, 1, 4, 3], [0, 21, 90, 5], [13, 30, 1, 40]),
+        batch_of(pools, verify, [4, 2], [64, 17], [nd, nd], custom_mask=chain),
+        batch_of(pools, verify, [1, 3], [100, 0], [nd, nd], custom_mask=tree),
+        batch_of(
+            pools,
+            ForwardMode.DRAFT_DECODE,
+            [2, 3],
+            [40 + 8, 9 + 8],
+            [4, 4],
+            custom_mask=draft_decode_mask(2, 4, 3, 2, device),
+        ),
+    ]
+    batch_invariant.enable()
+    try:
+        for batch in batches:
+            meta = pools.run_metadata(batch)
+            assert isinstance(meta, ExtendMetadata) and meta.invariant, batch.mode
+            check(pools, batch)
+    finally:
+        batch_invariant.enable(False)
