@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -195,7 +196,7 @@ def test_spec_serving_saves_answers_and_compares_greedy_runs_with_one(capsys, tm
     assert "--save-outputs" not in dry_run(capsys, tmp_path, *argv[:3])[1]
 
 
-def test_each_run_is_compared_with_the_base_server_at_its_temperature(tmp_path):
+def test_each_run_is_compared_with_the_base_server_at_its_temperature(tmp_path, capsys):
     from tests.e2e.reference import hf_greedy
     from tests.gpu_worker.checkpoints import make_tiny_checkpoint
 
@@ -220,6 +221,8 @@ def test_each_run_is_compared_with_the_base_server_at_its_temperature(tmp_path):
     for name, run in runs.items():
         (answers / f"{name}.json").write_text(json.dumps(run))
     model_suites.compare_answers(str(tmp_path), "plain_turn1_T0_c1", model)
+    said = capsys.readouterr().out  # a run without a base run at its temperature says so
+    assert "spec_turn1_T1_c1: not compared, no plain_turn1_T1_c1 to compare it with" in said
     reports = json.loads((tmp_path / "divergence.json").read_text())
     greedy = ["spec_turn1_T0_c1", "spec_turn1_T0_c16"]
     assert list(reports) == [*greedy, "plain_turn1_T0.7_c16", "spec_turn1_T0.7_c1"]
@@ -499,6 +502,36 @@ def test_a_terminated_suite_stops_its_server_and_command(monkeypatch, tmp_path):
     with pytest.raises(ProcessLookupError):  # the command too
         os.kill(int(pid_file.read_text()), 0)
     assert not (tmp_path / "after").exists()  # and nothing ran after it
+
+
+STOPS_LATE_SERVER = HEALTH_SERVER.replace(
+    "print(",
+    """import os, signal, time
+def stop(*_):  # a second SIGTERM to the suite, sent while it waits for this server to stop
+    os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(0.5)
+    open(sys.argv[2], "w").close()
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+print(""",
+    1,
+)
+
+
+def test_a_second_sigterm_does_not_cut_the_servers_stop_short(monkeypatch, tmp_path):
+    """A SIGTERM while the suite stops its server (a `timeout` sending it again, or the server
+    itself) is ignored: the suite still waits for the server, and restores the handler."""
+    script, port, stopped = tmp_path / "server.py", free_port(), tmp_path / "stopped"
+    script.write_text(STOPS_LATE_SERVER)
+    stop_me = "import os, signal, time; os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)"
+    inner = [Command([PYTHON, "-c", stop_me], "command.txt")]
+    steps = [Server([PYTHON, str(script), str(port), str(stopped)], "server.log", port, inner)]
+    suite = Suite("stops", "stops", lambda p: None, lambda a: steps, on_device=False)
+    monkeypatch.setitem(cli.SUITES, "stops", suite)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["stops", "--out", str(tmp_path / "out")]) == 128 + 15
+    assert stopped.exists()  # the second signal did not end the wait for the server
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_prepare_builds_the_carry_dir_from_the_default_model(monkeypatch, capsys, tmp_path):

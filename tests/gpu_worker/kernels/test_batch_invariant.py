@@ -111,3 +111,12 @@ def test_the_mode_routes_every_entry_point(device: str, invariant_mode) -> None:
     batch_invariant.enable(False)
     with pytest.raises(AssertionError, match="alone"):
         each_row_alone_and_in_batches(add_norm, both)
+
+
+def test_a_mismatched_width_is_refused_before_any_launch():
+    """The kernel reads K from the weight: a narrower x would be read past its rows."""
+    x, w = torch.zeros(3, 40), torch.zeros(16, 48)
+    with pytest.raises(AssertionError, match=r"\(3, 40\) @ \(16, 48\)"):
+        batch_invariant.linear(x, w)
+    with pytest.raises(AssertionError, match="2x the width"):
+        batch_invariant.silu_mul_linear(torch.zeros(3, 48), w)
