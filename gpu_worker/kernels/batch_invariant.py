@@ -54,14 +54,22 @@ def enable(on: bool = True) -> None:
 
 def config_for(n: int, k: int, element_size: int = 2) -> Config:
     """The launch shape of a weight [n, k] of this element size: a function of the weight
-    only, so that every launch with it sums a row the same way whatever the row count. Narrow
-    column blocks for narrow weights, so that a decode step's few rows still spread over many
-    programs; long K steps and deep pipelines for long rows, so that each program keeps
-    enough of its weight slab in flight."""
-    block_n = 16 if n <= 2048 else 32 if n <= 8192 else 64
-    block_k = 64 if k <= 1024 else 128 if k <= 2048 else 256
-    stage_bytes = (BLOCK_M + block_n) * block_k * element_size
-    return Config(block_n, block_k, 4, 4 if 4 * stage_bytes <= SHARED_MEMORY else 3)
+    only, so that every launch with it sums a row the same way whatever the row count.
+    Narrow column blocks for narrow weights, so that a decode step's few rows still spread
+    over many programs; long K steps and deep pipelines for long rows, so that each program
+    keeps enough of its weight slab in flight; short ones where the programs outnumber the
+    SMs several times, so that more of them fit on an SM at once. (Chosen from
+    `benchmarks/bench_invariant_linear.py` at 1 and 64 rows on the H200.)"""
+    many = n > 8192  # programs: several per SM at a decode step
+    block_n = 16 if n <= 1024 else 32 if n <= 4096 else 64
+    block_k = 64 if k <= 1024 or many else 128 if k <= 2048 or block_n == 64 else 256
+    stages = 3 if many else 4
+    while stages * (BLOCK_M + block_n) * block_k * element_size > SHARED_MEMORY:
+        if stages > 2:
+            stages -= 1
+        else:  # float32 on long rows
+            block_k //= 2
+    return Config(block_n, block_k, 4, stages)
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every row count

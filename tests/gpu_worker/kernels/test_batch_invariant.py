@@ -120,3 +120,15 @@ def test_a_mismatched_width_is_refused_before_any_launch():
         batch_invariant.linear(x, w)
     with pytest.raises(AssertionError, match="2x the width"):
         batch_invariant.silu_mul_linear(torch.zeros(3, 48), w)
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_every_launch_shape_fits_an_sms_shared_memory(element_size):
+    """Each weight's pipeline stages (a 64-row input tile and a weight tile each) fit the
+    shared memory budget, in bf16 and in float32, from the 135M shape's to an 8B LM head."""
+    for n in (8, 576, 960, 3072, 4096, 6144, 28672, 49152, 128256):
+        for k in (16, 576, 1536, 4096, 14336):
+            cfg = batch_invariant.config_for(n, k, element_size)
+            tile = (batch_invariant.BLOCK_M + cfg.block_n) * cfg.block_k * element_size
+            assert cfg.num_stages >= 2 and cfg.block_k >= 16, (n, k, cfg)
+            assert cfg.num_stages * tile <= batch_invariant.SHARED_MEMORY, (n, k, cfg)
