@@ -105,7 +105,7 @@ def sweep(name: str, n: int, k: int, args, gen) -> list[dict]:
     counts = parse_grid(args.rows)
     full = Inputs(prologue, max(counts), n, k, args.device, dtype, gen)
     chosen = bi.config_for(n, k, ws[0].element_size())
-    grid = (args.block_n, args.block_k, args.warps, args.stages)
+    grid = (args.block_n, args.block_k, args.warps, args.stages, args.block_m)
     shapes = [bi.Config(*c) for c in itertools.product(*(parse_grid(g) for g in grid))]
     shapes = [chosen] + [c for c in shapes if c != chosen]
     default_us = {m: timer(args.device, ws, full.rows(m).default) for m in counts}
@@ -154,6 +154,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--block-k", default="64,128,256", help="K per step, comma list")
     p.add_argument("--warps", default="4,8", help="comma list")
     p.add_argument("--stages", default="2,3,4", help="comma list")
+    p.add_argument(
+        "--block-m",
+        default=str(bi.BLOCK_M),
+        help="rows per tile, comma list (16: the warp MMA on SM 9.0; the server runs 64)",
+    )
     p.add_argument("--rotate-mb", type=int, default=256, help="weight copies cycled, MB in all")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

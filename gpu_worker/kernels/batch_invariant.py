@@ -32,18 +32,21 @@ from gpu_worker.kernels import activation, norm, pdl
 
 ENABLED = False
 # Rows of every launch's tiles: the MMA shape a row's sums take must not change with the row
-# count (fewer rows would select another instruction).
+# count (fewer rows would select another instruction on SM 9.0: 64 rows take the warpgroup
+# MMA, 16 the warp MMA).
 BLOCK_M = 64
 SHARED_MEMORY = 200 * 1024  # of the 227 KiB an SM 9.0 program may take, the stages' share
 
 
 class Config(NamedTuple):
-    """A launch shape: columns and K per program step, warps, pipeline stages."""
+    """A launch shape: columns and K per program step, warps, pipeline stages, rows per tile
+    (other than BLOCK_M only in benchmarks, which check whether it keeps a row's bits)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    block_m: int = BLOCK_M
 
 
 def enable(on: bool = True) -> None:
@@ -136,7 +139,7 @@ def linear(
     if m == 0:
         return out
     cfg = config or config_for(n, k, weight.element_size())
-    _invariant_linear_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M))](
+    _invariant_linear_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
         x,
         weight,
         bias if bias is not None else weight,
@@ -147,7 +150,7 @@ def linear(
         x.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

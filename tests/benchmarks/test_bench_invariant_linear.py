@@ -29,6 +29,8 @@ ARGV = [
     "4",
     "--stages",
     "2",
+    "--block-m",
+    "64,16",
     "--rotate-mb",
     "0",
 ]
@@ -43,7 +45,7 @@ def test_every_shape_at_every_row_count(tmp_path, capsys):
         mine = [r for r in rows if r["shape"] == name]
         configs = [tuple(r["config"].values()) for r in mine]
         assert configs[0] == tuple(bi.config_for(n, k)) and mine[0]["chosen"]
-        assert set(configs[1:]) == {(16, 32, 4, 2), (16, 64, 4, 2)}
+        assert set(configs[1:]) == {(16, bk, 4, 2, bm) for bk in (32, 64) for bm in (64, 16)}
         for r in mine:
             assert r["row_invariant"], r["config"]
             assert set(r["us"]) == set(r["default_us"]) == {"1", "3", "70"}
@@ -55,7 +57,7 @@ def test_a_shape_whose_rows_change_with_the_count_is_flagged(monkeypatch, capsys
     from the chosen shape's."""
     skip_unless_triton_runs_on("cpu")
     linear = bi.linear
-    bad = bi.Config(16, 32, 4, 2)
+    bad = bi.Config(16, 32, 4, 2, 16)
 
     def drifting(x, w, bias=None, config=None):
         out = linear(x, w, bias, config)
@@ -65,9 +67,10 @@ def test_a_shape_whose_rows_change_with_the_count_is_flagged(monkeypatch, capsys
     rows = bench.main(ARGV[:5] + ["t.o=16x16"] + ARGV[6:])
     flags = {tuple(r["config"].values()): r["row_invariant"] for r in rows}
     chosen = tuple(bi.config_for(16, 16))
-    assert flags == {chosen: True, (16, 32, 4, 2): False, (16, 64, 4, 2): True}
+    others = {(16, bk, 4, 2, bm): True for bk in (32, 64) for bm in (64, 16)}
+    assert flags == {chosen: True, **others, (16, 32, 4, 2, 16): False}
     as_chosen = {tuple(r["config"].values()): r["same_bits_as_chosen"] for r in rows}
-    assert not as_chosen[(16, 32, 4, 2)] and as_chosen[chosen]
+    assert not as_chosen[(16, 32, 4, 2, 16)] and as_chosen[chosen]
     assert "NOT INVARIANT" in capsys.readouterr().out
 
 

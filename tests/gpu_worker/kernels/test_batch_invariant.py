@@ -58,11 +58,13 @@ def test_a_row_is_the_same_at_every_batch_size(device: str, dtype: torch.dtype, 
         batch_invariant.Config(64, 64, 4, 3),
         batch_invariant.Config(16, 32, 4, 2),
         batch_invariant.Config(32, 128, 8, 4),
+        batch_invariant.Config(16, 512, 2, 2, block_m=16),  # the warp MMA, long K steps
     ],
     ids=str,
 )
 def test_every_launch_shape_gives_a_row_the_same_bits(device, config, monkeypatch):
-    """Each weight has its own launch shape (`config_for`): columns, K step, warps, stages."""
+    """Each weight has its own launch shape (`config_for`): columns, K step, warps, stages
+    (and rows per tile, which benchmarks vary)."""
     skip_unless_triton_runs_on(device)
     monkeypatch.setattr(batch_invariant, "config_for", lambda n, k, size: config)
     gen = torch.Generator().manual_seed(2)
