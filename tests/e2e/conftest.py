@@ -24,6 +24,17 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def long_context_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama whose requests may decode for seconds (4,096 positions): the 512 of the
+    others take well under a second on CPU, which signal handling on a loaded machine can
+    outlast."""
+    path = str(tmp_path_factory.mktemp("tiny-long"))
+    make_tiny_checkpoint(path, "llama", vocab_size=TINY_VOCAB, max_position_embeddings=4096)
+    make_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> str:
     from aerie.default_model import ensure_default_model
 

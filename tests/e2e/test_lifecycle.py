@@ -74,10 +74,10 @@ def test_killing_a_child_stops_everything(tiny_model_dirs, victim):
         assert f"the {victim} process exited unexpectedly" in server.log_text()
 
 
-def test_sigterm_drains_running_requests(tiny_model_dirs):
+def test_sigterm_drains_running_requests(long_context_model_dir):
     """After SIGTERM: health turns 503, new requests get 503, running streams finish whole."""
-    num_streams, max_new = 8, 480
-    with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
+    num_streams, max_new = 8, 1500
+    with Server("--model-path", long_context_model_dir, "--drain-timeout-s", "120") as server:
         started = threading.Barrier(num_streams + 1)
         counts: list[int] = []
 
@@ -121,11 +121,13 @@ def test_sigterm_drains_running_requests(tiny_model_dirs):
         assert_no_orphans(server)
 
 
-def test_sigterm_to_the_whole_process_group_drains_like_one_to_the_launcher(tiny_model_dirs):
+def test_sigterm_to_the_whole_process_group_drains_like_one_to_the_launcher(
+    long_context_model_dir,
+):
     """`timeout` and `kill -- -PGID` signal every process of the server at once: the children
     leave the stop to the launcher, so the running stream still finishes whole."""
-    max_new = 200
-    with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
+    max_new = 2000  # seconds of decoding: the signal lands while it runs
+    with Server("--model-path", long_context_model_dir, "--drain-timeout-s", "120") as server:
         body = {
             "input_ids": [5, 6],
             "stream": True,
@@ -147,15 +149,18 @@ def test_sigterm_to_the_whole_process_group_drains_like_one_to_the_launcher(tiny
         assert "unexpectedly" not in server.log_text()
 
 
-def test_second_signal_stops_at_once_without_traceback(tiny_model_dirs):
-    with Server(*_tiny_args(tiny_model_dirs), "--drain-timeout-s", "120") as server:
+def test_second_signal_stops_at_once_without_traceback(long_context_model_dir):
+    with Server("--model-path", long_context_model_dir, "--drain-timeout-s", "120") as server:
         body = {
             "input_ids": [5, 6],
             "stream": True,
-            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True},
         }
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
-            next(r.iter_lines())  # a request is running, so the first signal drains
+            # Held, not a temporary: a line iterator collected at once closes the response,
+            # and the server would abort the request as a client that went away.
+            lines = r.iter_lines()
+            next(lines)  # a request is running, so the first signal drains
             server.proc.send_signal(signal.SIGTERM)
             # the second as soon as the drain has begun (a fixed pause could outlast a drain
             # that finished first, and the launcher would be gone by then)
