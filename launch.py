@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from aerie import endpoints
 from aerie.config import AerieConfig, config_from_args
@@ -32,6 +33,7 @@ from aerie.messages import (
     BeginDrain,
     DrainDone,
     EngineReady,
+    FrontendReady,
     Heartbeat,
     HeartbeatAck,
     ProcessFailed,
@@ -106,6 +108,9 @@ class Launcher:
         self.listening: dict[str, int | float | str] = {}
         self.stop_signal: int | None = None
         self._mp = mp.get_context("spawn")
+        # Set once every frontend holds the engine's info; each reads it before answering
+        # /health or taking a request (see FrontendReady).
+        self.open_flag = self._mp.Value("b", 0, lock=False)
 
     # ---------------------------------------------------------------------------- start-up
 
@@ -116,8 +121,9 @@ class Launcher:
         proc.start()
         self.procs[name] = proc
 
-    def wait_ready(self, names: tuple[str, ...]) -> dict[str, ProcessReady]:
-        """Block until every named child reported ProcessReady; raise LaunchError otherwise."""
+    def wait_ready(self, names: tuple[str, ...], kind: type = ProcessReady) -> dict[str, Any]:
+        """Block until every named child sent a `kind` message (ProcessReady: it started);
+        raise LaunchError otherwise."""
         pending, ready = set(names), {}
         deadline = time.monotonic() + self.config.server.startup_timeout_s
         while pending:
@@ -131,7 +137,7 @@ class Launcher:
             message = self.inbox.recv(timeout_s=_POLL_S)
             if isinstance(message, ProcessFailed):
                 raise LaunchError(f"the {message.name} process failed to start:\n{message.error}")
-            if isinstance(message, ProcessReady) and message.name in pending:
+            if isinstance(message, kind) and message.name in pending:
                 pending.discard(message.name)
                 ready[message.name] = message
             self.raise_if_dead(" to start")
@@ -173,7 +179,7 @@ class Launcher:
             config = config.replace(server={"port": reserved.getsockname()[1]})
         try:
             for index, name in enumerate(self.frontends):
-                self.spawn(name, config, index)
+                self.spawn(name, config, index, self.open_flag)
             ready = self.wait_ready((*self.schedulers, *self.frontends))
         finally:
             if reserved is not None:
@@ -184,6 +190,10 @@ class Launcher:
         pids["launcher"] = os.getpid()
         for name in self.frontends:
             self.to[name].send(EngineReady(server_info=server_info, pids=pids))
+        # Each frontend takes EngineReady in its own time: open them all at once, so that a
+        # client that saw /health answer 200 is not refused by a frontend still behind.
+        self.wait_ready(self.frontends, FrontendReady)
+        self.open_flag.value = 1
         return config
 
     # ---------------------------------------------------------------------------- supervision

@@ -294,6 +294,15 @@ class EngineReady:
 
 
 @dataclass(frozen=True)
+class FrontendReady:
+    """tokenizer -> launcher: EngineReady taken. Once every frontend has sent it, the launcher
+    opens the server (the flag every frontend reads), so no frontend answers /health with 200
+    while another would still refuse a request as not ready."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class BeginDrain:
     """launcher -> tokenizer: refuse new requests with 503, report DrainDone when idle."""
 
@@ -351,4 +360,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     DrainDone,
     Heartbeat,
     HeartbeatAck,
+    FrontendReady,
 )

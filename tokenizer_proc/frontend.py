@@ -88,12 +88,15 @@ class Frontend:
         model_name: str,
         random_seed: int = 0,
         index: int = 0,
+        open_flag: Any = None,
     ) -> None:
         """random_seed (`--random-seed`) starts the sequence of seeds given to requests that
         bring none: a restarted server hands out the same sequence (in the order requests
         finish tokenizing). index: this frontend's among several (`--tokenizer-worker-num`);
-        each draws its own sequence of seeds."""
+        each draws its own sequence of seeds. open_flag: the launcher's shared flag (a
+        multiprocessing Value) that opens every frontend at once; None: open when ready."""
         self.tokenizer = tokenizer
+        self.open_flag = open_flag
         self.limits = limits
         self.backend = backend
         self.model_name = model_name
@@ -138,7 +141,7 @@ class Frontend:
     def unhealthy_reason(self, max_age_s: float = 0.0) -> str | None:
         """Why the server cannot serve now (not ready, draining, a process gone), or None;
         max_age_s: how old a look at the engine's processes may be (`gone_process`)."""
-        if not self.ready:
+        if not self.ready or (self.open_flag is not None and not self.open_flag.value):
             return "the engine is not ready yet"
         gone = self.gone_process(max_age_s)
         if gone is not None:

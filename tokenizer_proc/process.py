@@ -31,6 +31,7 @@ from aerie.messages import (
     DrainDone,
     EngineReady,
     FrontendMetrics,
+    FrontendReady,
     SchedulerStats,
     Shutdown,
     StepOutputs,
@@ -165,8 +166,9 @@ def zmq_access(config: AerieConfig) -> ZmqAccess:
 class TokenizerProcess:
     """Owns the sockets and the loop's tasks; `run()` returns after Shutdown."""
 
-    def __init__(self, config: AerieConfig, index: int = 0) -> None:
-        """index: this frontend's among `--tokenizer-worker-num`."""
+    def __init__(self, config: AerieConfig, index: int = 0, open_flag: Any = None) -> None:
+        """index: this frontend's among `--tokenizer-worker-num`; open_flag: the launcher's
+        (`Frontend`)."""
         self.config, self.index = config, index
         model = config.model
         if not (
@@ -195,6 +197,7 @@ class TokenizerProcess:
             config.server.served_model_name,  # resolved: the model directory's name by default
             config.model.random_seed,
             index,
+            open_flag,
         )
         shared = config.server.tokenizer_worker_num > 1
         self.http_socket = endpoints.http_socket(
@@ -295,6 +298,10 @@ class TokenizerProcess:
     def on_engine_ready(self, message: EngineReady) -> None:
         self.frontend.mark_ready(message.server_info, message.pids)
         log.info("engine ready")
+        name = endpoints.frontend_name(self.index)
+        task = asyncio.get_running_loop().create_task(self.launcher.send(FrontendReady(name)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def on_begin_drain(self, message: BeginDrain) -> None:
         self.frontend.begin_drain()
@@ -332,12 +339,12 @@ class TokenizerProcess:
         self.http_socket.close()
 
 
-def run_tokenizer_process(config: AerieConfig, index: int = 0) -> None:
+def run_tokenizer_process(config: AerieConfig, index: int = 0, open_flag: Any = None) -> None:
     """Entry point of frontend process `index` (see module docstring)."""
     run_process(
         endpoints.frontend_name(index),
         config,
-        lambda config: TokenizerProcess(config, index),
+        lambda config: TokenizerProcess(config, index, open_flag),
         lambda proc: uvloop.run(proc.run()),
         ready_info=lambda proc: proc.ready_info(),
         # The launcher removes the runtime directory of IPC sockets when it exits; if it is

@@ -108,3 +108,20 @@ def test_requests_look_at_the_engine_processes_at_most_every_ttl(tokenizer_dir, 
     frontend.pids["detokenizer"] = 14  # gone for good, whatever a later look would say
     with pytest.raises(ValidationError, match="detokenizer process is gone"):
         frontend.check_accepting()
+
+
+def test_a_frontend_opens_with_the_launchers_flag_not_before(tokenizer_dir):
+    """Holding the engine's info is not enough: a frontend answers 503 until the launcher's
+    shared flag opens every frontend at once, so /health cannot say 200 on one frontend while
+    another still refuses requests as not ready."""
+    import multiprocessing
+
+    frontend, _ = make_frontend(tokenizer_dir, ready=False)
+    frontend.open_flag = multiprocessing.get_context("spawn").Value("b", 0, lock=False)
+    frontend.mark_ready({"page_size": 1, "max_total_tokens": 1000})
+    assert frontend.unhealthy_reason() == "the engine is not ready yet"
+    with pytest.raises(ValidationError, match="not ready yet"):
+        frontend.check_accepting()
+    frontend.open_flag.value = 1
+    assert frontend.unhealthy_reason() is None
+    frontend.check_accepting()
