@@ -22,6 +22,7 @@ from aerie.messages import (
     DrainDone,
     EngineReady,
     FinishReason,
+    FrontendReady,
     SchedulerStats,
     Shutdown,
     StepOutputs,
@@ -81,6 +82,7 @@ def test_process_round_trip_drain_and_shutdown(config):
     with running_tokenizer(config, to_tokenizer) as url:
         assert httpx.get(url + "/health").status_code == 503
         to_tokenizer.send(EngineReady({"page_size": 1}))
+        assert launcher.recv(timeout_s=5) == FrontendReady("tokenizer")  # taken: it says so
         assert wait_until(lambda: httpx.get(url + "/health").status_code == 200)
 
         results: list[httpx.Response] = []
