@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import graph_timing  # noqa: E402
 from benchmarks.bench_small_m_linear import SHAPES  # noqa: E402
+from gpu_worker.kernels import activation, norm  # noqa: E402
 from gpu_worker.kernels import batch_invariant as bi  # noqa: E402
 from gpu_worker.kernels import small_m_linear as sml  # noqa: E402
 
@@ -61,12 +62,14 @@ class Inputs:
         return view
 
     def invariant(self, w: torch.Tensor, config) -> torch.Tensor:
-        """The deterministic mode's path for this projection at this launch shape."""
+        """The deterministic mode's path for this projection (the entry point's separate norm
+        or SiLU kernel, then the invariant matmul) at this launch shape."""
+        x = self.x
         if self.prologue == "add_norm":
-            return bi.rms_norm_linear(self.x, self.res, self.norm_w, 1e-5, w, config=config)[0]
-        if self.prologue == "silu_mul":
-            return bi.silu_mul_linear(self.x, w, config=config)
-        return bi.linear(self.x, w, config=config)
+            x = norm.add_rms_norm(self.x, self.res, self.norm_w, 1e-5)[0]
+        elif self.prologue == "silu_mul":
+            x = activation.silu_and_mul(self.x)
+        return bi.linear(x, w, config=config)
 
     def default(self, w: torch.Tensor) -> torch.Tensor:
         """The default mode's entry point for this projection (the kernels it picks by rows)."""

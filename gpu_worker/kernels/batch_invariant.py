@@ -9,18 +9,18 @@ serves every row count: [BLOCK_M, block_n] output tiles, the reduction over K in
 in order, no split-K. A row's result then depends on its own values only, not on the row count,
 on its position in the batch, or on its neighbours.
 
-The norm or SiLU before a projection runs as its own kernel (`norm`, `activation`: one program
-per row or per element, launched alike at every row count) rather than fused into the input
-tiles: a fused prologue would be computed on all BLOCK_M rows of a tile by each of the weight's
-column blocks, which at a decode step's few rows costs several times the projection itself.
-
 `ENABLED` is the process-wide switch (`enable`, at start-up, before any runner is built): the
 projection entry points (`small_m_linear.linear`, `rms_norm_linear`, `silu_mul_linear`, the LM
-head) route here while it is set.
+head) route their matmul here while it is set. The norm or SiLU before a projection then runs
+as the entry points' separate kernel (`norm`, `activation`: one program per row or per
+element, launched alike at every row count), not fused into the input tiles: a fused prologue
+would be computed on all BLOCK_M rows of a tile by each of the weight's column blocks, which at
+a decode step's few rows costs several times the projection itself.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import activation, norm, pdl
+from gpu_worker.kernels import pdl
 
 ENABLED = False
 # Rows of every launch's tiles: the MMA shape a row's sums take must not change with the row
@@ -55,6 +55,7 @@ def enable(on: bool = True) -> None:
     ENABLED = on
 
 
+@functools.cache  # asked at every eager launch
 def config_for(n: int, k: int, element_size: int = 2) -> Config:
     """The launch shape of a weight [n, k] of this element size: a function of the weight
     only, so that every launch with it sums a row the same way whatever the row count.
@@ -159,23 +160,6 @@ def linear(
         **pdl.launch_args(x.device, m),  # when it launches, not what it computes
     )
     return out
-
-
-def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=None):
-    """-> (rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: the norm of
-    x alone, and x itself second. Each row the same bits at any row count."""
-    if residual is None:
-        normed, summed = norm.rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = norm.add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, config), summed
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias=None, config=None):
-    """gate_up [m, 2I] -> (silu(gate) * up) @ weight [H, I].T + bias, each row the same bits at
-    any row count."""
-    assert gate_up.shape[1] == 2 * weight.shape[1], "gate and up side by side: 2x the width"
-    return linear(activation.silu_and_mul(gate_up), weight, bias, config)
 
 
 def linear_any(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

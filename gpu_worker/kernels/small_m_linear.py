@@ -265,12 +265,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _launch(PLAIN, x, weight, bias, None, None, 0.0, config)[0]
 
 
+def _prologue_config(config: Config | None, x: torch.Tensor, n: int, k: int) -> Config | None:
+    """The fused kernel's launch shape, or None for the separate norm or SiLU kernel and then
+    `linear`: always None in the deterministic mode, whose fused prologue would be computed
+    for every row of its 64-row tiles by every column block (`batch_invariant`)."""
+    if config is None and batch_invariant.ENABLED:
+        return None
+    return config or default_config(x, n, k, prologue=True)
+
+
 def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=None):
     """-> (rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: the norm of
     x alone, and x itself second."""
-    if batch_invariant.ENABLED and config is None:
-        return batch_invariant.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-    config = config or default_config(x, *weight.shape, prologue=True)
+    config = _prologue_config(config, x, *weight.shape)
     if config is None:
         if residual is None:
             return linear(norm.rms_norm(x, norm_weight, eps), weight, bias), x
@@ -282,10 +289,8 @@ def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None, config=Non
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias=None, config=None):
     """gate_up [m, 2I] -> (silu(gate) * up) @ weight [H, I].T + bias -> [m, H]."""
-    assert gate_up.shape[1] == 2 * weight.shape[1]
-    if batch_invariant.ENABLED and config is None:
-        return batch_invariant.silu_mul_linear(gate_up, weight, bias)
-    config = config or default_config(gate_up, *weight.shape, prologue=True)
+    assert gate_up.shape[1] == 2 * weight.shape[1], "gate and up side by side: 2x the width"
+    config = _prologue_config(config, gate_up, *weight.shape)
     if config is None:
         return linear(activation.silu_and_mul(gate_up), weight, bias)
     return _launch(SILU_MUL, gate_up, weight, bias, None, None, 0.0, config)[0]
