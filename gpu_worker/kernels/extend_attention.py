@@ -85,15 +85,15 @@ def _extend_kernel(
     INVARIANT: tl.constexpr,
     ONE_QUERY: tl.constexpr,
     WIDTH_P2: tl.constexpr,
+    QUERIES: tl.constexpr,
 ):
     """Program (request, head, query block and split); INVARIANT: (request, KV head, query
     block), a block's rows the queries x the query heads of the KV head, so the group reads
     its keys once. ONE_QUERY (the invariant launch with a tree mask): program m_block runs
     query m_block alone (one row per head) over its keys in logical order: the prefix, then
-    its ancestors in the tree, where a plain decode of the same token has them."""
+    its ancestors in the tree, where a plain decode of the same token has them. QUERIES: per
+    program (`extend_attention`)."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    # queries per program
-    QUERIES: tl.constexpr = (1 if ONE_QUERY else BLOCK_M // GROUP) if INVARIANT else BLOCK_M
     req = tl.program_id(0).to(tl.int64)
     m_block = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
@@ -292,8 +292,8 @@ def extend_attention(
     mask, mask_batch_stride, mask_width = kernel_mask(custom_mask, q)
     one_query = has_mask and invariant
     queries = (1 if one_query else block_m // group) if invariant else block_m
-    grid = (bs, num_kv_heads if invariant else num_heads, triton.cdiv(max_extend_len, queries))
-    grid = (*grid[:2], grid[2] * num_splits)
+    heads = num_kv_heads if invariant else num_heads
+    grid = (bs, heads, triton.cdiv(max_extend_len, queries) * num_splits)
     partial_o = partial_lse = q  # never read with one split
     if num_splits > 1:
         partial_o = q.new_empty((q.shape[0], num_heads, num_splits, head_dim), dtype=torch.float32)
@@ -328,6 +328,7 @@ def extend_attention(
         INVARIANT=invariant,
         ONE_QUERY=one_query,
         WIDTH_P2=next_power_of_2(max(mask_width, 1)),
+        QUERIES=queries,
         num_warps=4,
     )
     if num_splits > 1:

@@ -118,7 +118,8 @@ types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
 for tree in (False, True):
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16,
                  BLOCK_N=64, HAS_MASK=tree, DOT_PRECISION="tf32", NUM_SPLITS=1,
-                 INVARIANT=True, ONE_QUERY=tree, WIDTH_P2=16)
+                 INVARIANT=True, ONE_QUERY=tree, WIDTH_P2=16,
+                 QUERIES=1 if tree else 4)
     triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}},
                              constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}),
                    target=GPUTarget("cuda", 90, 32))
