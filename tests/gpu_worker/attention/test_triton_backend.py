@@ -112,6 +112,19 @@ def batch_of(pools: Pools, mode, rows, committed_lens, extend_lens, custom_mask=
     )
 
 
+def random_trees(rng: random.Random, bs: int, nd: int) -> torch.Tensor:
+    """[bs, nd, nd] ancestor masks of random trees: node k's parent is an earlier node."""
+    masks = torch.zeros(bs, nd, nd, dtype=torch.bool)
+    for b in range(bs):
+        parents = [-1] + [rng.randrange(k) for k in range(1, nd)]
+        for k in range(nd):
+            node = k
+            while node != -1:
+                masks[b, k, node] = True
+                node = parents[node]
+    return masks
+
+
 @pytest.fixture(autouse=True)
 def captured_launches(monkeypatch):
     """Launches as in a CUDA graph capture, where a batch of equal short chunks always takes
@@ -237,14 +250,7 @@ def test_tree_verify_with_a_tree_local_mask(
         )
     pools = Pools(device, dtype, heads, kv_heads, head_dim, page_size, seed=11)
     nd, committed_lens = 8, [0, 17, 64, 100]
-    masks = torch.zeros(len(committed_lens), nd, nd, dtype=torch.bool)
-    for b in range(len(committed_lens)):  # a random tree: node k's parent is an earlier node
-        parents = [-1] + [pools.rng.randrange(k) for k in range(1, nd)]
-        for k in range(nd):
-            node = k
-            while node != -1:
-                masks[b, k, node] = True
-                node = parents[node]
+    masks = random_trees(pools.rng, len(committed_lens), nd)
     batch = batch_of(
         pools, ForwardMode.TARGET_VERIFY, [3, 1, 4, 2], committed_lens, [nd] * 4, custom_mask=masks
     )
@@ -449,14 +455,7 @@ def test_the_deterministic_launch_of_every_mode(device, dtype, heads, kv_heads, 
     torch_native does (its bits across modes: tests/gpu_worker/test_deterministic.py)."""
     pools = Pools(device, dtype, heads, kv_heads, head_dim, 4, seed=3 * heads + kv_heads)
     nd = 6
-    tree = torch.zeros(2, nd, nd, dtype=torch.bool)
-    for b in range(2):
-        parents = [-1] + [pools.rng.randrange(k) for k in range(1, nd)]
-        for k in range(nd):
-            node = k
-            while node != -1:
-                tree[b, k, node] = True
-                node = parents[node]
+    tree = random_trees(pools.rng, 2, nd)
     chain = torch.ones(2, nd, nd, dtype=torch.bool).tril()
     verify = ForwardMode.TARGET_VERIFY
     batches = [
