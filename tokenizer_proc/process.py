@@ -298,14 +298,15 @@ class TokenizerProcess:
     def on_engine_ready(self, message: EngineReady) -> None:
         self.frontend.mark_ready(message.server_info, message.pids)
         log.info("engine ready")
-        name = endpoints.frontend_name(self.index)
-        task = asyncio.get_running_loop().create_task(self.launcher.send(FrontendReady(name)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.in_background(self.launcher.send(FrontendReady(endpoints.frontend_name(self.index))))
 
     def on_begin_drain(self, message: BeginDrain) -> None:
         self.frontend.begin_drain()
-        task = asyncio.get_running_loop().create_task(self.drain(message.timeout_s))
+        self.in_background(self.drain(message.timeout_s))
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run work as a task of the loop, held until it is done (the handlers are not async)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
